@@ -1,0 +1,1 @@
+"""datacache: HDF5-backed multi-level sample cache."""

@@ -1,0 +1,1 @@
+"""jobs: runnable entry points (`python -m jobs.<name>`); importing them does no MPI work."""

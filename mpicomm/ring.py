@@ -1,0 +1,318 @@
+"""Ring collectives on Isend/Irecv: reduce-scatter, allgather(v), allreduce and pipelined broadcast.
+
+Every call returns a Handle at once; data moves as the handle is tested or
+waited on, so several collectives (on distinct tags) can be in flight while
+the caller computes. Arrays and tensors are shipped as bytes through zero-copy
+views; each ring segment is cut into chunks so that reducing one chunk
+overlaps receiving the next.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from . import validate as V
+from .buffers import OP_CODES, Buffer, BufferError, block_counts, check_buffer, offsets, reduce_into
+from .handle import Handle
+from .tags import TagAllocator, TagError, check_tag
+
+IN_PLACE = MPI.IN_PLACE
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+class Ring:
+    """Ring collectives over a private duplicate of `comm`.
+
+    validate: exchange a fingerprint (kind, dtype, op, root, tag, length) first
+    and raise CollectiveMismatchError on every rank when ranks disagree,
+    instead of hanging or corrupting data. Defaults to $MPITRAIN_VALIDATE (on).
+    chunk_bytes: pipelining granularity inside a ring step.
+    """
+
+    def __init__(self, comm: MPI.Comm = MPI.COMM_WORLD, *, validate: bool | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.comm = comm.Dup()  # collective: keeps our traffic apart from the caller's
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.left = (self.rank - 1) % self.size
+        self.right = (self.rank + 1) % self.size
+        self.validate = V.default_validate() if validate is None else bool(validate)
+        self.chunk_bytes = int(chunk_bytes)
+        self.tags = TagAllocator(self.comm)
+
+    # -- lifecycle ---------------------------------------------------------
+    def free(self) -> None:
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    # -- public collectives ------------------------------------------------
+    def allreduce(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
+        """Reduce `buf` across ranks into `out` (in place into `buf` when out is None)."""
+        return Handle("allreduce", self._allreduce(buf, out, op, tag))
+
+    def reduce_scatter(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
+        """Rank r gets block r of the reduction (blocks as in `block_counts`).
+
+        In place (out None) the result is written into block r of `buf`, whose
+        other blocks are left holding partial sums; the handle returns that
+        block. Out of place, `buf` is left untouched.
+        """
+        return Handle("reduce_scatter", self._reduce_scatter(buf, out, op, tag))
+
+    def allgather(self, buf, out=None, *, tag: int | None = None) -> Handle:
+        """Concatenate every rank's `buf` (same length everywhere) into `out`.
+
+        Pass buf=IN_PLACE when this rank's block already sits in `out`.
+        """
+        return Handle("allgather", self._allgather(buf, out, None, tag, "allgather"))
+
+    def allgatherv(self, buf, out=None, *, counts=None, tag: int | None = None) -> Handle:
+        """Concatenate blocks of different lengths; `counts` is exchanged when not given."""
+        return Handle("allgatherv", self._allgather(buf, out, counts, tag, "allgatherv"))
+
+    def broadcast(self, buf, root: int = 0, *, tag: int | None = None) -> Handle:
+        """Copy root's `buf` into every rank's `buf`, pipelined along the ring."""
+        return Handle("broadcast", self._broadcast(buf, root, tag))
+
+    # -- argument handling -------------------------------------------------
+    def _tag(self, tag, problem):
+        """(tag, problem): a bad explicit tag becomes a shared problem, not a local raise."""
+        if tag is None:
+            return self.tags.next(), problem
+        try:
+            return check_tag(self.comm, tag), problem
+        except TagError as exc:
+            return -1, problem or exc
+
+    def _wrap(self, obj, what):
+        """(Buffer, None) or (None, error) without raising, so the error can be shared first."""
+        problem = check_buffer(obj, what)
+        return (None, BufferError(problem)) if problem else (Buffer(obj, what), None)
+
+    def _agree(self, kind, problem, *, ref=None, op="sum", root=0, tag=0, count=None, extra=0,
+               must_match=V.MUST_MATCH):
+        """Generator step shared by all collectives: every rank fails together or proceeds together.
+
+        The rank with a local problem raises it; the others raise
+        CollectiveMismatchError naming that rank, instead of waiting for it.
+        """
+        if not self.validate:
+            if problem:
+                raise problem
+            return
+        mine = V.fingerprint(kind, dtype=ref.dtype_code if ref else 0, op=OP_CODES.get(op, 0), root=root,
+                             tag=tag, count=(ref.count if ref else 0) if count is None else count,
+                             extra=extra, error=problem is not None)
+        table = yield from V.exchange(self.comm, mine)
+        if problem:
+            raise type(problem)(f"{kind}: {problem}")
+        V.check(kind, table, must_match)
+
+    def _check_op(self, op):
+        return None if op in OP_CODES else ValueError(f"unsupported op {op!r} (use one of {sorted(OP_CODES)})")
+
+    # -- algorithms --------------------------------------------------------
+    def _allreduce(self, buf, out, op, tag):
+        src, problem = self._wrap(buf, "buf")
+        problem = problem or self._check_op(op)
+        dst = src
+        if out is not None and problem is None:
+            dst, problem = self._wrap(out, "out")
+            if dst is not None and (dst.count != src.count or dst.dtype != src.dtype):
+                problem = BufferError(f"out has {dst.count} x {dst.dtype}, buf has {src.count} x {src.dtype}")
+        tag, problem = self._tag(tag, problem)
+        yield from self._agree("allreduce", problem, ref=src, op=op, tag=tag)
+        if dst is not src:
+            dst.copy_from(src)
+        counts = block_counts(dst.count, self.size)
+        yield from self._ring(dst, counts, range(0, 2 * self.size - 2), op, tag)
+        return dst.obj
+
+    def _reduce_scatter(self, buf, out, op, tag):
+        src, problem = self._wrap(buf, "buf")
+        problem = problem or self._check_op(op)
+        counts = block_counts(src.count if src else 0, self.size)
+        lo = offsets(counts)[self.rank]
+        hi = lo + counts[self.rank]
+        dst = None
+        if out is not None and problem is None:
+            dst, problem = self._wrap(out, "out")
+            if dst is not None and (dst.count != counts[self.rank] or dst.dtype != src.dtype):
+                problem = BufferError(f"out has {dst.count} x {dst.dtype}, rank {self.rank} needs "
+                                      f"{counts[self.rank]} x {src.dtype}")
+        tag, problem = self._tag(tag, problem)
+        yield from self._agree("reduce_scatter", problem, ref=src, op=op, tag=tag)
+        if dst is None:
+            yield from self._ring(src, counts, range(0, self.size - 1), op, tag)
+            return src.elements(lo, hi)
+        if self.size == 1:
+            dst.copy_from(src)
+        yield from self._ring(src, counts, range(0, self.size - 1), op, tag, out=dst)
+        return dst.obj
+
+    def _allgather(self, buf, out, counts, tag, kind):
+        in_place = buf is IN_PLACE
+        src = dst = problem = None
+        if not in_place:
+            src, problem = self._wrap(buf, "buf")
+        elif out is None:
+            problem = ValueError("buf=IN_PLACE needs an out buffer")
+        if out is not None and problem is None:
+            dst, problem = self._wrap(out, "out")
+        tag, problem = self._tag(tag, problem)
+        if kind == "allgather":
+            local = src.count if src else (dst.count // self.size if dst else 0)
+            if problem is None and in_place and dst.count % self.size:
+                problem = BufferError(f"out has {dst.count} elements, not a multiple of {self.size} ranks")
+            counts = [local] * self.size
+        elif counts is None:
+            if in_place and problem is None:
+                problem = ValueError("allgatherv with buf=IN_PLACE needs counts")
+            counts = yield from self._exchange_counts(src.count if src and not problem else -1, problem)
+        else:
+            counts = [int(c) for c in counts]
+            if problem is None and (len(counts) != self.size or min(counts) < 0):
+                problem = ValueError(f"counts must list {self.size} non-negative lengths, got {counts}")
+            elif problem is None and src is not None and counts[self.rank] != src.count:
+                problem = BufferError(f"counts[{self.rank}]={counts[self.rank]} but buf has {src.count} elements")
+        total = sum(counts) if problem is None else 0
+        if problem is None and dst is not None and (dst.count != total or (src and dst.dtype != src.dtype)):
+            problem = BufferError(f"out has {dst.count} x {dst.dtype}, needs {total} x {(src or dst).dtype}")
+        ref = src or dst
+        yield from self._agree(kind, problem, ref=ref, tag=tag, count=total,
+                               extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()))
+        if dst is None:
+            dst = src.scratch(total)
+        offs = offsets(counts)
+        if src is not None:
+            dst.copy_from(src, offs[self.rank])
+        yield from self._ring(dst, counts, range(self.size - 1, 2 * self.size - 2), None, tag)
+        return dst.obj
+
+    def _exchange_counts(self, local: int, problem):
+        """Generator step: every rank's block length (-1 flags a rank with a local problem)."""
+        table = np.empty(self.size, dtype=np.int64)
+        yield [self.comm.Iallgather(np.array([local], dtype=np.int64), table)]
+        bad = np.flatnonzero(table < 0).tolist()
+        if problem:
+            raise type(problem)(f"allgatherv: {problem}")
+        if bad:
+            raise V.CollectiveMismatchError(f"allgatherv: rank(s) {bad} passed an invalid argument")
+        return table.tolist()
+
+    def _broadcast(self, buf, root, tag):
+        b, problem = self._wrap(buf, "buf")
+        if problem is None and not (isinstance(root, int) and 0 <= root < self.size):
+            problem = ValueError(f"root {root!r} outside [0, {self.size})")
+        tag, problem = self._tag(tag, problem)
+        yield from self._agree("broadcast", problem, ref=b, root=root if problem is None else -1, tag=tag)
+        if self.size == 1 or b.count == 0:
+            return b.obj
+        # Chain root -> root+1 -> ...: each rank forwards a chunk as soon as it has it.
+        last = (root - 1) % self.size
+        chunks = _chunks(0, b.count, self._chunk_elems(b))
+        sends = []
+        if self.rank == root:
+            sends = [self.comm.Isend([b.bytes(a, z), MPI.BYTE], self.right, tag) for a, z in chunks]
+        else:
+            recvs = [self.comm.Irecv([b.bytes(a, z), MPI.BYTE], self.left, tag) for a, z in chunks]
+            for req, (a, z) in zip(recvs, chunks):
+                yield [req]
+                if self.rank != last:
+                    sends.append(self.comm.Isend([b.bytes(a, z), MPI.BYTE], self.right, tag))
+        yield sends
+        return b.obj
+
+    def _chunk_elems(self, b: Buffer) -> int:
+        return max(1, self.chunk_bytes // b.itemsize)
+
+    def _ring(self, data: Buffer, counts, steps: range, op, tag, out: Buffer | None = None):
+        """Run ring steps `steps` over `data` split into blocks `counts`.
+
+        Steps 0..P-2 reduce (block r ends fully reduced on rank r), steps
+        P-1..2P-3 gather (block r travels round). At step t a rank sends block
+        (r-t-1) mod P right and receives block (r-t-2) mod P from the left, the
+        block it forwards at step t+1; each chunk is forwarded the moment it
+        is reduced, so the ring is pipelined at chunk granularity.
+
+        With `out` (reduce-scatter only) `data` is never written: partial sums
+        live in rotating scratch blocks and the last step writes into `out`.
+        """
+        P, r = self.size, self.rank
+        if P == 1 or not steps:
+            return
+        offs = offsets(counts)
+        per = self._chunk_elems(data)
+        reduce_phase = P - 1
+        last = steps[-1]
+        nscratch = 3 if out is not None else 2
+        scratch = [data.scratch(max(counts)) for _ in range(nscratch)] if steps[0] < reduce_phase else []
+        busy = [[] for _ in scratch]  # sends still reading each scratch block
+
+        def block(t):
+            return (r - t - 2) % P
+
+        def post_recvs(t):
+            """Receives of step t: into scratch while reducing, straight into data while gathering."""
+            blk = block(t)
+            a0 = offs[blk]
+            if t < reduce_phase:
+                k = t % nscratch
+                MPI.Request.Waitall(busy[k])  # sent a whole step ago: normally already complete
+                busy[k] = []
+                target, base = scratch[k], 0
+            else:
+                target, base = data, a0
+            return [(self.comm.Irecv([target.bytes(base + a - a0, base + z - a0), MPI.BYTE], self.left, tag), a, z)
+                    for a, z in _chunks(a0, a0 + counts[blk], per)]
+
+        sends = []
+        first = steps[0]
+        src_blk = (r - first - 1) % P
+        for a, z in _chunks(offs[src_blk], offs[src_blk] + counts[src_blk], per):
+            sends.append(self.comm.Isend([data.bytes(a, z), MPI.BYTE], self.right, tag))
+        pending = post_recvs(first)
+        for t in steps:
+            upcoming = post_recvs(t + 1) if t < last else None
+            blk = block(t)
+            a0 = offs[blk]
+            for req, a, z in pending:
+                yield [req]
+                if t < reduce_phase:
+                    k = t % nscratch
+                    got = scratch[k].elements(a - a0, z - a0)
+                    if out is None:
+                        acc = data
+                        reduce_into(op, data.elements(a, z), data.elements(a, z), got)
+                    elif t == last:
+                        acc = None
+                        reduce_into(op, out.elements(a - a0, z - a0), data.elements(a, z), got)
+                    else:
+                        acc = scratch[k]
+                        reduce_into(op, got, data.elements(a, z), got)
+                    if t < last:
+                        src = data.bytes(a, z) if acc is data else acc.bytes(a - a0, z - a0)
+                        req_s = self.comm.Isend([src, MPI.BYTE], self.right, tag)
+                        sends.append(req_s)
+                        if acc is not data:
+                            busy[k].append(req_s)
+                elif t < last:
+                    sends.append(self.comm.Isend([data.bytes(a, z), MPI.BYTE], self.right, tag))
+            pending = upcoming
+        yield sends
+
+
+def _chunks(start: int, stop: int, per: int):
+    return [(a, min(a + per, stop)) for a in range(start, stop, per)]
+
+

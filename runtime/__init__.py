@@ -1,0 +1,1 @@
+"""runtime: the training runtime (data-parallel strategies, pipeline) built on mpicomm."""
