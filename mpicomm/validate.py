@@ -55,6 +55,8 @@ def check(name: str, table: np.ndarray, must_match=MUST_MATCH) -> None:
     Every rank holds the identical table, so every rank reaches the same verdict:
     none is left waiting inside a ring for a partner that already gave up.
     """
+    if not table[:, -1].any() and (table == table[0]).all():
+        return  # the common case, in one vectorized comparison
     errors = np.flatnonzero(table[:, FIELDS.index("error")])
     if errors.size:
         raise CollectiveMismatchError(f"{name}: rank(s) {errors.tolist()} passed an invalid argument")

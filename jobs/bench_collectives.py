@@ -1,0 +1,252 @@
+"""Benchmark: mpicomm's ring collectives against the MPI library's native ones, nccl-tests style.
+
+    mpiexec -n 4 python -m jobs.bench_collectives --json results/collectives.json
+
+For each op and message size, one row per implementation with
+op, impl, bytes, ranks, time_s, algbw_gbps, busbw_gbps. `bytes` is the whole
+buffer as nccl-tests counts it (allreduce/broadcast: the buffer; reduce_scatter:
+the input; allgather: the output). busbw = algbw x factor, the factor being
+2(P-1)/P for allreduce, (P-1)/P for reduce_scatter and allgather, 1 for broadcast.
+time_s is the slowest rank's mean over the timed iterations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+IMPLS = ("ring", "native")
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    try:
+        value = int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4K, 64M, 1G)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def bus_factor(op: str, ranks: int) -> float:
+    if op == "allreduce":
+        return 2 * (ranks - 1) / ranks
+    if op in ("reduce_scatter", "allgather"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_collectives", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--impls", default=",".join(IMPLS), help="ring, native or both")
+    p.add_argument("--iters", type=int, default=0,
+                   help="timed iterations per row (default: as many as fit ~1 GiB of traffic, 3 to 100)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations per row (default 1)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "int32"))
+    p.add_argument("--chunk-bytes", type=parse_size, default=None,
+                   help="ring pipelining chunk (default: mpicomm's)")
+    p.add_argument("--no-validate", action="store_true", help="skip the ring's cross-rank fingerprint check")
+    p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
+    p.add_argument("--plot", metavar="PNG", help="busbw-vs-size plot (default: the JSON path with .png)")
+    args = p.parse_args(argv)
+    try:
+        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    for name, given, known in (("op", args.ops, OPS), ("impl", args.impls, IMPLS)):
+        bad = [g for g in given if g not in known]
+        if bad or not given:
+            p.error(f"unknown {name} {bad or given} (choose from {', '.join(known)})")
+    if args.iters < 0 or args.warmup < 0:
+        p.error("--iters and --warmup must be >= 0")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+class Case:
+    """Buffers and the two implementations of one (op, size)."""
+
+    def __init__(self, op, nbytes, dtype, ring, comm):
+        import numpy as np
+        from mpi4py import MPI
+
+        P, r = comm.Get_size(), comm.Get_rank()
+        itemsize = np.dtype(dtype).itemsize
+        n = max(P, nbytes // itemsize)
+        per = n // P
+        self.op, self.comm, self.ring = op, comm, ring
+        self.nbytes = n * itemsize
+        rng = np.random.default_rng(r)
+        if op == "allreduce":
+            self.src, self.dst = rng.random(n).astype(dtype), np.empty(n, dtype)
+        elif op == "reduce_scatter":
+            n = per * P  # native Reduce_scatter_block wants equal blocks
+            self.nbytes = n * itemsize
+            self.src, self.dst = rng.random(n).astype(dtype), np.empty(per, dtype)
+        elif op == "allgather":
+            self.nbytes = per * P * itemsize
+            self.src, self.dst = rng.random(per).astype(dtype), np.empty(per * P, dtype)
+        else:
+            self.src = self.dst = rng.random(n).astype(dtype)
+        self.mpi = MPI
+
+    def run(self, impl: str) -> None:
+        c, s, d = self.comm, self.src, self.dst
+        if impl == "native":
+            if self.op == "allreduce":
+                c.Allreduce(s, d)
+            elif self.op == "reduce_scatter":
+                c.Reduce_scatter_block(s, d)
+            elif self.op == "allgather":
+                c.Allgather(s, d)
+            else:
+                c.Bcast(d, root=0)
+            return
+        if self.op == "allreduce":
+            self.ring.allreduce(s, d).wait()
+        elif self.op == "reduce_scatter":
+            self.ring.reduce_scatter(s, d).wait()
+        elif self.op == "allgather":
+            self.ring.allgather(s, d).wait()
+        else:
+            self.ring.broadcast(d, root=0).wait()
+
+
+def time_case(case: Case, impl: str, iters: int, warmup: int) -> float:
+    """Slowest rank's mean seconds per call, each call started together after a barrier."""
+    import numpy as np
+
+    comm = case.comm
+    for _ in range(warmup):
+        case.run(impl)
+    total = 0.0
+    for _ in range(iters):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        case.run(impl)
+        total += time.perf_counter() - t0
+    worst = np.empty(1)
+    comm.Allreduce(np.array([total / iters]), worst, op=case.mpi.MAX)
+    return float(worst[0])
+
+
+def auto_iters(nbytes: int) -> int:
+    return int(min(100, max(3, (1 << 30) // nbytes)))
+
+
+def format_table(rows) -> str:
+    head = f"{'op':<15}{'impl':<8}{'bytes':>12}{'ranks':>6}{'time_ms':>11}{'algbw_GB/s':>12}{'busbw_GB/s':>12}"
+    lines = [head, "-" * len(head)]
+    lines += [f"{r['op']:<15}{r['impl']:<8}{r['bytes']:>12}{r['ranks']:>6}{r['time_s'] * 1e3:>11.3f}"
+              f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in rows}, key=OPS.index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for impl, style in (("ring", "o-"), ("native", "s--")):
+            pts = sorted((r["bytes"], r["busbw_gbps"]) for r in rows if r["op"] == op and r["impl"] == impl)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpicomm import Ring
+    from mpicomm.ring import DEFAULT_CHUNK_BYTES
+
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if P == 1:
+        say("note: 1 rank: nothing crosses a link; run under `mpiexec -n 4` for meaningful figures")
+    chunk = args.chunk_bytes or DEFAULT_CHUNK_BYTES
+    ring = Ring(comm, validate=not args.no_validate, chunk_bytes=chunk)
+    bench_comm = comm.Dup()
+    rows = []
+    say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "
+        f"ring chunk {chunk} B, validate {'off' if args.no_validate else 'on'}")
+    say(format_table([]).splitlines()[0], flush=True)
+    for op in args.ops:
+        for nbytes in args.sizes:
+            case = Case(op, nbytes, np.dtype(args.dtype), ring, bench_comm)
+            iters = args.iters or auto_iters(case.nbytes)
+            for impl in args.impls:
+                t = time_case(case, impl, iters, args.warmup)
+                algbw = case.nbytes / t / 1e9
+                row = dict(op=op, impl=impl, bytes=case.nbytes, ranks=P, time_s=t, algbw_gbps=algbw,
+                           busbw_gbps=algbw * bus_factor(op, P), iters=iters)
+                rows.append(row)
+                say(format_table([row]).splitlines()[2], flush=True)
+            del case
+    ring.free()
+    bench_comm.Free()
+    if rank == 0:
+        _summary(rows, say)
+        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
+                    cpus=os.cpu_count(), mpi=MPI.Get_library_version().splitlines()[0].strip(),
+                    ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate,
+                    command=" ".join([os.path.basename(sys.executable), "-m", "jobs.bench_collectives"]
+                                     + (sys.argv[1:] if argv is None else list(argv))))
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+            say(f"wrote {args.json}")
+        if args.plot:
+            plot(rows, args.plot, f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}")
+            say(f"wrote {args.plot}")
+    return 0
+
+
+def _summary(rows, say) -> None:
+    """Ring-vs-native busbw ratio per op at each size that has both."""
+    by = {(r["op"], r["bytes"], r["impl"]): r for r in rows}
+    pairs = [(op, b) for (op, b, impl) in by if impl == "ring" and (op, b, "native") in by]
+    if pairs:
+        say("\nring / native busbw:")
+        for op, b in pairs:
+            n = by[(op, b, "native")]["busbw_gbps"]
+            ratio = by[(op, b, "ring")]["busbw_gbps"] / n if n else float("nan")
+            say(f"  {op:<15}{b:>12}  {ratio:5.2f}x")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Shared test helpers: MPI-aware output and collective assertions."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the launcher told it (hydra, Open MPI, SLURM), without initialising MPI."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+_quiet_report = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """Under mpiexec only rank 0 reports; another rank's report is shown only if it failed."""
+    global _quiet_report
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if _launcher_rank() == 0 or reporter is None:
+        return
+    from _pytest.config import create_terminal_writer
+
+    _quiet_report = io.StringIO()
+    reporter._tw = create_terminal_writer(config, _quiet_report)
+
+
+def pytest_unconfigure(config):
+    if _quiet_report is not None and "failed" in _quiet_report.getvalue():
+        rank = _launcher_rank()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in _quiet_report.getvalue().splitlines()))
+        sys.stderr.flush()
+
+
+@pytest.fixture
+def world():
+    from mpi4py import MPI
+    return MPI.COMM_WORLD
+
+
+def assert_everywhere(comm, ok: bool, message: str = "") -> None:
+    """Fail on every rank if the check failed on any rank, naming those ranks.
+
+    A rank that raised alone would skip the collectives the others go on to
+    call; agreeing first keeps every rank on the same path.
+    """
+    import numpy as np
+
+    flags = np.empty(comm.Get_size(), dtype=np.int8)
+    comm.Allgather(np.array([1 if ok else 0], dtype=np.int8), flags)
+    bad = np.flatnonzero(flags == 0).tolist()
+    assert not bad, f"failed on rank(s) {bad}: {message if not ok else '(see those ranks)'}"

@@ -1,0 +1,94 @@
+"""The harness itself: a failing rank aborts the job, emulated hosts group ranks, jobs import cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import ROOT
+from mpicomm.launch import emulated_hosts, mpiexec
+
+
+def run_mpi(tmp_path, n, code, extra=(), timeout=60, env=None):
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(code))
+    cmd = [mpiexec(), *extra, "-n", str(n), sys.executable, "-m", "mpi4py", str(script)]
+    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpiexec hung for {timeout}s: {exc.stdout!r} {exc.stderr!r}")
+
+
+def test_one_rank_failing_aborts_the_job(tmp_path):
+    """Rank 1 raises while the others wait in a barrier: the job must end, not hang."""
+    proc = run_mpi(tmp_path, 4, """
+        from mpi4py import MPI
+        if MPI.COMM_WORLD.Get_rank() == 1:
+            raise RuntimeError("rank 1 gives up")
+        MPI.COMM_WORLD.Barrier()
+    """, timeout=30)
+    assert proc.returncode != 0
+    assert "rank 1 gives up" in proc.stderr
+
+
+def test_emulated_two_nodes_of_two(tmp_path):
+    proc = run_mpi(tmp_path, 4, """
+        from mpicomm import Topology
+        with Topology() as t:
+            open(f"out.{t.rank}", "w").write(f"{t.num_nodes} {t.nodes} {t.cross.Get_size()}")
+    """, extra=emulated_hosts("n1:2,n2:2"))
+    assert proc.returncode == 0, proc.stderr
+    assert [(tmp_path / f"out.{r}").read_text() for r in range(4)] == ["2 [[0, 1], [2, 3]] 2"] * 4
+
+
+def test_uneven_hosts_refused_on_every_rank(tmp_path):
+    proc = run_mpi(tmp_path, 4, """
+        from mpi4py import MPI
+        from mpicomm import Topology, TopologyError
+        try:
+            Topology()
+        except TopologyError as exc:
+            open(f"out.{MPI.COMM_WORLD.Get_rank()}", "w").write(str(exc))
+    """, extra=emulated_hosts("n1:3,n2:1"))
+    assert proc.returncode == 0, proc.stderr
+    for r in range(4):
+        assert "nodes hold different numbers of ranks" in (tmp_path / f"out.{r}").read_text()
+
+
+def test_jobs_import_without_starting_mpi():
+    code = "import sys, jobs.bench_collectives; assert 'mpi4py.MPI' not in sys.modules, 'MPI initialised at import'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_bench_collectives_writes_table_json_and_plot(tmp_path):
+    out = tmp_path / "res" / "c.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_collectives", "--sizes", "4K,64K",
+           "--iters", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "busbw_GB/s" in proc.stdout and "ring / native busbw" in proc.stdout
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert len(rows) == 4 * 2 * 2  # ops x sizes x impls
+    for r in rows:
+        assert {"op", "impl", "bytes", "ranks", "time_s", "algbw_gbps", "busbw_gbps"} <= set(r)
+        assert r["ranks"] == 2 and r["time_s"] > 0
+        factor = {"allreduce": 1.0, "reduce_scatter": 0.5, "allgather": 0.5, "broadcast": 1.0}[r["op"]]
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * factor)
+        assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_collectives_rejects_bad_arguments():
+    for args, msg in ((["--sizes", "4Q"], "not a size"), (["--ops", "alltoall"], "unknown op"),
+                      (["--iters", "-1"], ">= 0")):
+        proc = subprocess.run([sys.executable, "-m", "jobs.bench_collectives", *args], capture_output=True,
+                              text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == 2 and msg in proc.stderr, (args, proc.stderr)

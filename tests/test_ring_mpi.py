@@ -1,0 +1,209 @@
+"""Ring collectives equal MPI's native ones for every length, rank count, dtype and buffer kind."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from conftest import assert_everywhere
+from mpicomm import IN_PLACE, Ring, block_counts, wait_all
+from mpicomm.buffers import offsets
+
+pytestmark = pytest.mark.mpi
+
+MI = 1 << 20
+
+
+@pytest.fixture(params=[1, 2, 3, 4], ids=lambda p: f"P{p}")
+def sub(request, world):
+    """A communicator of the first P world ranks (None on the others), and a ring over it."""
+    P = request.param
+    if P > world.Get_size():
+        pytest.skip(f"needs {P} ranks")
+    comm = world.Split(0 if world.Get_rank() < P else MPI.UNDEFINED, world.Get_rank())
+    if comm == MPI.COMM_NULL:
+        yield None
+        return
+    ring = Ring(comm, chunk_bytes=256 << 10)  # small chunks so pipelining paths are exercised
+    yield comm, ring
+    ring.free()
+    comm.Free()
+
+
+def lengths(P):
+    return sorted({0, 1, max(P - 1, 0), P + 1, MI, 16 * MI})
+
+
+def data(n, dtype, rank, integer=True):
+    """Integer-valued data (sums are exact in every dtype) that differs per rank."""
+    rng = np.random.default_rng(1000 + rank)
+    if integer:
+        return ((np.arange(n) * (rank + 3)) % 11 - 5 + rank).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def test_allreduce_matches_native_all_lengths(sub):
+    if sub is None:
+        return
+    comm, ring = sub
+    P = comm.Get_size()
+    for n in lengths(P):
+        for dtype in (np.float32, np.int32) if n < 16 * MI else (np.float32,):
+            x = data(n, dtype, comm.Get_rank())
+            ref = np.empty_like(x)
+            comm.Allreduce(x, ref)
+            out = np.empty_like(x)
+            ring.allreduce(x, out).wait()
+            inplace = x.copy()
+            ring.allreduce(inplace).wait()
+            assert_everywhere(comm, np.array_equal(out, ref) and np.array_equal(inplace, ref),
+                              f"allreduce n={n} {dtype.__name__}")
+
+
+def test_reduce_scatter_matches_native(sub):
+    if sub is None:
+        return
+    comm, ring = sub
+    P, r = comm.Get_size(), comm.Get_rank()
+    for n in lengths(P):
+        x = data(n, np.int64 if n < 16 * MI else np.float32, r)
+        counts = block_counts(n, P)
+        ref = np.empty(counts[r], x.dtype)
+        comm.Reduce_scatter(x, ref, counts)
+        out = np.empty_like(ref)
+        keep = x.copy()
+        ring.reduce_scatter(x, out).wait()
+        ok = np.array_equal(out, ref) and np.array_equal(x, keep)  # out of place leaves buf alone
+        got = ring.reduce_scatter(x).wait()
+        ok = ok and np.array_equal(got, ref) and (counts[r] == 0 or np.shares_memory(got, x))
+        assert_everywhere(comm, ok, f"reduce_scatter n={n}")
+
+
+def test_allgather_and_allgatherv_match_native(sub):
+    if sub is None:
+        return
+    comm, ring = sub
+    P, r = comm.Get_size(), comm.Get_rank()
+    for n in lengths(P):
+        n = n if n < 16 * MI else 4 * MI  # 16 Mi per rank would gather 64 Mi: already covered by allreduce
+        x = data(n, np.float64, r)
+        ref = np.empty(n * P, x.dtype)
+        comm.Allgather(x, ref)
+        got = ring.allgather(x).wait()
+        inplace = np.zeros(n * P, x.dtype)
+        inplace[r * n:(r + 1) * n] = x
+        ring.allgather(IN_PLACE, inplace).wait()
+        # Variable lengths: rank i contributes n + i elements (and rank 0 maybe none).
+        counts = [max(0, n - (n % 2) * 1) + i for i in range(P)]
+        v = data(counts[r], np.float64, r)
+        refv = np.empty(sum(counts), v.dtype)
+        comm.Allgatherv(v, [refv, counts])
+        gotv = ring.allgatherv(v).wait()
+        gotv2 = np.empty_like(refv)
+        ring.allgatherv(v, gotv2, counts=counts).wait()
+        assert_everywhere(comm, np.array_equal(got, ref) and np.array_equal(inplace, ref)
+                          and np.array_equal(gotv, refv) and np.array_equal(gotv2, refv), f"allgather n={n}")
+
+
+def test_broadcast_from_every_root(sub):
+    if sub is None:
+        return
+    comm, ring = sub
+    P, r = comm.Get_size(), comm.Get_rank()
+    for n in lengths(P):
+        for root in range(P) if n < MI else (P - 1,):
+            x = data(n, np.int16 if n < 16 * MI else np.float32, r + 10 * root)
+            ref = x.copy()
+            comm.Bcast(ref, root=root)
+            ring.broadcast(x, root=root).wait()
+            assert_everywhere(comm, np.array_equal(x, ref), f"broadcast n={n} root={root}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8])
+def test_torch_tensors_every_dtype(world, dtype):
+    """CPU tensors of every supported dtype, multi-dimensional, reduced in place without copies."""
+    P, r = world.Get_size(), world.Get_rank()
+    with Ring(world) as ring:
+        x = (torch.arange(3 * 1001) % 5 + r).to(dtype).reshape(3, 1001)
+        ptr = x.data_ptr()
+        expected = sum((torch.arange(3 * 1001) % 5 + k) for k in range(P)).reshape(3, 1001)
+        got = ring.allreduce(x).wait()
+        ok = got is x and x.data_ptr() == ptr and torch.equal(x.to(torch.int64), expected.to(torch.int64) % 256
+                                                              if dtype == torch.uint8 else expected)
+        y = (torch.arange(3 * 1001) % 5 + r).to(dtype)
+        gathered = ring.allgather(y).wait()
+        ok = ok and gathered.dtype == dtype and torch.equal(gathered[r * y.numel():(r + 1) * y.numel()], y)
+        assert_everywhere(world, bool(ok), f"torch {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_float_data_within_tolerance(world, dtype):
+    P, r = world.Get_size(), world.Get_rank()
+    with Ring(world) as ring:
+        x = data(100_003, dtype, r, integer=False)
+        ref = np.empty_like(x)
+        world.Allreduce(x, ref)
+        got = ring.allreduce(x.copy()).wait()
+        tol = 1e-2 if dtype == np.float16 else 1e-5
+        assert_everywhere(world, np.allclose(got, ref, rtol=tol, atol=tol), f"float {dtype}")
+        # Every rank ends with bit-identical results: each block is reduced on one rank only.
+        first = got.copy()
+        world.Bcast(first, root=0)
+        assert_everywhere(world, np.array_equal(first, got), "ranks hold different bits")
+
+
+def test_bfloat16_against_float32_reference(world):
+    r = world.Get_rank()
+    with Ring(world) as ring:
+        x = torch.from_numpy(data(50_001, np.float32, r, integer=False)).to(torch.bfloat16)
+        ref = x.to(torch.float32).numpy().copy()
+        world.Allreduce(MPI.IN_PLACE, ref)
+        got = ring.allreduce(x.clone()).wait().to(torch.float32).numpy()
+        assert_everywhere(world, np.allclose(got, ref, rtol=5e-2, atol=5e-2), "bfloat16")
+
+
+@pytest.mark.parametrize("op,npop", [("max", MPI.MAX), ("min", MPI.MIN), ("prod", MPI.PROD)])
+def test_other_reduction_ops(world, op, npop):
+    with Ring(world) as ring:
+        x = data(10_007, np.int64, world.Get_rank()) % 3 + 1
+        ref = np.empty_like(x)
+        world.Allreduce(x, ref, op=npop)
+        assert_everywhere(world, np.array_equal(ring.allreduce(x, op=op).wait(), ref), op)
+
+
+def test_many_in_flight_on_distinct_tags_progress_by_test(world):
+    """Several collectives started back to back finish correctly in any completion order."""
+    P, r = world.Get_size(), world.Get_rank()
+    with Ring(world, chunk_bytes=4096) as ring:
+        bufs = [np.full(20_000 + i, float(r + i), dtype=np.float64) for i in range(6)]
+        handles = [ring.allreduce(b) for b in bufs[:3]]
+        handles.append(ring.broadcast(bufs[3], root=P - 1))
+        gathered = ring.allgather(bufs[4][:7])
+        handles.append(gathered)
+        # Drive the last one by polling only, the rest through wait_all.
+        rs = ring.reduce_scatter(bufs[5])
+        while not rs.test():
+            pass
+        wait_all(handles)
+        expect = [sum(float(k + i) for k in range(P)) for i in range(3)]
+        ok = all(np.all(bufs[i] == expect[i]) for i in range(3))
+        ok = ok and np.all(bufs[3] == float(P - 1 + 3))
+        ok = ok and np.array_equal(gathered.wait(), np.repeat([float(k + 4) for k in range(P)], 7))
+        lo = offsets(block_counts(bufs[5].size, P))[r]
+        ok = ok and rs.done and rs.wait()[0] == sum(float(k + 5) for k in range(P)) and lo >= 0
+        assert_everywhere(world, bool(ok), "in-flight collectives")
+
+
+def test_explicit_tags_and_reverse_wait_order(world):
+    with Ring(world) as ring:
+        a = np.ones(30_000, np.float32)
+        b = np.full(30_000, 2, np.float32)
+        ha = ring.allreduce(a, tag=7)
+        hb = ring.allreduce(b, tag=8)
+        hb.wait()
+        ha.wait()
+        P = world.Get_size()
+        assert_everywhere(world, np.all(a == P) and np.all(b == 2 * P), "explicit tags")

@@ -1,0 +1,65 @@
+"""Tags against TAG_UB, and every collective on one rank (COMM_SELF) with its handle semantics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpicomm import IN_PLACE, BufferError, Ring, TagAllocator, TagError, check_tag, slice_tag
+
+
+def test_tag_bounds():
+    ub = MPI.COMM_SELF.Get_attr(MPI.TAG_UB)
+    assert check_tag(MPI.COMM_SELF, 0) == 0 and check_tag(MPI.COMM_SELF, ub) == ub
+    for bad in (-1, ub + 1, 1.5, True):
+        with pytest.raises(TagError, match="TAG_UB"):
+            check_tag(MPI.COMM_SELF, bad)
+
+
+def test_allocator_wraps_above_reserved_range():
+    tags = TagAllocator(MPI.COMM_SELF, reserved=100)
+    assert [tags.next() for _ in range(3)] == [100, 101, 102]
+    tags._next = tags.ub
+    assert tags.next() == tags.ub and tags.next() == 100
+    with pytest.raises(TagError):
+        TagAllocator(MPI.COMM_SELF, reserved=-1)
+
+
+def test_slice_tags_distinct_and_checked():
+    seen = {slice_tag(MPI.COMM_SELF, t, s, 8) for t in range(5) for s in range(8)}
+    assert len(seen) == 40
+    with pytest.raises(TagError):
+        slice_tag(MPI.COMM_SELF, 0, 8, 8)
+    with pytest.raises(TagError, match="TAG_UB"):
+        slice_tag(MPI.COMM_SELF, 10**9, 0, 8)
+
+
+def test_every_collective_on_one_rank():
+    with Ring(MPI.COMM_SELF) as ring:
+        x = np.arange(7, dtype=np.float32)
+        out = np.empty_like(x)
+        h = ring.allreduce(x, out)
+        assert h.done and h.test() and h.wait() is out and np.array_equal(out, x)
+        rs = np.empty(7, np.float32)
+        assert np.array_equal(ring.reduce_scatter(x, rs).wait(), x)
+        assert np.array_equal(ring.allgather(x).wait(), x)
+        assert np.array_equal(ring.allgatherv(x).wait(), x)
+        g = np.zeros(7, np.float32)
+        g[:] = x
+        assert np.array_equal(ring.allgather(IN_PLACE, g).wait(), x)
+        t = torch.ones(3)
+        assert ring.broadcast(t).wait() is t
+
+
+def test_local_errors_are_raised_on_one_rank_too():
+    with Ring(MPI.COMM_SELF) as ring:
+        with pytest.raises(BufferError, match="out has 3"):
+            ring.allreduce(np.ones(4, np.float32), np.ones(3, np.float32)).wait()
+        with pytest.raises(ValueError, match="root 1 outside"):
+            ring.broadcast(np.ones(4, np.float32), root=1).wait()
+        with pytest.raises(ValueError, match="IN_PLACE needs an out"):
+            ring.allgather(IN_PLACE).wait()
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            Ring(MPI.COMM_SELF, chunk_bytes=0)
