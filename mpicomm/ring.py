@@ -267,10 +267,7 @@ class Ring:
             blk = block(t)
             a0 = offs[blk]
             if t < reduce_phase:
-                k = t % nscratch
-                MPI.Request.Waitall(busy[k])  # sent a whole step ago: normally already complete
-                busy[k] = []
-                target, base = scratch[k], 0
+                target, base = scratch[t % nscratch], 0
             else:
                 target, base = data, a0
             return [(self.comm.Irecv([target.bytes(base + a - a0, base + z - a0), MPI.BYTE], self.left, tag), a, z)
@@ -283,7 +280,14 @@ class Ring:
             sends.append(self.comm.Isend([data.bytes(a, z), MPI.BYTE], self.right, tag))
         pending = post_recvs(first)
         for t in steps:
-            upcoming = post_recvs(t + 1) if t < last else None
+            upcoming = None
+            if t < last:
+                k = (t + 1) % nscratch if scratch else 0
+                if scratch and busy[k]:
+                    # That scratch block was forwarded a whole step ago: normally already complete.
+                    yield busy[k]
+                    busy[k] = []
+                upcoming = post_recvs(t + 1)
             blk = block(t)
             a0 = offs[blk]
             for req, a, z in pending:
