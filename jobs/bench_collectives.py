@@ -20,6 +20,8 @@ import sys
 import time
 from datetime import datetime, timezone
 
+import numpy as np
+
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 IMPLS = ("ring", "native")
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -84,9 +86,6 @@ class Case:
     """Buffers and the two implementations of one (op, size)."""
 
     def __init__(self, op, nbytes, dtype, ring, comm):
-        import numpy as np
-        from mpi4py import MPI
-
         P, r = comm.Get_size(), comm.Get_rank()
         itemsize = np.dtype(dtype).itemsize
         n = max(P, nbytes // itemsize)
@@ -105,7 +104,6 @@ class Case:
             self.src, self.dst = rng.random(per).astype(dtype), np.empty(per * P, dtype)
         else:
             self.src = self.dst = rng.random(n).astype(dtype)
-        self.mpi = MPI
 
     def run(self, impl: str) -> None:
         c, s, d = self.comm, self.src, self.dst
@@ -131,7 +129,7 @@ class Case:
 
 def time_case(case: Case, impl: str, iters: int, warmup: int) -> float:
     """Slowest rank's mean seconds per call, each call started together after a barrier."""
-    import numpy as np
+    from mpi4py import MPI
 
     comm = case.comm
     for _ in range(warmup):
@@ -143,7 +141,7 @@ def time_case(case: Case, impl: str, iters: int, warmup: int) -> float:
         case.run(impl)
         total += time.perf_counter() - t0
     worst = np.empty(1)
-    comm.Allreduce(np.array([total / iters]), worst, op=case.mpi.MAX)
+    comm.Allreduce(np.array([total / iters]), worst, op=MPI.MAX)
     return float(worst[0])
 
 
@@ -185,8 +183,7 @@ def plot(rows, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import numpy as np
-    from mpi4py import MPI
+    from mpi4py import MPI  # here, not at import: importing a job must not start MPI
 
     from mpicomm import Ring
     from mpicomm.ring import DEFAULT_CHUNK_BYTES

@@ -9,7 +9,6 @@ from mpi4py import MPI
 
 from conftest import assert_everywhere
 from mpicomm import IN_PLACE, Ring, block_counts, wait_all
-from mpicomm.buffers import offsets
 
 pytestmark = pytest.mark.mpi
 
@@ -18,14 +17,13 @@ MI = 1 << 20
 
 @pytest.fixture(params=[1, 2, 3, 4], ids=lambda p: f"P{p}")
 def sub(request, world):
-    """A communicator of the first P world ranks (None on the others), and a ring over it."""
+    """A communicator of the first P world ranks and a ring over it; the other ranks skip."""
     P = request.param
     if P > world.Get_size():
         pytest.skip(f"needs {P} ranks")
     comm = world.Split(0 if world.Get_rank() < P else MPI.UNDEFINED, world.Get_rank())
     if comm == MPI.COMM_NULL:
-        yield None
-        return
+        pytest.skip(f"rank outside the {P}-rank group")
     ring = Ring(comm, chunk_bytes=256 << 10)  # small chunks so pipelining paths are exercised
     yield comm, ring
     ring.free()
@@ -45,8 +43,6 @@ def data(n, dtype, rank, integer=True):
 
 
 def test_allreduce_matches_native_all_lengths(sub):
-    if sub is None:
-        return
     comm, ring = sub
     P = comm.Get_size()
     for n in lengths(P):
@@ -63,8 +59,6 @@ def test_allreduce_matches_native_all_lengths(sub):
 
 
 def test_reduce_scatter_matches_native(sub):
-    if sub is None:
-        return
     comm, ring = sub
     P, r = comm.Get_size(), comm.Get_rank()
     for n in lengths(P):
@@ -82,8 +76,6 @@ def test_reduce_scatter_matches_native(sub):
 
 
 def test_allgather_and_allgatherv_match_native(sub):
-    if sub is None:
-        return
     comm, ring = sub
     P, r = comm.Get_size(), comm.Get_rank()
     for n in lengths(P):
@@ -95,8 +87,7 @@ def test_allgather_and_allgatherv_match_native(sub):
         inplace = np.zeros(n * P, x.dtype)
         inplace[r * n:(r + 1) * n] = x
         ring.allgather(IN_PLACE, inplace).wait()
-        # Variable lengths: rank i contributes n + i elements (and rank 0 maybe none).
-        counts = [max(0, n - (n % 2) * 1) + i for i in range(P)]
+        counts = [n // (i + 1) for i in range(P)]  # uneven blocks, some empty when n is small
         v = data(counts[r], np.float64, r)
         refv = np.empty(sum(counts), v.dtype)
         comm.Allgatherv(v, [refv, counts])
@@ -108,8 +99,6 @@ def test_allgather_and_allgatherv_match_native(sub):
 
 
 def test_broadcast_from_every_root(sub):
-    if sub is None:
-        return
     comm, ring = sub
     P, r = comm.Get_size(), comm.Get_rank()
     for n in lengths(P):
@@ -192,8 +181,7 @@ def test_many_in_flight_on_distinct_tags_progress_by_test(world):
         ok = all(np.all(bufs[i] == expect[i]) for i in range(3))
         ok = ok and np.all(bufs[3] == float(P - 1 + 3))
         ok = ok and np.array_equal(gathered.wait(), np.repeat([float(k + 4) for k in range(P)], 7))
-        lo = offsets(block_counts(bufs[5].size, P))[r]
-        ok = ok and rs.done and rs.wait()[0] == sum(float(k + 5) for k in range(P)) and lo >= 0
+        ok = ok and rs.done and np.all(rs.wait() == sum(float(k + 5) for k in range(P)))
         assert_everywhere(world, bool(ok), "in-flight collectives")
 
 
