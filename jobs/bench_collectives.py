@@ -23,7 +23,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
-IMPLS = ("ring", "native")
+IMPLS = ("ring", "native", "gloo")
+GLOO_OPS = ("allreduce", "allgather", "broadcast")  # gloo has no CPU reduce_scatter
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -54,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    p.add_argument("--impls", default=",".join(IMPLS), help="ring, native or both")
+    p.add_argument("--impls", default="ring,native",
+                   help="comma-separated subset of ring (mpicomm), native (MPI), gloo (torch.distributed)")
     p.add_argument("--iters", type=int, default=0,
                    help="timed iterations per row (default: as many as fit ~1 GiB of traffic, 3 to 100)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per row (default 1)")
@@ -62,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--chunk-bytes", type=parse_size, default=None,
                    help="ring pipelining chunk (default: mpicomm's)")
     p.add_argument("--no-validate", action="store_true", help="skip the ring's cross-rank fingerprint check")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="per-host link rate (Gbit/s) for the bandwidth bound; default: the emulated cluster's")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
     p.add_argument("--plot", metavar="PNG", help="busbw-vs-size plot (default: the JSON path with .png)")
     args = p.parse_args(argv)
@@ -107,6 +111,9 @@ class Case:
 
     def run(self, impl: str) -> None:
         c, s, d = self.comm, self.src, self.dst
+        if impl == "gloo":
+            self._gloo()
+            return
         if impl == "native":
             if self.op == "allreduce":
                 c.Allreduce(s, d)
@@ -125,6 +132,20 @@ class Case:
             self.ring.allgather(s, d).wait()
         else:
             self.ring.broadcast(d, root=0).wait()
+
+
+    def _gloo(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        s, d = torch.from_numpy(self.src), torch.from_numpy(self.dst)  # views: no copies
+        if self.op == "allreduce":
+            d.copy_(s)  # out of place, like the other two implementations
+            dist.all_reduce(d)
+        elif self.op == "allgather":
+            dist.all_gather(list(d.chunk(self.comm.Get_size())), s)
+        else:
+            dist.broadcast(d, src=0)
 
 
 def time_case(case: Case, impl: str, iters: int, warmup: int) -> float:
@@ -150,10 +171,12 @@ def auto_iters(nbytes: int) -> int:
 
 
 def format_table(rows) -> str:
-    head = f"{'op':<15}{'impl':<8}{'bytes':>12}{'ranks':>6}{'time_ms':>11}{'algbw_GB/s':>12}{'busbw_GB/s':>12}"
+    head = (f"{'op':<15}{'impl':<8}{'bytes':>12}{'ranks':>6}{'time_ms':>11}{'algbw_GB/s':>12}{'busbw_GB/s':>12}"
+            f"{'x bound':>9}")
     lines = [head, "-" * len(head)]
     lines += [f"{r['op']:<15}{r['impl']:<8}{r['bytes']:>12}{r['ranks']:>6}{r['time_s'] * 1e3:>11.3f}"
-              f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}" for r in rows]
+              f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}"
+              f"{(format(r['time_s'] / r['bound_s'], '9.2f') if r.get('bound_s') else ''):>9}" for r in rows]
     return "\n".join(lines)
 
 
@@ -165,7 +188,7 @@ def plot(rows, path: str, title: str) -> None:
     ops = sorted({r["op"] for r in rows}, key=OPS.index)
     fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
     for ax, op in zip(axes[0], ops):
-        for impl, style in (("ring", "o-"), ("native", "s--")):
+        for impl, style in (("ring", "o-"), ("native", "s--"), ("gloo", "^:")):
             pts = sorted((r["bytes"], r["busbw_gbps"]) for r in rows if r["op"] == op and r["impl"] == impl)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
@@ -193,32 +216,50 @@ def main(argv=None) -> int:
     say = print if rank == 0 else (lambda *a, **k: None)
     if P == 1:
         say("note: 1 rank: nothing crosses a link; run under `mpiexec -n 4` for meaningful figures")
+    network = describe_network()
+    link_bps = args.link_gbps * 1e9 if args.link_gbps else network.get("bandwidth_bps")
+    if "gloo" in args.impls:
+        from mpicomm.torchdist import init_gloo
+
+        init_gloo(comm)
     chunk = args.chunk_bytes or DEFAULT_CHUNK_BYTES
     ring = Ring(comm, validate=not args.no_validate, chunk_bytes=chunk)
     bench_comm = comm.Dup()
     rows = []
     say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "
-        f"ring chunk {chunk} B, validate {'off' if args.no_validate else 'on'}")
+        f"ring chunk {chunk} B, validate {'off' if args.no_validate else 'on'}, network {network['kind']}"
+        + (f", link {link_bps / 1e9:g} Gbit/s" if link_bps else ""))
     say(format_table([]).splitlines()[0], flush=True)
     for op in args.ops:
         for nbytes in args.sizes:
             case = Case(op, nbytes, np.dtype(args.dtype), ring, bench_comm)
             iters = args.iters or auto_iters(case.nbytes)
             for impl in args.impls:
+                if impl == "gloo" and op not in GLOO_OPS:
+                    continue
                 t = time_case(case, impl, iters, args.warmup)
                 algbw = case.nbytes / t / 1e9
                 row = dict(op=op, impl=impl, bytes=case.nbytes, ranks=P, time_s=t, algbw_gbps=algbw,
                            busbw_gbps=algbw * bus_factor(op, P), iters=iters)
+                if link_bps:
+                    # Bandwidth bound with one rank per host: every rank moves busbw-worth of bytes over
+                    # its own link, e.g. 2(P-1)/P * S for a ring allreduce.
+                    row["bound_s"] = bus_factor(op, P) * case.nbytes * 8 / link_bps
                 rows.append(row)
                 say(format_table([row]).splitlines()[2], flush=True)
             del case
     ring.free()
     bench_comm.Free()
+    if "gloo" in args.impls:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     if rank == 0:
         _summary(rows, say)
         meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
                     cpus=os.cpu_count(), mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                    ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate,
+                    ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate, network=network,
+                    link_bps=link_bps,
                     command=" ".join([os.path.basename(sys.executable), "-m", "jobs.bench_collectives"]
                                      + (sys.argv[1:] if argv is None else list(argv))))
         if args.json:
@@ -231,6 +272,16 @@ def main(argv=None) -> int:
             plot(rows, args.plot, f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}")
             say(f"wrote {args.plot}")
     return 0
+
+
+def describe_network() -> dict:
+    """Where this run's traffic went: the emulated cluster's links, or unshaped on one host."""
+    if os.environ.get("MPITRAIN_CLUSTER_IFACE"):
+        from mpicomm.emulation import read_state
+
+        state = read_state() or {}
+        return dict(kind="emulated-cluster", hosts=state.get("hosts"), bandwidth_bps=state.get("bandwidth_bps"))
+    return dict(kind="unshaped-local" if os.environ.get("MPITRAIN_UNSHAPED") else "local")
 
 
 def _summary(rows, say) -> None:

@@ -1,0 +1,105 @@
+"""A cluster on one machine: hosts in network namespaces with shaped links, and MPI jobs across them.
+
+    python -m jobs.cluster up --hosts 4 --bandwidth 1gbit [--ranks-per-host 2] [--verify]
+    python -m jobs.cluster run [-n N] -- python -m jobs.bench_collectives --sizes 64M
+    python -m jobs.cluster status | verify | down
+    python -m jobs.cluster exec 2 -- ip addr          # a plain command on host h2
+    python -m jobs.cluster run --local -n 4 -- CMD    # no root: same job, unshaped, on this host
+
+Needs root (ip netns, tc). Hosts h0..hN-1 get 10.213.0.1..N on a bridge in its
+own namespace; each direction of each host's link is shaped with tbf. The root
+namespace's interfaces are never touched. Errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m jobs.cluster", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="action", required=True)
+    up = sub.add_parser("up", help="create the hosts and links")
+    up.add_argument("--hosts", type=int, default=4, help="number of hosts (1..64, default 4)")
+    up.add_argument("--bandwidth", default="1gbit", help="per-host link rate each way: 100mbit, 2.5gbit, none ...")
+    up.add_argument("--ranks-per-host", type=int, default=1, help="MPI ranks per host for `run` (default 1)")
+    up.add_argument("--netmod", choices=("ucx", "ofi"), help="MPICH network module (default: MPICH's choice)")
+    up.add_argument("--verify", action="store_true", help="measure every link after bringing it up")
+    up.add_argument("--force", action="store_true", help="remove leftovers of a crashed run first")
+    sub.add_parser("down", help="remove the hosts, links and every process in them")
+    st = sub.add_parser("status", help="what is up, processes per host, bytes through each link")
+    st.add_argument("--json", action="store_true")
+    sub.add_parser("verify", help="measure every link (TCP stream and MPI ping-pong) vs configured")
+    run = sub.add_parser("run", help="run an MPI job across the hosts: run [-n N] -- CMD ...")
+    run.add_argument("-n", "--np", type=int, help="ranks (default hosts x ranks-per-host)")
+    run.add_argument("--timeout", type=float, help="kill the job after this many seconds")
+    run.add_argument("--local", action="store_true", help="no cluster: run on this host, unshaped")
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    ex = sub.add_parser("exec", help="run a plain command on one host: exec HOST -- CMD ...")
+    ex.add_argument("host", type=int)
+    ex.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    if args.action in ("run", "exec"):
+        args.cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not args.cmd:
+            p.error(f"{args.action} needs a command after --")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from mpicomm.emulation import EmulatedCluster, EmulationError, run_local
+    from mpicomm.emulation.verify import format_rows, verify
+
+    try:
+        if args.action == "up":
+            if args.force:
+                EmulatedCluster.down()
+            cluster = EmulatedCluster(args.hosts, args.bandwidth, args.ranks_per_host, args.netmod).up()
+            print(f"up: {cluster.hosts} hosts (h0..h{cluster.hosts - 1}, 10.213.0.1..{cluster.hosts}) at "
+                  f"{cluster.bandwidth} each way, {cluster.ranks_per_host} rank(s) per host")
+            return _verify(cluster, verify, format_rows) if args.verify else 0
+        if args.action == "down":
+            removed = EmulatedCluster.down()
+            if not removed:
+                raise EmulationError("no emulated cluster is up (nothing to remove)")
+            print(f"down: removed {' '.join(removed)}")
+            return 0
+        if args.action == "run" and args.local:
+            return run_local(args.cmd, args.np or 4, args.timeout).returncode
+        cluster = EmulatedCluster.current()
+        if args.action == "status":
+            st = cluster.status()
+            if args.json:
+                print(json.dumps(st, indent=1))
+            else:
+                print(f"{st['hosts']} hosts at {st['bandwidth']}, {st['ranks_per_host']} rank(s) per host")
+                for i in range(st["hosts"]):
+                    ns, link = f"mpt-h{i}", st["link_bytes"][i]
+                    traffic = f", sent {link['up']} B, received {link['down']} B" if link else ""
+                    print(f"  h{i}: {st['processes'].get(ns, 0)} process(es){traffic}")
+            return 0
+        if args.action == "verify":
+            return _verify(cluster, verify, format_rows)
+        if args.action == "run":
+            return cluster.run(args.cmd, np=args.np, timeout=args.timeout).returncode
+        return cluster.exec_on(args.host, args.cmd).returncode
+    except EmulationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _verify(cluster, verify, format_rows) -> int:
+    rows = verify(cluster)
+    print(format_rows(rows))
+    ok = all(r["stream_ok"] and r["mpi_ok"] for r in rows)
+    if not ok:
+        print("warning: some links are more than 10 % off their configured rate", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The emulated cluster: bring it up, run MPI jobs across its hosts, report its state, take it down."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+from datetime import datetime, timezone
+
+from ..launch import mpiexec
+from . import netns
+from .netns import EmulationError
+
+STATE_DIR = os.environ.get("MPITRAIN_CLUSTER_DIR", "/run/mpitrain-cluster")
+NETNS_SSH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launcher", "netns-ssh")
+# Environment every rank gets: UCX must not use shared memory, or ranks of different emulated
+# hosts (all on this one machine) would bypass the shaped links; the same for libfabric.
+RANK_ENV = {"UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp", "GLOO_SOCKET_IFNAME": netns.IFACE,
+            "MPITRAIN_CLUSTER_IFACE": netns.IFACE}
+
+
+@contextlib.contextmanager
+def _locked():
+    """Serialise up/down between processes sharing this machine."""
+    os.makedirs(STATE_DIR, exist_ok=True)
+    with open(os.path.join(STATE_DIR, "lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _state_path() -> str:
+    return os.path.join(STATE_DIR, "state.json")
+
+
+def read_state() -> dict | None:
+    try:
+        with open(_state_path()) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class EmulatedCluster:
+    """`hosts` network namespaces joined by links of `bandwidth` each way; a context manager for tests.
+
+    MPI runs across them with hydra: mpiexec itself runs in host 0 and
+    reaches the others through the `netns-ssh` launcher on their addresses.
+    """
+
+    def __init__(self, hosts: int = 4, bandwidth: str | int | None = "1gbit", ranks_per_host: int = 1,
+                 netmod: str | None = None):
+        if not isinstance(hosts, int) or not 1 <= hosts <= netns.MAX_HOSTS:
+            raise EmulationError(f"hosts must be between 1 and {netns.MAX_HOSTS}, got {hosts!r}")
+        if not isinstance(ranks_per_host, int) or not 1 <= ranks_per_host <= 64:
+            raise EmulationError(f"ranks per host must be between 1 and 64, got {ranks_per_host!r}")
+        if netmod not in (None, "ucx", "ofi"):
+            raise EmulationError(f"netmod must be ucx or ofi, got {netmod!r}")
+        self.hosts = hosts
+        self.bps = bandwidth if isinstance(bandwidth, int) or bandwidth is None else netns.parse_bandwidth(bandwidth)
+        self.ranks_per_host = ranks_per_host
+        self.netmod = netmod
+
+    @classmethod
+    def current(cls) -> "EmulatedCluster":
+        """The cluster `up` left running, as recorded in the state file."""
+        state = read_state()
+        if state is None or not netns.our_namespaces():
+            raise EmulationError("no emulated cluster is up: start one with `python -m jobs.cluster up`")
+        return cls(state["hosts"], state["bandwidth_bps"], state["ranks_per_host"], state.get("netmod"))
+
+    @property
+    def bandwidth(self) -> str:
+        return netns.format_bandwidth(self.bps)
+
+    # -- lifecycle ---------------------------------------------------------
+    def up(self) -> "EmulatedCluster":
+        problem = netns.why_not()
+        if problem:
+            raise EmulationError(problem)
+        with _locked():
+            existing, state = netns.our_namespaces(), read_state()
+            if existing and state:
+                raise EmulationError(
+                    f"a cluster is already up ({state['hosts']} hosts at "
+                    f"{netns.format_bandwidth(state['bandwidth_bps'])}, since {state['created']}); "
+                    "run `python -m jobs.cluster down` first")
+            if existing:
+                raise EmulationError(f"leftover namespaces from a crashed run: {' '.join(existing)}; "
+                                     "run `python -m jobs.cluster down` to remove them")
+            netns.build(self.hosts, self.bps)
+            state = dict(hosts=self.hosts, bandwidth_bps=self.bps, ranks_per_host=self.ranks_per_host,
+                         netmod=self.netmod, addresses=[netns.host_addr(i) for i in range(self.hosts)],
+                         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid())
+            with open(_state_path() + ".tmp", "w") as f:
+                json.dump(state, f, indent=1)
+            os.replace(_state_path() + ".tmp", _state_path())
+        return self
+
+    @staticmethod
+    def down() -> list[str]:
+        """Remove every namespace of ours (the recorded cluster or leftovers) and its processes."""
+        with _locked():
+            removed = netns.teardown()
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(_state_path())
+        return removed
+
+    def __enter__(self) -> "EmulatedCluster":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # -- running jobs ------------------------------------------------------
+    def mpiexec_command(self, cmd: list[str], np: int | None = None, ranks_per_host: int | None = None,
+                        env: dict | None = None) -> list[str]:
+        """The full command line that runs `cmd` as an MPI job across the hosts."""
+        per = ranks_per_host or self.ranks_per_host
+        np = np or self.hosts * per
+        hosts = ",".join(f"{netns.host_addr(i)}:{per}" for i in range(self.hosts))
+        genv = dict(RANK_ENV, **({"MPIR_CVAR_CH4_NETMOD": self.netmod} if self.netmod else {}), **(env or {}))
+        flags = [x for k, v in genv.items() for x in ("-genv", k, str(v))]
+        # mpiexec runs in host 0 (its proxies could not reach it from the root namespace), under
+        # that host's name like every other host's processes.
+        return netns.in_ns(netns.host_ns(0), "unshare", "--uts", "bash", "-c", 'hostname h0 && exec "$@"', "mpiexec",
+                           mpiexec(), "-iface", netns.IFACE, "-hosts", hosts, "-launcher", "ssh",
+                           "-launcher-exec", NETNS_SSH, *flags, "-n", str(np), *cmd)
+
+    def run(self, cmd: list[str], np: int | None = None, ranks_per_host: int | None = None,
+            env: dict | None = None, timeout: float | None = None, capture: bool = False) -> subprocess.CompletedProcess:
+        """Run an MPI job across the hosts; on timeout or Ctrl-C its whole process group is killed."""
+        return run_killable(self.mpiexec_command(cmd, np, ranks_per_host, env), timeout, capture)
+
+    def exec_on(self, host: int, cmd: list[str], timeout: float | None = None,
+                capture: bool = False) -> subprocess.CompletedProcess:
+        """Run a plain (non-MPI) command inside one host's namespace."""
+        if not 0 <= host < self.hosts:
+            raise EmulationError(f"host {host} outside 0..{self.hosts - 1}")
+        return run_killable(netns.in_ns(netns.host_ns(host), *cmd), timeout, capture)
+
+    def status(self) -> dict:
+        present = netns.our_namespaces()
+        return dict(hosts=self.hosts, bandwidth=self.bandwidth, ranks_per_host=self.ranks_per_host,
+                    namespaces=present,
+                    processes={ns: len(netns.processes_in(ns)) for ns in present},
+                    link_bytes=[netns.qdisc_bytes(i) if self.bps else None for i in range(self.hosts)])
+
+
+def run_killable(cmd: list[str], timeout: float | None, capture: bool) -> subprocess.CompletedProcess:
+    pipe = subprocess.PIPE if capture else None
+    proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException as exc:  # TimeoutExpired, KeyboardInterrupt, SystemExit
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise EmulationError(f"job timed out after {timeout}s and was killed: {' '.join(cmd[-6:])}") from None
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_local(cmd: list[str], np: int, timeout: float | None = None, capture: bool = False):
+    """The documented fallback without root: the same job on this host, unshaped, and marked so."""
+    env_flags = ["-genv", "MPITRAIN_UNSHAPED", "1"]
+    return run_killable([mpiexec(), *env_flags, "-n", str(np), *cmd], timeout, capture)
+

@@ -1,0 +1,179 @@
+"""Hosts as Linux network namespaces on a bridge, with tbf-shaped links; never touches the root namespace."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+
+PREFIX = "mpt-"
+BRIDGE_NS = PREFIX + "br"
+SUBNET = "10.213.0"  # private, and it exists only inside our namespaces
+IFACE = "eth0"
+MAX_HOSTS = 64
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+
+
+class EmulationError(RuntimeError):
+    """Building, using or removing the emulated cluster failed; the message says what to do."""
+
+
+def host_ns(i: int) -> str:
+    return f"{PREFIX}h{i}"
+
+
+def host_addr(i: int) -> str:
+    return f"{SUBNET}.{i + 1}"
+
+
+def host_index(addr_or_name: str) -> int:
+    """Index of a host given its address (10.213.0.3 -> 2) or name (h2, mpt-h2 -> 2)."""
+    m = re.fullmatch(rf"{re.escape(SUBNET)}\.(\d+)", addr_or_name) or re.fullmatch(
+        rf"(?:{re.escape(PREFIX)})?h(\d+)", addr_or_name)
+    if not m:
+        raise EmulationError(f"not an emulated host: {addr_or_name!r}")
+    return int(m.group(1)) - (1 if addr_or_name.startswith(SUBNET) else 0)
+
+
+def parse_bandwidth(text: str) -> int | None:
+    """'100mbit', '2.5gbit', '1g', '500M' -> bits per second; 'none'/'unshaped' -> None."""
+    t = str(text).strip().lower()
+    if t in ("none", "unshaped", "unlimited", "0"):
+        return None if t != "0" else _bad_bandwidth(text)
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?", t)
+    if not m:
+        return _bad_bandwidth(text)
+    bps = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if not 10**5 <= bps <= 10**11:
+        raise EmulationError(f"bandwidth {text!r} is outside 100kbit..100gbit")
+    return bps
+
+
+def _bad_bandwidth(text):
+    raise EmulationError(f"cannot parse bandwidth {text!r} (examples: 100mbit, 1gbit, 2.5gbit, 10gbit, none)")
+
+
+def format_bandwidth(bps: int | None) -> str:
+    if bps is None:
+        return "unshaped"
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bps >= scale:
+            return f"{bps / scale:g}{unit}"
+    return f"{bps}bit"
+
+
+def run(cmd: list[str], timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise EmulationError(f"timed out after {timeout}s: {' '.join(cmd)}") from None
+    except FileNotFoundError:
+        raise EmulationError(f"{cmd[0]} not found: install iproute2") from None
+    if check and proc.returncode:
+        raise EmulationError(f"{' '.join(cmd)} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def in_ns(ns: str, *cmd: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def our_namespaces() -> list[str]:
+    out = run(["ip", "netns", "list"]).stdout
+    return sorted(line.split()[0] for line in out.splitlines() if line.startswith(PREFIX))
+
+
+def why_not() -> str | None:
+    """Why namespaces cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return ("the emulated cluster needs root (network namespaces and tc); fallback: run the job "
+                "unshaped on this host with `python -m jobs.cluster run --local -- CMD` (results marked unshaped)")
+    path = os.environ.get("PATH", "").split(":") + ["/usr/sbin", "/sbin"]
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux")):
+        if not any(os.access(os.path.join(d, tool), os.X_OK) for d in path):
+            return f"{tool} not found: install {package}"
+    return None
+
+
+def tbf_args(bps: int, mtu: int = 1500) -> list[str]:
+    """tbf parameters for `bps`: the bucket holds ~2 ms of traffic, never less than 64 KiB.
+
+    tbf stalls if burst < MTU, and a bucket much smaller than rate/HZ cannot
+    reach the rate at all (10 Gbit/s needs ~2.5 MB); latency caps the queue.
+    """
+    burst = max(64 * 1024, mtu, bps // 8 // 500)
+    return ["tbf", "rate", f"{bps}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def build(hosts: int, bps: int | None) -> None:
+    """Create the bridge namespace and `hosts` host namespaces, each joined by a shaped veth pair.
+
+    Each host's eth0 egress is its upload; the bridge-side peer's egress is
+    its download, so both directions are shaped without an ifb device. On any
+    failure everything made so far is removed again.
+    """
+    if not 1 <= hosts <= MAX_HOSTS:
+        raise EmulationError(f"--hosts must be between 1 and {MAX_HOSTS}, got {hosts}")
+    try:
+        run(["ip", "netns", "add", BRIDGE_NS])
+        run(["ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge"])
+        run(["ip", "-n", BRIDGE_NS, "link", "set", "br0", "up"])
+        for i in range(hosts):
+            ns, port = host_ns(i), f"vh{i}"
+            run(["ip", "netns", "add", ns])
+            # Created inside the bridge namespace with the peer placed straight into the host:
+            # no interface ever exists in the root namespace.
+            run(["ip", "-n", BRIDGE_NS, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", ns])
+            run(["ip", "-n", BRIDGE_NS, "link", "set", port, "master", "br0", "up"])
+            run(["ip", "-n", ns, "addr", "add", f"{host_addr(i)}/24", "dev", IFACE])
+            run(["ip", "-n", ns, "link", "set", IFACE, "up"])
+            run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if bps is not None:
+                run(in_ns(ns, "tc", "qdisc", "add", "dev", IFACE, "root", *tbf_args(bps)))
+                run(in_ns(BRIDGE_NS, "tc", "qdisc", "add", "dev", port, "root", *tbf_args(bps)))
+    except BaseException:
+        teardown()
+        raise
+
+
+def processes_in(ns: str) -> list[int]:
+    out = run(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def teardown(grace_s: float = 3.0) -> list[str]:
+    """Stop every process inside our namespaces and delete the namespaces; returns what was removed.
+
+    Deleting a namespace deletes its veth ends (and so their qdiscs) with it.
+    """
+    names = our_namespaces()
+    pids = {p for ns in names for p in processes_in(ns)}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            pids = {p for p in pids if os.path.exists(f"/proc/{p}")}
+            time.sleep(0.05)
+        if not pids:
+            break
+    for ns in names:
+        run(["ip", "netns", "del", ns], check=False)
+    left = our_namespaces()
+    if left:
+        raise EmulationError(f"could not delete namespaces {left}: remove them with `ip netns del`")
+    return names
+
+
+def qdisc_bytes(i: int) -> dict:
+    """Bytes sent through host i's shaped upload and download so far (from `tc -s`)."""
+    def sent(cmd):
+        m = re.search(r"Sent (\d+) bytes", run(cmd, check=False).stdout)
+        return int(m.group(1)) if m else 0
+    return dict(up=sent(in_ns(host_ns(i), "tc", "-s", "qdisc", "show", "dev", IFACE)),
+                down=sent(in_ns(BRIDGE_NS, "tc", "-s", "qdisc", "show", "dev", f"vh{i}")))
