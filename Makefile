@@ -11,9 +11,17 @@ PYTEST_MPI := $(PY) -m mpi4py -m pytest -m mpi -p no:cacheprovider -q
 FAKE_HOSTS := -hosts n1:2,n2:2 -launcher ssh -launcher-exec mpicomm/launcher/fake-ssh
 STAMP := $(VENV)/.mpitrain-setup
 
-.PHONY: setup demo test test-serial test-mpi test-mpi-hosts test-mpi-emulated bench-collectives clean
+.PHONY: setup setup-system demo test test-serial test-mpi test-mpi-hosts test-mpi-emulated test-cluster test-slurm \
+	bench-collectives clean
 
-setup: $(STAMP)
+setup: setup-system $(STAMP)
+
+# Debian packages for the emulated-cluster and SLURM tests, only when root (CI is root); without
+# root those tests skip with a reason. Cheap when already installed.
+setup-system:
+	@if [ "$$(id -u)" = 0 ] && ! { command -v sbatch && command -v munged && command -v tc && command -v unshare; } >/dev/null; then \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2 util-linux; fi
+	@if [ "$$(id -u)" = 0 ] && [ ! -s /etc/munge/munge.key ]; then mungekey --create && chown munge:munge /etc/munge/munge.key; fi
 
 # torch first and pinned: this version is served as a local CPU build, any other spec pulls a
 # multi-GB CUDA build. Re-runs only when the package metadata changes.
@@ -47,6 +55,13 @@ test-mpi-hosts: setup
 # And with 2 nodes x 2 ranks emulated by the ranks_per_node override.
 test-mpi-emulated: setup
 	MPITRAIN_RANKS_PER_NODE=2 MPITRAIN_EXPECT_NODES=2 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PYTEST_MPI)
+
+# Parts of test-serial, on their own (root): namespaces and shaped links; a real local SLURM.
+test-cluster: setup
+	timeout $(MPI_TIMEOUT) $(PY) -m pytest -m cluster -p no:cacheprovider -q
+
+test-slurm: setup
+	timeout $(MPI_TIMEOUT) $(PY) -m pytest -m slurm -p no:cacheprovider -q
 
 bench-collectives: setup
 	mkdir -p results

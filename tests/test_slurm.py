@@ -1,0 +1,142 @@
+"""The batch scripts in slurm/, submitted with sbatch --wait to a real local SLURM of one node and of two."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from slurm_harness import local_slurm
+
+pytestmark = pytest.mark.slurm
+
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "slurm")) if f.endswith(".sbatch"))
+RANKS = 4  # every script's #SBATCH --ntasks
+SBATCH_TIMEOUT = 60  # one job, queue to end; a job takes 4-16 s here
+# The signal method raises inside the test, so the cluster fixture still tears down; the
+# thread method of setup.cfg would end the process and leave the daemons to PR_SET_PDEATHSIG.
+TEST_TIMEOUT = dict(timeout=SBATCH_TIMEOUT + 30, method="signal")
+
+
+def _missing() -> str:
+    if os.geteuid() != 0:
+        return "needs root: the test starts munged, slurmctld and slurmd"
+    if shutil.which("sbatch") is None or not os.path.exists("/usr/sbin/munged"):
+        return "slurm-wlm and munge are not installed (apt-get install -y slurm-wlm munge)"
+    return ""
+
+
+needs_slurm = pytest.mark.skipif(bool(_missing()), reason=_missing() or "-")
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-node", "two-nodes"])
+def cluster(request):
+    """One cluster per layout for all the tests of this module (pytest groups the tests by layout)."""
+    with local_slurm(nodes=request.param) as c:
+        yield c
+
+
+def submit(cluster, script: str, args: list[str], tmp_path, launcher: str | None = None):
+    """`sbatch --wait slurm/SCRIPT ARGS` from the repository root; returns (return code, job output)."""
+    out = tmp_path / "job.out"
+    # Two nodes of 2 CPUs: 2 ranks each, the layout the script's README gives for several nodes.
+    layout = ["--nodes=2", "--ntasks-per-node=2"] if len(cluster.nodes) == 2 else []
+    cmd = ["sbatch", "--wait", f"--output={out}", "--time=2", *layout, f"slurm/{script}", *args]
+    # Leave PYTHON to the script's default when that default is this interpreter, so it is tested too.
+    default_python = os.path.join(ROOT, ".venv", "bin", "python")
+    env = {"LAUNCHER": launcher,
+           "PYTHON": None if os.path.abspath(sys.executable) == default_python else sys.executable}
+    try:
+        proc = cluster.run(cmd, timeout=SBATCH_TIMEOUT, env=env, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`{' '.join(cmd)}` did not end in {SBATCH_TIMEOUT} s\n{_read(out)}\n{cluster.logs()}")
+    text = _read(out)
+    assert "Submitted batch job" in proc.stdout, f"sbatch refused the job: {proc.stderr}\n{cluster.logs()}"
+    return proc.returncode, f"$ {' '.join(cmd)}\n{proc.stderr}{text}"
+
+
+def _read(path) -> str:
+    return path.read_text(errors="replace") if path.exists() else f"(no job output: {path} missing)\n"
+
+
+def bench_args(tmp_path, nodes):
+    return ["--sizes", "4K,64K", "--iters", "2", "--json", str(tmp_path / "bench.json")]
+
+
+def check_bench(text, tmp_path, nodes):
+    lines = text.splitlines()
+    assert any(re.match(r"op\s+impl\s+bytes\s+ranks\s", line) for line in lines), "no table header"
+    rows = [line.split() for line in lines if re.match(r"[a-z_]+\s+(ring|native)\s+\d+\s+\d+\s", line)]
+    assert len(rows) == 4 * 2 * 2, f"expected 4 ops x 2 sizes x 2 impls table rows, got {len(rows)}"
+    assert {r[3] for r in rows} == {str(RANKS)}
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["meta"]["ranks"] == RANKS
+    assert {(r["op"], r["impl"]) for r in result["rows"]} == {(r[0], r[1]) for r in rows}
+    assert len(result["rows"]) == len(rows)
+
+
+def topology_args(tmp_path, nodes):
+    return ["--expect-nodes", str(nodes), "--json", str(tmp_path / "topology.json")]
+
+
+def check_topology(text, tmp_path, nodes):
+    assert f": {RANKS} ranks on {nodes} node(s)" in text
+    per_node = RANKS // nodes
+    # SLURM places tasks in blocks: node i holds ranks i*per_node ... (i+1)*per_node - 1.
+    expected = [list(range(i * per_node, (i + 1) * per_node)) for i in range(nodes)]
+    for i, ranks in enumerate(expected):
+        assert f"node {i}: ranks {ranks} on host" in text
+    layout = json.loads((tmp_path / "topology.json").read_text())
+    assert (layout["ranks"], layout["nodes"], layout["node_ranks"]) == (RANKS, nodes, expected)
+
+
+# Per script: quick job arguments, and the checks of a successful run's output.
+JOBS = {
+    "bench_collectives.sbatch": (bench_args, check_bench),
+    "topology.sbatch": (topology_args, check_topology),
+}
+
+
+def test_every_script_is_tested():
+    assert SCRIPTS == sorted(JOBS), f"add the new slurm/*.sbatch scripts to JOBS in {__file__}"
+
+
+@needs_slurm
+@pytest.mark.timeout(**TEST_TIMEOUT)
+@pytest.mark.parametrize("script", sorted(JOBS))
+def test_script_runs_with_srun(cluster, script, tmp_path):
+    nodes = len(cluster.nodes)
+    make_args, check = JOBS[script]
+    rc, text = submit(cluster, script, make_args(tmp_path, nodes), tmp_path)
+    assert rc == 0, f"job failed (rc {rc}):\n{text}"
+    assert f"{RANKS} tasks on {nodes} node(s)" in text and "launcher: srun --mpi=pmi2" in text, text
+    check(text, tmp_path, nodes)
+
+
+@needs_slurm
+@pytest.mark.timeout(**TEST_TIMEOUT)
+def test_mpiexec_launcher(cluster, tmp_path):
+    """The venv's mpiexec inside the allocation: hydra starts its proxies through SLURM, one per node."""
+    nodes = len(cluster.nodes)
+    rc, text = submit(cluster, "topology.sbatch", topology_args(tmp_path, nodes), tmp_path, launcher="mpiexec")
+    assert rc == 0, f"job failed (rc {rc}):\n{text}"
+    assert "launcher: mpiexec" in text, text
+    check_topology(text, tmp_path, nodes)
+
+
+@needs_slurm
+@pytest.mark.timeout(**TEST_TIMEOUT)
+@pytest.mark.parametrize("script, args, message", [
+    ("bench_collectives.sbatch", ["--ops", "nope"], "unknown op"),
+    ("topology.sbatch", ["--expect-nodes", "3"], "error: expected 3 nodes"),
+], ids=["invalid-argument", "wrong-node-count"])
+def test_failing_job_fails_sbatch_wait(cluster, script, args, message, tmp_path):
+    rc, text = submit(cluster, script, args, tmp_path)
+    assert rc != 0, f"the job should have failed:\n{text}"
+    assert message in text, text
