@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 
@@ -45,6 +46,7 @@ def main(argv=None) -> int:
             for i, (node, names) in enumerate(zip(topo.nodes, layout["hostnames"])):
                 print(f"  node {i}: ranks {node} on host {','.join(names)}")
             if args.json:
+                os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
                 with open(args.json, "w") as f:
                     json.dump(layout, f, indent=1)
         ok = args.expect_nodes is None or topo.num_nodes == args.expect_nodes

@@ -93,7 +93,7 @@ def test_links_are_shaped_both_ways():
         assert sent["up"] > 10e6 and sent["down"] > 10e6  # the bytes went through the qdiscs
 
 
-def test_cli_up_verify_status_run_down():
+def test_cli_up_verify_status_run_down(tmp_path):
     proc = cli("up", "--hosts", "2", "--bandwidth", "500mbit", "--ranks-per-host", "2", "--verify")
     try:
         assert proc.returncode in (0, 1), proc.stderr  # 1: a link measured >10 % off (reported, not fatal)
@@ -101,12 +101,11 @@ def test_cli_up_verify_status_run_down():
         proc = cli("status", "--json")
         st = json.loads(proc.stdout)
         assert st["hosts"] == 2 and st["bandwidth"] == "500mbit" and len(st["namespaces"]) == 3
-        out = os.path.join(ROOT, "results", f"topo-{os.getpid()}.json")
+        out = str(tmp_path / "new-dir" / "topo.json")  # the job creates missing directories
         proc = cli("run", "--", PY, "-m", "jobs.topology", "--expect-nodes", "2", "--json", out)
         assert proc.returncode == 0, proc.stderr
         with open(out) as f:
             layout = json.load(f)
-        os.remove(out)
         assert layout["node_ranks"] == [[0, 1], [2, 3]] and layout["hostnames"] == [["h0"], ["h1"]]
     finally:
         proc = cli("down")
