@@ -1,0 +1,39 @@
+"""Start-up agreement between ranks: identical model structure, then rank 0's values everywhere."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from .ring import Ring
+from .validate import CollectiveMismatchError
+
+
+def check_same_structure(comm: MPI.Comm, entries: list[str], what: str = "parameter") -> None:
+    """Raise on every rank unless all ranks hold the same list of descriptions (e.g. 'fc1.weight (256, 784) float32').
+
+    One small Allgather of a checksum in the common case; only on a mismatch
+    are the lists gathered to name the first entry that differs.
+    """
+    digest = np.array([len(entries), zlib.crc32("\n".join(entries).encode())], dtype=np.int64)
+    table = np.empty((comm.Get_size(), 2), dtype=np.int64)
+    comm.Allgather(digest, table)
+    if np.all(table == table[0]):
+        return
+    lists = comm.allgather(entries)  # rare path and start-up only: pickling is fine
+    for i in range(max(len(x) for x in lists)):
+        column = [x[i] if i < len(x) else "(missing)" for x in lists]
+        if any(c != column[0] for c in column):
+            shown = "; ".join(f"rank {r}: {c}" for r, c in enumerate(column))
+            raise CollectiveMismatchError(f"models differ across ranks at {what} #{i}: {shown}")
+    raise CollectiveMismatchError(f"models differ across ranks ({what} lists of different lengths)")
+
+
+def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
+    """Overwrite every rank's tensors with root's, all in flight together."""
+    with Ring(comm) as ring:
+        handles = [ring.broadcast(t, root=root) for t in tensors if t.numel()]
+        for h in handles:
+            h.wait()

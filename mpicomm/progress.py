@@ -1,0 +1,131 @@
+"""A background thread that drives non-blocking MPI work while the main thread computes."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from mpi4py import MPI
+
+
+class ThreadLevelError(RuntimeError):
+    """The MPI library was not initialised with the thread support a progress thread needs."""
+
+
+def require_thread_multiple() -> None:
+    """A progress thread calls MPI while the main thread may too: only MPI_THREAD_MULTIPLE allows that."""
+    level = MPI.Query_thread()
+    if level < MPI.THREAD_MULTIPLE:
+        names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED", MPI.THREAD_SERIALIZED: "SERIALIZED"}
+        raise ThreadLevelError(
+            f"MPI provides thread level {names.get(level, level)}, a progress thread needs MULTIPLE: "
+            "leave mpi4py.rc.thread_level at its default 'multiple' before importing mpi4py.MPI")
+
+
+class Task:
+    """One unit of background work: `poll()` makes progress and returns True once finished."""
+
+    def poll(self) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class Future:
+    """Completion of a submitted task; `wait()` re-raises the task's exception."""
+
+    __slots__ = ("_event", "error", "task")
+
+    def __init__(self, task):
+        self.task, self.error, self._event = task, None, threading.Event()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None):
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self.task!r} not finished after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.task
+
+
+class ProgressThread:
+    """Polls submitted tasks round-robin; sleeps with back-off when nothing moves.
+
+    MPICH makes progress only inside MPI calls, so someone must keep calling
+    Test* while torch computes. Polling without pause would take a core from
+    the ranks that compute (four ranks on two cores here), so an idle loop
+    backs off from `min_sleep` to `max_sleep`; any completion resets it.
+    """
+
+    def __init__(self, name: str = "mpitrain-progress", min_sleep: float = 20e-6, max_sleep: float = 1e-3):
+        require_thread_multiple()
+        self._pending: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.min_sleep, self.max_sleep = min_sleep, max_sleep
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Task) -> Future:
+        fut = Future(task)
+        with self._cv:
+            if self._stop:
+                raise RuntimeError("progress thread already stopped")
+            self._pending.append(fut)
+            self._cv.notify()
+        return fut
+
+    def _run(self) -> None:
+        sleep = self.min_sleep
+        while True:
+            with self._cv:
+                while not self._pending and not self._stop:
+                    self._cv.wait()
+                if self._stop and not self._pending:
+                    return
+                batch = list(self._pending)
+            finished = []
+            for fut in batch:
+                try:
+                    if fut.task.poll():
+                        finished.append(fut)
+                except BaseException as exc:  # surfaced to whoever waits on the future
+                    fut.error = exc
+                    finished.append(fut)
+            if finished:
+                with self._cv:
+                    for fut in finished:
+                        self._pending.remove(fut)
+                for fut in finished:
+                    fut._event.set()
+                sleep = self.min_sleep
+            else:
+                time.sleep(sleep)
+                sleep = min(self.max_sleep, sleep * 2)
+
+    def stop(self) -> None:
+        """Finish what was submitted, then end the thread."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join()
+
+
+class HandleTask(Task):
+    """Adapts a collective Handle (mpicomm.handle) to the progress thread."""
+
+    __slots__ = ("handle", "on_done")
+
+    def __init__(self, handle, on_done=None):
+        self.handle, self.on_done = handle, on_done
+
+    def poll(self) -> bool:
+        if not self.handle.test():
+            return False
+        if self.on_done is not None:
+            self.on_done(self.handle)
+        return True
+
+    def __repr__(self) -> str:
+        return f"HandleTask({self.handle!r})"

@@ -1,0 +1,231 @@
+"""DistributedOptimizer: wrap any torch optimizer so gradients are averaged over MPI ranks with a chosen strategy."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from mpicomm import Topology
+from mpicomm.agree import broadcast_tensors, check_same_structure
+
+from .strategies import DEFAULT_SLICE_SIZE, STRATEGIES, P3Sync
+
+
+class DistributedOptimizer:
+    """Synchronous data-parallel SGD over MPI; the training loop stays as it was.
+
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, strategy="p3")
+        for x, y in batches:
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        opt.synchronize()   # before evaluating or saving outside a forward pass
+
+    At wrap time the model's structure is checked across ranks and rank 0's
+    parameters, buffers and optimizer state are broadcast. Gradients are
+    averaged exactly (every strategy is full-gradient synchronous SGD):
+    - allreduce: one fused ring allreduce after backward;
+    - wfbp: each gradient's allreduce starts as soon as backward produces it;
+    - p3: gradients cut into `slice_size`-element slices exchanged through a
+      sharded parameter server by forward-pass priority; `step()` returns at
+      once and each layer's update is applied just before that layer's next
+      forward, so early layers compute while later ones still synchronise.
+    Frozen parameters are skipped; parameters that got no gradient count as
+    zeros; tied weights are synchronised once. p3 needs an optimizer whose
+    update of one parameter depends only on that parameter (SGD, Adam, ...).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, strategy: str = "p3",
+                 topology: Topology | None = None, slice_size: int = DEFAULT_SLICE_SIZE, credit: int = 8,
+                 timeline=None):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+        self.optimizer, self.model, self.timeline = optimizer, model, timeline
+        self._own_topology = topology is None
+        self.topology = topology or Topology()
+        self.comm = self.topology.world
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._check_and_broadcast()
+        kwargs = dict(slice_size=slice_size, credit=credit) if strategy == "p3" else {}
+        self.strategy = STRATEGIES[strategy](self.comm, self.params, timeline, **kwargs)
+        self._ready = [False] * len(self.params)
+        self._pending: dict[int, list] = {}  # param index -> hyper-parameters of the step() that owes it
+        self._zero_requested: bool | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._module_params = self._owning_modules()
+        self._order: list[int] = []  # module positions in the order forward first ran them
+        self._seen: set[int] = set()
+        for pos, (module, _) in enumerate(self._module_params):
+            self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(pos)))
+
+    # -- set-up --------------------------------------------------------------
+    def _check_and_broadcast(self) -> None:
+        named = list(self.model.named_parameters())
+        entries = [f"{n} {tuple(p.shape)} {p.dtype} grad={p.requires_grad}" for n, p in named]
+        entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in self.model.named_buffers()]
+        check_same_structure(self.comm, entries)
+        with torch.no_grad():
+            broadcast_tensors(self.comm, [p.detach() for _, p in named] + list(self.model.buffers()))
+        state = self.optimizer.state_dict()["state"]
+        tensors = [v for k in sorted(state) for _, v in sorted(state[k].items()) if torch.is_tensor(v) and v.dim()]
+        check_same_structure(self.comm, [f"{tuple(t.shape)} {t.dtype}" for t in tensors], "optimizer state tensor")
+        broadcast_tensors(self.comm, tensors)
+
+    def _owning_modules(self) -> list[tuple[torch.nn.Module, list[int]]]:
+        """Each trainable parameter assigned to one module that holds it (a tied weight: the first)."""
+        seen, out = set(), []
+        for module in self.model.modules():
+            mine = [self.strategy.index[id(p)] for p in module.parameters(recurse=False)
+                    if id(p) in self.strategy.index and id(p) not in seen]
+            seen.update(id(self.params[i]) for i in mine)
+            if mine:
+                out.append((module, mine))
+        return out
+
+    # -- hooks ---------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        i = self.strategy.index[id(p)]
+        if self._ready[i]:
+            raise RuntimeError("a parameter's gradient became ready twice in one step: call step() "
+                               "after every backward (gradient accumulation is not supported yet)")
+        self._ready[i] = True
+        self.strategy.grad_ready(i, p.grad)
+
+    def _make_pre_hook(self, pos: int):
+        def pre_hook(module, inputs):
+            if pos not in self._seen:
+                self._seen.add(pos)
+                self._order.append(pos)
+                self._update_priorities()
+            owed = [i for i in self._module_params[pos][1] if i in self._pending]
+            if owed:
+                self._apply(owed)
+        return pre_hook
+
+    def _update_priorities(self) -> None:
+        if isinstance(self.strategy, P3Sync):
+            rank_of = {pos: k for k, pos in enumerate(self._order)}
+            prio = [len(self._module_params)] * len(self.params)
+            for pos, (_, idxs) in enumerate(self._module_params):
+                for i in idxs:
+                    prio[i] = rank_of.get(pos, len(self._module_params) + pos)
+            self.strategy.set_priorities(prio)
+
+    # -- the optimizer interface -----------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not self._pending:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        # Parameters still owed an update keep their (averaged) gradient until it is applied.
+        self._zero_requested = set_to_none
+        for i, p in enumerate(self.params):
+            if i not in self._pending and p.grad is not None:
+                p.grad = None if set_to_none else p.grad.zero_()
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step does not take a closure")
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        for i in missing:
+            # Every rank must send every tensor; a parameter unused this step contributes zeros.
+            p = self.params[i]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._ready[i] = True
+            self.strategy.grad_ready(i, p.grad)
+        self.strategy.finish(missing)
+        self._ready = [False] * len(self.params)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        if self.strategy.layerwise:
+            for i in range(len(self.params)):
+                self._pending[i] = hyper
+            return None
+        for i in range(len(self.params)):
+            self.strategy.wait(i)
+        self.optimizer.step()
+        return None
+
+    def synchronize(self) -> None:
+        """Finish all communication and apply every update still owed (before eval, checkpoints)."""
+        if self._pending:
+            self._apply(sorted(self._pending))
+
+    def _apply(self, owed: list[int]) -> None:
+        """Run the wrapped optimizer's step on just these parameters, with the hyper-parameters of their step()."""
+        tl = self.timeline
+        for i in owed:
+            if tl:
+                with tl.span(f"wait p{i}", "sync", param=i):
+                    self.strategy.wait(i)
+            else:
+                self.strategy.wait(i)
+        owed_set = set(owed)
+        by_hyper: dict[int, tuple] = {}
+        for i in owed:
+            by_hyper.setdefault(id(self._pending[i]), (self._pending[i], []))[1].append(i)
+        hidden = [(p, p.grad) for j, p in enumerate(self.params) if j not in owed_set and p.grad is not None]
+        with _grads_hidden(hidden):
+            for hyper, idxs in by_hyper.values():
+                keep = set(idxs)
+                others = [(self.params[j], self.params[j].grad) for j in owed if j not in keep]
+                with _grads_hidden(others), _hyperparameters(self.optimizer, hyper):
+                    self.optimizer.step()
+        for i in owed:
+            del self._pending[i]
+            if self._zero_requested is not None:
+                p = self.params[i]
+                p.grad = None if self._zero_requested else p.grad.zero_()
+        if not self._pending:
+            self._zero_requested = None
+
+    # -- checkpoints ---------------------------------------------------------
+    def state_dict(self):
+        self.synchronize()
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.synchronize()
+        self.optimizer.load_state_dict(state)
+
+    def close(self) -> None:
+        """Apply what is owed, stop the strategy's threads and free its communicators."""
+        self.synchronize()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.strategy.close()
+        if self._own_topology:
+            self.topology.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@contextlib.contextmanager
+def _grads_hidden(pairs):
+    """Optimizers skip parameters whose .grad is None: hide these for the duration."""
+    for p, _ in pairs:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in pairs:
+            p.grad = g
+
+
+@contextlib.contextmanager
+def _hyperparameters(optimizer, hyper):
+    saved = [{k: g[k] for k in h if k in g} for g, h in zip(optimizer.param_groups, hyper)]
+    for g, h in zip(optimizer.param_groups, hyper):
+        g.update(h)
+    try:
+        yield
+    finally:
+        for g, s in zip(optimizer.param_groups, saved):
+            g.update(s)

@@ -1,0 +1,156 @@
+"""Gradient synchronisation strategies: allreduce after backward, wait-free backprop, and P3 slices."""
+
+from __future__ import annotations
+
+import torch
+
+from mpicomm import Ring, slice_tag
+from mpicomm.progress import HandleTask, ProgressThread
+from mpicomm.sliced_ps import SlicedExchange
+
+DEFAULT_SLICE_SIZE = 50_000  # elements; P3 used tens of thousands, see BENCHMARKS.md for the sweep
+
+
+class Strategy:
+    """What a strategy tells the optimizer wrapper: when gradients are final and averaged."""
+
+    name = "base"
+    layerwise = False  # True: updates are applied per layer, in the next forward pass
+
+    def __init__(self, comm, params: list[torch.nn.Parameter], timeline=None):
+        self.comm, self.params, self.timeline = comm, params, timeline
+        self.size = comm.Get_size()
+        self.index = {id(p): i for i, p in enumerate(params)}
+
+    def grad_ready(self, i: int, grad: torch.Tensor) -> None:
+        """Backward produced parameter i's final gradient (hook); may start sending it."""
+
+    def finish(self, missing: list[int]) -> None:
+        """After backward: parameters in `missing` got no gradient (zeros were filled in)."""
+
+    def wait(self, i: int) -> None:
+        """Block until parameter i's gradient is the average over ranks."""
+
+    def close(self) -> None:
+        pass
+
+
+class AllreduceSync(Strategy):
+    """Baseline: one fused ring allreduce of every gradient once backward is over."""
+
+    name = "allreduce"
+
+    def __init__(self, comm, params, timeline=None):
+        super().__init__(comm, params, timeline)
+        self.ring = Ring(comm)
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype if params else torch.float32)
+        self.grads: list = [None] * len(params)
+
+    def grad_ready(self, i, grad):
+        self.grads[i] = grad
+
+    def finish(self, missing):
+        offset, views = 0, []
+        for g in self.grads:
+            n = g.numel()
+            self.flat[offset:offset + n].copy_(g.reshape(-1))
+            views.append((g, offset, n))
+            offset += n
+        span = self.timeline.begin("allreduce (fused)", "sync", track="comm") if self.timeline else None
+        self.ring.allreduce(self.flat).wait()
+        self.flat.div_(self.size)
+        for g, off, n in views:
+            g.copy_(self.flat[off:off + n].view_as(g))
+        if span is not None:
+            self.timeline.end(span)
+
+    def close(self):
+        self.ring.free()
+
+
+class WfbpSync(Strategy):
+    """Poseidon's wait-free backprop: each gradient's allreduce starts the moment backward produces it."""
+
+    name = "wfbp"
+
+    def __init__(self, comm, params, timeline=None):
+        super().__init__(comm, params, timeline)
+        # Validation would add a collective per tensor in hook order; the structure was checked
+        # at wrap time and tags are keyed by parameter, so order between ranks cannot mix data.
+        self.ring = Ring(comm, validate=False)
+        self.progress = ProgressThread("mpitrain-wfbp")
+        self.futures: list = [None] * len(params)
+
+    def grad_ready(self, i, grad):
+        tl = self.timeline
+        token = tl.begin(f"allreduce p{i}", "sync", track="comm", param=i, numel=grad.numel()) if tl else None
+        size = self.size
+
+        def averaged(handle, grad=grad, token=token):
+            grad.div_(size)
+            if tl:
+                tl.end(token)
+
+        handle = self.ring.allreduce(grad, tag=slice_tag(self.ring.comm, i, 0, 1))
+        self.futures[i] = self.progress.submit(HandleTask(handle, averaged))
+
+    def wait(self, i):
+        fut = self.futures[i]
+        if fut is not None:
+            fut.wait()
+            self.futures[i] = None
+
+    def close(self):
+        self.progress.stop()
+        self.ring.free()
+
+
+class P3Sync(Strategy):
+    """Priority-based parameter propagation over a colocated sharded parameter server."""
+
+    name = "p3"
+    layerwise = True
+
+    def __init__(self, comm, params, timeline=None, slice_size: int = DEFAULT_SLICE_SIZE, credit: int = 8):
+        super().__init__(comm, params, timeline)
+        dtype = params[0].dtype if params else torch.float32
+        self.exchange = SlicedExchange(comm, [p.numel() for p in params], slice_size, credit, timeline, dtype)
+        self.progress = ProgressThread("mpitrain-p3")
+        self.iteration = None
+        self.future = None
+
+    def set_priorities(self, priority: list[int]) -> None:
+        self.exchange.set_priorities(priority)
+
+    def _current(self):
+        if self.iteration is None:
+            if self.future is not None:
+                # The previous step's receive buffers are reused: it must be fully over (normally is).
+                self.future.wait()
+            self.iteration = self.exchange.begin()
+            self.future = self.progress.submit(self.iteration)
+        return self.iteration
+
+    def grad_ready(self, i, grad):
+        self._current().ready(i, grad)
+
+    def finish(self, missing):
+        self._current()
+        self.iteration = None  # the next grad_ready starts the next step
+
+    def wait(self, i):
+        it = self.exchange.current
+        if it is None:
+            return
+        ev = it.tensor_done[i]
+        while not ev.wait(0.5):
+            if self.future is not None and self.future.done():
+                self.future.wait()  # re-raises an error of the progress thread
+                break
+
+    def close(self):
+        self.progress.stop()
+        self.exchange.free()
+
+
+STRATEGIES = {"allreduce": AllreduceSync, "wfbp": WfbpSync, "p3": P3Sync}

@@ -1,0 +1,127 @@
+"""Every strategy is exact synchronous SGD: same parameters as one process on the whole batch, and as DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import assert_everywhere
+from runtime import STRATEGIES, DistributedOptimizer
+
+pytestmark = pytest.mark.mpi
+
+STEPS, LOCAL_BATCH = 20, 6
+
+
+class Edgy(nn.Module):
+    """Layers smaller than a slice, slices crossing layers, a 1-element tensor, frozen, tied and unused weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(11, 13)
+        self.frozen = nn.Linear(13, 13)
+        self.frozen.requires_grad_(False)
+        self.mid = nn.Linear(13, 13)
+        self.head = nn.Linear(13, 5, bias=False)
+        self.tied = nn.Linear(13, 5, bias=False)
+        self.tied.weight = self.head.weight  # one Parameter, two modules
+        self.scale = nn.Parameter(torch.tensor([0.7]))
+        self.unused = nn.Linear(3, 3)  # never called: its gradient is zeros
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        h = torch.tanh(self.frozen(h)) + h
+        h = torch.relu(self.mid(h))
+        return (self.head(h) + 0.5 * self.tied(h)) * self.scale
+
+
+def data(world_size):
+    g = torch.Generator().manual_seed(1234)
+    n = LOCAL_BATCH * world_size
+    return torch.randn(STEPS, n, 11, generator=g), torch.randint(0, 5, (STEPS, n), generator=g)
+
+
+def train(strategy, world, X, Y, slice_size=7):
+    """Train 20 SGD+momentum steps; strategy None is the single-process reference on the full batch."""
+    torch.manual_seed(7)
+    model = Edgy()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    r, P = world.Get_rank(), world.Get_size()
+    dopt = DistributedOptimizer(opt, model, strategy, slice_size=slice_size) if strategy else opt
+    for step in range(STEPS):
+        x, y = X[step], Y[step]
+        if strategy:
+            x, y = x[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], y[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+        dopt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        dopt.step()
+    if strategy:
+        dopt.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def close(a, b, rtol=1e-5):
+    return all(torch.allclose(x, y, rtol=rtol, atol=1e-6) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_equals_single_process_on_whole_batch(world, strategy):
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    got = train(strategy, world, X, Y)
+    assert_everywhere(world, close(got, reference), f"{strategy} differs from one process on the whole batch")
+    assert_everywhere(world, not close(got, train(None, world, X[:, :1], Y[:, :1])), "test cannot fail")
+
+
+@pytest.mark.parametrize("slice_size", [1, 5, 13, 1000])
+def test_p3_slice_sizes(world, slice_size):
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    assert_everywhere(world, close(train("p3", world, X, Y, slice_size), reference), f"slice {slice_size}")
+
+
+def test_equals_torch_ddp_over_gloo(world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mpicomm.torchdist import init_gloo
+
+    X, Y = data(world.Get_size())
+    r = world.Get_rank()
+    init_gloo(world)
+    try:
+        torch.manual_seed(7)
+        model = Edgy()
+        ddp = DDP(model, find_unused_parameters=True)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        for step in range(STEPS):
+            x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        ddp_params = [p.detach().clone() for p in model.parameters()]
+    finally:
+        dist.destroy_process_group()
+    for strategy in STRATEGIES:
+        assert_everywhere(world, close(train(strategy, world, X, Y), ddp_params), f"{strategy} vs DDP")
+
+
+def test_models_that_differ_are_named(world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4 + (world.Get_rank() == 1)), nn.Linear(4 + (world.Get_rank() == 1), 2))
+    from mpicomm import CollectiveMismatchError
+
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(CollectiveMismatchError, match=r"parameter #0: rank 0: 0.weight \(4, 4\)"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "p3")
+
+
+def test_initial_parameters_come_from_rank_0(world):
+    torch.manual_seed(world.Get_rank())  # every rank starts different
+    model = nn.Linear(5, 3)
+    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "wfbp"):
+        w = model.weight.detach().clone()
+    torch.manual_seed(0)
+    assert_everywhere(world, torch.equal(w, nn.Linear(5, 3).weight.detach()), "not rank 0's weights")
