@@ -9,6 +9,7 @@ import torch
 from mpicomm import Topology
 from mpicomm.agree import broadcast_tensors, check_same_structure
 
+from .forward_gate import ForwardGate
 from .strategies import DEFAULT_SLICE_SIZE, STRATEGIES, P3Sync
 
 
@@ -51,11 +52,7 @@ class DistributedOptimizer:
         self._pending: dict[int, list] = {}  # param index -> hyper-parameters of the step() that owes it
         self._zero_requested: bool | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self._module_params = self._owning_modules()
-        self._order: list[int] = []  # module positions in the order forward first ran them
-        self._seen: set[int] = set()
-        for pos, (module, _) in enumerate(self._module_params):
-            self._hooks.append(module.register_forward_pre_hook(self._make_pre_hook(pos)))
+        self.gate = ForwardGate(model, self.params, self._on_module_enter)
 
     # -- set-up --------------------------------------------------------------
     def _check_and_broadcast(self) -> None:
@@ -70,19 +67,16 @@ class DistributedOptimizer:
         check_same_structure(self.comm, [f"{tuple(t.shape)} {t.dtype}" for t in tensors], "optimizer state tensor")
         broadcast_tensors(self.comm, tensors)
 
-    def _owning_modules(self) -> list[tuple[torch.nn.Module, list[int]]]:
-        """Each trainable parameter assigned to one module that holds it (a tied weight: the first)."""
-        seen, out = set(), []
-        for module in self.model.modules():
-            mine = [self.strategy.index[id(p)] for p in module.parameters(recurse=False)
-                    if id(p) in self.strategy.index and id(p) not in seen]
-            seen.update(id(self.params[i]) for i in mine)
-            if mine:
-                out.append((module, mine))
-        return out
-
     # -- hooks ---------------------------------------------------------------
+    def _freeze_gate(self) -> None:
+        if self.gate.gate is None:
+            # The first forward pass is over: gates and priorities are known from now on.
+            priority = self.gate.freeze()
+            if isinstance(self.strategy, P3Sync):
+                self.strategy.set_priorities(priority)
+
     def _on_grad(self, p: torch.Tensor) -> None:
+        self._freeze_gate()
         i = self.strategy.index[id(p)]
         if self._ready[i]:
             raise RuntimeError("a parameter's gradient became ready twice in one step: call step() "
@@ -90,25 +84,10 @@ class DistributedOptimizer:
         self._ready[i] = True
         self.strategy.grad_ready(i, p.grad)
 
-    def _make_pre_hook(self, pos: int):
-        def pre_hook(module, inputs):
-            if pos not in self._seen:
-                self._seen.add(pos)
-                self._order.append(pos)
-                self._update_priorities()
-            owed = [i for i in self._module_params[pos][1] if i in self._pending]
-            if owed:
-                self._apply(owed)
-        return pre_hook
-
-    def _update_priorities(self) -> None:
-        if isinstance(self.strategy, P3Sync):
-            rank_of = {pos: k for k, pos in enumerate(self._order)}
-            prio = [len(self._module_params)] * len(self.params)
-            for pos, (_, idxs) in enumerate(self._module_params):
-                for i in idxs:
-                    prio[i] = rank_of.get(pos, len(self._module_params) + pos)
-            self.strategy.set_priorities(prio)
+    def _on_module_enter(self, params: list[int]) -> None:
+        owed = [i for i in params if i in self._pending]
+        if owed:
+            self._apply(owed)
 
     # -- the optimizer interface -----------------------------------------------
     @property
@@ -128,6 +107,7 @@ class DistributedOptimizer:
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure")
+        self._freeze_gate()
         missing = [i for i, r in enumerate(self._ready) if not r]
         for i in missing:
             # Every rank must send every tensor; a parameter unused this step contributes zeros.
@@ -196,6 +176,7 @@ class DistributedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.gate.remove()
         self.strategy.close()
         if self._own_topology:
             self.topology.free()

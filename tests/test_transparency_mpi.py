@@ -36,16 +36,31 @@ class Edgy(nn.Module):
         return (self.head(h) + 0.5 * self.tied(h)) * self.scale
 
 
+class Attention(nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight without running out_proj's forward: gated by its parent."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(11, 8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = self.inp(x).unsqueeze(1).expand(-1, 3, -1)
+        h, _ = self.attn(h, h, h)
+        return self.out(h.mean(1))
+
+
 def data(world_size):
     g = torch.Generator().manual_seed(1234)
     n = LOCAL_BATCH * world_size
     return torch.randn(STEPS, n, 11, generator=g), torch.randint(0, 5, (STEPS, n), generator=g)
 
 
-def train(strategy, world, X, Y, slice_size=7):
+def train(strategy, world, X, Y, slice_size=7, make=Edgy):
     """Train 20 SGD+momentum steps; strategy None is the single-process reference on the full batch."""
     torch.manual_seed(7)
-    model = Edgy()
+    model = make()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     r, P = world.Get_rank(), world.Get_size()
     dopt = DistributedOptimizer(opt, model, strategy, slice_size=slice_size) if strategy else opt
@@ -79,6 +94,12 @@ def test_p3_slice_sizes(world, slice_size):
     X, Y = data(world.Get_size())
     reference = train(None, world, X, Y)
     assert_everywhere(world, close(train("p3", world, X, Y, slice_size), reference), f"slice {slice_size}")
+
+
+def test_p3_waits_for_weights_read_by_a_parent_module(world):
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y, make=Attention)
+    assert_everywhere(world, close(train("p3", world, X, Y, 5, make=Attention), reference), "attention")
 
 
 def test_equals_torch_ddp_over_gloo(world):

@@ -1,0 +1,214 @@
+"""Data-parallel training over MPI with a chosen gradient-synchronisation strategy — the main job.
+
+    mpiexec -n 4 python -m jobs.train                                  # MLP, Fashion-MNIST, p3, 2 epochs
+    mpiexec -n 4 python -m jobs.train --model vgg19 --data synthetic --strategy wfbp --max-steps 20
+    mpiexec -n 4 python -m jobs.train --checkpoint ckpt.pt --resume --timeline trace.json
+
+Every rank reads its share of each global batch (--batch-size per rank), so
+the run equals single-process SGD on batches of batch-size x ranks. Rank 0
+shows progress and prints per-epoch loss, test accuracy and samples/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+MODELS = ("mlp", "vgg19", "resnet50", "transformer")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", choices=MODELS, default="mlp")
+    p.add_argument("--data", choices=("fashion-mnist", "synthetic"), default="fashion-mnist")
+    p.add_argument("--strategy", default="p3", help="allreduce, wfbp or p3 (default p3)")
+    p.add_argument("--slice-size", type=int, default=None, help="p3 slice, in elements (default: runtime's)")
+    p.add_argument("--credit", type=int, default=8, help="p3: outgoing slices in flight (default 8)")
+    p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synthetic-samples", type=int, default=4096, help="size of the synthetic training set")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--checkpoint", metavar="PATH", help="save model+optimizer after every epoch (atomically)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--timeline", metavar="PATH", help="Chrome-trace JSON of the run, one track per rank")
+    p.add_argument("--json", metavar="PATH", help="write per-epoch metrics here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        p.error("--resume needs --checkpoint PATH")
+    for name in ("batch_size", "epochs", "threads", "credit", "synthetic_samples"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.data == "fashion-mnist" and args.model == "transformer":
+        p.error("the transformer trains on synthetic sequences: use --data synthetic")
+    return args
+
+
+def load_data(args, rank):
+    """(train inputs, train targets, test inputs, test targets) as tensors shaped for the model."""
+    import torch
+
+    from runtime import data as D
+    from runtime.models import model_input
+
+    if args.data == "synthetic":
+        x, y = model_input(args.model, args.synthetic_samples, args.seed)
+        tx, ty = model_input(args.model, max(256, args.synthetic_samples // 8), args.seed + 1)
+        return x, y, tx, ty
+    shape = (784,) if args.model == "mlp" else (3, 32, 32)
+    xs, ys = D.load_fashion_mnist("train")
+    txs, tys = D.load_fashion_mnist("test")
+    return D.to_tensor(xs, shape), torch.as_tensor(ys), D.to_tensor(txs, shape), torch.as_tensor(tys)
+
+
+def evaluate(model, x, y, comm, batch=512):
+    """Accuracy over the test set, each rank scoring a 1/P share (token accuracy for the transformer)."""
+    import numpy as np
+    import torch
+
+    P, r = comm.Get_size(), comm.Get_rank()
+    idx = np.array_split(np.arange(len(x)), P)[r]
+    correct = total = 0
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for a in range(0, len(idx), batch):
+            sl = idx[a:a + batch]
+            out = model(*x[sl]) if isinstance(x, tuple) else model(x[sl])
+            pred = out.argmax(-1)
+            correct += int((pred == y[sl]).sum())
+            total += int(y[sl].numel())
+    model.train(was_training)
+    counts = np.array([correct, total], dtype=np.int64)
+    comm.Allreduce(np.copy(counts), counts)
+    return counts[0] / max(1, counts[1])
+
+
+def save_checkpoint(path, model, dopt, epoch, args):
+    import torch
+
+    state = dict(model=model.state_dict(), optimizer=dopt.state_dict(), epoch=epoch, args=vars(args))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # readers see the old or the new checkpoint, never half of one
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from mpicomm import Topology
+    from runtime import STRATEGIES, DistributedOptimizer
+    from runtime.data import BatchPlan
+    from runtime.models import build_model, loss_fn
+
+    if args.strategy not in STRATEGIES:
+        print(f"error: unknown strategy {args.strategy!r} (choose from {', '.join(STRATEGIES)})", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    topo = Topology()
+    comm, rank, P = topo.world, topo.rank, topo.size
+    say = print if rank == 0 else (lambda *a, **k: None)
+    try:
+        x, y, tx, ty = load_data(args, rank)
+    except FileNotFoundError as exc:
+        say(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, num_classes=10 if args.model != "transformer" else 1000,
+                        **({"in_channels": 3} if args.model in ("vgg19", "resnet50") else {}))
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    start_epoch = 0
+    if args.resume and os.path.exists(args.checkpoint):
+        ckpt = torch.load(args.checkpoint, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start_epoch = ckpt["epoch"] + 1
+        say(f"resumed from {args.checkpoint} after epoch {ckpt['epoch'] + 1}")
+
+    timeline = None
+    if args.timeline:
+        from runtime.timeline import Timeline
+        from runtime.trace_hooks import instrument
+
+        timeline = Timeline(rank)
+        instrument(model, timeline)
+    kw = {"slice_size": args.slice_size} if args.slice_size else {}
+    dopt = DistributedOptimizer(opt, model, args.strategy, topology=topo, credit=args.credit,
+                                timeline=timeline, **kw)
+    criterion = loss_fn(args.model)
+    n_train = len(x[0]) if isinstance(x, tuple) else len(x)
+    plan = BatchPlan(n_train, args.batch_size, P, rank, args.seed)
+    steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
+    say(f"{args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), {args.data}, "
+        f"strategy {args.strategy}, {P} ranks x batch {args.batch_size}, {steps} steps/epoch")
+    history = []
+    for epoch in range(start_epoch, args.epochs):
+        bar = None
+        if rank == 0 and not args.no_progress:
+            from tqdm import tqdm
+            bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", leave=False)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for step, idx in enumerate(plan.epoch(epoch)[:steps]):
+            idx = torch.as_tensor(idx)
+            inputs = tuple(t[idx] for t in x) if isinstance(x, tuple) else (x[idx],)
+            dopt.zero_grad()
+            loss = criterion(model(*inputs), y[idx])
+            loss.backward()
+            dopt.step()
+            loss_sum += float(loss)
+            if bar is not None:
+                bar.update(1)
+                if step % 20 == 0:
+                    bar.set_postfix(loss=f"{float(loss):.3f}")
+        dopt.synchronize()
+        comm.Barrier()
+        elapsed = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        losses = np.array([loss_sum / max(1, steps)])
+        comm.Allreduce(MPI.IN_PLACE, losses)
+        acc = evaluate(model, tx, ty, comm)
+        row = dict(epoch=epoch + 1, loss=float(losses[0] / P), test_accuracy=acc,
+                   samples_per_s=steps * args.batch_size * P / elapsed, seconds=elapsed)
+        history.append(row)
+        say(f"epoch {epoch + 1}: loss {row['loss']:.4f}  test accuracy {acc * 100:.2f} %  "
+            f"{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)", flush=True)
+        if args.checkpoint and rank == 0:
+            save_checkpoint(args.checkpoint, model, dopt, epoch, args)
+    dopt.close()
+    if timeline is not None:
+        from runtime.timeline import merge
+
+        part = f"{args.timeline}.rank{rank}.json"
+        timeline.dump(part)
+        comm.Barrier()
+        if rank == 0:
+            merge([f"{args.timeline}.rank{r}.json" for r in range(P)], args.timeline)
+            for r in range(P):
+                os.remove(f"{args.timeline}.rank{r}.json")
+            say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), ranks=P, epochs=history), f, indent=1)
+    topo.free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Forward and backward spans per layer on a Timeline, through module hooks."""
+
+from __future__ import annotations
+
+import torch
+
+
+def instrument(model: torch.nn.Module, timeline) -> list:
+    """Record "forward NAME" and "backward NAME" for every module that owns parameters; returns the hook handles."""
+    handles = []
+    for name, module in model.named_modules():
+        if not any(True for _ in module.parameters(recurse=False)):
+            continue
+        label = name or type(module).__name__
+        open_fwd, open_bwd = [], []
+
+        def fwd_pre(mod, inputs, label=label, stack=open_fwd):
+            stack.append(timeline.begin(f"forward {label}", "compute", track="main"))
+
+        def fwd_post(mod, inputs, output, stack=open_fwd):
+            if stack:
+                timeline.end(stack.pop())
+
+        def bwd_pre(mod, grad_output, label=label, stack=open_bwd):
+            stack.append(timeline.begin(f"backward {label}", "compute", track="main"))
+
+        def bwd_post(mod, grad_input, grad_output, stack=open_bwd):
+            if stack:
+                timeline.end(stack.pop())
+
+        handles += [module.register_forward_pre_hook(fwd_pre), module.register_forward_hook(fwd_post),
+                    module.register_full_backward_pre_hook(bwd_pre), module.register_full_backward_hook(bwd_post)]
+    return handles
