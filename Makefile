@@ -16,11 +16,16 @@ STAMP := $(VENV)/.mpitrain-setup
 
 setup: setup-system $(STAMP)
 
-# Debian packages for the emulated-cluster and SLURM tests, only when root (CI is root); without
-# root those tests skip with a reason. Cheap when already installed.
+# Debian packages, only when root (CI is root): Fashion-MNIST for the demo, and what the
+# emulated-cluster and SLURM tests need (without root those tests skip with a reason).
+# Cheap when already installed.
+FASHION := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
 setup-system:
-	@if [ "$$(id -u)" = 0 ] && ! { command -v sbatch && command -v munged && command -v tc && command -v unshare; } >/dev/null; then \
-	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2 util-linux; fi
+	@if [ "$$(id -u)" = 0 ] && ! { command -v sbatch && command -v munged && command -v tc && command -v unshare \
+	      && test -f $(FASHION); } >/dev/null; then \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge iproute2 util-linux \
+	    dataset-fashion-mnist; fi
+	@test -f $(FASHION) || echo "note: Fashion-MNIST missing (as root: apt-get install dataset-fashion-mnist); the demo needs it"
 	@if [ "$$(id -u)" = 0 ] && [ ! -s /etc/munge/munge.key ]; then mungekey --create && chown munge:munge /etc/munge/munge.key; fi
 
 # torch first and pinned: this version is served as a local CPU build, any other spec pulls a
@@ -34,9 +39,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -c "import mpi4py, torch, h5py; from mpi4py import MPI; print('set-up ok:', MPI.Get_library_version().splitlines()[0], '| torch', torch.__version__)"
 	touch $@
 
+# The main job on its defaults: MLP on Fashion-MNIST, 4 ranks, p3, 2 epochs.
 demo: setup
 	mkdir -p results
-	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(PY) -m jobs.bench_collectives --json results/collectives.json
+	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(PY) -m jobs.train --json results/train.json --timeline results/train-trace.json
 
 test: setup test-serial test-mpi test-mpi-hosts test-mpi-emulated
 	@echo "make test: all parts passed"

@@ -54,43 +54,43 @@ def parse_args(argv=None):
 
 
 def load_data(args, rank):
-    """(train inputs, train targets, test inputs, test targets) as tensors shaped for the model."""
+    """(train inputs, train targets, test inputs, test targets); inputs are tuples of tensors: model(*inputs)."""
     import torch
 
     from runtime import data as D
-    from runtime.models import model_input
+    from runtime.models import input_shape, model_input
 
     if args.data == "synthetic":
         x, y = model_input(args.model, args.synthetic_samples, args.seed)
         tx, ty = model_input(args.model, max(256, args.synthetic_samples // 8), args.seed + 1)
         return x, y, tx, ty
-    shape = (784,) if args.model == "mlp" else (3, 32, 32)
+    shape = input_shape(args.model)
     xs, ys = D.load_fashion_mnist("train")
     txs, tys = D.load_fashion_mnist("test")
-    return D.to_tensor(xs, shape), torch.as_tensor(ys), D.to_tensor(txs, shape), torch.as_tensor(tys)
+    return (D.to_tensor(xs, shape),), torch.as_tensor(ys), (D.to_tensor(txs, shape),), torch.as_tensor(tys)
 
 
 def evaluate(model, x, y, comm, batch=512):
-    """Accuracy over the test set, each rank scoring a 1/P share (token accuracy for the transformer)."""
+    """(accuracy, targets scored) over the test set, each rank scoring a 1/P share (tokens for the transformer)."""
     import numpy as np
     import torch
 
     P, r = comm.Get_size(), comm.Get_rank()
-    idx = np.array_split(np.arange(len(x)), P)[r]
+    idx = np.array_split(np.arange(len(x[0])), P)[r]
     correct = total = 0
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for a in range(0, len(idx), batch):
             sl = idx[a:a + batch]
-            out = model(*x[sl]) if isinstance(x, tuple) else model(x[sl])
+            out = model(*(t[sl] for t in x))
             pred = out.argmax(-1)
             correct += int((pred == y[sl]).sum())
             total += int(y[sl].numel())
     model.train(was_training)
     counts = np.array([correct, total], dtype=np.int64)
     comm.Allreduce(np.copy(counts), counts)
-    return counts[0] / max(1, counts[1])
+    return counts[0] / max(1, counts[1]), int(counts[1])
 
 
 def save_checkpoint(path, model, dopt, epoch, args):
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     dopt = DistributedOptimizer(opt, model, args.strategy, topology=topo, credit=args.credit,
                                 timeline=timeline, **kw)
     criterion = loss_fn(args.model)
-    n_train = len(x[0]) if isinstance(x, tuple) else len(x)
+    n_train = len(x[0])
     plan = BatchPlan(n_train, args.batch_size, P, rank, args.seed)
     steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
     say(f"{args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), {args.data}, "
@@ -166,16 +166,17 @@ def main(argv=None) -> int:
         loss_sum = 0.0
         for step, idx in enumerate(plan.epoch(epoch)[:steps]):
             idx = torch.as_tensor(idx)
-            inputs = tuple(t[idx] for t in x) if isinstance(x, tuple) else (x[idx],)
+            inputs = tuple(t[idx] for t in x)
             dopt.zero_grad()
             loss = criterion(model(*inputs), y[idx])
             loss.backward()
             dopt.step()
-            loss_sum += float(loss)
+            loss_value = loss.detach().item()
+            loss_sum += loss_value
             if bar is not None:
                 bar.update(1)
                 if step % 20 == 0:
-                    bar.set_postfix(loss=f"{float(loss):.3f}")
+                    bar.set_postfix(loss=f"{loss_value:.3f}")
         dopt.synchronize()
         comm.Barrier()
         elapsed = time.perf_counter() - t0
@@ -183,8 +184,8 @@ def main(argv=None) -> int:
             bar.close()
         losses = np.array([loss_sum / max(1, steps)])
         comm.Allreduce(MPI.IN_PLACE, losses)
-        acc = evaluate(model, tx, ty, comm)
-        row = dict(epoch=epoch + 1, loss=float(losses[0] / P), test_accuracy=acc,
+        acc, scored = evaluate(model, tx, ty, comm)
+        row = dict(epoch=epoch + 1, loss=float(losses[0] / P), test_accuracy=acc, test_targets=scored,
                    samples_per_s=steps * args.batch_size * P / elapsed, seconds=elapsed)
         history.append(row)
         say(f"epoch {epoch + 1}: loss {row['loss']:.4f}  test accuracy {acc * 100:.2f} %  "

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+
+# The first layer's inputs need no gradient, so its full backward hook fires on outputs only;
+# torch warns about exactly that, which is what we want here.
+warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect to module outputs")
 
 
 def instrument(model: torch.nn.Module, timeline) -> list:

@@ -1,0 +1,66 @@
+"""jobs.train end to end under mpiexec: metrics, checkpoint and resume, the merged timeline, bad arguments."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT
+from mpicomm.launch import mpiexec
+
+QUICK = ["--model", "mlp", "--data", "synthetic", "--synthetic-samples", "512", "--batch-size", "32",
+         "--no-progress"]
+
+
+def train(tmp_path, *args, n=2, timeout=180):
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "jobs.train", *QUICK, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+def test_trains_and_reports_every_epoch(tmp_path, strategy):
+    out = tmp_path / "m.json"
+    proc = train(tmp_path, "--strategy", strategy, "--epochs", "2", "--json", str(out))
+    rows = json.loads(out.read_text())["epochs"]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert rows[1]["loss"] < rows[0]["loss"]  # the synthetic classes are learnable
+    assert all(r["test_targets"] == 256 and 0 <= r["test_accuracy"] <= 1 and r["samples_per_s"] > 0 for r in rows)
+    assert "epoch 2: loss" in proc.stdout
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight, split = tmp_path / "a.pt", tmp_path / "b.pt"
+    train(tmp_path, "--epochs", "3", "--checkpoint", str(straight))
+    train(tmp_path, "--epochs", "2", "--checkpoint", str(split))
+    proc = train(tmp_path, "--epochs", "3", "--checkpoint", str(split), "--resume")
+    assert "resumed from" in proc.stdout and "epoch 3: loss" in proc.stdout and "epoch 1:" not in proc.stdout
+    a, b = torch.load(straight, weights_only=False), torch.load(split, weights_only=False)
+    assert a["epoch"] == b["epoch"] == 2
+    for k in a["model"]:
+        assert torch.allclose(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7), k
+
+
+def test_timeline_has_a_track_per_rank_with_layers_and_slices(tmp_path):
+    trace = tmp_path / "t" / "trace.json"
+    train(tmp_path, "--strategy", "p3", "--slice-size", "5000", "--max-steps", "3", "--timeline", str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e.get("ph") == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    names = {e["name"].split()[0] for e in spans}
+    assert {"forward", "backward", "push", "pull", "wait"} <= names, names
+    assert not list(trace.parent.glob("*.rank*.json"))  # per-rank parts merged and removed
+
+
+@pytest.mark.parametrize("args,message", [(["--strategy", "nope"], "unknown strategy"),
+                                          (["--resume"], "--resume needs --checkpoint"),
+                                          (["--batch-size", "0"], "--batch-size must be >= 1")])
+def test_bad_arguments(args, message):
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
