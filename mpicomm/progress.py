@@ -56,9 +56,11 @@ class ProgressThread:
     Test* while torch computes. Polling without pause would take a core from
     the ranks that compute (four ranks on two cores here), so an idle loop
     backs off from `min_sleep` to `max_sleep`; any completion resets it.
+    The cap trades latency for CPU: with 1 ms, P3's exchange of VGG-19 took
+    2.3 s instead of 0.8 s (50K-element slices, BENCHMARKS.md).
     """
 
-    def __init__(self, name: str = "mpitrain-progress", min_sleep: float = 20e-6, max_sleep: float = 1e-3):
+    def __init__(self, name: str = "mpitrain-progress", min_sleep: float = 10e-6, max_sleep: float = 100e-6):
         require_thread_multiple()
         self._pending: collections.deque = collections.deque()
         self._cv = threading.Condition()

@@ -8,7 +8,7 @@ from mpicomm import Ring, slice_tag
 from mpicomm.progress import HandleTask, ProgressThread
 from mpicomm.sliced_ps import SlicedExchange
 
-DEFAULT_SLICE_SIZE = 50_000  # elements; P3 used tens of thousands, see BENCHMARKS.md for the sweep
+DEFAULT_SLICE_SIZE = 262_144  # elements (1 MiB of float32): per-slice Python cost makes smaller slices slow here; BENCHMARKS.md
 
 
 class Strategy:

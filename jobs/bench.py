@@ -1,0 +1,134 @@
+"""Benchmark: allreduce vs wfbp vs p3 vs torch DDP, training throughput across link bandwidths.
+
+    python -m jobs.bench --json results/bench.json                       # as root: emulated cluster
+    python -m jobs.bench --models vgg19 --bandwidths 1gbit,2.5gbit,none --hosts 4
+    python -m jobs.bench --local --models mlp                            # no root: this host, unshaped
+
+For every bandwidth an emulated cluster of --hosts hosts (one rank each) is
+brought up, jobs.bench_worker runs every model and strategy across it, and
+the cluster is taken down again. Prints a markdown table, writes JSON rows
+(model, strategy, bandwidth, ranks, samples_per_s, ci, t_iter_s,
+t_compute_s, t_comm_s, overlap_efficiency) and a PNG of samples/s vs bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime, timezone
+
+DEFAULT_BANDWIDTHS = "0.5gbit,1gbit,2.5gbit,10gbit,none"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--models", default="vgg19,resnet50,transformer")
+    p.add_argument("--strategies", default="allreduce,wfbp,p3,ddp")
+    p.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS, help="per-host link rates; none = unshaped")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step (default 16)")
+    p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--slice-size", type=int, default=None)
+    p.add_argument("--local", action="store_true", help="no namespaces: run on this host, unshaped")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    args = p.parse_args(argv)
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+def worker_cmd(args, model, label):
+    cmd = [sys.executable, "-m", "jobs.bench_worker", "--model", model, "--strategies", args.strategies,
+           "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
+           "--warmup", str(args.warmup), "--bandwidth", label]
+    return cmd + (["--slice-size", str(args.slice_size)] if args.slice_size else [])
+
+
+def rows_from(proc) -> list[dict]:
+    if proc.returncode:
+        raise RuntimeError(f"worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+
+
+def markdown(rows) -> str:
+    head = ("| model | strategy | bandwidth | samples/s | ±95 % | T_iter s | T_compute s | T_comm s | overlap |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|")
+    body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | {r['ci']:.1f} | "
+            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {r['t_comm_s']:.3f} | {r['overlap_efficiency']:.2f} |"
+            for r in rows]
+    return "\n".join([head, *body])
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        labels = list(dict.fromkeys(r["bandwidth"] for r in rows if r["model"] == model))
+        for strategy in dict.fromkeys(r["strategy"] for r in rows):
+            pts = {r["bandwidth"]: r for r in rows if r["model"] == model and r["strategy"] == strategy}
+            xs = [i for i, b in enumerate(labels) if b in pts]
+            ax.errorbar(xs, [pts[labels[i]]["samples_per_s"] for i in xs],
+                        yerr=[pts[labels[i]]["ci"] for i in xs], marker="o", capsize=3, label=strategy)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_title(model)
+        ax.set_xlabel("link bandwidth per host")
+        ax.set_ylabel("samples/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
+
+    rows = []
+    bandwidths = ["local-unshaped"] if args.local else [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+    try:
+        for bw in bandwidths:
+            label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
+            for model in args.models.split(","):
+                print(f"# {model} at {label} ...", flush=True)
+                if args.local:
+                    proc = run_local(worker_cmd(args, model, label), args.hosts, args.timeout, capture=True)
+                else:
+                    with EmulatedCluster(args.hosts, bw, ranks_per_host=1) as cluster:
+                        proc = cluster.run(worker_cmd(args, model, label), timeout=args.timeout, capture=True)
+                new = rows_from(proc)
+                rows += new
+                print(markdown(new).split("\n", 2)[2], flush=True)
+    except (EmulationError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if not rows:
+            return 2
+    print("\n" + markdown(rows))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpus=os.cpu_count(),
+                    command=" ".join(["python -m jobs.bench", *(sys.argv[1:] if argv is None else argv)]))
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+        print(f"wrote {args.json}")
+    if args.plot and rows:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The MPI side of jobs.bench: training throughput of each strategy on one model, on whatever links it runs on.
+
+    mpiexec -n 4 python -m jobs.bench_worker --model vgg19 --strategies allreduce,wfbp,p3,ddp
+
+Rank 0 prints one JSON line per strategy (prefixed "ROW ") with samples/s
+(mean and 95 % CI over timed batches, Horovod's synthetic-benchmark protocol),
+the iteration time, T_compute (the same step without any synchronisation),
+T_comm (the strategy's synchronisation alone, gradients already computed)
+and overlap efficiency max(T_compute, T_comm) / T_iter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+STRATEGIES = ("allreduce", "wfbp", "p3", "ddp")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_worker", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="vgg19")
+    p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy")
+    p.add_argument("--batches", type=int, default=5, help="timed batches (one samples/s figure each)")
+    p.add_argument("--iters", type=int, default=2, help="steps per timed batch")
+    p.add_argument("--slice-size", type=int, default=None)
+    p.add_argument("--bandwidth", default="unshaped", help="label written into the rows")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    bad = [s for s in args.strategies if s not in STRATEGIES]
+    if bad:
+        p.error(f"unknown strategies {bad} (choose from {', '.join(STRATEGIES)})")
+    return args
+
+
+class Bench:
+    def __init__(self, args):
+        import torch
+        from mpi4py import MPI
+
+        from mpicomm import Topology
+        from runtime.models import build_model, loss_fn, model_input
+
+        torch.set_num_threads(1)
+        self.args, self.MPI, self.torch = args, MPI, torch
+        self.topo = Topology()
+        self.comm, self.P = self.topo.world, self.topo.size
+        self.build = lambda: (torch.manual_seed(args.seed), build_model(args.model))[1]
+        self.inputs, self.target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
+        self.loss = loss_fn(args.model)
+
+    def slowest(self, seconds: float) -> float:
+        import numpy as np
+        t = np.array([seconds])
+        self.comm.Allreduce(self.MPI.IN_PLACE, t, op=self.MPI.MAX)
+        return float(t[0])
+
+    def timed(self, step, finish=lambda: None):
+        """Per-batch seconds per step, slowest rank, after warm-up."""
+        for _ in range(self.args.warmup):
+            step()
+        finish()
+        per_batch = []
+        for _ in range(self.args.batches):
+            self.comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(self.args.iters):
+                step()
+            finish()  # p3 owes the last update: count it in
+            per_batch.append(self.slowest(time.perf_counter() - t0) / self.args.iters)
+        return per_batch
+
+    def train_step(self, model, opt):
+        def step():
+            opt.zero_grad()
+            self.loss(model(*self.inputs), self.target).backward()
+            opt.step()
+        return step
+
+    def compute_only(self) -> float:
+        model = self.build()
+        opt = self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return sum(self.timed(self.train_step(model, opt))) / self.args.batches
+
+    def strategy(self, name: str) -> tuple[list[float], float]:
+        """(per-batch step times, T_comm) of one strategy."""
+        torch = self.torch
+        model = self.build()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if name == "ddp":
+            import torch.distributed as dist
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ddp = DDP(model)
+            times = self.timed(self.train_step(ddp, opt))
+            flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+            comm_t = self._time_comm(lambda: dist.all_reduce(flat))
+            return times, comm_t
+        from runtime import DistributedOptimizer
+
+        kw = {"slice_size": self.args.slice_size} if self.args.slice_size else {}
+        with DistributedOptimizer(opt, model, name, topology=self.topo, **kw) as dopt:
+            times = self.timed(self.train_step(model, dopt), dopt.synchronize)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+
+            def sync_only():
+                dopt.step()
+                dopt.synchronize()
+            comm_t = self._time_comm(sync_only)
+        return times, comm_t
+
+    def _time_comm(self, fn) -> float:
+        fn()
+        self.comm.Barrier()
+        t0 = time.perf_counter()
+        n = max(1, self.args.iters)
+        for _ in range(n):
+            fn()
+        return self.slowest(time.perf_counter() - t0) / n
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import statistics
+
+    b = Bench(args)
+    if "ddp" in args.strategies:
+        from mpicomm.torchdist import init_gloo
+
+        init_gloo(b.comm)
+    t_compute = b.compute_only()
+    for name in args.strategies:
+        per_batch, t_comm = b.strategy(name)
+        rates = [args.batch_size * b.P / t for t in per_batch]
+        mean = statistics.fmean(rates)
+        ci = 1.96 * statistics.stdev(rates) / len(rates) ** 0.5 if len(rates) > 1 else 0.0
+        t_iter = statistics.fmean(per_batch)
+        row = dict(model=args.model, strategy=name, bandwidth=args.bandwidth, ranks=b.P,
+                   batch_per_rank=args.batch_size, samples_per_s=mean, ci=ci, t_iter_s=t_iter,
+                   t_compute_s=t_compute, t_comm_s=t_comm, overlap_efficiency=max(t_compute, t_comm) / t_iter)
+        if b.topo.rank == 0:
+            print("ROW " + json.dumps(row), flush=True)
+    if "ddp" in args.strategies:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    b.topo.free()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
