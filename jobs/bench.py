@@ -8,7 +8,10 @@ For every bandwidth an emulated cluster of --hosts hosts (one rank each) is
 brought up, jobs.bench_worker runs every model and strategy across it, and
 the cluster is taken down again. Prints a markdown table, writes JSON rows
 (model, strategy, bandwidth, ranks, samples_per_s, ci, t_iter_s,
-t_compute_s, t_comm_s, overlap_efficiency) and a PNG of samples/s vs bandwidth.
+t_compute_s, t_comm_s, overlap_efficiency, compute_cpu_s, comm_cpu_s) and a
+PNG of samples/s vs bandwidth. "CPU bound" is (compute + communication
+CPU-seconds per step) / cores: on a machine where ranks and the network
+stack share few cores, no overlap can make a step shorter than that.
 """
 
 from __future__ import annotations
@@ -59,12 +62,19 @@ def rows_from(proc) -> list[dict]:
 
 
 def markdown(rows) -> str:
-    head = ("| model | strategy | bandwidth | samples/s | ±95 % | T_iter s | T_compute s | T_comm s | overlap |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|")
+    head = ("| model | strategy | bandwidth | samples/s | ±95 % | T_iter s | T_compute s | T_comm s | overlap "
+            "| CPU bound s |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | {r['ci']:.1f} | "
-            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {r['t_comm_s']:.3f} | {r['overlap_efficiency']:.2f} |"
-            for r in rows]
+            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {r['t_comm_s']:.3f} | {r['overlap_efficiency']:.2f} | "
+            f"{cpu_bound(r)} |" for r in rows]
     return "\n".join([head, *body])
+
+
+def cpu_bound(row) -> str:
+    """Lowest T_iter the machine's cores allow: compute and communication CPU-seconds share them."""
+    if "compute_cpu_s" not in row:
+        return "-"
+    return f"{(row['compute_cpu_s'] + row['comm_cpu_s']) / row['cores']:.3f}"
 
 
 def plot(rows, path):

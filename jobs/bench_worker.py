@@ -5,18 +5,28 @@
 Rank 0 prints one JSON line per strategy (prefixed "ROW ") with samples/s
 (mean and 95 % CI over timed batches, Horovod's synthetic-benchmark protocol),
 the iteration time, T_compute (the same step without any synchronisation),
-T_comm (the strategy's synchronisation alone, gradients already computed)
-and overlap efficiency max(T_compute, T_comm) / T_iter.
+T_comm (the strategy's synchronisation alone, gradients already computed),
+overlap efficiency max(T_compute, T_comm) / T_iter, and the machine's busy
+CPU-seconds per step of compute alone and of communication alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 STRATEGIES = ("allreduce", "wfbp", "p3", "ddp")
+
+
+def cpu_busy_s() -> float:
+    """Machine-wide busy CPU seconds so far (/proc/stat), kernel network processing included."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv=None):
@@ -82,10 +92,14 @@ class Bench:
             opt.step()
         return step
 
-    def compute_only(self) -> float:
+    def compute_only(self) -> tuple[float, float]:
+        """(seconds per step, machine CPU-seconds per step) with no synchronisation at all."""
         model = self.build()
         opt = self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        return sum(self.timed(self.train_step(model, opt))) / self.args.batches
+        c0 = cpu_busy_s()
+        per_batch = self.timed(self.train_step(model, opt))
+        steps = self.args.warmup + self.args.batches * self.args.iters
+        return sum(per_batch) / self.args.batches, (cpu_busy_s() - c0) / steps
 
     def strategy(self, name: str) -> tuple[list[float], float]:
         """(per-batch step times, T_comm) of one strategy."""
@@ -118,10 +132,11 @@ class Bench:
     def _time_comm(self, fn) -> float:
         fn()
         self.comm.Barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_busy_s()
         n = max(1, self.args.iters)
         for _ in range(n):
             fn()
+        self.comm_cpu_s = (cpu_busy_s() - c0) / n
         return self.slowest(time.perf_counter() - t0) / n
 
 
@@ -134,7 +149,7 @@ def main(argv=None) -> int:
         from mpicomm.torchdist import init_gloo
 
         init_gloo(b.comm)
-    t_compute = b.compute_only()
+    t_compute, compute_cpu = b.compute_only()
     for name in args.strategies:
         per_batch, t_comm = b.strategy(name)
         rates = [args.batch_size * b.P / t for t in per_batch]
@@ -143,7 +158,10 @@ def main(argv=None) -> int:
         t_iter = statistics.fmean(per_batch)
         row = dict(model=args.model, strategy=name, bandwidth=args.bandwidth, ranks=b.P,
                    batch_per_rank=args.batch_size, samples_per_s=mean, ci=ci, t_iter_s=t_iter,
-                   t_compute_s=t_compute, t_comm_s=t_comm, overlap_efficiency=max(t_compute, t_comm) / t_iter)
+                   t_compute_s=t_compute, t_comm_s=t_comm, overlap_efficiency=max(t_compute, t_comm) / t_iter,
+                   # Machine-wide CPU-seconds per step (rank 0's reading): with compute and communication
+                   # sharing the cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
+                   compute_cpu_s=compute_cpu, comm_cpu_s=b.comm_cpu_s, cores=os.cpu_count())
         if b.topo.rank == 0:
             print("ROW " + json.dumps(row), flush=True)
     if "ddp" in args.strategies:
