@@ -205,6 +205,7 @@ def main(argv=None) -> int:
                 os.remove(f"{args.timeline}.rank{r}.json")
             say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
     if args.json and rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), ranks=P, epochs=history), f, indent=1)
     topo.free()

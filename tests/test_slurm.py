@@ -96,10 +96,33 @@ def check_topology(text, tmp_path, nodes):
     assert (layout["ranks"], layout["nodes"], layout["node_ranks"]) == (RANKS, nodes, expected)
 
 
+def train_args(tmp_path, nodes):
+    return ["--model", "mlp", "--data", "synthetic", "--synthetic-samples", "512", "--batch-size", "16",
+            "--epochs", "1", "--json", str(tmp_path / "train.json")]
+
+
+def check_train(text, tmp_path, nodes):
+    assert "epoch 1: loss" in text
+    result = json.loads((tmp_path / "train.json").read_text())
+    assert result["ranks"] == RANKS and result["epochs"][0]["test_targets"] > 0
+
+
+def bench_worker_args(tmp_path, nodes):
+    return ["--model", "mlp", "--strategies", "allreduce,p3", "--batch-size", "8", "--batches", "2",
+            "--iters", "1", "--warmup", "1"]
+
+
+def check_bench_worker(text, tmp_path, nodes):
+    rows = [json.loads(line[4:]) for line in text.splitlines() if line.startswith("ROW ")]
+    assert [r["strategy"] for r in rows] == ["allreduce", "p3"] and all(r["ranks"] == RANKS for r in rows)
+
+
 # Per script: quick job arguments, and the checks of a successful run's output.
 JOBS = {
+    "bench.sbatch": (bench_worker_args, check_bench_worker),
     "bench_collectives.sbatch": (bench_args, check_bench),
     "topology.sbatch": (topology_args, check_topology),
+    "train.sbatch": (train_args, check_train),
 }
 
 
