@@ -251,9 +251,9 @@ def main(argv=None) -> int:
     ring.free()
     bench_comm.Free()
     if "gloo" in args.impls:
-        import torch.distributed as dist
+        from mpicomm.torchdist import shutdown_gloo
 
-        dist.destroy_process_group()
+        shutdown_gloo(comm)
     if rank == 0:
         _summary(rows, say)
         meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),

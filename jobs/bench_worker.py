@@ -165,8 +165,9 @@ def main(argv=None) -> int:
         if b.topo.rank == 0:
             print("ROW " + json.dumps(row), flush=True)
     if "ddp" in args.strategies:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        from mpicomm.torchdist import shutdown_gloo
+
+        shutdown_gloo(b.comm)
     b.topo.free()
     return 0
 

@@ -62,3 +62,19 @@ def init_gloo(comm: MPI.Comm | None = None, timeout_s: float = 120.0):
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.Get_rank(),
                             world_size=comm.Get_size(), timeout=timedelta(seconds=timeout_s))
     return dist.group.WORLD
+
+
+def shutdown_gloo(comm: MPI.Comm | None = None) -> None:
+    """Tear the default group down on every rank together.
+
+    A rank that exits while another is still destroying its gloo group (or
+    still talking to rank 0's TCPStore) can make the latter abort with
+    "terminate called without an active exception"; barriers on both sides
+    keep every rank in step.
+    """
+    import torch.distributed as dist
+
+    comm = comm or MPI.COMM_WORLD
+    comm.Barrier()
+    dist.destroy_process_group()
+    comm.Barrier()

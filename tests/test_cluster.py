@@ -116,7 +116,7 @@ PROG = """
 import numpy as np, torch, torch.distributed as dist
 from mpi4py import MPI
 from mpicomm import Ring
-from mpicomm.torchdist import init_gloo
+from mpicomm.torchdist import init_gloo, shutdown_gloo
 comm = MPI.COMM_WORLD
 x = np.full(1 << 20, comm.rank + 1.0, dtype=np.float32)
 with Ring(comm) as ring:
@@ -124,7 +124,7 @@ with Ring(comm) as ring:
 init_gloo(comm)
 t = torch.full((1 << 20,), comm.rank + 1.0)
 dist.all_reduce(t)
-dist.destroy_process_group()
+shutdown_gloo(comm)
 P = comm.size
 ok = bool(np.all(x == P * (P + 1) / 2)) and bool(torch.all(t == P * (P + 1) / 2))
 oks = comm.gather(ok)

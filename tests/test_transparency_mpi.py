@@ -103,10 +103,9 @@ def test_p3_waits_for_weights_read_by_a_parent_module(world):
 
 
 def test_equals_torch_ddp_over_gloo(world):
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from mpicomm.torchdist import init_gloo
+    from mpicomm.torchdist import init_gloo, shutdown_gloo
 
     X, Y = data(world.Get_size())
     r = world.Get_rank()
@@ -123,7 +122,7 @@ def test_equals_torch_ddp_over_gloo(world):
             opt.step()
         ddp_params = [p.detach().clone() for p in model.parameters()]
     finally:
-        dist.destroy_process_group()
+        shutdown_gloo(world)
     for strategy in STRATEGIES:
         assert_everywhere(world, close(train(strategy, world, X, Y), ddp_params), f"{strategy} vs DDP")
 
