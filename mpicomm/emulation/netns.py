@@ -40,19 +40,15 @@ def host_index(addr_or_name: str) -> int:
 def parse_bandwidth(text: str) -> int | None:
     """'100mbit', '2.5gbit', '1g', '500M' -> bits per second; 'none'/'unshaped' -> None."""
     t = str(text).strip().lower()
-    if t in ("none", "unshaped", "unlimited", "0"):
-        return None if t != "0" else _bad_bandwidth(text)
+    if t in ("none", "unshaped", "unlimited"):
+        return None
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit|bps|b)?(?:/s)?", t)
     if not m:
-        return _bad_bandwidth(text)
+        raise EmulationError(f"cannot parse bandwidth {text!r} (examples: 100mbit, 1gbit, 2.5gbit, 10gbit, none)")
     bps = int(float(m.group(1)) * _UNITS[m.group(2)])
     if not 10**5 <= bps <= 10**11:
         raise EmulationError(f"bandwidth {text!r} is outside 100kbit..100gbit")
     return bps
-
-
-def _bad_bandwidth(text):
-    raise EmulationError(f"cannot parse bandwidth {text!r} (examples: 100mbit, 1gbit, 2.5gbit, 10gbit, none)")
 
 
 def format_bandwidth(bps: int | None) -> str:
