@@ -20,6 +20,11 @@ NETNS_SSH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 # hosts (all on this one machine) would bypass the shaped links; the same for libfabric.
 RANK_ENV = {"UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp", "GLOO_SOCKET_IFNAME": netns.IFACE,
             "MPITRAIN_CLUSTER_IFACE": netns.IFACE}
+# UCX's rendezvous protocol over its tcp transport stalls when both directions of a slow link are
+# busy: MPICH's default allreduce took 1.5-1.6x the bandwidth bound at 1 Gbit/s with it, 1.13-1.19x
+# with eager messages only. On fast links the wire is no longer the limit but the copies are: eager
+# cut the 10 Gbit/s ping-pong from 9.5 to 6.5 Gbit/s. So eager up to this rate (BENCHMARKS.md).
+EAGER_UP_TO_BPS = 2_500_000_000
 
 
 @contextlib.contextmanager
@@ -121,7 +126,9 @@ class EmulatedCluster:
         per = ranks_per_host or self.ranks_per_host
         np = np or self.hosts * per
         hosts = ",".join(f"{netns.host_addr(i)}:{per}" for i in range(self.hosts))
-        genv = dict(RANK_ENV, **({"MPIR_CVAR_CH4_NETMOD": self.netmod} if self.netmod else {}), **(env or {}))
+        base = dict(RANK_ENV, **({"UCX_RNDV_THRESH": "inf"} if self.bps and self.bps <= EAGER_UP_TO_BPS else {}))
+        genv = {k: os.environ.get(k, v) for k, v in base.items()}  # the caller's environment wins
+        genv.update({"MPIR_CVAR_CH4_NETMOD": self.netmod} if self.netmod else {}, **(env or {}))
         flags = [x for k, v in genv.items() for x in ("-genv", k, str(v))]
         # mpiexec runs in host 0 (its proxies could not reach it from the root namespace), under
         # that host's name like every other host's processes.
