@@ -10,7 +10,7 @@ from mpicomm import Topology
 from mpicomm.agree import broadcast_tensors, check_same_structure
 
 from .forward_gate import ForwardGate
-from .strategies import DEFAULT_SLICE_SIZE, STRATEGIES, P3Sync
+from .strategies import DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE, STRATEGIES, P3Sync
 
 
 class DistributedOptimizer:
@@ -25,7 +25,8 @@ class DistributedOptimizer:
     parameters, buffers and optimizer state are broadcast. Gradients are
     averaged exactly (every strategy is full-gradient synchronous SGD):
     - allreduce: one fused ring allreduce after backward;
-    - wfbp: each gradient's allreduce starts as soon as backward produces it;
+    - wfbp: each gradient's allreduce starts as soon as backward produces it
+      (gradients under `fuse_bytes` share buckets);
     - p3: gradients cut into `slice_size`-element slices exchanged through a
       sharded parameter server by forward-pass priority; `step()` returns at
       once and each layer's update is applied just before that layer's next
@@ -37,7 +38,7 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, strategy: str = "p3",
                  topology: Topology | None = None, slice_size: int = DEFAULT_SLICE_SIZE, credit: int = 8,
-                 timeline=None):
+                 fuse_bytes: int = DEFAULT_FUSE_BYTES, timeline=None):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
         self.optimizer, self.model, self.timeline = optimizer, model, timeline
@@ -46,7 +47,7 @@ class DistributedOptimizer:
         self.comm = self.topology.world
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._check_and_broadcast()
-        kwargs = dict(slice_size=slice_size, credit=credit) if strategy == "p3" else {}
+        kwargs = {"p3": dict(slice_size=slice_size, credit=credit), "wfbp": dict(fuse_bytes=fuse_bytes)}.get(strategy, {})
         self.strategy = STRATEGIES[strategy](self.comm, self.params, timeline, **kwargs)
         self._ready = [False] * len(self.params)
         self._pending: dict[int, list] = {}  # param index -> hyper-parameters of the step() that owes it

@@ -8,6 +8,7 @@ from mpicomm import Ring, slice_tag
 from mpicomm.progress import HandleTask, ProgressThread
 from mpicomm.sliced_ps import SlicedExchange
 
+DEFAULT_FUSE_BYTES = 1 << 20  # wfbp: gradients smaller than this share a bucket of about this size
 DEFAULT_SLICE_SIZE = 262_144  # elements (1 MiB of float32): per-slice Python cost makes smaller slices slow here; BENCHMARKS.md
 
 
@@ -69,40 +70,94 @@ class AllreduceSync(Strategy):
 
 
 class WfbpSync(Strategy):
-    """Poseidon's wait-free backprop: each gradient's allreduce starts the moment backward produces it."""
+    """Poseidon's wait-free backprop: a gradient's allreduce starts the moment backward produces it.
+
+    Gradients under `fuse_bytes` are fused into buckets of about that size, as
+    DDP does, so a model of many small tensors (biases, norms) pays one message
+    per bucket instead of one per tensor. Buckets are fixed at wrap time in
+    reverse registration order (roughly the order backward produces them), the
+    same on every rank; a bucket starts when all of its gradients exist.
+    """
 
     name = "wfbp"
 
-    def __init__(self, comm, params, timeline=None):
+    def __init__(self, comm, params, timeline=None, fuse_bytes: int = DEFAULT_FUSE_BYTES):
         super().__init__(comm, params, timeline)
-        # Validation would add a collective per tensor in hook order; the structure was checked
-        # at wrap time and tags are keyed by parameter, so order between ranks cannot mix data.
+        # Validation would add a collective per bucket in hook order; the structure was checked
+        # at wrap time and tags are keyed by bucket, so order between ranks cannot mix data.
         self.ring = Ring(comm, validate=False)
         self.progress = ProgressThread("mpitrain-wfbp")
-        self.futures: list = [None] * len(params)
+        self.buckets = _buckets(params, fuse_bytes)
+        self.bucket_of = {i: b for b, idxs in enumerate(self.buckets) for i in idxs}
+        self.flat = [torch.empty(sum(params[i].numel() for i in idxs), dtype=params[idxs[0]].dtype)
+                     if len(idxs) > 1 else None for idxs in self.buckets]
+        self.left = [len(idxs) for idxs in self.buckets]
+        self.grads: list = [None] * len(params)
+        self.futures: list = [None] * len(self.buckets)
 
     def grad_ready(self, i, grad):
-        tl = self.timeline
-        token = tl.begin(f"allreduce p{i}", "sync", track="comm", param=i, numel=grad.numel()) if tl else None
-        size = self.size
+        b = self.bucket_of[i]
+        self.grads[i] = grad
+        self.left[b] -= 1
+        if self.left[b] == 0:
+            self.left[b] = len(self.buckets[b])  # ready for the next step
+            self._start(b)
 
-        def averaged(handle, grad=grad, token=token):
-            grad.div_(size)
+    def _start(self, b: int) -> None:
+        tl, size, idxs, flat = self.timeline, self.size, self.buckets[b], self.flat[b]
+        token = tl.begin(f"allreduce b{b}", "sync", track="comm", bucket=b, params=len(idxs)) if tl else None
+        if flat is None:
+            buf = self.grads[idxs[0]]
+            views = []
+        else:
+            buf, views, off = flat, [], 0
+            for i in idxs:
+                g = self.grads[i]
+                flat[off:off + g.numel()].copy_(g.reshape(-1))
+                views.append((g, off))
+                off += g.numel()
+
+        def averaged(handle, buf=buf, views=views, token=token):
+            buf.div_(size)
+            for g, off in views:
+                g.copy_(buf[off:off + g.numel()].view_as(g))
             if tl:
                 tl.end(token)
 
-        handle = self.ring.allreduce(grad, tag=slice_tag(self.ring.comm, i, 0, 1))
-        self.futures[i] = self.progress.submit(HandleTask(handle, averaged))
+        handle = self.ring.allreduce(buf, tag=slice_tag(self.ring.comm, b, 0, 1))
+        self.futures[b] = self.progress.submit(HandleTask(handle, averaged))
 
     def wait(self, i):
-        fut = self.futures[i]
+        b = self.bucket_of[i]
+        fut = self.futures[b]
         if fut is not None:
             fut.wait()
-            self.futures[i] = None
 
     def close(self):
         self.progress.stop()
         self.ring.free()
+
+
+def _buckets(params, fuse_bytes: int) -> list[list[int]]:
+    """Parameter indices grouped into buckets of about fuse_bytes (a large tensor alone), last parameters first."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if nbytes >= fuse_bytes:
+            buckets.append([i])
+            continue
+        if current and params[current[0]].dtype != p.dtype:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+        if size >= fuse_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 class P3Sync(Strategy):

@@ -57,13 +57,13 @@ def data(world_size):
     return torch.randn(STEPS, n, 11, generator=g), torch.randint(0, 5, (STEPS, n), generator=g)
 
 
-def train(strategy, world, X, Y, slice_size=7, make=Edgy):
+def train(strategy, world, X, Y, slice_size=7, make=Edgy, **kw):
     """Train 20 SGD+momentum steps; strategy None is the single-process reference on the full batch."""
     torch.manual_seed(7)
     model = make()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     r, P = world.Get_rank(), world.Get_size()
-    dopt = DistributedOptimizer(opt, model, strategy, slice_size=slice_size) if strategy else opt
+    dopt = DistributedOptimizer(opt, model, strategy, slice_size=slice_size, **kw) if strategy else opt
     for step in range(STEPS):
         x, y = X[step], Y[step]
         if strategy:
@@ -94,6 +94,14 @@ def test_p3_slice_sizes(world, slice_size):
     X, Y = data(world.Get_size())
     reference = train(None, world, X, Y)
     assert_everywhere(world, close(train("p3", world, X, Y, slice_size), reference), f"slice {slice_size}")
+
+
+@pytest.mark.parametrize("fuse_bytes", [1, 200, 1 << 20])
+def test_wfbp_buckets(world, fuse_bytes):
+    """Every tensor alone, small buckets mixing tensors, everything in one bucket."""
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    assert_everywhere(world, close(train("wfbp", world, X, Y, fuse_bytes=fuse_bytes), reference), f"{fuse_bytes}")
 
 
 def test_p3_waits_for_weights_read_by_a_parent_module(world):
