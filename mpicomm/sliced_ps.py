@@ -14,7 +14,6 @@ from __future__ import annotations
 import heapq
 import threading
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -236,6 +235,3 @@ class Iteration(Task):
     def __repr__(self) -> str:
         return f"<P3 iteration: {self._slices_left} slices left, {len(self._out)} out, {len(self._in)} in>"
 
-
-def split_sizes(tensors) -> list[int]:
-    return [int(np.prod(t.shape)) for t in tensors]

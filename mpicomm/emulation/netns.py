@@ -28,15 +28,6 @@ def host_addr(i: int) -> str:
     return f"{SUBNET}.{i + 1}"
 
 
-def host_index(addr_or_name: str) -> int:
-    """Index of a host given its address (10.213.0.3 -> 2) or name (h2, mpt-h2 -> 2)."""
-    m = re.fullmatch(rf"{re.escape(SUBNET)}\.(\d+)", addr_or_name) or re.fullmatch(
-        rf"(?:{re.escape(PREFIX)})?h(\d+)", addr_or_name)
-    if not m:
-        raise EmulationError(f"not an emulated host: {addr_or_name!r}")
-    return int(m.group(1)) - (1 if addr_or_name.startswith(SUBNET) else 0)
-
-
 def parse_bandwidth(text: str) -> int | None:
     """'100mbit', '2.5gbit', '1g', '500M' -> bits per second; 'none'/'unshaped' -> None."""
     t = str(text).strip().lower()
