@@ -7,6 +7,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from .handle import wait_all
 from .ring import Ring
 from .validate import CollectiveMismatchError
 
@@ -34,6 +35,4 @@ def check_same_structure(comm: MPI.Comm, entries: list[str], what: str = "parame
 def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
     """Overwrite every rank's tensors with root's, all in flight together."""
     with Ring(comm) as ring:
-        handles = [ring.broadcast(t, root=root) for t in tensors if t.numel()]
-        for h in handles:
-            h.wait()
+        wait_all([ring.broadcast(t, root=root) for t in tensors if t.numel()])

@@ -99,8 +99,7 @@ class Ring:
         problem = check_buffer(obj, what)
         return (None, BufferError(problem)) if problem else (Buffer(obj, what), None)
 
-    def _agree(self, kind, problem, *, ref=None, op="sum", root=0, tag=0, count=None, extra=0,
-               must_match=V.MUST_MATCH):
+    def _agree(self, kind, problem, *, ref=None, op="sum", root=0, tag=0, count=None, extra=0):
         """Generator step shared by all collectives: every rank fails together or proceeds together.
 
         The rank with a local problem raises it; the others raise
@@ -116,7 +115,7 @@ class Ring:
         table = yield from V.exchange(self.comm, mine)
         if problem:
             raise type(problem)(f"{kind}: {problem}")
-        V.check(kind, table, must_match)
+        V.check(kind, table)
 
     def _check_op(self, op):
         return None if op in OP_CODES else ValueError(f"unsupported op {op!r} (use one of {sorted(OP_CODES)})")

@@ -49,7 +49,7 @@ def _describe(field: str, column: np.ndarray) -> str:
     return ", ".join(f"rank {r}: {_show(field, v)}" for r, v in enumerate(column))
 
 
-def check(name: str, table: np.ndarray, must_match=MUST_MATCH) -> None:
+def check(name: str, table: np.ndarray) -> None:
     """Raise the same CollectiveMismatchError on every rank if the fingerprints disagree.
 
     Every rank holds the identical table, so every rank reaches the same verdict:
@@ -60,7 +60,7 @@ def check(name: str, table: np.ndarray, must_match=MUST_MATCH) -> None:
     errors = np.flatnonzero(table[:, FIELDS.index("error")])
     if errors.size:
         raise CollectiveMismatchError(f"{name}: rank(s) {errors.tolist()} passed an invalid argument")
-    for field in must_match:
+    for field in MUST_MATCH:
         column = table[:, FIELDS.index(field)]
         if np.any(column != column[0]):
             if field == "kind":

@@ -117,7 +117,7 @@ class DistributedOptimizer:
                 p.grad = torch.zeros_like(p)
             self._ready[i] = True
             self.strategy.grad_ready(i, p.grad)
-        self.strategy.finish(missing)
+        self.strategy.finish()
         self._ready = [False] * len(self.params)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         if self.strategy.layerwise:

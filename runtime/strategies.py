@@ -26,8 +26,8 @@ class Strategy:
     def grad_ready(self, i: int, grad: torch.Tensor) -> None:
         """Backward produced parameter i's final gradient (hook); may start sending it."""
 
-    def finish(self, missing: list[int]) -> None:
-        """After backward: parameters in `missing` got no gradient (zeros were filled in)."""
+    def finish(self) -> None:
+        """Backward is over and every gradient has been handed to grad_ready."""
 
     def wait(self, i: int) -> None:
         """Block until parameter i's gradient is the average over ranks."""
@@ -50,18 +50,12 @@ class AllreduceSync(Strategy):
     def grad_ready(self, i, grad):
         self.grads[i] = grad
 
-    def finish(self, missing):
-        offset, views = 0, []
-        for g in self.grads:
-            n = g.numel()
-            self.flat[offset:offset + n].copy_(g.reshape(-1))
-            views.append((g, offset, n))
-            offset += n
+    def finish(self):
+        views = _pack(self.grads, self.flat)
         span = self.timeline.begin("allreduce (fused)", "sync", track="comm") if self.timeline else None
         self.ring.allreduce(self.flat).wait()
         self.flat.div_(self.size)
-        for g, off, n in views:
-            g.copy_(self.flat[off:off + n].view_as(g))
+        _unpack(self.flat, views)
         if span is not None:
             self.timeline.end(span)
 
@@ -107,20 +101,13 @@ class WfbpSync(Strategy):
         tl, size, idxs, flat = self.timeline, self.size, self.buckets[b], self.flat[b]
         token = tl.begin(f"allreduce b{b}", "sync", track="comm", bucket=b, params=len(idxs)) if tl else None
         if flat is None:
-            buf = self.grads[idxs[0]]
-            views = []
+            buf, views = self.grads[idxs[0]], []
         else:
-            buf, views, off = flat, [], 0
-            for i in idxs:
-                g = self.grads[i]
-                flat[off:off + g.numel()].copy_(g.reshape(-1))
-                views.append((g, off))
-                off += g.numel()
+            buf, views = flat, _pack([self.grads[i] for i in idxs], flat)
 
         def averaged(handle, buf=buf, views=views, token=token):
             buf.div_(size)
-            for g, off in views:
-                g.copy_(buf[off:off + g.numel()].view_as(g))
+            _unpack(buf, views)
             if tl:
                 tl.end(token)
 
@@ -136,6 +123,21 @@ class WfbpSync(Strategy):
     def close(self):
         self.progress.stop()
         self.ring.free()
+
+
+def _pack(grads, flat: torch.Tensor) -> list:
+    """Copy gradients one after another into `flat`; returns where each went."""
+    views, off = [], 0
+    for g in grads:
+        flat[off:off + g.numel()].copy_(g.reshape(-1))
+        views.append((g, off))
+        off += g.numel()
+    return views
+
+
+def _unpack(flat: torch.Tensor, views) -> None:
+    for g, off in views:
+        g.copy_(flat[off:off + g.numel()].view_as(g))
 
 
 def _buckets(params, fuse_bytes: int) -> list[list[int]]:
@@ -189,7 +191,7 @@ class P3Sync(Strategy):
     def grad_ready(self, i, grad):
         self._current().ready(i, grad)
 
-    def finish(self, missing):
+    def finish(self):
         self._current()
         self.iteration = None  # the next grad_ready starts the next step
 
