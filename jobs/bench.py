@@ -3,8 +3,10 @@
     python -m jobs.bench --json results/bench.json                       # as root: emulated cluster
     python -m jobs.bench --models vgg19 --bandwidths 1gbit,2.5gbit,none --hosts 4
     python -m jobs.bench --local --models mlp                            # no root: this host, unshaped
+    python -m jobs.bench --models vgg19 --bandwidths 1gbit --hosts 2 --ranks-per-host 2 \
+        --strategies allreduce,topk,hier-topk --density 0.001             # sparse strategies, 2 nodes
 
-For every bandwidth an emulated cluster of --hosts hosts (one rank each) is
+For every bandwidth an emulated cluster of --hosts hosts (--ranks-per-host each) is
 brought up, jobs.bench_worker runs every model and strategy across it, and
 the cluster is taken down again. Prints a markdown table, writes JSON rows
 (model, strategy, bandwidth, ranks, samples_per_s, ci, t_iter_s,
@@ -33,6 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--strategies", default="allreduce,wfbp,p3,ddp")
     p.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS, help="per-host link rates; none = unshaped")
     p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--ranks-per-host", type=int, default=1)
+    p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step (default 16)")
     p.add_argument("--batches", type=int, default=5)
     p.add_argument("--iters", type=int, default=2)
@@ -51,7 +56,8 @@ def parse_args(argv=None):
 def worker_cmd(args, model, label):
     cmd = [sys.executable, "-m", "jobs.bench_worker", "--model", model, "--strategies", args.strategies,
            "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--bandwidth", label]
+           "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
+           "--optimizer", args.optimizer]
     return cmd + (["--slice-size", str(args.slice_size)] if args.slice_size else [])
 
 
@@ -63,11 +69,17 @@ def rows_from(proc) -> list[dict]:
 
 def markdown(rows) -> str:
     head = ("| model | strategy | bandwidth | samples/s | ±95 % | T_iter s | T_compute s | T_comm s | overlap "
-            "| CPU bound s |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+            "| CPU bound s | inter-node MB/step |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | {r['ci']:.1f} | "
             f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {r['t_comm_s']:.3f} | {r['overlap_efficiency']:.2f} | "
-            f"{cpu_bound(r)} |" for r in rows]
+            f"{cpu_bound(r)} | {inter_mb(r)} |" for r in rows]
     return "\n".join([head, *body])
+
+
+def inter_mb(row) -> str:
+    """Bytes the sparse exchange sent across nodes per step, all ranks together (sparse strategies only)."""
+    b = row.get("inter_node_bytes_per_step")
+    return "-" if b is None else f"{b / 1e6:.2f}"
 
 
 def cpu_bound(row) -> str:
@@ -114,9 +126,10 @@ def main(argv=None) -> int:
             for model in args.models.split(","):
                 print(f"# {model} at {label} ...", flush=True)
                 if args.local:
-                    proc = run_local(worker_cmd(args, model, label), args.hosts, args.timeout, capture=True)
+                    proc = run_local(worker_cmd(args, model, label), args.hosts * args.ranks_per_host,
+                                     args.timeout, capture=True)
                 else:
-                    with EmulatedCluster(args.hosts, bw, ranks_per_host=1) as cluster:
+                    with EmulatedCluster(args.hosts, bw, ranks_per_host=args.ranks_per_host) as cluster:
                         proc = cluster.run(worker_cmd(args, model, label), timeout=args.timeout, capture=True)
                 new = rows_from(proc)
                 rows += new

@@ -1,13 +1,17 @@
 """The MPI side of jobs.bench: training throughput of each strategy on one model, on whatever links it runs on.
 
     mpiexec -n 4 python -m jobs.bench_worker --model vgg19 --strategies allreduce,wfbp,p3,ddp
+    mpiexec -n 4 python -m jobs.bench_worker --strategies allreduce,topk,hier-topk,allreduce+pto --density 0.001
 
 Rank 0 prints one JSON line per strategy (prefixed "ROW ") with samples/s
 (mean and 95 % CI over timed batches, Horovod's synthetic-benchmark protocol),
 the iteration time, T_compute (the same step without any synchronisation),
 T_comm (the strategy's synchronisation alone, gradients already computed),
 overlap efficiency max(T_compute, T_comm) / T_iter, and the machine's busy
-CPU-seconds per step of compute alone and of communication alone.
+CPU-seconds per step of compute alone and of communication alone. A "+pto"
+suffix runs a strategy with PTO (sharded optimizer update + allgather).
+Sparse strategies also report the bytes their exchange sent per step, summed
+over ranks, to peers on the same node and on other nodes.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import os
 import sys
 import time
 
-STRATEGIES = ("allreduce", "wfbp", "p3", "ddp")
+STRATEGIES = ("allreduce", "wfbp", "p3", "ddp", "topk", "hier-topk")
+SPARSE = ("topk", "hier-topk")
 
 
 def cpu_busy_s() -> float:
@@ -38,11 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--batches", type=int, default=5, help="timed batches (one samples/s figure each)")
     p.add_argument("--iters", type=int, default=2, help="steps per timed batch")
     p.add_argument("--slice-size", type=int, default=None)
+    p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd with momentum 0.9, or adam")
     p.add_argument("--bandwidth", default="unshaped", help="label written into the rows")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.strategies = [s for s in args.strategies.split(",") if s]
-    bad = [s for s in args.strategies if s not in STRATEGIES]
+    bad = [s for s in args.strategies if s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto"]
     if bad:
         p.error(f"unknown strategies {bad} (choose from {', '.join(STRATEGIES)})")
     return args
@@ -92,20 +99,26 @@ class Bench:
             opt.step()
         return step
 
+    def optimizer(self, model):
+        if self.args.optimizer == "adam":
+            return self.torch.optim.Adam(model.parameters(), lr=1e-4)
+        return self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
     def compute_only(self) -> tuple[float, float]:
         """(seconds per step, machine CPU-seconds per step) with no synchronisation at all."""
         model = self.build()
-        opt = self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = self.optimizer(model)
         c0 = cpu_busy_s()
         per_batch = self.timed(self.train_step(model, opt))
         steps = self.args.warmup + self.args.batches * self.args.iters
         return sum(per_batch) / self.args.batches, (cpu_busy_s() - c0) / steps
 
     def strategy(self, name: str) -> tuple[list[float], float]:
-        """(per-batch step times, T_comm) of one strategy."""
+        """(per-batch step times, T_comm) of one strategy; sets self.traffic for sparse ones."""
         torch = self.torch
         model = self.build()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = self.optimizer(model)
+        self.traffic = {}
         if name == "ddp":
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -118,8 +131,15 @@ class Bench:
         from runtime import DistributedOptimizer
 
         kw = {"slice_size": self.args.slice_size} if self.args.slice_size else {}
-        with DistributedOptimizer(opt, model, name, topology=self.topo, **kw) as dopt:
+        base = name.removesuffix("+pto")
+        if base in SPARSE:
+            kw["sparse_options"] = dict(density=self.args.density)
+        with DistributedOptimizer(opt, model, base, topology=self.topo, pto=name.endswith("+pto"), **kw) as dopt:
+            before = self._traffic(dopt)
             times = self.timed(self.train_step(model, dopt), dopt.synchronize)
+            if before is not None:
+                steps = self.args.warmup + self.args.batches * self.args.iters
+                self.traffic = {k: (v - before[k]) / steps for k, v in self._traffic(dopt).items()}
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
 
@@ -128,6 +148,16 @@ class Bench:
                 dopt.synchronize()
             comm_t = self._time_comm(sync_only)
         return times, comm_t
+
+    def _traffic(self, dopt) -> dict | None:
+        """Bytes sent so far by every rank's sparse exchange, summed (None for dense strategies)."""
+        traffic = getattr(dopt.strategy, "traffic", None)
+        if traffic is None:
+            return None
+        import numpy as np
+        mine = np.array([traffic.intra, traffic.inter], dtype=np.int64)
+        self.comm.Allreduce(self.MPI.IN_PLACE, mine)
+        return {"intra_node_bytes_per_step": int(mine[0]), "inter_node_bytes_per_step": int(mine[1])}
 
     def _time_comm(self, fn) -> float:
         fn()
@@ -161,7 +191,10 @@ def main(argv=None) -> int:
                    t_compute_s=t_compute, t_comm_s=t_comm, overlap_efficiency=max(t_compute, t_comm) / t_iter,
                    # Machine-wide CPU-seconds per step (rank 0's reading): with compute and communication
                    # sharing the cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
-                   compute_cpu_s=compute_cpu, comm_cpu_s=b.comm_cpu_s, cores=os.cpu_count())
+                   compute_cpu_s=compute_cpu, comm_cpu_s=b.comm_cpu_s, cores=os.cpu_count(),
+                   nodes=b.topo.num_nodes, optimizer=args.optimizer, **b.traffic)
+        if name.removesuffix("+pto") in SPARSE:
+            row["density"] = args.density
         if b.topo.rank == 0:
             print("ROW " + json.dumps(row), flush=True)
     if "ddp" in args.strategies:

@@ -3,6 +3,7 @@
     mpiexec -n 4 python -m jobs.train                                  # MLP, Fashion-MNIST, p3, 2 epochs
     mpiexec -n 4 python -m jobs.train --model vgg19 --data synthetic --strategy wfbp --max-steps 20
     mpiexec -n 4 python -m jobs.train --checkpoint ckpt.pt --resume --timeline trace.json
+    mpiexec -n 4 python -m jobs.train --strategy hier-topk --density 0.01 --pto
 
 Every rank reads its share of each global batch (--batch-size per rank), so
 the run equals single-process SGD on batches of batch-size x ranks. Rank 0
@@ -26,7 +27,20 @@ def parse_args(argv=None):
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", choices=MODELS, default="mlp")
     p.add_argument("--data", choices=("fashion-mnist", "synthetic"), default="fashion-mnist")
-    p.add_argument("--strategy", default="p3", help="allreduce, wfbp or p3 (default p3)")
+    p.add_argument("--strategy", default="p3",
+                   help="allreduce, wfbp, p3 (exact) or topk, hier-topk (sparsified; default p3)")
+    p.add_argument("--density", type=float, default=0.01, help="topk/hier-topk: fraction sent (default 0.01)")
+    p.add_argument("--no-error-feedback", action="store_true", help="topk/hier-topk: drop what is not sent")
+    p.add_argument("--dense-warmup-steps", type=int, default=0, help="topk/hier-topk: dense steps first")
+    p.add_argument("--density-ramp-steps", type=int, default=0,
+                   help="topk/hier-topk: steps over which density falls from 0.25 to --density (DGC-style)")
+    p.add_argument("--topk-granularity", choices=("model", "layer"), default="model",
+                   help="select top-k over the flattened model or per layer (default model)")
+    p.add_argument("--topk-operator", choices=("mstopk", "exact"), default="mstopk",
+                   help="approximate MSTopK or exact torch.topk (default mstopk)")
+    p.add_argument("--pto", action="store_true",
+                   help="each rank updates 1/P of the parameters, then allgather (optimizer state sharded)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd (with --momentum)")
     p.add_argument("--slice-size", type=int, default=None, help="p3 slice, in elements (default: runtime's)")
     p.add_argument("--credit", type=int, default=8, help="p3: outgoing slices in flight (default 8)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
@@ -48,6 +62,11 @@ def parse_args(argv=None):
     for name in ("batch_size", "epochs", "threads", "credit", "synthetic_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 < args.density <= 1:
+        p.error(f"--density must be in (0, 1], got {args.density}")
+    for name in ("dense_warmup_steps", "density_ramp_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.data == "fashion-mnist" and args.model == "transformer":
         p.error("the transformer trains on synthetic sequences: use --data synthetic")
     return args
@@ -93,10 +112,10 @@ def evaluate(model, x, y, comm, batch=512):
     return counts[0] / max(1, counts[1]), int(counts[1])
 
 
-def save_checkpoint(path, model, dopt, epoch, args):
+def save_checkpoint(path, model, optimizer_state, epoch, args):
     import torch
 
-    state = dict(model=model.state_dict(), optimizer=dopt.state_dict(), epoch=epoch, args=vars(args))
+    state = dict(model=model.state_dict(), optimizer=optimizer_state, epoch=epoch, args=vars(args))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
@@ -110,12 +129,13 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from mpicomm import Topology
-    from runtime import STRATEGIES, DistributedOptimizer
+    from runtime import SPARSE_STRATEGIES, STRATEGIES, DistributedOptimizer
     from runtime.data import BatchPlan
     from runtime.models import build_model, loss_fn
 
-    if args.strategy not in STRATEGIES:
-        print(f"error: unknown strategy {args.strategy!r} (choose from {', '.join(STRATEGIES)})", file=sys.stderr)
+    known = {**STRATEGIES, **SPARSE_STRATEGIES}
+    if args.strategy not in known:
+        print(f"error: unknown strategy {args.strategy!r} (choose from {', '.join(known)})", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
     topo = Topology()
@@ -130,7 +150,10 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model = build_model(args.model, num_classes=10 if args.model != "transformer" else 1000,
                         **({"in_channels": 3} if args.model in ("vgg19", "resnet50") else {}))
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    if args.optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     start_epoch = 0
     if args.resume and os.path.exists(args.checkpoint):
         ckpt = torch.load(args.checkpoint, weights_only=False)
@@ -147,6 +170,12 @@ def main(argv=None) -> int:
         timeline = Timeline(rank)
         instrument(model, timeline)
     kw = {"slice_size": args.slice_size} if args.slice_size else {}
+    if args.strategy in SPARSE_STRATEGIES:
+        kw["sparse_options"] = dict(density=args.density, error_feedback=not args.no_error_feedback,
+                                    warmup_steps=args.dense_warmup_steps, ramp_steps=args.density_ramp_steps,
+                                    granularity=args.topk_granularity, operator=args.topk_operator)
+    if args.pto:
+        kw["pto"] = True
     dopt = DistributedOptimizer(opt, model, args.strategy, topology=topo, credit=args.credit,
                                 timeline=timeline, **kw)
     criterion = loss_fn(args.model)
@@ -154,7 +183,8 @@ def main(argv=None) -> int:
     plan = BatchPlan(n_train, args.batch_size, P, rank, args.seed)
     steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
     say(f"{args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), {args.data}, "
-        f"strategy {args.strategy}, {P} ranks x batch {args.batch_size}, {steps} steps/epoch")
+        f"strategy {args.strategy}{' + pto' if args.pto else ''}, {P} ranks x batch {args.batch_size}, "
+        f"{steps} steps/epoch")
     history = []
     for epoch in range(start_epoch, args.epochs):
         bar = None
@@ -190,8 +220,10 @@ def main(argv=None) -> int:
         history.append(row)
         say(f"epoch {epoch + 1}: loss {row['loss']:.4f}  test accuracy {acc * 100:.2f} %  "
             f"{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)", flush=True)
-        if args.checkpoint and rank == 0:
-            save_checkpoint(args.checkpoint, model, dopt, epoch, args)
+        if args.checkpoint:
+            optimizer_state = dopt.state_dict()  # collective with --pto: the sharded state is gathered
+            if rank == 0:
+                save_checkpoint(args.checkpoint, model, optimizer_state, epoch, args)
     dopt.close()
     if timeline is not None:
         from runtime.timeline import merge

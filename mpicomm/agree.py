@@ -32,6 +32,20 @@ def check_same_structure(comm: MPI.Comm, entries: list[str], what: str = "parame
     raise CollectiveMismatchError(f"models differ across ranks ({what} lists of different lengths)")
 
 
+def fail_together(comm: MPI.Comm, problem: str | None, error: type[Exception] = RuntimeError) -> None:
+    """Raise on every rank if any rank has a problem, each naming all of them; else return.
+
+    One int8 Allgather when all is well, so it can guard every step: a rank
+    that raised alone would leave the others waiting in the next collective.
+    """
+    flags = np.empty(comm.Get_size(), dtype=np.int8)
+    comm.Allgather(np.array([problem is not None], dtype=np.int8), flags)
+    if not flags.any():
+        return
+    problems = comm.allgather(problem)  # failure path only: pickling is fine
+    raise error("; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None))
+
+
 def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
     """Overwrite every rank's tensors with root's, all in flight together."""
     with Ring(comm) as ring:

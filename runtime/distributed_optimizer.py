@@ -10,7 +10,10 @@ from mpicomm import Topology
 from mpicomm.agree import broadcast_tensors, check_same_structure
 
 from .forward_gate import ForwardGate
+from .sparse_strategies import SPARSE_STRATEGIES
 from .strategies import DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE, STRATEGIES, P3Sync
+
+ALL_STRATEGIES = {**STRATEGIES, **SPARSE_STRATEGIES}
 
 
 class DistributedOptimizer:
@@ -31,6 +34,15 @@ class DistributedOptimizer:
       sharded parameter server by forward-pass priority; `step()` returns at
       once and each layer's update is applied just before that layer's next
       forward, so early layers compute while later ones still synchronise.
+    - topk / hier-topk (not exact: sparsified with error feedback): only the
+      largest `density` fraction of the gradient is exchanged, flat over all
+      ranks or hierarchically (dense inside a node, sparse across nodes);
+      `sparse_options` go to runtime.sparse_strategies.TopkSync (density,
+      error_feedback, warmup_steps, ramp_steps, granularity, operator).
+    pto=True (any strategy): each rank applies the optimizer to its 1/P of
+    the parameters, with 1/P of the optimizer state, then the parameters are
+    allgathered (runtime.pto); with allreduce, the gradients are only
+    reduce-scattered. Updates then happen at step(), also under p3.
     Frozen parameters are skipped; parameters that got no gradient count as
     zeros; tied weights are synchronised once. p3 needs an optimizer whose
     update of one parameter depends only on that parameter (SGD, Adam, ...).
@@ -38,9 +50,12 @@ class DistributedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, strategy: str = "p3",
                  topology: Topology | None = None, slice_size: int = DEFAULT_SLICE_SIZE, credit: int = 8,
-                 fuse_bytes: int = DEFAULT_FUSE_BYTES, timeline=None):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r} (choose from {', '.join(STRATEGIES)})")
+                 fuse_bytes: int = DEFAULT_FUSE_BYTES, timeline=None, sparse_options: dict | None = None,
+                 pto: bool = False):
+        if strategy not in ALL_STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r} (choose from {', '.join(ALL_STRATEGIES)})")
+        if sparse_options and strategy not in SPARSE_STRATEGIES:
+            raise ValueError(f"sparse_options apply to {', '.join(SPARSE_STRATEGIES)}, not {strategy!r}")
         self.optimizer, self.model, self.timeline = optimizer, model, timeline
         self._own_topology = topology is None
         self.topology = topology or Topology()
@@ -48,7 +63,18 @@ class DistributedOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._check_and_broadcast()
         kwargs = {"p3": dict(slice_size=slice_size, credit=credit), "wfbp": dict(fuse_bytes=fuse_bytes)}.get(strategy, {})
-        self.strategy = STRATEGIES[strategy](self.comm, self.params, timeline, **kwargs)
+        if strategy in SPARSE_STRATEGIES:
+            names = {id(p): n for n, p in model.named_parameters()}
+            kwargs = dict(sparse_options or {}, topology=self.topology, names=[names[id(p)] for p in self.params])
+        if pto and strategy == "allreduce":
+            kwargs["reduce_scatter_only"] = True
+        self.strategy = ALL_STRATEGIES[strategy](self.comm, self.params, timeline, **kwargs)
+        self.pto = None
+        if pto:
+            from .pto import ShardedUpdate
+
+            self.pto = ShardedUpdate(optimizer, self.params, self.comm)
+            self.pto.load_from(optimizer)
         self._ready = [False] * len(self.params)
         self._pending: dict[int, list] = {}  # param index -> hyper-parameters of the step() that owes it
         self._zero_requested: bool | None = None
@@ -120,13 +146,16 @@ class DistributedOptimizer:
         self.strategy.finish()
         self._ready = [False] * len(self.params)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        if self.strategy.layerwise:
+        if self.strategy.layerwise and self.pto is None:
             for i in range(len(self.params)):
                 self._pending[i] = hyper
             return None
         for i in range(len(self.params)):
             self.strategy.wait(i)
-        self.optimizer.step()
+        if self.pto is not None:
+            self.pto.step(getattr(self.strategy, "grad_shard", None))
+        else:
+            self.optimizer.step()
         return None
 
     def synchronize(self) -> None:
@@ -164,12 +193,17 @@ class DistributedOptimizer:
 
     # -- checkpoints ---------------------------------------------------------
     def state_dict(self):
+        """The wrapped optimizer's state dict (collective under pto: the shards are gathered into it)."""
         self.synchronize()
+        if self.pto is not None:
+            self.pto.consolidate_into(self.optimizer)
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state) -> None:
         self.synchronize()
         self.optimizer.load_state_dict(state)
+        if self.pto is not None:
+            self.pto.load_from(self.optimizer)
 
     def close(self) -> None:
         """Apply what is owed, stop the strategy's threads and free its communicators."""
@@ -179,6 +213,8 @@ class DistributedOptimizer:
         self._hooks = []
         self.gate.remove()
         self.strategy.close()
+        if self.pto is not None:
+            self.pto.close()
         if self._own_topology:
             self.topology.free()
 

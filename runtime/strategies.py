@@ -37,27 +37,39 @@ class Strategy:
 
 
 class AllreduceSync(Strategy):
-    """Baseline: one fused ring allreduce of every gradient once backward is over."""
+    """Baseline: one fused ring allreduce of every gradient once backward is over.
+
+    reduce_scatter_only (for PTO): only the reduce-scatter half runs; this
+    rank's block of the averaged, flattened gradients is left in
+    `grad_shard` and the parameters' own .grad keep their local values.
+    """
 
     name = "allreduce"
 
-    def __init__(self, comm, params, timeline=None):
+    def __init__(self, comm, params, timeline=None, reduce_scatter_only: bool = False):
         super().__init__(comm, params, timeline)
         self.ring = Ring(comm)
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype if params else torch.float32)
         self.grads: list = [None] * len(params)
+        self.reduce_scatter_only = reduce_scatter_only
+        self.grad_shard = None
 
     def grad_ready(self, i, grad):
         self.grads[i] = grad
 
     def finish(self):
         views = _pack(self.grads, self.flat)
-        span = self.timeline.begin("allreduce (fused)", "sync", track="comm") if self.timeline else None
-        self.ring.allreduce(self.flat).wait()
-        self.flat.div_(self.size)
-        _unpack(self.flat, views)
+        tl = self.timeline
+        if self.reduce_scatter_only:
+            span = tl.begin("reduce-scatter (fused)", "sync", track="comm") if tl else None
+            self.grad_shard = self.ring.reduce_scatter(self.flat).wait().div_(self.size)
+        else:
+            span = tl.begin("allreduce (fused)", "sync", track="comm") if tl else None
+            self.ring.allreduce(self.flat).wait()
+            self.flat.div_(self.size)
+            _unpack(self.flat, views)
         if span is not None:
-            self.timeline.end(span)
+            tl.end(span)
 
     def close(self):
         self.ring.free()

@@ -1,0 +1,164 @@
+"""Top-k sparse allreduce: flat allgather of (index, value) pairs, or MSTopK's hierarchical four steps.
+
+Both return the dense sum over ranks of what each selection kept. The
+selection itself is a callable from the caller (`select(x) -> (values,
+indices)`), so error feedback and the choice of top-k operator stay in the
+training runtime; this module only moves and sums.
+
+Flat: every rank selects from its whole vector and the (index, value) lists
+go round the world ring. Hierarchical (for slow links between nodes):
+  1. reduce-scatter the dense vector inside the node: local rank j holds
+     shard j of the node's sum;
+  2. select from that shard;
+  3. allgather the selections among the ranks holding shard j on every node
+     (the cross communicator) and sum them into the shard;
+  4. allgather the shard's nonzeros inside the node.
+Only step 3 crosses nodes, carrying k/L entries per rank instead of flat's k
+per rank through every ring hop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .buffers import block_counts, offsets
+from .ring import Ring
+from .topology import Topology
+
+Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+INDEX_DTYPES = {4: torch.int32, 8: torch.int64}  # index width follows the value width: one packed buffer
+
+
+def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """(values, indices) as one byte tensor [indices | values], indices stored at the values' width."""
+    k, width = values.numel(), values.element_size()
+    if width not in INDEX_DTYPES:
+        raise TypeError(f"sparse allreduce needs 4- or 8-byte values, got {values.dtype}")
+    out = torch.empty(2 * k * width, dtype=torch.uint8)
+    out[:k * width].view(INDEX_DTYPES[width]).copy_(indices)
+    out[k * width:].view(values.dtype).copy_(values)
+    return out
+
+
+def unpack(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `pack`: (values, indices) views of one packed block."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    k = packed.numel() // (2 * width)
+    return packed[k * width:].view(dtype), packed[:k * width].view(INDEX_DTYPES[width])
+
+
+class Traffic:
+    """Bytes this rank has sent, split by whether the receiver is on its own node."""
+
+    __slots__ = ("intra", "inter")
+
+    def __init__(self):
+        self.intra = self.inter = 0
+
+    def add(self, nbytes: int, inter: bool) -> None:
+        if inter:
+            self.inter += nbytes
+        else:
+            self.intra += nbytes
+
+    def snapshot(self) -> dict:
+        return {"intra_node_bytes": self.intra, "inter_node_bytes": self.inter}
+
+
+class SparseAllreduce:
+    """Sum over ranks of each rank's sparse selection; flat or hierarchical over a Topology.
+
+    The topology's communicators are duplicated (rings), so this object's
+    traffic never mixes with the caller's. `traffic` counts bytes sent to
+    peers on the same node and on other nodes, as the algorithms send them.
+    """
+
+    def __init__(self, topology: Topology, *, hierarchical: bool, validate: bool | None = None):
+        self.topology, self.hierarchical = topology, hierarchical
+        self.size = topology.size
+        if hierarchical:
+            self.node, self.cross = Ring(topology.node, validate=validate), Ring(topology.cross, validate=validate)
+            self.rings = [self.node, self.cross]
+        else:
+            self.world = Ring(topology.world, validate=validate)
+            self.rings = [self.world]
+            right = (topology.rank + 1) % topology.size
+            self._right_is_remote = right not in topology.node_ranks
+        self.traffic = Traffic()
+
+    def free(self) -> None:
+        for ring in self.rings:
+            ring.free()
+        self.rings = []
+
+    def __call__(self, x: torch.Tensor, select: Select) -> torch.Tensor:
+        """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard."""
+        if x.dim() != 1 or not x.is_contiguous():
+            raise ValueError("sparse allreduce takes a contiguous 1-D tensor")
+        return self._hierarchical(x, select) if self.hierarchical else self._flat(x, select)
+
+    # -- flat ------------------------------------------------------------------
+    def _flat(self, x: torch.Tensor, select: Select) -> torch.Tensor:
+        mine = pack(*_select(select, x))
+        # Equal k everywhere is part of the contract; the ring's validation names a rank that differs.
+        gathered = self.world.allgather(mine, torch.empty(mine.numel() * self.size, dtype=torch.uint8)).wait()
+        self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
+        out = torch.zeros_like(x)
+        _scatter_add(out, gathered, [mine.numel()] * self.size, x.dtype)
+        return out
+
+    # -- hierarchical -------------------------------------------------------------
+    def _hierarchical(self, x: torch.Tensor, select: Select) -> torch.Tensor:
+        node, cross = self.node, self.cross
+        L, j = node.size, node.rank
+        counts = block_counts(x.numel(), L)
+        lo = offsets(counts)[j]
+        # 1. node reduce-scatter: shard j of the node's sum.
+        if L > 1:
+            shard = torch.empty(counts[j], dtype=x.dtype)
+            node.reduce_scatter(x, shard).wait()
+            self.traffic.add((x.numel() - counts[j]) * x.element_size(), False)
+        else:
+            shard = x
+        # 2. select within the shard (shard-local indices).
+        mine = pack(*_select(select, shard))
+        # 3. allgather the selections across nodes (equal k: same shard length everywhere), sum into the shard.
+        total = torch.zeros(counts[j], dtype=x.dtype)
+        if cross.size > 1:
+            gathered = cross.allgather(mine, torch.empty(mine.numel() * cross.size, dtype=torch.uint8)).wait()
+            self.traffic.add(mine.numel() * (cross.size - 1), True)
+            _scatter_add(total, gathered, [mine.numel()] * cross.size, x.dtype)
+        else:
+            _scatter_add(total, mine, [mine.numel()], x.dtype)
+        if L == 1:
+            return total
+        # 4. node allgather of the shard's nonzeros: every rank of the node ends with the whole sum.
+        nz = torch.nonzero(total).flatten()
+        packed = pack(total[nz], nz + lo)
+        sizes = torch.empty(L, dtype=torch.int64)
+        node.allgather(torch.tensor([packed.numel()], dtype=torch.int64), sizes).wait()
+        sizes = sizes.tolist()
+        gathered = node.allgatherv(packed, torch.empty(sum(sizes), dtype=torch.uint8), counts=sizes).wait()
+        # A ring allgather forwards every block except the right neighbour's own.
+        self.traffic.add(sum(sizes) - sizes[(j + 1) % L] + 8 * (L - 1), False)
+        out = torch.zeros_like(x)
+        _scatter_add(out, gathered, sizes, x.dtype)
+        return out
+
+
+def _select(select: Select, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caller's selection, except that an empty vector (a small tensor's empty shard) selects nothing."""
+    if x.numel() == 0:
+        return x, torch.empty(0, dtype=torch.int64)
+    return select(x)
+
+
+def _scatter_add(out: torch.Tensor, gathered: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> None:
+    """Add the packed (index, value) blocks of byte sizes `sizes` into the dense `out`."""
+    start = 0
+    for size in sizes:
+        vals, idx = unpack(gathered[start:start + size], dtype)
+        out.index_put_((idx.long(),), vals, accumulate=True)
+        start += size

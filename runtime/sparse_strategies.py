@@ -1,0 +1,112 @@
+"""Top-k sparsified gradient exchange with error feedback: flat (`topk`) and hierarchical (`hier-topk`)."""
+
+from __future__ import annotations
+
+import torch
+
+from mpicomm import Ring
+from mpicomm.agree import check_same_structure, fail_together
+from mpicomm.sparse_allreduce import SparseAllreduce
+
+from .error_feedback import DensitySchedule, ErrorFeedback
+from .strategies import Strategy, _pack, _unpack
+
+OPERATORS = ("mstopk", "exact")
+GRANULARITIES = ("model", "layer")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf; raised on every rank, naming the rank and the layer."""
+
+
+class TopkSync(Strategy):
+    """Each step sends only the largest `density` fraction of the (error-compensated) gradient.
+
+    Not exact SGD: the unsent remainder waits in a per-rank residual (error
+    feedback) and joins later steps. `warmup_steps` dense steps and a DGC-style
+    ramp of `ramp_steps` ease the start. Selection runs over the flattened
+    model (`granularity="model"`, one exchange per step) or per parameter
+    (`"layer"`, k per layer). Every step first checks collectively that no
+    gradient holds NaN/Inf, so a bad layer is named instead of spreading.
+    """
+
+    name = "topk"
+    hierarchical = False
+
+    def __init__(self, comm, params, timeline=None, *, topology, density: float = 0.01,
+                 error_feedback: bool = True, warmup_steps: int = 0, ramp_steps: int = 0,
+                 granularity: str = "model", operator: str = "mstopk", names: list[str] | None = None):
+        super().__init__(comm, params, timeline)
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        if operator not in OPERATORS:
+            raise ValueError(f"operator must be one of {OPERATORS}, got {operator!r}")
+        self.schedule = DensitySchedule(density, warmup_steps, ramp_steps)
+        # Ranks selecting different k would meet in the exchange with different sizes: refuse up front.
+        check_same_structure(comm, [f"{self.name} {self.schedule.describe()} error_feedback={error_feedback} "
+                                    f"granularity={granularity} operator={operator}"], "sparsification setting")
+        self.granularity = granularity
+        self.names = names or [f"parameter #{i}" for i in range(len(params))]
+        from .mstopk import MSTopK, exact_topk
+        topk = MSTopK() if operator == "mstopk" else exact_topk
+        self.ef = ErrorFeedback(topk, enabled=error_feedback)
+        self.sparse = SparseAllreduce(topology, hierarchical=self.hierarchical)
+        self.dense = Ring(comm)
+        dtype = params[0].dtype if params else torch.float32
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        self.grads: list = [None] * len(params)
+        self.steps = 0
+
+    @property
+    def traffic(self):
+        """Bytes sent by the sparse exchange so far (intra- and inter-node), for benchmarks."""
+        return self.sparse.traffic
+
+    def grad_ready(self, i, grad):
+        self.grads[i] = grad
+
+    def finish(self):
+        step, self.steps = self.steps, self.steps + 1
+        self._check_finite()
+        tl = self.timeline
+        span = tl.begin(f"{self.name} step {step}", "sync", track="comm") if tl else None
+        if self.schedule.dense(step):
+            views = _pack(self.grads, self.flat)
+            self.dense.allreduce(self.flat).wait()
+            self.flat.div_(self.size)
+            _unpack(self.flat, views)
+        elif self.granularity == "model":
+            density = self.schedule(step)
+            views = _pack(self.grads, self.flat)
+            summed = self.sparse(self.flat, lambda x: self.ef.select("model", x, density))
+            _unpack(summed.div_(self.size), views)
+        else:
+            density = self.schedule(step)
+            for i, g in enumerate(self.grads):
+                flat = g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1)
+                summed = self.sparse(flat, lambda x, i=i: self.ef.select(i, x, density))
+                g.copy_(summed.div_(self.size).view_as(g))
+        if span is not None:
+            tl.end(span)
+
+    def _check_finite(self) -> None:
+        problem = None
+        for i, g in enumerate(self.grads):
+            if not bool(torch.isfinite(g).all()):
+                problem = f"non-finite gradient (NaN or Inf) in {self.names[i]}"
+                break
+        fail_together(self.comm, problem, NonFiniteGradientError)
+
+    def close(self):
+        self.sparse.free()
+        self.dense.free()
+
+
+class HierTopkSync(TopkSync):
+    """MSTopK's hierarchical top-k allreduce: dense inside a node, sparse (k/L per rank) across nodes."""
+
+    name = "hier-topk"
+    hierarchical = True
+
+
+SPARSE_STRATEGIES = {"topk": TopkSync, "hier-topk": HierTopkSync}
