@@ -38,7 +38,10 @@ class DistributedOptimizer:
       largest `density` fraction of the gradient is exchanged, flat over all
       ranks or hierarchically (dense inside a node, sparse across nodes);
       `sparse_options` go to runtime.sparse_strategies.TopkSync (density,
-      error_feedback, warmup_steps, ramp_steps, granularity, operator).
+      error_feedback, warmup_steps, ramp_steps, granularity, operator,
+      momentum_correction). With momentum_correction (default) an SGD's
+      momentum moves into the sparsifier: the wrapped SGD's groups are set
+      to momentum 0 and each rank's velocity is what gets sparsified.
     pto=True (any strategy): each rank applies the optimizer to its 1/P of
     the parameters, with 1/P of the optimizer state, then the parameters are
     allgathered (runtime.pto); with allreduce, the gradients are only
@@ -66,6 +69,8 @@ class DistributedOptimizer:
         if strategy in SPARSE_STRATEGIES:
             names = {id(p): n for n, p in model.named_parameters()}
             kwargs = dict(sparse_options or {}, topology=self.topology, names=[names[id(p)] for p in self.params])
+            if kwargs.pop("momentum_correction", True):
+                kwargs["momentum"] = _take_sgd_momentum(optimizer)
         if pto and strategy == "allreduce":
             kwargs["reduce_scatter_only"] = True
         self.strategy = ALL_STRATEGIES[strategy](self.comm, self.params, timeline, **kwargs)
@@ -223,6 +228,25 @@ class DistributedOptimizer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _take_sgd_momentum(optimizer) -> float:
+    """Move an SGD's momentum into the sparsifier (momentum correction): the SGD continues without it.
+
+    Returns 0 for other optimizers, which keep their own state.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return 0.0
+    groups = optimizer.param_groups
+    momenta = {g["momentum"] for g in groups}
+    if momenta == {0}:
+        return 0.0
+    if len(momenta) > 1 or any(g["nesterov"] or g["dampening"] for g in groups):
+        raise ValueError("momentum correction needs one plain momentum for all parameter groups (no nesterov, "
+                         "no dampening); pass sparse_options={'momentum_correction': False} to keep the SGD's")
+    for g in groups:
+        g["momentum"] = 0.0
+    return float(momenta.pop())
 
 
 @contextlib.contextmanager

@@ -28,6 +28,13 @@ class TopkSync(Strategy):
     model (`granularity="model"`, one exchange per step) or per parameter
     (`"layer"`, k per layer). Every step first checks collectively that no
     gradient holds NaN/Inf, so a bad layer is named instead of spreading.
+
+    momentum > 0 is DGC's momentum correction (the optimizer wrapper moves an
+    SGD's momentum here and runs the SGD without it): each rank keeps its
+    velocity u = m*u + g and u, not g, is what gets sparsified, so what waits
+    in the residual is not amplified again by the optimizer's momentum. u is
+    not masked where entries were sent (DGC does): by linearity, at density 1
+    or in dense warm-up steps this is then exactly momentum SGD.
     """
 
     name = "topk"
@@ -35,7 +42,8 @@ class TopkSync(Strategy):
 
     def __init__(self, comm, params, timeline=None, *, topology, density: float = 0.01,
                  error_feedback: bool = True, warmup_steps: int = 0, ramp_steps: int = 0,
-                 granularity: str = "model", operator: str = "mstopk", names: list[str] | None = None):
+                 granularity: str = "model", operator: str = "mstopk", names: list[str] | None = None,
+                 momentum: float = 0.0):
         super().__init__(comm, params, timeline)
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -44,7 +52,8 @@ class TopkSync(Strategy):
         self.schedule = DensitySchedule(density, warmup_steps, ramp_steps)
         # Ranks selecting different k would meet in the exchange with different sizes: refuse up front.
         check_same_structure(comm, [f"{self.name} {self.schedule.describe()} error_feedback={error_feedback} "
-                                    f"granularity={granularity} operator={operator}"], "sparsification setting")
+                                    f"granularity={granularity} operator={operator} momentum={momentum}"],
+                             "sparsification setting")
         self.granularity = granularity
         self.names = names or [f"parameter #{i}" for i in range(len(params))]
         from .mstopk import MSTopK, exact_topk
@@ -54,6 +63,10 @@ class TopkSync(Strategy):
         self.dense = Ring(comm)
         dtype = params[0].dtype if params else torch.float32
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        self.momentum = momentum
+        self.velocity = torch.zeros_like(self.flat) if momentum else None
         self.grads: list = [None] * len(params)
         self.steps = 0
 
@@ -70,21 +83,20 @@ class TopkSync(Strategy):
         self._check_finite()
         tl = self.timeline
         span = tl.begin(f"{self.name} step {step}", "sync", track="comm") if tl else None
+        views = _pack(self.grads, self.flat)
+        if self.velocity is not None:
+            self.flat.copy_(self.velocity.mul_(self.momentum).add_(self.flat))
         if self.schedule.dense(step):
-            views = _pack(self.grads, self.flat)
             self.dense.allreduce(self.flat).wait()
-            self.flat.div_(self.size)
-            _unpack(self.flat, views)
+            _unpack(self.flat.div_(self.size), views)
         elif self.granularity == "model":
             density = self.schedule(step)
-            views = _pack(self.grads, self.flat)
             summed = self.sparse(self.flat, lambda x: self.ef.select("model", x, density))
             _unpack(summed.div_(self.size), views)
         else:
             density = self.schedule(step)
-            for i, g in enumerate(self.grads):
-                flat = g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1)
-                summed = self.sparse(flat, lambda x, i=i: self.ef.select(i, x, density))
+            for i, (g, off) in enumerate(views):
+                summed = self.sparse(self.flat[off:off + g.numel()], lambda x, i=i: self.ef.select(i, x, density))
                 g.copy_(summed.div_(self.size).view_as(g))
         if span is not None:
             tl.end(span)

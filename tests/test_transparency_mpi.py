@@ -57,11 +57,12 @@ def data(world_size):
     return torch.randn(STEPS, n, 11, generator=g), torch.randint(0, 5, (STEPS, n), generator=g)
 
 
-def train(strategy, world, X, Y, slice_size=7, make=Edgy, **kw):
-    """Train 20 SGD+momentum steps; strategy None is the single-process reference on the full batch."""
+def train(strategy, world, X, Y, slice_size=7, make=Edgy, adam=False, **kw):
+    """Train 20 SGD+momentum (or Adam) steps; strategy None is the single-process reference on the full batch."""
     torch.manual_seed(7)
     model = make()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(trainable, lr=0.01) if adam else torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
     r, P = world.Get_rank(), world.Get_size()
     dopt = DistributedOptimizer(opt, model, strategy, slice_size=slice_size, **kw) if strategy else opt
     for step in range(STEPS):
@@ -87,6 +88,17 @@ def test_equals_single_process_on_whole_batch(world, strategy):
     got = train(strategy, world, X, Y)
     assert_everywhere(world, close(got, reference), f"{strategy} differs from one process on the whole batch")
     assert_everywhere(world, not close(got, train(None, world, X[:, :1], Y[:, :1])), "test cannot fail")
+
+
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd", "adam"])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "topk"])
+def test_pto_equals_single_process(world, strategy, adam):
+    """PTO (sharded update + allgather) composes with every exact strategy, and with topk at density 1."""
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y, adam=adam)
+    extra = {"sparse_options": {"density": 1.0}} if strategy == "topk" else {}
+    got = train(strategy, world, X, Y, adam=adam, pto=True, **extra)
+    assert_everywhere(world, close(got, reference), f"{strategy} + pto differs from one process")
 
 
 @pytest.mark.parametrize("slice_size", [1, 5, 13, 1000])

@@ -1,0 +1,175 @@
+"""Benchmark: PTO's sharded optimizer step (1/P update + parameter allgather) against the unsharded step on every rank.
+
+    mpiexec -n 4 python -m jobs.bench_pto --json results/pto-vgg19.json
+
+With random gradients on the VGG-19-shaped model (38.9 M parameters) and one
+torch thread per rank, times `optimizer.step()` over all parameters (what
+every rank does without PTO) and `ShardedUpdate.step()` split into its shard
+update and its allgather. Each figure is the median over --repeats of the
+slowest rank's time, after --warmup untimed steps. Prints a markdown table,
+writes JSON rows (model, optimizer, ranks, unsharded_step_s, pto_step_s,
+pto_update_s, pto_allgather_s, speedup) and a PNG bar plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+OPTIMIZERS = {
+    "adam": ("Adam", dict(lr=1e-3)),
+    "sgd-momentum": ("SGD", dict(lr=0.01, momentum=0.9)),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_pto", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="vgg19", help="a runtime.models name (default vgg19)")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
+    p.add_argument("--repeats", type=int, default=7, help="timed steps per row (default 7)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2; the first builds state)")
+    p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
+    p.add_argument("--plot", metavar="PNG", help="bar plot (default: the JSON path with .png)")
+    args = p.parse_args(argv)
+    args.optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
+    bad = [o for o in args.optimizers if o not in OPTIMIZERS]
+    if bad or not args.optimizers:
+        p.error(f"unknown optimizer {bad or args.optimizers} (choose from {', '.join(OPTIMIZERS)})")
+    if args.repeats < 1 or args.warmup < 0:
+        p.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+def make_optimizer(name, params):
+    import torch
+
+    cls, kw = OPTIMIZERS[name]
+    return getattr(torch.optim, cls)(params, **kw)
+
+
+def timed(comm, phases, repeats, warmup):
+    """Median over repeats of the slowest rank's seconds for each phase (a list of callables run in order).
+
+    Also returns the median of the slowest rank's total, which is not the sum
+    of the phase medians when ranks are slow at different phases.
+    """
+    from mpi4py import MPI
+    import numpy as np
+
+    for _ in range(warmup):
+        for fn in phases:
+            fn()
+    samples = []
+    for _ in range(repeats):
+        comm.Barrier()  # every rank starts the step together, as after a gradient collective
+        marks = [time.perf_counter()]
+        for fn in phases:
+            fn()
+            marks.append(time.perf_counter())
+        local = np.diff(marks).tolist() + [marks[-1] - marks[0]]
+        worst = np.empty(len(local))
+        comm.Allreduce(np.array(local), worst, op=MPI.MAX)
+        samples.append(worst)
+    return [statistics.median(s[i] for s in samples) for i in range(len(phases) + 1)]
+
+
+def format_table(rows) -> str:
+    lines = ["| model | optimizer | ranks | unsharded step (ms) | PTO step (ms) | PTO update (ms) "
+             "| PTO allgather (ms) | speedup |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['model']} | {r['optimizer']} | {r['ranks']} | {r['unsharded_step_s'] * 1e3:.1f} "
+              f"| {r['pto_step_s'] * 1e3:.1f} | {r['pto_update_s'] * 1e3:.1f} | {r['pto_allgather_s'] * 1e3:.1f} "
+              f"| {r['speedup']:.2f}x |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(1.8 + 2.4 * len(rows), 3.8))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["unsharded_step_s"] * 1e3 for r in rows], 0.4, label="unsharded step")
+    update = [r["pto_update_s"] * 1e3 for r in rows]
+    ax.bar([x + 0.2 for x in xs], update, 0.4, label="PTO: 1/P update")
+    ax.bar([x + 0.2 for x in xs], [r["pto_allgather_s"] * 1e3 for r in rows], 0.4, bottom=update,
+           label="PTO: allgather")
+    ax.set_xticks(list(xs), [f"{r['optimizer']}\n{r['speedup']:.2f}x" for r in rows])
+    ax.set_ylabel("ms per step (slowest rank, median)")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from mpi4py import MPI  # here, not at import: importing a job must not start MPI
+    import torch
+
+    from runtime.models import build_model
+    from runtime.pto import ShardedUpdate
+
+    torch.set_num_threads(1)  # one core per rank, as ranks share the host's cores
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if P == 1:
+        say("note: 1 rank: PTO is the unsharded update plus copies; run under `mpiexec -n 4`")
+    torch.manual_seed(0)
+    model = build_model(args.model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n = sum(p.numel() for p in params)
+    g = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    say(f"# {args.model}: {n / 1e6:.1f} M parameters, {P} ranks, torch threads 1, "
+        f"{args.warmup} warm-up + median of {args.repeats}", flush=True)
+    rows = []
+    for name in args.optimizers:
+        # The two are timed one after the other so that only one full optimizer state is alive at a time.
+        opt = make_optimizer(name, params)
+        unsharded, _ = timed(comm, [opt.step], args.repeats, args.warmup)
+        del opt
+        opt = make_optimizer(name, params)
+        pto = ShardedUpdate(opt, params, comm)
+        update, allgather, step = timed(comm, [pto.update_shard, pto.allgather_params], args.repeats, args.warmup)
+        pto.close()
+        del pto, opt
+        rows.append(dict(model=args.model, optimizer=name, ranks=P, params=n, unsharded_step_s=unsharded,
+                         pto_step_s=step, pto_update_s=update, pto_allgather_s=allgather,
+                         speedup=unsharded / step))
+    if rank == 0:
+        say(format_table(rows))
+        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
+                    cpus=os.cpu_count(), mpi=MPI.Get_library_version().splitlines()[0].strip(), ranks=P,
+                    torch=torch.__version__, threads=1, repeats=args.repeats, warmup=args.warmup,
+                    command=" ".join([os.path.basename(sys.executable), "-m", "jobs.bench_pto"]
+                                     + (sys.argv[1:] if argv is None else list(argv))))
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json + ".tmp", "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
+            say(f"wrote {args.json}")
+        if args.plot:
+            plot(rows, args.plot, f"PTO vs unsharded step, {args.model}, {P} ranks")
+            say(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
