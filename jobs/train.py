@@ -200,7 +200,11 @@ def main(argv=None) -> int:
             dopt.zero_grad()
             loss = criterion(model(*inputs), y[idx])
             loss.backward()
-            dopt.step()
+            try:
+                dopt.step()
+            except FloatingPointError as exc:  # raised on every rank together (NonFiniteGradientError)
+                say(f"\nerror: step {step + 1} of epoch {epoch + 1}: {exc}", file=sys.stderr, flush=True)
+                return 3
             loss_value = loss.detach().item()
             loss_sum += loss_value
             if bar is not None:

@@ -23,10 +23,10 @@ def train(tmp_path, *args, n=2, timeout=180):
     return proc
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "topk", "hier-topk", "allreduce --pto"])
 def test_trains_and_reports_every_epoch(tmp_path, strategy):
     out = tmp_path / "m.json"
-    proc = train(tmp_path, "--strategy", strategy, "--epochs", "2", "--json", str(out))
+    proc = train(tmp_path, "--strategy", *strategy.split(), "--epochs", "2", "--json", str(out), "--density", "0.1")
     rows = json.loads(out.read_text())["epochs"]
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[1]["loss"] < rows[0]["loss"]  # the synthetic classes are learnable
@@ -34,11 +34,13 @@ def test_trains_and_reports_every_epoch(tmp_path, strategy):
     assert "epoch 2: loss" in proc.stdout
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--pto", "--optimizer", "adam", "--lr", "0.01"]], ids=["p3", "pto-adam"])
+def test_resume_continues_exactly(tmp_path, extra):
+    """Under --pto the optimizer state is sharded: the checkpoint gathers it, --resume shards it again."""
     straight, split = tmp_path / "a.pt", tmp_path / "b.pt"
-    train(tmp_path, "--epochs", "3", "--checkpoint", str(straight))
-    train(tmp_path, "--epochs", "2", "--checkpoint", str(split))
-    proc = train(tmp_path, "--epochs", "3", "--checkpoint", str(split), "--resume")
+    train(tmp_path, "--epochs", "3", "--checkpoint", str(straight), *extra)
+    train(tmp_path, "--epochs", "2", "--checkpoint", str(split), *extra)
+    proc = train(tmp_path, "--epochs", "3", "--checkpoint", str(split), "--resume", *extra)
     assert "resumed from" in proc.stdout and "epoch 3: loss" in proc.stdout and "epoch 1:" not in proc.stdout
     a, b = torch.load(straight, weights_only=False), torch.load(split, weights_only=False)
     assert a["epoch"] == b["epoch"] == 2
@@ -59,8 +61,33 @@ def test_timeline_has_a_track_per_rank_with_layers_and_slices(tmp_path):
 
 @pytest.mark.parametrize("args,message", [(["--strategy", "nope"], "unknown strategy"),
                                           (["--resume"], "--resume needs --checkpoint"),
-                                          (["--batch-size", "0"], "--batch-size must be >= 1")])
+                                          (["--batch-size", "0"], "--batch-size must be >= 1"),
+                                          (["--density", "0"], "--density must be in (0, 1]"),
+                                          (["--density", "1.5"], "--density must be in (0, 1]")])
 def test_bad_arguments(args, message):
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_nan_gradient_stops_sparse_training_with_the_layer_named(tmp_path):
+    """A learning rate that blows the loss up: every rank stops, naming the first non-finite layer."""
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", *QUICK, "--strategy", "topk", "--lr", "1e30",
+           "--momentum", "0", "--epochs", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 3 and "error: step " in proc.stderr
+    assert "non-finite gradient (NaN or Inf) in" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_convergence_bench_rows_and_plot(tmp_path):
+    out = tmp_path / "conv.json"
+    cmd = [sys.executable, "-m", "jobs.bench_convergence", "--configs", "allreduce,hier-topk:0.1", "--seeds", "0",
+           "--epochs", "1", "--max-steps", "5", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    if "fashion-mnist" in proc.stderr.lower() and proc.returncode:
+        pytest.skip("Fashion-MNIST is not installed (make setup installs it as root)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["density"]) for r in rows] == [("allreduce", None), ("hier-topk", 0.1)]
+    assert all(0 < r["test_accuracy"] <= 1 for r in rows)
+    assert "| hier-topk ρ=0.1 |" in proc.stdout and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

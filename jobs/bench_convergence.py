@@ -1,0 +1,145 @@
+"""Benchmark: test accuracy of sparsified training (topk / hier-topk) against dense, same epochs and seeds.
+
+    python -m jobs.bench_convergence --json results/convergence.json
+    python -m jobs.bench_convergence --configs allreduce,topk:0.01,hier-topk:0.001 --seeds 0,1 --epochs 2
+
+Each configuration is `strategy` or `strategy:density`; every one runs
+`jobs.train` (Fashion-MNIST MLP, 4 ranks as 2 nodes x 2 ranks, so hier-topk
+has a node level) once per seed. Prints a markdown table of the final test
+accuracy per seed, the mean, and the gap to the dense baseline (the first
+configuration); writes JSON rows and a PNG bar plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+
+DEFAULT_CONFIGS = "allreduce,topk:0.01,hier-topk:0.01,topk:0.001,hier-topk:0.001"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_convergence", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"default {DEFAULT_CONFIGS}")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2)
+    p.add_argument("--max-steps", type=int, default=0, help="per epoch (0: all)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per training run")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    args = p.parse_args(argv)
+    args.configs = [parse_config(c) for c in args.configs.split(",") if c]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    if not args.configs or not args.seeds:
+        p.error("need at least one configuration and one seed")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+def parse_config(text: str) -> tuple[str, float | None]:
+    strategy, _, density = text.partition(":")
+    return strategy, float(density) if density else None
+
+
+def label(config) -> str:
+    strategy, density = config
+    return strategy if density is None else f"{strategy} ρ={density:g}"
+
+
+def run(args, config, seed) -> dict:
+    """One training run; returns its last epoch's metrics."""
+    from mpicomm.launch import mpiexec
+
+    strategy, density = config
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "train.json")
+        cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "jobs.train", "--strategy", strategy,
+               "--epochs", str(args.epochs), "--seed", str(seed), "--no-progress", "--json", out,
+               "--max-steps", str(args.max_steps)]
+        if density is not None:
+            cmd += ["--density", str(density)]
+        env = dict(os.environ, MPITRAIN_RANKS_PER_NODE=str(args.ranks_per_node))
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode:
+            raise RuntimeError(f"{label(config)} seed {seed} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        with open(out) as f:
+            return json.load(f)["epochs"][-1]
+
+
+def table(rows, configs, seeds) -> str:
+    base = statistics.fmean(r["test_accuracy"] for r in rows if r["config"] == label(configs[0]))
+    head = ("| configuration | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | vs " + label(configs[0])
+            + " |\n|---|" + "---:|" * (len(seeds) + 2))
+    body = []
+    for c in configs:
+        accs = [r["test_accuracy"] for r in rows if r["config"] == label(c)]
+        mean = statistics.fmean(accs)
+        body.append(f"| {label(c)} | " + " | ".join(f"{a * 100:.2f} %" for a in accs)
+                    + f" | {mean * 100:.2f} % | {(mean - base) * 100:+.2f} points |")
+    return "\n".join([head, *body])
+
+
+def plot(rows, configs, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [label(c) for c in configs]
+    accs = [[r["test_accuracy"] * 100 for r in rows if r["config"] == n] for n in names]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.8))
+    ax.bar(range(len(names)), [statistics.fmean(a) for a in accs], color="#4c72b0")
+    for i, a in enumerate(accs):
+        ax.scatter([i] * len(a), a, color="black", s=12, zorder=3)
+    ax.set_xticks(range(len(names)), names, rotation=20)
+    ax.set_ylim(min(min(a) for a in accs) - 3, 100)
+    ax.set_ylabel("test accuracy %")
+    ax.set_title("Fashion-MNIST MLP, final epoch (dots: seeds)")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = []
+    try:
+        for config in args.configs:
+            for seed in args.seeds:
+                print(f"# {label(config)}, seed {seed} ...", flush=True)
+                last = run(args, config, seed)
+                rows.append(dict(config=label(config), strategy=config[0], density=config[1], seed=seed,
+                                 epochs=args.epochs, test_accuracy=last["test_accuracy"], loss=last["loss"],
+                                 samples_per_s=last["samples_per_s"]))
+                print(f"  test accuracy {last['test_accuracy'] * 100:.2f} %", flush=True)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print("\n" + table(rows, args.configs, args.seeds))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpus=os.cpu_count(),
+                    command=" ".join(["python -m jobs.bench_convergence", *(sys.argv[1:] if argv is None else argv)]))
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, args.configs, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
