@@ -7,6 +7,8 @@ from typing import Callable
 
 import torch
 
+from .mstopk import k_for_density
+
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -50,11 +52,6 @@ class DensitySchedule:
         return f"density={self.density} warmup={self.warmup_steps} ramp={self.ramp_steps} start={self.start}"
 
 
-def k_for(numel: int, density: float) -> int:
-    """Entries to keep out of `numel` at `density`: at least one, at most all."""
-    return min(numel, max(1, math.ceil(density * numel)))
-
-
 class ErrorFeedback:
     """Per-key residuals: select from gradient + residual, keep what was not selected for next time.
 
@@ -68,7 +65,7 @@ class ErrorFeedback:
         self.residuals: dict = {}
 
     def select(self, key, x: torch.Tensor, density: float) -> tuple[torch.Tensor, torch.Tensor]:
-        k = k_for(x.numel(), density)
+        k = k_for_density(x.numel(), density)
         if not self.enabled:
             return self.topk(x, k)
         acc = self.residuals.get(key)

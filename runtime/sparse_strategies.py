@@ -9,6 +9,7 @@ from mpicomm.agree import check_same_structure, fail_together
 from mpicomm.sparse_allreduce import SparseAllreduce
 
 from .error_feedback import DensitySchedule, ErrorFeedback
+from .mstopk import MSTopK, exact_topk
 from .strategies import Strategy, _pack, _unpack
 
 OPERATORS = ("mstopk", "exact")
@@ -56,7 +57,6 @@ class TopkSync(Strategy):
                              "sparsification setting")
         self.granularity = granularity
         self.names = names or [f"parameter #{i}" for i in range(len(params))]
-        from .mstopk import MSTopK, exact_topk
         topk = MSTopK() if operator == "mstopk" else exact_topk
         self.ef = ErrorFeedback(topk, enabled=error_feedback)
         self.sparse = SparseAllreduce(topology, hierarchical=self.hierarchical)

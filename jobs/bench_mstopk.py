@@ -1,0 +1,175 @@
+"""Benchmark: MSTopK (sampled and plain bisection) against torch.topk on one CPU thread.
+
+    python -m jobs.bench_mstopk --json results/mstopk.json --sizes 1M,25M --densities 0.001,0.01
+
+For each size d (elements, decimal K/M/G suffixes) and density, k = ceil(density * d)
+of a seeded random vector; one row per implementation with d, density, k, impl,
+median_s, min_s (over --repeats timed calls after one warm-up call),
+speedup_vs_topk (torch.topk's median over this one's), count (elements returned)
+and mass_ratio (captured sum of squares over the exact top-k's). torch.topk is
+timed as the reference selection, runtime.mstopk.exact_topk: |x|, topk unsorted,
+gather of the signed values, i.e. the same output as MSTopK.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from runtime.mstopk import DEFAULT_ITERS, MSTopK, exact_topk, k_for_density
+
+IMPLS = ("mstopk-sampled", "mstopk-bisection", "torch.topk")  # the first is MSTopK's default
+_UNITS = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
+
+
+def parse_count(text: str) -> int:
+    text = text.strip().upper()
+    unit = text[-1] if text and text[-1] in _UNITS else ""
+    try:
+        value = int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 100000, 1M, 25M)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_mstopk", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="1M,25M", help="comma-separated element counts (default 1M,25M)")
+    p.add_argument("--densities", default="0.001,0.01", help="comma-separated k/d (default 0.001,0.01)")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls per row (default 5)")
+    p.add_argument("--data", default="normal", choices=("normal", "cubed"),
+                   help="randn, or randn**3 for heavy tails (default normal)")
+    p.add_argument("--iters", type=int, default=DEFAULT_ITERS, help=f"MSTopK probes (default {DEFAULT_ITERS})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
+    p.add_argument("--png", metavar="PATH", help="bar plot (default: the JSON path with .png)")
+    args = p.parse_args(argv)
+    try:
+        args.sizes = [parse_count(s) for s in args.sizes.split(",") if s.strip()]
+    except argparse.ArgumentTypeError as exc:
+        p.error(str(exc))
+    try:
+        args.densities = [float(s) for s in args.densities.split(",") if s.strip()]
+    except ValueError:
+        p.error(f"--densities wants numbers, got {args.densities!r}")
+    if not args.sizes or not args.densities:
+        p.error("need at least one size and one density")
+    bad = [d for d in args.densities if not 0 < d <= 1]
+    if bad:
+        p.error(f"densities must be in (0, 1], got {bad}")
+    if args.repeats < 1 or args.iters < 1:
+        p.error("--repeats and --iters must be >= 1")
+    if args.png is None and args.json:
+        args.png = os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+def time_calls(fn, repeats: int) -> tuple[float, float, tuple]:
+    """(median s, min s, last result) over `repeats` calls after one untimed warm-up call."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    mid = len(times) // 2
+    median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+    return median, times[0], out
+
+
+def format_table(rows) -> str:
+    lines = ["| d | density | k | impl | median ms | min ms | speedup vs topk | count | mass ratio |",
+             "|---:|---:|---:|:---|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['d']:,} | {r['density']:g} | {r['k']:,} | {r['impl']} | {r['median_s'] * 1e3:.2f} | "
+              f"{r['min_s'] * 1e3:.2f} | {r['speedup_vs_topk']:.2f}x | {r['count']:,} | {r['mass_ratio']:.6f} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["d"], r["density"]) for r in rows))
+    by = {(r["d"], r["density"], r["impl"]): r for r in rows}
+    width = 0.8 / len(IMPLS)
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(cases) + 1.5), 4.0))
+    for j, impl in enumerate(IMPLS):
+        xs = [i + (j - (len(IMPLS) - 1) / 2) * width for i in range(len(cases))]
+        ys = [by[c + (impl,)]["median_s"] * 1e3 for c in cases]
+        bars = ax.bar(xs, ys, width, label=impl)
+        for bar, c in zip(bars, cases):
+            ax.annotate(f"{by[c + (impl,)]['speedup_vs_topk']:.1f}x", (bar.get_x() + bar.get_width() / 2,
+                        bar.get_height()), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(cases)), [f"d={d:,}\ndensity {p:g}" for d, p in cases], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("median time per call (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)  # the operator's home is one rank per core, beside the training
+    ops = {"mstopk-sampled": MSTopK(args.iters, sampled=True, seed=args.seed),
+           "mstopk-bisection": MSTopK(args.iters, sampled=False, seed=args.seed)}
+    rows = []
+    print(f"# one thread, torch {torch.__version__}, data {args.data}, MSTopK iters {args.iters}, "
+          f"{args.repeats} timed calls per row after a warm-up")
+    print(format_table([]), flush=True)
+    for d in args.sizes:
+        x = torch.randn(d, generator=torch.Generator().manual_seed(args.seed))
+        if args.data == "cubed":
+            x.pow_(3)
+        for density in args.densities:
+            k = k_for_density(d, density)
+            case = []
+            for impl in IMPLS:
+                fn = (lambda: exact_topk(x, k)) if impl == "torch.topk" else (lambda op=ops[impl]: op(x, k))
+                median, best, (values, _) = time_calls(fn, args.repeats)
+                case.append(dict(d=d, density=density, k=k, impl=impl, median_s=median, min_s=best,
+                                 count=values.numel(), mass=float((values.double() ** 2).sum())))
+            ref_s, ref_mass = case[-1]["median_s"], case[-1]["mass"]  # torch.topk's
+            for r in case:
+                r["speedup_vs_topk"] = ref_s / r["median_s"]
+                r["mass_ratio"] = r.pop("mass") / ref_mass if ref_mass > 0 else 1.0
+            rows += case
+            print("\n".join(format_table(case).splitlines()[2:]), flush=True)
+        ops["mstopk-sampled"].clear_cache()  # one size's buffers at a time
+        ops["mstopk-bisection"].clear_cache()
+        del x
+    meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
+                cpus=os.cpu_count(), threads=1, torch=torch.__version__, data=args.data, iters=args.iters,
+                repeats=args.repeats, seed=args.seed, default_impl=IMPLS[0],
+                command=" ".join([os.path.basename(sys.executable), "-m", "jobs.bench_mstopk"]
+                                 + (sys.argv[1:] if argv is None else list(argv))))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json + ".tmp", "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        os.replace(args.json + ".tmp", args.json)
+        print(f"wrote {args.json}")
+    if args.png:
+        plot(rows, args.png, f"top-k of |x|, one thread, {args.data} data\n(labels: speedup vs torch.topk)")
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
