@@ -73,6 +73,8 @@ class SparseAllreduce:
     The topology's communicators are duplicated (rings), so this object's
     traffic never mixes with the caller's. `traffic` counts bytes sent to
     peers on the same node and on other nodes, as the algorithms send them.
+    The dense result lives in a buffer reused by the next call of the same
+    size: freshly allocated 100 MB tensors cost page faults on every step.
     """
 
     def __init__(self, topology: Topology, *, hierarchical: bool, validate: bool | None = None):
@@ -87,6 +89,16 @@ class SparseAllreduce:
             right = (topology.rank + 1) % topology.size
             self._right_is_remote = right not in topology.node_ranks
         self.traffic = Traffic()
+        self._scratch: dict = {}
+
+    def _buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._scratch.get((name, n, dtype))
+        if buf is None:
+            buf = self._scratch[(name, n, dtype)] = torch.empty(n, dtype=dtype)
+        return buf
+
+    def _zeros(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._buffer(name, n, dtype).zero_()
 
     def free(self) -> None:
         for ring in self.rings:
@@ -105,7 +117,7 @@ class SparseAllreduce:
         # Equal k everywhere is part of the contract; the ring's validation names a rank that differs.
         gathered = self.world.allgather(mine, torch.empty(mine.numel() * self.size, dtype=torch.uint8)).wait()
         self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
-        out = torch.zeros_like(x)
+        out = self._zeros("out", x.numel(), x.dtype)
         _scatter_add(out, gathered, [mine.numel()] * self.size, x.dtype)
         return out
 
@@ -117,7 +129,7 @@ class SparseAllreduce:
         lo = offsets(counts)[j]
         # 1. node reduce-scatter: shard j of the node's sum.
         if L > 1:
-            shard = torch.empty(counts[j], dtype=x.dtype)
+            shard = self._buffer("shard", counts[j], x.dtype)
             node.reduce_scatter(x, shard).wait()
             self.traffic.add((x.numel() - counts[j]) * x.element_size(), False)
         else:
@@ -125,7 +137,7 @@ class SparseAllreduce:
         # 2. select within the shard (shard-local indices).
         mine = pack(*_select(select, shard))
         # 3. allgather the selections across nodes (equal k: same shard length everywhere), sum into the shard.
-        total = torch.zeros(counts[j], dtype=x.dtype)
+        total = self._zeros("total", counts[j], x.dtype)
         if cross.size > 1:
             gathered = cross.allgather(mine, torch.empty(mine.numel() * cross.size, dtype=torch.uint8)).wait()
             self.traffic.add(mine.numel() * (cross.size - 1), True)
@@ -143,7 +155,7 @@ class SparseAllreduce:
         gathered = node.allgatherv(packed, torch.empty(sum(sizes), dtype=torch.uint8), counts=sizes).wait()
         # A ring allgather forwards every block except the right neighbour's own.
         self.traffic.add(sum(sizes) - sizes[(j + 1) % L] + 8 * (L - 1), False)
-        out = torch.zeros_like(x)
+        out = self._zeros("out", x.numel(), x.dtype)
         _scatter_add(out, gathered, sizes, x.dtype)
         return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mpicomm import Ring
@@ -80,33 +82,40 @@ class TopkSync(Strategy):
 
     def finish(self):
         step, self.steps = self.steps, self.steps + 1
-        self._check_finite()
         tl = self.timeline
         span = tl.begin(f"{self.name} step {step}", "sync", track="comm") if tl else None
         views = _pack(self.grads, self.flat)
-        if self.velocity is not None:
-            self.flat.copy_(self.velocity.mul_(self.momentum).add_(self.flat))
+        self._check_finite()
+        # What gets exchanged: the gradients, or under momentum correction this rank's velocity.
+        local = self.flat if self.velocity is None else self.velocity.mul_(self.momentum).add_(self.flat)
         if self.schedule.dense(step):
+            if local is not self.flat:
+                self.flat.copy_(local)
             self.dense.allreduce(self.flat).wait()
             _unpack(self.flat.div_(self.size), views)
         elif self.granularity == "model":
             density = self.schedule(step)
-            summed = self.sparse(self.flat, lambda x: self.ef.select("model", x, density))
+            summed = self.sparse(local, lambda x: self.ef.select("model", x, density))
             _unpack(summed.div_(self.size), views)
         else:
             density = self.schedule(step)
             for i, (g, off) in enumerate(views):
-                summed = self.sparse(self.flat[off:off + g.numel()], lambda x, i=i: self.ef.select(i, x, density))
+                summed = self.sparse(local[off:off + g.numel()], lambda x, i=i: self.ef.select(i, x, density))
                 g.copy_(summed.div_(self.size).view_as(g))
         if span is not None:
             tl.end(span)
 
     def _check_finite(self) -> None:
+        """Collective: stop every rank if any rank's gradients hold NaN/Inf (checked on the packed flat copy)."""
         problem = None
-        for i, g in enumerate(self.grads):
-            if not bool(torch.isfinite(g).all()):
-                problem = f"non-finite gradient (NaN or Inf) in {self.names[i]}"
-                break
+        # A NaN or Inf anywhere makes the sum non-finite; one pass instead of isfinite().all(),
+        # which cost 0.5 s per step on VGG-19 here. Only then is the layer looked for (a sum
+        # that overflowed from finite values finds none and passes).
+        if not math.isfinite(float(self.flat.sum())):
+            for i, g in enumerate(self.grads):
+                if not bool(torch.isfinite(g).all()):
+                    problem = f"non-finite gradient (NaN or Inf) in {self.names[i]}"
+                    break
         fail_together(self.comm, problem, NonFiniteGradientError)
 
     def close(self):
