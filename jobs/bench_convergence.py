@@ -1,9 +1,11 @@
 """Benchmark: test accuracy of sparsified training (topk / hier-topk) against dense, same epochs and seeds.
 
     python -m jobs.bench_convergence --json results/convergence.json
-    python -m jobs.bench_convergence --configs allreduce,topk:0.01,hier-topk:0.001 --seeds 0,1 --epochs 2
+    python -m jobs.bench_convergence --configs allreduce,topk:0.01,topk:0.01:117 --seeds 0,1 --epochs 2
 
-Each configuration is `strategy` or `strategy:density`; every one runs
+Each configuration is `strategy`, `strategy:density` or
+`strategy:density:ramp` (a DGC-style density ramp over that many steps,
+from 0.25 down to the density); every one runs
 `jobs.train` (Fashion-MNIST MLP, 4 ranks as 2 nodes x 2 ranks, so hier-topk
 has a node level) once per seed. Prints a markdown table of the final test
 accuracy per seed, the mean, and the gap to the dense baseline (the first
@@ -21,7 +23,9 @@ import sys
 import tempfile
 from datetime import datetime, timezone
 
-DEFAULT_CONFIGS = "allreduce,topk:0.01,hier-topk:0.01,topk:0.001,hier-topk:0.001"
+# 117 steps: half of the first epoch of the default run (4 ranks x 64 samples per step).
+DEFAULT_CONFIGS = ("allreduce,topk:0.01,hier-topk:0.01,topk:0.01:117,hier-topk:0.01:117,"
+                   "topk:0.001,hier-topk:0.001,topk:0.001:117,hier-topk:0.001:117")
 
 
 def parse_args(argv=None):
@@ -47,28 +51,29 @@ def parse_args(argv=None):
     return args
 
 
-def parse_config(text: str) -> tuple[str, float | None]:
-    strategy, _, density = text.partition(":")
-    return strategy, float(density) if density else None
+def parse_config(text: str) -> tuple[str, float | None, int]:
+    strategy, density, ramp = (text.split(":") + ["", ""])[:3]
+    return strategy, float(density) if density else None, int(ramp) if ramp else 0
 
 
 def label(config) -> str:
-    strategy, density = config
-    return strategy if density is None else f"{strategy} ρ={density:g}"
+    strategy, density, ramp = config
+    text = strategy if density is None else f"{strategy} ρ={density:g}"
+    return text + (f" ramp {ramp}" if ramp else "")
 
 
 def run(args, config, seed) -> dict:
     """One training run; returns its last epoch's metrics."""
     from mpicomm.launch import mpiexec
 
-    strategy, density = config
+    strategy, density, ramp = config
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "train.json")
         cmd = [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "jobs.train", "--strategy", strategy,
                "--epochs", str(args.epochs), "--seed", str(seed), "--no-progress", "--json", out,
                "--max-steps", str(args.max_steps)]
         if density is not None:
-            cmd += ["--density", str(density)]
+            cmd += ["--density", str(density), "--density-ramp-steps", str(ramp)]
         env = dict(os.environ, MPITRAIN_RANKS_PER_NODE=str(args.ranks_per_node))
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         if proc.returncode:
@@ -119,7 +124,8 @@ def main(argv=None) -> int:
             for seed in args.seeds:
                 print(f"# {label(config)}, seed {seed} ...", flush=True)
                 last = run(args, config, seed)
-                rows.append(dict(config=label(config), strategy=config[0], density=config[1], seed=seed,
+                rows.append(dict(config=label(config), strategy=config[0], density=config[1], ramp_steps=config[2],
+                                 seed=seed,
                                  epochs=args.epochs, test_accuracy=last["test_accuracy"], loss=last["loss"],
                                  samples_per_s=last["samples_per_s"]))
                 print(f"  test accuracy {last['test_accuracy'] * 100:.2f} %", flush=True)

@@ -39,9 +39,10 @@ class DistributedOptimizer:
       ranks or hierarchically (dense inside a node, sparse across nodes);
       `sparse_options` go to runtime.sparse_strategies.TopkSync (density,
       error_feedback, warmup_steps, ramp_steps, granularity, operator,
-      momentum_correction). With momentum_correction (default) an SGD's
-      momentum moves into the sparsifier: the wrapped SGD's groups are set
-      to momentum 0 and each rank's velocity is what gets sparsified.
+      momentum_correction, momentum_masking). With momentum_correction
+      (default) an SGD's momentum moves into the sparsifier, DGC-style: the
+      wrapped SGD's groups are set to momentum 0, each rank's velocity is
+      what gets sparsified, and (momentum_masking) cleared where applied.
     pto=True (any strategy): each rank applies the optimizer to its 1/P of
     the parameters, with 1/P of the optimizer state, then the parameters are
     allgathered (runtime.pto); with allreduce, the gradients are only

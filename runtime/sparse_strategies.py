@@ -35,9 +35,10 @@ class TopkSync(Strategy):
     momentum > 0 is DGC's momentum correction (the optimizer wrapper moves an
     SGD's momentum here and runs the SGD without it): each rank keeps its
     velocity u = m*u + g and u, not g, is what gets sparsified, so what waits
-    in the residual is not amplified again by the optimizer's momentum. u is
-    not masked where entries were sent (DGC does): by linearity, at density 1
-    or in dense warm-up steps this is then exactly momentum SGD.
+    in the residual is not amplified again by the optimizer's momentum; with
+    `momentum_masking` u is then cleared where entries were applied. By
+    linearity, at density 1 or in dense warm-up steps this is exactly
+    momentum SGD.
     """
 
     name = "topk"
@@ -46,7 +47,7 @@ class TopkSync(Strategy):
     def __init__(self, comm, params, timeline=None, *, topology, density: float = 0.01,
                  error_feedback: bool = True, warmup_steps: int = 0, ramp_steps: int = 0,
                  granularity: str = "model", operator: str = "mstopk", names: list[str] | None = None,
-                 momentum: float = 0.0):
+                 momentum: float = 0.0, momentum_masking: bool = True):
         super().__init__(comm, params, timeline)
         if granularity not in GRANULARITIES:
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
@@ -55,7 +56,8 @@ class TopkSync(Strategy):
         self.schedule = DensitySchedule(density, warmup_steps, ramp_steps)
         # Ranks selecting different k would meet in the exchange with different sizes: refuse up front.
         check_same_structure(comm, [f"{self.name} {self.schedule.describe()} error_feedback={error_feedback} "
-                                    f"granularity={granularity} operator={operator} momentum={momentum}"],
+                                    f"granularity={granularity} operator={operator} momentum={momentum} "
+                                    f"masking={momentum_masking}"],
                              "sparsification setting")
         self.granularity = granularity
         self.names = names or [f"parameter #{i}" for i in range(len(params))]
@@ -67,7 +69,7 @@ class TopkSync(Strategy):
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        self.momentum = momentum
+        self.momentum, self.masking = momentum, momentum_masking
         self.velocity = torch.zeros_like(self.flat) if momentum else None
         self.grads: list = [None] * len(params)
         self.steps = 0
@@ -96,14 +98,27 @@ class TopkSync(Strategy):
         elif self.granularity == "model":
             density = self.schedule(step)
             summed = self.sparse(local, lambda x: self.ef.select("model", x, density))
+            self._mask(self.velocity, summed, density)
             _unpack(summed.div_(self.size), views)
         else:
             density = self.schedule(step)
             for i, (g, off) in enumerate(views):
                 summed = self.sparse(local[off:off + g.numel()], lambda x, i=i: self.ef.select(i, x, density))
+                self._mask(None if self.velocity is None else self.velocity[off:off + g.numel()], summed, density)
                 g.copy_(summed.div_(self.size).view_as(g))
         if span is not None:
             tl.end(span)
+
+    def _mask(self, velocity, summed, density) -> None:
+        """DGC's momentum factor masking: forget the velocity of entries that were just applied.
+
+        Masked where any rank's entry was applied (the nonzeros of the sum),
+        which is also what the hierarchical exchange can see. At density 1
+        nothing was delayed and there is nothing stale to forget: not masked,
+        so the strategy stays exactly momentum SGD there.
+        """
+        if velocity is not None and self.masking and density < 1.0:
+            velocity.masked_fill_(summed != 0, 0)
 
     def _check_finite(self) -> None:
         """Collective: stop every rank if any rank's gradients hold NaN/Inf (checked on the packed flat copy)."""

@@ -81,13 +81,13 @@ def test_nan_gradient_stops_sparse_training_with_the_layer_named(tmp_path):
 
 def test_convergence_bench_rows_and_plot(tmp_path):
     out = tmp_path / "conv.json"
-    cmd = [sys.executable, "-m", "jobs.bench_convergence", "--configs", "allreduce,hier-topk:0.1", "--seeds", "0",
+    cmd = [sys.executable, "-m", "jobs.bench_convergence", "--configs", "allreduce,hier-topk:0.1:3", "--seeds", "0",
            "--epochs", "1", "--max-steps", "5", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     if "fashion-mnist" in proc.stderr.lower() and proc.returncode:
         pytest.skip("Fashion-MNIST is not installed (make setup installs it as root)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["strategy"], r["density"]) for r in rows] == [("allreduce", None), ("hier-topk", 0.1)]
+    assert [(r["strategy"], r["density"], r["ramp_steps"]) for r in rows] == [("allreduce", None, 0), ("hier-topk", 0.1, 3)]
     assert all(0 < r["test_accuracy"] <= 1 for r in rows)
-    assert "| hier-topk ρ=0.1 |" in proc.stdout and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "| hier-topk ρ=0.1 ramp 3 |" in proc.stdout and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
