@@ -89,6 +89,7 @@ class SparseAllreduce:
             right = (topology.rank + 1) % topology.size
             self._right_is_remote = right not in topology.node_ranks
         self.traffic = Traffic()
+        self.applied = torch.empty(0, dtype=torch.int64)  # indices the last result may be nonzero at
         self._scratch: dict = {}
 
     def _buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -118,7 +119,7 @@ class SparseAllreduce:
         gathered = self.world.allgather(mine, torch.empty(mine.numel() * self.size, dtype=torch.uint8)).wait()
         self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
         out = self._zeros("out", x.numel(), x.dtype)
-        _scatter_add(out, gathered, [mine.numel()] * self.size, x.dtype)
+        self.applied = _scatter_add(out, gathered, [mine.numel()] * self.size, x.dtype)
         return out
 
     # -- hierarchical -------------------------------------------------------------
@@ -141,9 +142,9 @@ class SparseAllreduce:
         if cross.size > 1:
             gathered = cross.allgather(mine, torch.empty(mine.numel() * cross.size, dtype=torch.uint8)).wait()
             self.traffic.add(mine.numel() * (cross.size - 1), True)
-            _scatter_add(total, gathered, [mine.numel()] * cross.size, x.dtype)
+            self.applied = _scatter_add(total, gathered, [mine.numel()] * cross.size, x.dtype)
         else:
-            _scatter_add(total, mine, [mine.numel()], x.dtype)
+            self.applied = _scatter_add(total, mine, [mine.numel()], x.dtype)
         if L == 1:
             return total
         # 4. node allgather of the shard's nonzeros: every rank of the node ends with the whole sum.
@@ -156,7 +157,7 @@ class SparseAllreduce:
         # A ring allgather forwards every block except the right neighbour's own.
         self.traffic.add(sum(sizes) - sizes[(j + 1) % L] + 8 * (L - 1), False)
         out = self._zeros("out", x.numel(), x.dtype)
-        _scatter_add(out, gathered, sizes, x.dtype)
+        self.applied = _scatter_add(out, gathered, sizes, x.dtype)
         return out
 
 
@@ -167,10 +168,13 @@ def _select(select: Select, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return select(x)
 
 
-def _scatter_add(out: torch.Tensor, gathered: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> None:
-    """Add the packed (index, value) blocks of byte sizes `sizes` into the dense `out`."""
-    start = 0
+def _scatter_add(out: torch.Tensor, gathered: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Add the packed (index, value) blocks of byte sizes `sizes` into the dense `out`; returns their indices."""
+    start, touched = 0, []
     for size in sizes:
         vals, idx = unpack(gathered[start:start + size], dtype)
-        out.index_put_((idx.long(),), vals, accumulate=True)
+        idx = idx.long()
+        out.index_put_((idx,), vals, accumulate=True)
+        touched.append(idx)
         start += size
+    return torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64)
