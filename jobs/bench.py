@@ -22,7 +22,8 @@ import argparse
 import json
 import os
 import sys
-from datetime import datetime, timezone
+
+from jobs.report import run_metadata, save_figure, write_json
 
 DEFAULT_BANDWIDTHS = "0.5gbit,1gbit,2.5gbit,10gbit,none"
 
@@ -109,9 +110,7 @@ def plot(rows, path):
         ax.set_ylabel("samples/s")
         ax.grid(True, alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -140,13 +139,7 @@ def main(argv=None) -> int:
             return 2
     print("\n" + markdown(rows))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpus=os.cpu_count(),
-                    command=" ".join(["python -m jobs.bench", *(sys.argv[1:] if argv is None else argv)]))
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
-        print(f"wrote {args.json}")
+        write_json(args.json, run_metadata("jobs.bench", argv), rows)
     if args.plot and rows:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")

@@ -13,32 +13,20 @@ time_s is the slowest rank's mean over the timed iterations.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+
+from jobs.report import parse_size as _parse_size, run_metadata, save_figure, write_json
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 IMPLS = ("ring", "native", "gloo")
 GLOO_OPS = ("allreduce", "allgather", "broadcast")  # gloo has no CPU reduce_scatter
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = text[-1] if text and text[-1] in _UNITS else ""
-    try:
-        value = int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4K, 64M, 1G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+    return _parse_size(text, binary=True)
 
 
 def bus_factor(op: str, ranks: int) -> float:
@@ -199,9 +187,7 @@ def plot(rows, path: str, title: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -256,18 +242,11 @@ def main(argv=None) -> int:
         shutdown_gloo(comm)
     if rank == 0:
         _summary(rows, say)
-        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
-                    cpus=os.cpu_count(), mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                    ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate, network=network,
-                    link_bps=link_bps,
-                    command=" ".join([os.path.basename(sys.executable), "-m", "jobs.bench_collectives"]
-                                     + (sys.argv[1:] if argv is None else list(argv))))
+        meta = run_metadata("jobs.bench_collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
+                            ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate,
+                            network=network, link_bps=link_bps)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
-            say(f"wrote {args.json}")
+            write_json(args.json, meta, rows, say)
         if args.plot:
             plot(rows, args.plot, f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}")
             say(f"wrote {args.plot}")

@@ -21,7 +21,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from datetime import datetime, timezone
+
+from jobs.report import run_metadata, save_figure, write_json
 
 # 117 steps: half of the first epoch of the default run (4 ranks x 64 samples per step).
 DEFAULT_CONFIGS = ("allreduce,topk:0.01,hier-topk:0.01,topk:0.01:117,hier-topk:0.01:117,"
@@ -111,9 +112,7 @@ def plot(rows, configs, path) -> None:
     ax.set_ylabel("test accuracy %")
     ax.set_title("Fashion-MNIST MLP, final epoch (dots: seeds)")
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -134,13 +133,7 @@ def main(argv=None) -> int:
         return 2
     print("\n" + table(rows, args.configs, args.seeds))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpus=os.cpu_count(),
-                    command=" ".join(["python -m jobs.bench_convergence", *(sys.argv[1:] if argv is None else argv)]))
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
-        print(f"wrote {args.json}")
+        write_json(args.json, run_metadata("jobs.bench_convergence", argv), rows)
     if args.plot:
         plot(rows, args.configs, args.plot)
         print(f"wrote {args.plot}")

@@ -14,31 +14,19 @@ gather of the signed values, i.e. the same output as MSTopK.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 
 from runtime.mstopk import DEFAULT_ITERS, MSTopK, exact_topk, k_for_density
 
+from jobs.report import parse_size, run_metadata, save_figure, write_json
+
 IMPLS = ("mstopk-sampled", "mstopk-bisection", "torch.topk")  # the first is MSTopK's default
-_UNITS = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
-
-
 def parse_count(text: str) -> int:
-    text = text.strip().upper()
-    unit = text[-1] if text and text[-1] in _UNITS else ""
-    try:
-        value = int(float(text[: len(text) - len(unit)]) * _UNITS[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 100000, 1M, 25M)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
-    return value
+    return parse_size(text, binary=False)
 
 
 def parse_args(argv=None):
@@ -119,9 +107,7 @@ def plot(rows, path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -154,17 +140,10 @@ def main(argv=None) -> int:
         ops["mstopk-sampled"].clear_cache()  # one size's buffers at a time
         ops["mstopk-bisection"].clear_cache()
         del x
-    meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
-                cpus=os.cpu_count(), threads=1, torch=torch.__version__, data=args.data, iters=args.iters,
-                repeats=args.repeats, seed=args.seed, default_impl=IMPLS[0],
-                command=" ".join([os.path.basename(sys.executable), "-m", "jobs.bench_mstopk"]
-                                 + (sys.argv[1:] if argv is None else list(argv))))
+    meta = run_metadata("jobs.bench_mstopk", argv, threads=1, torch=torch.__version__, data=args.data,
+                        iters=args.iters, repeats=args.repeats, seed=args.seed, default_impl=IMPLS[0])
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json + ".tmp", "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
-        os.replace(args.json + ".tmp", args.json)
-        print(f"wrote {args.json}")
+        write_json(args.json, meta, rows)
     if args.png:
         plot(rows, args.png, f"top-k of |x|, one thread, {args.data} data\n(labels: speedup vs torch.topk)")
         print(f"wrote {args.png}")

@@ -14,13 +14,12 @@ pto_update_s, pto_allgather_s, speedup) and a PNG bar plot.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+
+from jobs.report import run_metadata, save_figure, write_json
 
 OPTIMIZERS = {
     "adam": ("Adam", dict(lr=1e-3)),
@@ -110,9 +109,7 @@ def plot(rows, path: str, title: str) -> None:
     ax.set_title(title)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
@@ -154,17 +151,10 @@ def main(argv=None) -> int:
                          speedup=unsharded / step))
     if rank == 0:
         say(format_table(rows))
-        meta = dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
-                    cpus=os.cpu_count(), mpi=MPI.Get_library_version().splitlines()[0].strip(), ranks=P,
-                    torch=torch.__version__, threads=1, repeats=args.repeats, warmup=args.warmup,
-                    command=" ".join([os.path.basename(sys.executable), "-m", "jobs.bench_pto"]
-                                     + (sys.argv[1:] if argv is None else list(argv))))
+        meta = run_metadata("jobs.bench_pto", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(), ranks=P,
+                            torch=torch.__version__, threads=1, repeats=args.repeats, warmup=args.warmup)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
-            os.replace(args.json + ".tmp", args.json)
-            say(f"wrote {args.json}")
+            write_json(args.json, meta, rows, say)
         if args.plot:
             plot(rows, args.plot, f"PTO vs unsharded step, {args.model}, {P} ranks")
             say(f"wrote {args.plot}")

@@ -63,9 +63,6 @@ class Traffic:
         else:
             self.intra += nbytes
 
-    def snapshot(self) -> dict:
-        return {"intra_node_bytes": self.intra, "inter_node_bytes": self.inter}
-
 
 class SparseAllreduce:
     """Sum over ranks of each rank's sparse selection; flat or hierarchical over a Topology.

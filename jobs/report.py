@@ -1,0 +1,53 @@
+"""Shared pieces of the benchmark jobs: size arguments, run metadata, JSON rows (atomically), PNG figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from datetime import datetime, timezone
+
+
+def parse_size(text: str, binary: bool) -> int:
+    """'64M' -> 64 Mi (binary: bytes) or 64 000 000 (decimal: element counts); positive only."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30} if binary else \
+        {"": 1, "K": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9}
+    text = text.strip().upper()
+    if binary:
+        text = text.removesuffix("B").removesuffix("I")
+    unit = text[-1] if text and text[-1] in units else ""
+    try:
+        value = int(float(text[: len(text) - len(unit)]) * units[unit])
+    except ValueError:
+        example = "4K, 64M, 1G" if binary else "100000, 1M, 25M"
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: {example})") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def run_metadata(job: str, argv=None, **extra) -> dict:
+    """When, where and how a benchmark ran: what BENCHMARKS.md quotes beside its figures."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    return dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), host=platform.node(),
+                cpus=os.cpu_count(), command=" ".join(["python", "-m", job, *args]), **extra)
+
+
+def write_json(path: str, meta: dict, rows: list, say=print) -> None:
+    """{"meta": ..., "rows": [...]} to `path`; an interrupted run never leaves half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    os.replace(tmp, path)
+    say(f"wrote {path}")
+
+
+def save_figure(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
