@@ -1,0 +1,298 @@
+"""One rank's part of a dataset: preprocessed once from the source, then served from a local HDF5 shard and memory."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .partition import epoch_batches, partition, steps_per_epoch
+from .pipeline import FORMAT_VERSION as PIPELINE_FORMAT
+from .shard import ShardError, ShardReader, ShardWriter, check_writable, shard_lock
+from .sources import Source, UnreadableSample
+
+
+@dataclass
+class CacheStats:
+    """What an epoch cost: where samples came from, and how long the consumer waited for them."""
+
+    from_source: int = 0
+    from_shard: int = 0
+    from_memory: int = 0
+    skipped: list = field(default_factory=list)  # names of unreadable samples
+    wait_s: float = 0.0
+    events: list = field(default_factory=list)  # warnings, rebuilds, fallbacks (also printed)
+
+
+class SampleCache:
+    """The levels source → node-local HDF5 shard → memory, for the samples rank `rank` of `ranks` owns.
+
+    The dataset is split once into `ranks` fixed random parts (see
+    partition.py); this rank caches and serves only its part, so no sample
+    crosses the network and every sample is served exactly once per epoch
+    across all ranks. Each epoch re-shuffles the part. The first epoch reads
+    the source, preprocesses, writes the shard (temp file + rename, under a
+    lock: two jobs sharing the directory never write the same shard) and
+    keeps what fits in `memory_bytes`; later epochs read memory first, then
+    the shard. A shard that is truncated, corrupt, foreign or unfinished is
+    never served: it is removed and rebuilt from the source. If the cache
+    directory cannot be written (read-only, full) the source is read every
+    epoch, with a warning.
+
+    on_error: "skip" drops unreadable source samples (counted, warned); "fail"
+    decodes the whole part when the cache is built, so a bad sample stops the
+    job before training starts, never mid-epoch.
+    """
+
+    def __init__(self, source: Source, pipeline, cache_dir: str | None, rank: int = 0, ranks: int = 1, *,
+                 memory_bytes: int = 256 << 20, on_error: str = "skip", seed: int = 0, log=print):
+        if on_error not in ("skip", "fail"):
+            raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
+        self.source, self.pipeline, self.rank, self.ranks = source, pipeline, rank, ranks
+        self.on_error, self.seed, self.memory_bytes, self.log = on_error, seed, memory_bytes, log
+        self.ids = partition(len(source), ranks, rank, seed)
+        self.meta = dict(pipeline=pipeline.hash, pipeline_format=PIPELINE_FORMAT, source=source.fingerprint(),
+                         ranks=ranks, rank=rank, partition_seed=seed, samples=len(self.ids))
+        self.stats = CacheStats()
+        self.reader: ShardReader | None = None
+        self.memory: np.ndarray | None = None  # shard positions [0, len(memory)) held in RAM
+        self._shard_pos: np.ndarray | None = None  # this rank's position -> shard position (-1: skipped)
+        self.path = None
+        self.disabled = None
+        if cache_dir is not None:
+            self.path = os.path.join(cache_dir, f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}.h5")
+            self.disabled = check_writable(cache_dir) if os.path.isdir(cache_dir) else _make_dir(cache_dir)
+            if self.disabled:
+                self._event(f"cache disabled ({self.disabled}): reading {source.describe()} every epoch")
+            else:
+                self._open()
+        else:
+            self.disabled = "no cache directory given"
+        if on_error == "fail" and self.reader is None and not self.disabled:
+            self.warm()
+
+    # -- state -------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        """"warm" (served from shard and memory), "cold" (next epoch builds the shard) or "disabled"."""
+        return "warm" if self.reader is not None else ("disabled" if self.disabled else "cold")
+
+    def _event(self, text: str) -> None:
+        self.stats.events.append(text)
+        self.log(f"[datacache rank {self.rank}] {text}")
+
+    def _open(self) -> None:
+        """Use the shard if it is complete and ours; remove it (to rebuild) if it is anything else."""
+        try:
+            reader = ShardReader(self.path, self.meta)
+        except ShardError as exc:
+            if exc.reason != "missing":
+                self._event(f"shard not used ({exc.reason}: {exc}); rebuilding from the source")
+                _remove(self.path)
+            return
+        where = {int(i): p for p, i in enumerate(reader.ids)}
+        self._shard_pos = np.array([where.get(int(i), -1) for i in self.ids], dtype=np.int64)
+        self.reader = reader
+        fit = min(len(reader), self.memory_bytes // max(1, reader.nbytes // max(1, len(reader))))
+        self.memory = reader.read(np.arange(fit)) if fit else None
+
+    def _invalidate(self, why: str) -> None:
+        self._event(f"shard invalid ({why}); serving from the source and rebuilding")
+        if self.reader is not None:
+            self.reader.close()
+        self.reader, self.memory, self._shard_pos = None, None, None
+        _remove(self.path)
+
+    # -- serving -------------------------------------------------------------------
+    def steps(self, batch_size: int) -> int:
+        return steps_per_epoch(len(self.source), self.ranks, batch_size)
+
+    def batches(self, epoch: int, batch_size: int, prefetch: int = 4):
+        """Exactly `steps(batch_size)` (inputs, labels) tensor batches of this rank's part, read ahead in a thread."""
+        plan = epoch_batches(len(self.ids), self.steps(batch_size), epoch, self.seed, self.rank)
+        produce = self._warm_batches(plan) if self.reader is not None else self._cold_batches(plan)
+        return _Prefetcher(produce, max(1, prefetch), self.stats)
+
+    def _warm_batches(self, plan):
+        for positions in plan:
+            if self.reader is None:  # invalidated earlier this epoch: the rest comes from the source
+                yield self._decode(positions)
+                continue
+            sp = self._shard_pos[positions]
+            sp = sp[sp >= 0]  # samples skipped when the shard was built stay skipped
+            try:
+                x = self._read(sp)
+            except ShardError as exc:
+                self._invalidate(str(exc))
+                yield self._decode(positions)
+                continue
+            yield torch.from_numpy(x), torch.from_numpy(self.reader.labels[sp])
+
+    def _read(self, sp: np.ndarray) -> np.ndarray:
+        m = 0 if self.memory is None else len(self.memory)
+        hit = sp < m
+        out = np.empty((len(sp), *self.reader.sample_shape), dtype=self.reader.dtype)
+        if m:
+            out[hit] = self.memory[sp[hit]]
+        if (~hit).any():
+            out[~hit] = self.reader.read(sp[~hit])
+        self.stats.from_memory += int(hit.sum())
+        self.stats.from_shard += int((~hit).sum())
+        return out
+
+    def _decode(self, positions, sink=None):
+        """Preprocess these positions from the source; each decoded sample also goes to `sink`."""
+        xs, ys = [], []
+        for p in positions:
+            i = int(self.ids[p])
+            try:
+                x = self.pipeline.apply(self.source.raw(i), self.source.name(i))
+            except UnreadableSample as exc:
+                if self.on_error == "fail":
+                    raise
+                self.stats.skipped.append(self.source.name(i))
+                self._event(f"skipping unreadable sample: {exc}")
+                continue
+            y = self.source.label(i)
+            if sink is not None:
+                sink(i, y, x)
+            xs.append(x)
+            ys.append(y)
+        self.stats.from_source += len(xs)
+        x = torch.from_numpy(np.stack(xs)) if xs else torch.empty(0)
+        return x, torch.tensor(ys, dtype=torch.int64)
+
+    def _cold_batches(self, plan):
+        """First epoch: serve from the source while writing the shard; commit only if every sample was seen."""
+        writer = self._writer()
+        done = False
+        try:
+            for positions in plan:
+                yield self._decode(positions, writer.append if writer else None)
+            done = True
+        finally:
+            if writer is not None and not done:  # abandoned or failed epoch: no partial shard
+                writer.abort()
+                self._unlock()
+        if writer is not None:
+            self._finish(writer)
+
+    def _writer(self):
+        if self.disabled:
+            return None
+        try:
+            self._lock = shard_lock(self.path, blocking=False)
+            self._lock.__enter__()
+        except TimeoutError:
+            self._event("another job is writing this shard: serving from the source this epoch")
+            return None
+        shape = self.pipeline.output_shape(self.source.raw(int(self.ids[0])))
+        dtype = np.dtype(self.pipeline.config()["dtype"])
+        try:
+            return ShardWriter(self.path, shape, dtype, self.meta).__enter__()
+        except OSError as exc:
+            self._unlock()
+            self._event(f"cannot write the cache ({exc}): serving from the source")
+            return None
+
+    def _finish(self, writer) -> None:
+        try:
+            writer.commit()
+        except OSError as exc:
+            writer.abort()
+            self._event(f"cannot write the cache ({exc}): serving from the source")
+            self.disabled = str(exc)
+        finally:
+            self._unlock()
+        if not self.disabled:
+            self._open()
+
+    def _unlock(self) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.__exit__(None, None, None)
+
+    def warm(self) -> None:
+        """Build the shard now (no training): one pass over the source in position order."""
+        if self.reader is not None or self.disabled:
+            return
+        for _ in self._cold_batches([np.arange(len(self.ids))]):
+            pass
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
+class _Prefetcher:
+    """Runs a batch generator in a thread, `depth` batches ahead; counts the time the consumer waits."""
+
+    _END = object()
+
+    def __init__(self, produce, depth: int, stats: CacheStats):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stats = stats
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(produce,), name="datacache-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, produce) -> None:
+        try:
+            for item in produce:
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    produce.close()  # an abandoned first epoch leaves no half-written shard
+                    return
+            self._q.put(self._END)
+        except BaseException as exc:  # handed to the consumer, raised where it iterates
+            self._q.put(exc)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        item = self._q.get()
+        self._stats.wait_s += time.perf_counter() - t0
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop reading ahead (call it when leaving an epoch early)."""
+        self._stop.set()
+        self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _remove(path: str) -> None:
+    for p in (path, path + ".json"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+
+
+def _make_dir(path: str) -> str | None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {path}: {exc.strerror}"
+    return check_writable(path)

@@ -1,0 +1,55 @@
+"""The cache as a torch Dataset plus batch sampler, for DataLoader workers (HDF5 opened lazily in each worker)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+
+from .cache import SampleCache
+from .partition import epoch_batches
+
+
+class CachedDataset(Dataset):
+    """Item p is this rank's sample at position p: from the shard when the cache is warm, else decoded.
+
+    Pickled to each DataLoader worker without any open file: the shard
+    reader reopens its HDF5 file on first use in the worker (serial HDF5
+    handles must not cross fork or pickle). The memory level stays in the
+    main process's `SampleCache.batches`: copying it into every worker
+    would multiply its size by the number of workers.
+    """
+
+    def __init__(self, cache: SampleCache):
+        self.ids = cache.ids
+        self.source, self.pipeline = cache.source, cache.pipeline
+        self.reader = cache.reader
+        self.shard_pos = cache._shard_pos
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, p: int):
+        if self.reader is not None and self.shard_pos[p] >= 0:
+            sp = np.array([self.shard_pos[p]])
+            return torch.from_numpy(self.reader.read(sp)[0]), int(self.reader.labels[sp[0]])
+        i = int(self.ids[p])
+        return torch.from_numpy(self.pipeline.apply(self.source.raw(i), self.source.name(i))), self.source.label(i)
+
+
+class EpochBatchSampler(Sampler):
+    """The same batches as `SampleCache.batches` (this rank's part, reshuffled per epoch, equal step count)."""
+
+    def __init__(self, cache: SampleCache, batch_size: int, epoch: int = 0):
+        self.count, self.steps = len(cache.ids), cache.steps(batch_size)
+        self.seed, self.rank, self.epoch = cache.seed, cache.rank, epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for batch in epoch_batches(self.count, self.steps, self.epoch, self.seed, self.rank):
+            yield batch.tolist()
+
+    def __len__(self) -> int:
+        return self.steps

@@ -1,0 +1,170 @@
+"""The sample cache from the command line: build it ahead of training, inspect, verify and clear it.
+
+    mpiexec -n 4 python -m jobs.cache warm --source /data/fmnist-png --cache-dir /tmp/mpitrain-cache
+    python -m jobs.cache info   --cache-dir /tmp/mpitrain-cache
+    python -m jobs.cache verify --cache-dir /tmp/mpitrain-cache [--remove-bad]
+    python -m jobs.cache clear  --cache-dir /tmp/mpitrain-cache
+    python -m jobs.cache export --out /data/fmnist-png          # Fashion-MNIST as 70,000 PNG files
+
+warm builds, on every rank, the shard of the part that rank will train on
+(run it with the same number of ranks and --seed as the training job; the
+cache directory should be node-local). The preprocessing is the
+Fashion-MNIST preset unless --mode/--resize/--crop/--mean/--std/--dtype say
+otherwise; its hash names the shards, so a changed pipeline builds new ones.
+Errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.cache", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    warm = sub.add_parser("warm", help="build this rank's shard (under mpiexec/srun: every rank's)")
+    warm.add_argument("--source", required=True, help="image folder, labels.csv folder or Fashion-MNIST IDX dir")
+    warm.add_argument("--split", default="train", help="for IDX sources: train or test")
+    add_pipeline_args(warm)
+    warm.add_argument("--seed", type=int, default=0, help="partition seed (as the training job's)")
+    warm.add_argument("--on-error", choices=("skip", "fail"), default="skip")
+    info = sub.add_parser("info", help="list the shards, their size and what they hold")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    verify = sub.add_parser("verify", help="check every sample's checksum")
+    verify.add_argument("--remove-bad", action="store_true", help="delete shards that fail")
+    clear = sub.add_parser("clear", help="remove every shard")
+    for q in (info, verify, clear):
+        q.add_argument("--cache-dir", required=True)
+    export = sub.add_parser("export", help="write Fashion-MNIST (IDX) as 70,000 PNG files + labels.csv")
+    export.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def add_pipeline_args(p) -> None:
+    """The cache directory and the preprocessing (jobs.train and jobs.bench_cache take the same)."""
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--mode", choices=("L", "RGB"), help="default: the Fashion-MNIST preset")
+    p.add_argument("--resize", type=int)
+    p.add_argument("--crop", type=int)
+    p.add_argument("--mean", type=float, nargs="+")
+    p.add_argument("--std", type=float, nargs="+")
+    p.add_argument("--dtype", choices=("float32", "float16", "uint8"))
+    p.add_argument("--memory-mb", type=int, default=256, help="in-memory level per rank (default 256)")
+
+
+def pipeline_from(args):
+    from datacache.pipeline import Pipeline
+
+    custom = {k: getattr(args, k) for k in ("mode", "resize", "crop", "mean", "std", "dtype")
+              if getattr(args, k, None) is not None}
+    return Pipeline(**custom) if custom else Pipeline.fashion_mnist()
+
+
+def shards(cache_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(cache_dir, "*.h5")))
+
+
+def warm(args) -> int:
+    from mpi4py import MPI
+
+    from datacache import SampleCache
+    from datacache.sources import open_source
+
+    comm = MPI.COMM_WORLD
+    source = open_source(args.source, args.split)
+    cache = SampleCache(source, pipeline_from(args), args.cache_dir, comm.Get_rank(), comm.Get_size(),
+                        memory_bytes=0, on_error=args.on_error, seed=args.seed)
+    was = cache.state
+    cache.warm()
+    states = comm.gather((cache.rank, was, cache.state, len(cache.ids), len(cache.stats.skipped), cache.path))
+    cache.close()
+    if comm.Get_rank() == 0:
+        for rank, before, after, n, skipped, path in states:
+            print(f"rank {rank}: {n} samples, {before} -> {after}, {skipped} skipped: {path}")
+    return 0 if all(s[2] == "warm" for s in states) else 1
+
+
+def info(args) -> int:
+    rows = []
+    for path in shards(args.cache_dir):
+        row = dict(shard=os.path.basename(path), bytes=os.path.getsize(path))
+        try:
+            with open(path + ".json") as f:
+                manifest = json.load(f)
+            row.update(samples=manifest.get("count"), meta=manifest.get("meta"))
+        except (OSError, ValueError) as exc:
+            row.update(problem=f"no readable manifest ({exc.__class__.__name__}): incomplete or foreign")
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    total = sum(r["bytes"] for r in rows)
+    for r in rows:
+        print(f"{r['shard']}  {r['bytes'] / 1e6:8.1f} MB  {r.get('samples', '?')} samples  {r.get('problem', '')}")
+    print(f"{len(rows)} shard(s), {total / 1e6:.1f} MB in {args.cache_dir}")
+    return 0
+
+
+def verify(args) -> int:
+    from datacache.shard import ShardError, ShardReader
+
+    bad = 0
+    for path in shards(args.cache_dir):
+        try:
+            with open(path + ".json") as f:
+                meta = json.load(f)["meta"]
+            reader = ShardReader(path, meta)
+            broken = reader.verify()
+            reader.close()
+            problem = f"{len(broken)} corrupt sample(s) at positions {broken[:5]}" if broken else None
+        except (OSError, ValueError, KeyError, ShardError) as exc:
+            problem = str(exc)
+        print(f"{os.path.basename(path)}: {problem or 'ok'}")
+        if problem:
+            bad += 1
+            if args.remove_bad:
+                for p in (path, path + ".json"):
+                    if os.path.exists(p):
+                        os.remove(p)
+    return 1 if bad else 0
+
+
+def clear(args) -> int:
+    from datacache.shard import shard_lock
+
+    removed = 0
+    for path in shards(args.cache_dir):
+        with shard_lock(path, blocking=True, timeout=60):  # never pull a shard from under its writer
+            for p in (path, path + ".json"):
+                if os.path.exists(p):
+                    os.remove(p)
+                    removed += 1
+    print(f"removed {removed} file(s) from {args.cache_dir}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cmd == "export":
+        from datacache.export import export_fashion_mnist
+
+        print(f"wrote {export_fashion_mnist(args.out)} images to {args.out}")
+        return 0
+    if args.cmd != "warm" and not os.path.isdir(args.cache_dir):
+        print(f"error: no cache directory {args.cache_dir}", file=sys.stderr)
+        return 2
+    try:
+        return {"warm": warm, "info": info, "verify": verify, "clear": clear}[args.cmd](args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

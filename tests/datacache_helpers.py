@@ -1,0 +1,54 @@
+"""Small real image datasets on disk for the datacache tests, and fresh preprocessing to compare with."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+
+import numpy as np
+
+
+def make_png_dataset(root, n: int = 103, size: int = 8, seed: int = 0, garbage: int = 0) -> str:
+    """n random gray PNG files plus labels.csv in root; `garbage` more files that are not images."""
+    from PIL import Image
+
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        name = f"img-{i:04d}.png"
+        Image.fromarray(rng.integers(0, 256, (size, size), dtype=np.uint8), mode="L").save(os.path.join(root, name))
+        rows.append((name, int(rng.integers(0, 10))))
+    for g in range(garbage):
+        name = f"broken-{g}.png"
+        with open(os.path.join(root, name), "wb") as f:
+            f.write(b"this is not a png")
+        rows.append((name, 0))
+    with open(os.path.join(root, "labels.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["filename", "label"])
+        w.writerows(rows)
+    return str(root)
+
+
+def sample_digest(x, y) -> str:
+    return hashlib.sha1(np.ascontiguousarray(x).tobytes() + int(y).to_bytes(8, "little")).hexdigest()
+
+
+def fresh_digests(source, pipeline, skip_unreadable: bool = True) -> list[str]:
+    """Digest of every sample preprocessed directly from the source: what the cache must serve."""
+    from datacache.sources import UnreadableSample
+
+    out = []
+    for i in range(len(source)):
+        try:
+            out.append(sample_digest(pipeline.apply(source.raw(i), source.name(i)), source.label(i)))
+        except UnreadableSample:
+            if not skip_unreadable:
+                raise
+    return sorted(out)
+
+
+def served_digests(batches) -> list[str]:
+    return [sample_digest(x.numpy(), y) for xb, yb in batches for x, y in zip(xb, yb.tolist())]

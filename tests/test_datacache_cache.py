@@ -1,0 +1,163 @@
+"""SampleCache in one process: exact samples, exactly once, recovery from bad shards, fallbacks, workers."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from datacache import CachedDataset, EpochBatchSampler, Pipeline, SampleCache
+from datacache.shard import shard_lock
+from datacache.sources import LabelsCsvSource, UnreadableSample
+from datacache_helpers import fresh_digests, make_png_dataset, served_digests
+
+PIPE = Pipeline(mode="L", mean=(0.5,), std=(0.25,))
+
+
+@pytest.fixture
+def source(tmp_path):
+    return LabelsCsvSource(make_png_dataset(tmp_path / "src"))
+
+
+def cache(source, tmp_path, rank=0, ranks=1, **kw):
+    kw.setdefault("log", lambda *a: None)
+    return SampleCache(source, kw.pop("pipeline", PIPE), str(tmp_path / "cache"), rank, ranks, **kw)
+
+
+def epoch(c, e, batch=10):
+    return list(c.batches(e, batch))
+
+
+def test_cold_then_warm_serve_fresh_preprocessing_byte_for_byte(source, tmp_path):
+    c = cache(source, tmp_path)
+    assert c.state == "cold"
+    want = fresh_digests(source, PIPE)
+    assert sorted(served_digests(epoch(c, 0))) == want and c.stats.from_source == len(source)
+    assert c.state == "warm"
+    assert sorted(served_digests(epoch(c, 1))) == want and c.stats.from_memory == len(source)
+    again = cache(source, tmp_path)  # a new job finds the shard
+    assert again.state == "warm" and sorted(served_digests(epoch(again, 2))) == want
+
+
+def test_shard_level_when_memory_is_small(source, tmp_path):
+    cache(source, tmp_path).warm()
+    c = cache(source, tmp_path, memory_bytes=20 * 64 * 4)  # 20 samples of 8x8 float32
+    assert sorted(served_digests(epoch(c, 0))) == fresh_digests(source, PIPE)
+    assert c.stats.from_memory == 20 and c.stats.from_shard == len(source) - 20
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_exactly_once_per_epoch_across_ranks_with_equal_steps(source, tmp_path, ranks):
+    parts = [cache(source, tmp_path, r, ranks) for r in range(ranks)]
+    for e in range(2):  # cold, then warm
+        batches = [epoch(c, e, batch=16) for c in parts]
+        assert len({len(b) for b in batches}) == 1  # every rank runs the same number of steps
+        assert sorted(d for b in batches for d in served_digests(b)) == fresh_digests(source, PIPE)
+    orders = [torch.cat([x for x, _ in epoch(parts[0], e, 16)]) for e in (2, 3)]
+    assert not torch.equal(orders[0], orders[1])  # reshuffled every epoch
+
+
+def test_corrupt_sample_is_never_served_and_the_shard_is_rebuilt(source, tmp_path):
+    c = cache(source, tmp_path, memory_bytes=0)
+    c.warm()
+    c.close()
+    with h5py.File(c.path, "r+") as f:  # change one stored sample behind the manifest's back
+        f["samples"][5] = f["samples"][5] + 1.0
+    c = cache(source, tmp_path, memory_bytes=0)
+    assert sorted(served_digests(epoch(c, 0))) == fresh_digests(source, PIPE)
+    assert any("invalid" in e for e in c.stats.events)
+    epoch(c, 1)  # rebuilds
+    assert c.state == "warm" and cache(source, tmp_path).reader.verify() == []
+
+
+@pytest.mark.parametrize("damage", ["truncate", "foreign", "no-manifest"])
+def test_damaged_or_foreign_shards_are_rebuilt(source, tmp_path, damage):
+    c = cache(source, tmp_path)
+    c.warm()
+    c.close()
+    if damage == "truncate":
+        with open(c.path, "r+b") as f:
+            f.truncate(os.path.getsize(c.path) - 100)
+    elif damage == "foreign":
+        manifest = json.load(open(c.path + ".json"))
+        manifest["meta"]["partition_seed"] = 99
+        json.dump(manifest, open(c.path + ".json", "w"))
+    else:
+        os.remove(c.path + ".json")
+    d = cache(source, tmp_path)
+    assert d.state == "cold" and any("not used" in e for e in d.stats.events)
+    assert sorted(served_digests(epoch(d, 0))) == fresh_digests(source, PIPE) and d.state == "warm"
+
+
+def test_changed_pipeline_never_serves_stale_samples(source, tmp_path):
+    cache(source, tmp_path).warm()
+    other = Pipeline(mode="L")
+    c = cache(source, tmp_path, pipeline=other)
+    assert c.state == "cold" and sorted(served_digests(epoch(c, 0))) == fresh_digests(source, other)
+    assert len(glob.glob(str(tmp_path / "cache" / "*.h5"))) == 2
+
+
+def test_unreadable_files_are_skipped_with_a_count(tmp_path):
+    src = LabelsCsvSource(make_png_dataset(tmp_path / "src", n=30, garbage=2))
+    c = cache(src, tmp_path)
+    served = served_digests(epoch(c, 0, batch=7))
+    assert len(served) == 30 and len(c.stats.skipped) == 2 and "broken-" in c.stats.skipped[0]
+    assert sorted(served_digests(epoch(c, 1, batch=7))) == sorted(served)  # skipped ones stay skipped
+
+
+def test_fail_policy_stops_before_training_not_mid_epoch(tmp_path):
+    src = LabelsCsvSource(make_png_dataset(tmp_path / "src", n=30, garbage=1))
+    with pytest.raises(UnreadableSample, match="broken-0.png"):
+        cache(src, tmp_path, on_error="fail")
+
+
+def test_unwritable_cache_dir_falls_back_to_the_source(source, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    events = []
+    c = SampleCache(source, PIPE, str(tmp_path / "file" / "cache"), log=events.append)
+    assert c.state == "disabled" and "cache disabled" in events[0]
+    assert sorted(served_digests(epoch(c, 0))) == fresh_digests(source, PIPE) and c.state == "disabled"
+
+
+def test_a_shard_locked_by_another_job_is_not_written(source, tmp_path):
+    c = cache(source, tmp_path)
+    with shard_lock(c.path, blocking=True):
+        assert sorted(served_digests(epoch(c, 0))) == fresh_digests(source, PIPE)
+    assert c.state == "cold" and any("another job" in e for e in c.stats.events)
+    epoch(c, 1)
+    assert c.state == "warm"
+
+
+def test_abandoned_first_epoch_leaves_no_shard_and_no_temp_files(source, tmp_path):
+    c = cache(source, tmp_path)
+    it = c.batches(0, 10)
+    next(it)
+    it.close()
+    left = [p for p in os.listdir(tmp_path / "cache") if not p.endswith(".lock")]
+    assert c.state == "cold" and left == []
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_dataloader_workers_give_the_same_batches(source, tmp_path, warm):
+    c = cache(source, tmp_path)
+    if warm:
+        c.warm()
+    loader = torch.utils.data.DataLoader(CachedDataset(c), batch_sampler=EpochBatchSampler(c, 16, epoch=3),
+                                         num_workers=2)
+    got = [(x.clone(), y.clone()) for x, y in loader]
+    want = epoch(c, 3, batch=16)
+    assert len(got) == len(want)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+
+
+def test_bad_arguments(source, tmp_path):
+    with pytest.raises(ValueError, match="on_error"):
+        cache(source, tmp_path, on_error="ignore")
+    with pytest.raises(ValueError, match="batch size"):
+        cache(source, tmp_path).steps(0)
+    assert np.array_equal(cache(source, tmp_path, 1, 2).ids, cache(source, tmp_path, 1, 2).ids)
