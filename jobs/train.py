@@ -4,6 +4,7 @@
     mpiexec -n 4 python -m jobs.train --model vgg19 --data synthetic --strategy wfbp --max-steps 20
     mpiexec -n 4 python -m jobs.train --checkpoint ckpt.pt --resume --timeline trace.json
     mpiexec -n 4 python -m jobs.train --strategy hier-topk --density 0.01 --pto
+    mpiexec -n 4 python -m jobs.train --cache-dir /tmp/mpitrain-cache   # training data through datacache
 
 Every rank reads its share of each global batch (--batch-size per rank), so
 the run equals single-process SGD on batches of batch-size x ranks. Rank 0
@@ -51,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic-samples", type=int, default=4096, help="size of the synthetic training set")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--cache-dir", help="read training samples through datacache (node-local HDF5 + memory)")
+    p.add_argument("--data-dir", help="with --cache-dir: the training source (image folder, labels.csv folder "
+                                      "or IDX dir; default Fashion-MNIST's IDX train split)")
+    p.add_argument("--cache-memory-mb", type=int, default=256, help="in-memory cache level per rank")
     p.add_argument("--checkpoint", metavar="PATH", help="save model+optimizer after every epoch (atomically)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--timeline", metavar="PATH", help="Chrome-trace JSON of the run, one track per rank")
@@ -69,6 +74,10 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     if args.data == "fashion-mnist" and args.model == "transformer":
         p.error("the transformer trains on synthetic sequences: use --data synthetic")
+    if args.cache_dir and (args.data != "fashion-mnist" or args.model == "transformer"):
+        p.error("--cache-dir serves image data: use it with --data fashion-mnist and an image model")
+    if args.data_dir and not args.cache_dir:
+        p.error("--data-dir needs --cache-dir")
     return args
 
 
@@ -84,9 +93,52 @@ def load_data(args, rank):
         tx, ty = model_input(args.model, max(256, args.synthetic_samples // 8), args.seed + 1)
         return x, y, tx, ty
     shape = input_shape(args.model)
-    xs, ys = D.load_fashion_mnist("train")
     txs, tys = D.load_fashion_mnist("test")
-    return (D.to_tensor(xs, shape),), torch.as_tensor(ys), (D.to_tensor(txs, shape),), torch.as_tensor(tys)
+    test = (D.to_tensor(txs, shape),), torch.as_tensor(tys)
+    if args.cache_dir:  # the training set comes through the cache
+        return (None, None, *test)
+    xs, ys = D.load_fashion_mnist("train")
+    return (D.to_tensor(xs, shape),), torch.as_tensor(ys), *test
+
+
+def open_cache(args, rank, ranks):
+    """The training set through datacache: Fashion-MNIST's preprocessing, this rank's part."""
+    from datacache import Pipeline, SampleCache, open_source
+    from datacache.sources import IdxSource
+
+    source = open_source(args.data_dir, "train") if args.data_dir else IdxSource.fashion_mnist("train")
+    return SampleCache(source, Pipeline.fashion_mnist(), args.cache_dir, rank, ranks,
+                       memory_bytes=args.cache_memory_mb << 20, seed=args.seed,
+                       log=lambda text: print(text, file=sys.stderr, flush=True))
+
+
+def to_model_shape(x, shape):
+    """(N, 1, 28, 28) normalized images as the model takes them: flat for the MLP, padded 3-channel for CNNs."""
+    import torch.nn.functional as F
+
+    from runtime.data import FASHION_MEAN, FASHION_STD
+
+    if len(shape) == 1:
+        return x.reshape(len(x), -1)
+    c, h, w = shape
+    top, left = (h - x.shape[2]) // 2, (w - x.shape[3]) // 2
+    # Pad with the normalized black background, as runtime.data.to_tensor does for in-memory data.
+    x = F.pad(x, (left, w - x.shape[3] - left, top, h - x.shape[2] - top), value=-FASHION_MEAN / FASHION_STD)
+    return x.expand(-1, c, -1, -1).contiguous()
+
+
+def train_batches(args, epoch, steps, x, y, plan, cache, shape):
+    """This epoch's (inputs, target) batches: from the in-memory arrays, or read ahead through the cache."""
+    import torch
+
+    if cache is None:
+        for idx in plan.epoch(epoch)[:steps]:
+            idx = torch.as_tensor(idx)
+            yield tuple(t[idx] for t in x), y[idx]
+        return
+    with cache.batches(epoch, args.batch_size) as ahead:  # leaving early stops the read-ahead thread
+        for _, (xb, yb) in zip(range(steps), ahead):
+            yield (to_model_shape(xb, shape),), yb
 
 
 def evaluate(model, x, y, comm, batch=512):
@@ -131,7 +183,7 @@ def main(argv=None) -> int:
     from mpicomm import Topology
     from runtime import SPARSE_STRATEGIES, STRATEGIES, DistributedOptimizer
     from runtime.data import BatchPlan
-    from runtime.models import build_model, loss_fn
+    from runtime.models import build_model, input_shape, loss_fn
 
     known = {**STRATEGIES, **SPARSE_STRATEGIES}
     if args.strategy not in known:
@@ -141,9 +193,12 @@ def main(argv=None) -> int:
     topo = Topology()
     comm, rank, P = topo.world, topo.rank, topo.size
     say = print if rank == 0 else (lambda *a, **k: None)
+    cache = None
     try:
         x, y, tx, ty = load_data(args, rank)
-    except FileNotFoundError as exc:
+        if args.cache_dir:
+            cache = open_cache(args, rank, P)
+    except (FileNotFoundError, ValueError) as exc:
         say(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -179,9 +234,10 @@ def main(argv=None) -> int:
     dopt = DistributedOptimizer(opt, model, args.strategy, topology=topo, credit=args.credit,
                                 timeline=timeline, **kw)
     criterion = loss_fn(args.model)
-    n_train = len(x[0])
-    plan = BatchPlan(n_train, args.batch_size, P, rank, args.seed)
-    steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
+    plan = None if cache else BatchPlan(len(x[0]), args.batch_size, P, rank, args.seed)
+    full = cache.steps(args.batch_size) if cache else len(plan)
+    steps = min(full, args.max_steps) if args.max_steps else full
+    shape = input_shape(args.model) if cache else None
     say(f"{args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), {args.data}, "
         f"strategy {args.strategy}{' + pto' if args.pto else ''}, {P} ranks x batch {args.batch_size}, "
         f"{steps} steps/epoch")
@@ -194,11 +250,10 @@ def main(argv=None) -> int:
         comm.Barrier()
         t0 = time.perf_counter()
         loss_sum = 0.0
-        for step, idx in enumerate(plan.epoch(epoch)[:steps]):
-            idx = torch.as_tensor(idx)
-            inputs = tuple(t[idx] for t in x)
+        waited = cache.stats.wait_s if cache else 0.0
+        for step, (inputs, target) in enumerate(train_batches(args, epoch, steps, x, y, plan, cache, shape)):
             dopt.zero_grad()
-            loss = criterion(model(*inputs), y[idx])
+            loss = criterion(model(*inputs), target)
             loss.backward()
             try:
                 dopt.step()
@@ -221,14 +276,22 @@ def main(argv=None) -> int:
         acc, scored = evaluate(model, tx, ty, comm)
         row = dict(epoch=epoch + 1, loss=float(losses[0] / P), test_accuracy=acc, test_targets=scored,
                    samples_per_s=steps * args.batch_size * P / elapsed, seconds=elapsed)
+        if cache:
+            wait = np.array([cache.stats.wait_s - waited])
+            comm.Allreduce(MPI.IN_PLACE, wait, op=MPI.MAX)
+            row.update(data_wait_s=float(wait[0]), data_wait_fraction=float(wait[0]) / elapsed,
+                       cache_state=cache.state)
         history.append(row)
         say(f"epoch {epoch + 1}: loss {row['loss']:.4f}  test accuracy {acc * 100:.2f} %  "
-            f"{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)", flush=True)
+            f"{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)"
+            + (f"  data wait {row['data_wait_fraction'] * 100:.1f} %" if cache else ""), flush=True)
         if args.checkpoint:
             optimizer_state = dopt.state_dict()  # collective with --pto: the sharded state is gathered
             if rank == 0:
                 save_checkpoint(args.checkpoint, model, optimizer_state, epoch, args)
     dopt.close()
+    if cache is not None:
+        cache.close()
     if timeline is not None:
         from runtime.timeline import merge
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -91,3 +92,22 @@ def test_convergence_bench_rows_and_plot(tmp_path):
     assert [(r["strategy"], r["density"], r["ramp_steps"]) for r in rows] == [("allreduce", None, 0), ("hier-topk", 0.1, 3)]
     assert all(0 < r["test_accuracy"] <= 1 for r in rows)
     assert "| hier-topk ρ=0.1 ramp 3 |" in proc.stdout and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_training_reads_through_the_cache(tmp_path):
+    """--cache-dir: epoch 1 fills every rank's shard, epoch 2 is served warm; a second job starts warm."""
+    from datacache_helpers import make_png_dataset
+
+    if not os.path.isdir("/usr/share/datasets/fashion-mnist"):
+        pytest.skip("Fashion-MNIST is not installed (make setup installs it as root)")
+    src = make_png_dataset(tmp_path / "png", n=300, size=28)
+    for run in range(2):
+        out = tmp_path / f"m{run}.json"
+        cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", "--cache-dir", str(tmp_path / "cache"),
+               "--data-dir", src, "--epochs", "2", "--batch-size", "16", "--no-progress", "--json", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        rows = json.loads(out.read_text())["epochs"]
+        assert [r["cache_state"] for r in rows] == ["warm", "warm"]
+        assert all(0 <= r["data_wait_fraction"] < 1 for r in rows) and "data wait" in proc.stdout
+    assert len(list((tmp_path / "cache").glob("*.h5"))) == 2  # one shard per rank, reused by the second job
