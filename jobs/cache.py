@@ -82,7 +82,7 @@ def warm(args) -> int:
                         memory_bytes=0, on_error=args.on_error, seed=args.seed)
     was = cache.state
     cache.warm()
-    states = comm.gather((cache.rank, was, cache.state, len(cache.ids), len(cache.stats.skipped), cache.path))
+    states = comm.allgather((cache.rank, was, cache.state, len(cache.ids), len(cache.stats.skipped), cache.path))
     cache.close()
     if comm.Get_rank() == 0:
         for rank, before, after, n, skipped, path in states:

@@ -117,10 +117,22 @@ def check_bench_worker(text, tmp_path, nodes):
     assert [r["strategy"] for r in rows] == ["allreduce", "p3"] and all(r["ranks"] == RANKS for r in rows)
 
 
+def cache_warm_args(tmp_path, nodes):
+    from datacache_helpers import make_png_dataset
+
+    return ["--source", make_png_dataset(tmp_path / "png", n=50), "--cache-dir", str(tmp_path / "cache")]
+
+
+def check_cache_warm(text, tmp_path, nodes):
+    assert text.count("cold -> warm") == RANKS, text
+    assert len(list((tmp_path / "cache").glob("*.h5"))) == RANKS
+
+
 # Per script: quick job arguments, and the checks of a successful run's output.
 JOBS = {
     "bench.sbatch": (bench_worker_args, check_bench_worker),
     "bench_collectives.sbatch": (bench_args, check_bench),
+    "cache_warm.sbatch": (cache_warm_args, check_cache_warm),
     "topology.sbatch": (topology_args, check_topology),
     "train.sbatch": (train_args, check_train),
 }

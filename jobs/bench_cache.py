@@ -1,0 +1,157 @@
+"""Benchmark: data loading through datacache (cold first epoch, warm later ones) vs a plain DataLoader over raw files.
+
+    mpiexec -n 4 python -m jobs.bench_cache --json results/bench-cache.json
+    mpiexec -n 4 python -m jobs.bench_cache --source /data/fmnist-png --epochs 3 --workers 1
+
+Every rank loads its part of the source (as in training, exactly once per
+epoch across ranks) and touches every batch; nothing trains, so the figures
+are the loading pipeline's own. Configurations, samples/s over all ranks
+(total samples / slowest rank's time):
+  cache epoch N      SampleCache.batches (read-ahead thread; epoch 1 decodes
+                     the source and writes the shards, later epochs read
+                     memory and the node-local shards);
+  cache + workers    the warm cache through a torch DataLoader with --workers;
+  raw DataLoader     torch DataLoader with --workers over the raw files,
+                     decoding and preprocessing every sample every epoch.
+The default source is Fashion-MNIST exported to 70,000 PNG files (made on
+first use). Cache size on disk and in memory is reported too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+from jobs.report import run_metadata, save_figure, write_json
+
+DEFAULT_SOURCE = "/tmp/mpitrain-fmnist-png"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.bench_cache", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--source", default=DEFAULT_SOURCE, help=f"default {DEFAULT_SOURCE} (exported if missing)")
+    p.add_argument("--cache-dir", default="/tmp/mpitrain-bench-cache", help="emptied first")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank (both DataLoaders)")
+    p.add_argument("--memory-mb", type=int, default=256)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    args = p.parse_args(argv)
+    if args.epochs < 2:
+        p.error("--epochs must be >= 2 (a cold and a warm epoch)")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+def timed(comm, loader) -> tuple[float, int]:
+    """(slowest rank's seconds, samples over all ranks) to go through `loader`, touching every batch."""
+    from mpi4py import MPI
+
+    comm.Barrier()
+    t0, n, checksum = time.perf_counter(), 0, 0.0
+    for x, _ in loader:
+        n += len(x)
+        checksum += float(x[:, 0, 0, 0].sum())  # materialize the batch
+    mine = time.perf_counter() - t0
+    return comm.allreduce(mine, op=MPI.MAX), comm.allreduce(n)
+
+
+def raw_loader(cache, batch_size, workers):
+    """A plain DataLoader over the raw files: this rank's part, shuffled, decoded and preprocessed every time."""
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class RawFiles(Dataset):
+        def __init__(self, source, pipeline, ids):
+            self.source, self.pipeline, self.ids = source, pipeline, ids
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, p):
+            i = int(self.ids[p])
+            return torch.from_numpy(self.pipeline.apply(self.source.raw(i))), self.source.label(i)
+
+    return DataLoader(RawFiles(cache.source, cache.pipeline, cache.ids), batch_size=batch_size, shuffle=True,
+                      num_workers=workers)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from mpi4py import MPI
+    import torch
+
+    from datacache import CachedDataset, EpochBatchSampler, Pipeline, SampleCache, open_source
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank, P = comm.Get_rank(), comm.Get_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if rank == 0:
+        if not os.path.exists(os.path.join(args.source, "labels.csv")) and args.source == DEFAULT_SOURCE:
+            from datacache.export import export_fashion_mnist
+
+            say(f"# exporting Fashion-MNIST to {args.source} ...", flush=True)
+            export_fashion_mnist(args.source, progress=False)
+        shutil.rmtree(args.cache_dir, ignore_errors=True)
+    comm.Barrier()
+    source = open_source(args.source)
+    cache = SampleCache(source, Pipeline.fashion_mnist(), args.cache_dir, rank, P,
+                        memory_bytes=args.memory_mb << 20, log=lambda *a: None)
+    rows = []
+
+    def row(config, seconds, samples, **extra):
+        rows.append(dict(config=config, ranks=P, workers=args.workers, batch_size=args.batch_size,
+                         seconds=seconds, samples=samples, samples_per_s=samples / seconds, **extra))
+        say(f"{config:<28} {samples / seconds:>10.0f} samples/s  ({seconds:.2f} s)", flush=True)
+
+    for epoch in range(args.epochs):
+        state = cache.state
+        with cache.batches(epoch, args.batch_size) as batches:
+            row(f"cache epoch {epoch + 1} ({state})", *timed(comm, batches), epoch=epoch + 1, state=state)
+    sampler = EpochBatchSampler(cache, args.batch_size, epoch=args.epochs)
+    loader = torch.utils.data.DataLoader(CachedDataset(cache), batch_sampler=sampler, num_workers=args.workers)
+    row(f"cache + {args.workers} workers (warm)", *timed(comm, loader))
+    row(f"raw DataLoader, {args.workers} workers", *timed(comm, raw_loader(cache, args.batch_size, args.workers)))
+
+    disk = comm.allreduce(os.path.getsize(cache.path) if cache.path and os.path.exists(cache.path) else 0)
+    memory = comm.allreduce(0 if cache.memory is None else cache.memory.nbytes)
+    warm = [r["samples_per_s"] for r in rows if r.get("epoch", 0) >= 2]
+    cold, raw = rows[0]["samples_per_s"], rows[-1]["samples_per_s"]
+    summary = dict(samples=len(source), cache_disk_bytes=disk, cache_memory_bytes=memory,
+                   warm_vs_cold=min(warm) / cold, warm_vs_raw_dataloader=min(warm) / raw)
+    say(f"\ncache on disk {disk / 1e6:.1f} MB, in memory {memory / 1e6:.1f} MB (all ranks); "
+        f"warm epochs {summary['warm_vs_cold']:.1f}x epoch 1, {summary['warm_vs_raw_dataloader']:.1f}x the raw "
+        f"DataLoader with {args.workers} worker(s)")
+    cache.close()
+    if rank == 0 and args.json:
+        write_json(args.json, run_metadata("jobs.bench_cache", argv, ranks=P, source=args.source, **summary), rows)
+    if rank == 0 and args.plot:
+        plot(rows, args.plot)
+        say(f"wrote {args.plot}")
+    return 0
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ax.barh([r["config"] for r in rows][::-1], [r["samples_per_s"] for r in rows][::-1], color="#4c72b0")
+    ax.set_xscale("log")
+    ax.set_xlabel("samples/s, all ranks (log)")
+    ax.set_title(f"loading {rows[0]['samples']} samples per epoch, {rows[0]['ranks']} ranks")
+    ax.grid(True, axis="x", alpha=0.3)
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
