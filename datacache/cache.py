@@ -93,7 +93,7 @@ class SampleCache:
         except ShardError as exc:
             if exc.reason != "missing":
                 self._event(f"shard not used ({exc.reason}: {exc}); rebuilding from the source")
-                _remove(self.path)
+                self._remove()
             return
         where = {int(i): p for p, i in enumerate(reader.ids)}
         self._shard_pos = np.array([where.get(int(i), -1) for i in self.ids], dtype=np.int64)
@@ -106,7 +106,15 @@ class SampleCache:
         if self.reader is not None:
             self.reader.close()
         self.reader, self.memory, self._shard_pos = None, None, None
-        _remove(self.path)
+        self._remove()
+
+    def _remove(self) -> None:
+        """Delete our shard, but only under its lock: "incomplete" may be another job between its renames."""
+        try:
+            with shard_lock(self.path, blocking=False):
+                _remove(self.path)
+        except TimeoutError:
+            self._event("another job holds the shard's lock: leaving it to that job")
 
     # -- serving -------------------------------------------------------------------
     def steps(self, batch_size: int) -> int:

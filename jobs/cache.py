@@ -145,6 +145,15 @@ def clear(args) -> int:
                 if os.path.exists(p):
                     os.remove(p)
                     removed += 1
+    # Temp files of writers that were killed (".<shard>.tmp.<pid>.<hex>"); a live writer holds its lock.
+    for tmp in glob.glob(os.path.join(args.cache_dir, ".*.tmp.*")):
+        shard = os.path.join(args.cache_dir, os.path.basename(tmp)[1:].split(".tmp.")[0])
+        try:
+            with shard_lock(shard, blocking=False):
+                os.remove(tmp)
+                removed += 1
+        except (TimeoutError, FileNotFoundError):
+            pass
     print(f"removed {removed} file(s) from {args.cache_dir}")
     return 0
 
