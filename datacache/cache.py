@@ -65,7 +65,8 @@ class SampleCache:
         self.path = None
         self.disabled = None
         if cache_dir is not None:
-            self.path = os.path.join(cache_dir, f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}.h5")
+            name = f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}-s{seed}.h5"
+            self.path = os.path.join(cache_dir, name)
             self.disabled = check_writable(cache_dir) if os.path.isdir(cache_dir) else _make_dir(cache_dir)
             if self.disabled:
                 self._event(f"cache disabled ({self.disabled}): reading {source.describe()} every epoch")
@@ -120,9 +121,14 @@ class SampleCache:
     def steps(self, batch_size: int) -> int:
         return steps_per_epoch(len(self.source), self.ranks, batch_size)
 
-    def batches(self, epoch: int, batch_size: int, prefetch: int = 4):
-        """Exactly `steps(batch_size)` (inputs, labels) tensor batches of this rank's part, read ahead in a thread."""
-        plan = epoch_batches(len(self.ids), self.steps(batch_size), epoch, self.seed, self.rank)
+    def batches(self, epoch: int, batch_size: int, prefetch: int = 4, shuffle_seed: int | None = None):
+        """Exactly `steps(batch_size)` (inputs, labels) tensor batches of this rank's part, read ahead in a thread.
+
+        shuffle_seed (default: the partition seed) orders the epochs: a sweep over
+        training seeds keeps one partition, hence one set of shards.
+        """
+        seed = self.seed if shuffle_seed is None else shuffle_seed
+        plan = epoch_batches(len(self.ids), self.steps(batch_size), epoch, seed, self.rank)
         produce = self._warm_batches(plan) if self.reader is not None else self._cold_batches(plan)
         return _Prefetcher(produce, max(1, prefetch), self.stats)
 

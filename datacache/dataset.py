@@ -40,9 +40,10 @@ class CachedDataset(Dataset):
 class EpochBatchSampler(Sampler):
     """The same batches as `SampleCache.batches` (this rank's part, reshuffled per epoch, equal step count)."""
 
-    def __init__(self, cache: SampleCache, batch_size: int, epoch: int = 0):
+    def __init__(self, cache: SampleCache, batch_size: int, epoch: int = 0, shuffle_seed: int | None = None):
         self.count, self.steps = len(cache.ids), cache.steps(batch_size)
-        self.seed, self.rank, self.epoch = cache.seed, cache.rank, epoch
+        self.seed = cache.seed if shuffle_seed is None else shuffle_seed
+        self.rank, self.epoch = cache.rank, epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

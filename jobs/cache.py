@@ -7,7 +7,7 @@
     python -m jobs.cache export --out /data/fmnist-png          # Fashion-MNIST as 70,000 PNG files
 
 warm builds, on every rank, the shard of the part that rank will train on
-(run it with the same number of ranks and --seed as the training job; the
+(run it with the same number of ranks as the training job; the
 cache directory should be node-local). The preprocessing is the
 Fashion-MNIST preset unless --mode/--resize/--crop/--mean/--std/--dtype say
 otherwise; its hash names the shards, so a changed pipeline builds new ones.
@@ -32,7 +32,7 @@ def parse_args(argv=None):
     warm.add_argument("--source", required=True, help="image folder, labels.csv folder or Fashion-MNIST IDX dir")
     warm.add_argument("--split", default="train", help="for IDX sources: train or test")
     add_pipeline_args(warm)
-    warm.add_argument("--seed", type=int, default=0, help="partition seed (as the training job's)")
+    warm.add_argument("--seed", type=int, default=0, help="partition seed (jobs.train always uses 0)")
     warm.add_argument("--on-error", choices=("skip", "fail"), default="skip")
     info = sub.add_parser("info", help="list the shards, their size and what they hold")
     info.add_argument("--json", action="store_true", help="machine-readable output")

@@ -107,8 +107,9 @@ def open_cache(args, rank, ranks):
     from datacache.sources import IdxSource
 
     source = open_source(args.data_dir, "train") if args.data_dir else IdxSource.fashion_mnist("train")
+    # One fixed partition (seed 0) whatever --seed is: a sweep over seeds reuses the same shards.
     return SampleCache(source, Pipeline.fashion_mnist(), args.cache_dir, rank, ranks,
-                       memory_bytes=args.cache_memory_mb << 20, seed=args.seed,
+                       memory_bytes=args.cache_memory_mb << 20, seed=0,
                        log=lambda text: print(text, file=sys.stderr, flush=True))
 
 
@@ -136,7 +137,7 @@ def train_batches(args, epoch, steps, x, y, plan, cache, shape):
             idx = torch.as_tensor(idx)
             yield tuple(t[idx] for t in x), y[idx]
         return
-    with cache.batches(epoch, args.batch_size) as ahead:  # leaving early stops the read-ahead thread
+    with cache.batches(epoch, args.batch_size, shuffle_seed=args.seed) as ahead:  # leaving early stops the read-ahead thread
         for _, (xb, yb) in zip(range(steps), ahead):
             yield (to_model_shape(xb, shape),), yb
 

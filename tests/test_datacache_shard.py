@@ -258,12 +258,13 @@ def test_write_errors_name_the_directory(tmp_path):
     assert "MiB free" in check_writable(tmp_path, min_free_bytes=1 << 62)
 
 
-# Subprocesses load shard.py by path: importing the datacache package would import torch (seconds).
+# Subprocesses import datacache.shard under a bare package: the real datacache/__init__ imports torch (seconds).
 _LOAD_SHARD = f"""
-import importlib.util
-_spec = importlib.util.spec_from_file_location("shard", {os.path.join(ROOT, "datacache", "shard.py")!r})
-shard = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(shard)
+import importlib, sys, types
+_pkg = types.ModuleType("datacache")
+_pkg.__path__ = [{os.path.join(ROOT, "datacache")!r}]
+sys.modules["datacache"] = _pkg
+shard = importlib.import_module("datacache.shard")
 """
 
 _NAMESPACE_SCRIPT = _LOAD_SHARD + r"""
