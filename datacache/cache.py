@@ -64,6 +64,7 @@ class SampleCache:
         self._shard_pos: np.ndarray | None = None  # this rank's position -> shard position (-1: skipped)
         self.path = None
         self.disabled = None
+        self._sink = None  # the shard being written during a cold epoch
         if cache_dir is not None:
             name = f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}-s{seed}.h5"
             self.path = os.path.join(cache_dir, name)
@@ -183,18 +184,33 @@ class SampleCache:
 
     def _cold_batches(self, plan):
         """First epoch: serve from the source while writing the shard; commit only if every sample was seen."""
-        writer = self._writer()
+        self._sink = self._writer()
         done = False
         try:
             for positions in plan:
-                yield self._decode(positions, writer.append if writer else None)
+                yield self._decode(positions, self._append if self._sink else None)
             done = True
         finally:
-            if writer is not None and not done:  # abandoned or failed epoch: no partial shard
-                writer.abort()
+            if self._sink is not None and not done:  # abandoned or failed epoch: no partial shard
+                self._sink.abort()
                 self._unlock()
-        if writer is not None:
-            self._finish(writer)
+                self._sink = None
+        if self._sink is not None:
+            self._finish(self._sink)
+            self._sink = None
+
+    def _append(self, i: int, y: int, x: np.ndarray) -> None:
+        """Write one sample to the shard; a full or failing disk stops the writing, never the epoch."""
+        if self._sink is None:
+            return
+        try:
+            self._sink.append(i, y, x)
+        except OSError as exc:
+            self._sink.abort()
+            self._unlock()
+            self._sink = None
+            self.disabled = str(exc)
+            self._event(f"cannot write the cache ({exc}): serving from the source")
 
     def _writer(self):
         if self.disabled:

@@ -56,6 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--data-dir", help="with --cache-dir: the training source (image folder, labels.csv folder "
                                       "or IDX dir; default Fashion-MNIST's IDX train split)")
     p.add_argument("--cache-memory-mb", type=int, default=256, help="in-memory cache level per rank")
+    p.add_argument("--prefetch", type=int, default=4, help="with --cache-dir: batches read ahead (default 4)")
     p.add_argument("--checkpoint", metavar="PATH", help="save model+optimizer after every epoch (atomically)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--timeline", metavar="PATH", help="Chrome-trace JSON of the run, one track per rank")
@@ -64,7 +65,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint PATH")
-    for name in ("batch_size", "epochs", "threads", "credit", "synthetic_samples"):
+    for name in ("batch_size", "epochs", "threads", "credit", "synthetic_samples", "prefetch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 < args.density <= 1:
@@ -137,7 +138,7 @@ def train_batches(args, epoch, steps, x, y, plan, cache, shape):
             idx = torch.as_tensor(idx)
             yield tuple(t[idx] for t in x), y[idx]
         return
-    with cache.batches(epoch, args.batch_size, shuffle_seed=args.seed) as ahead:  # leaving early stops the read-ahead thread
+    with cache.batches(epoch, args.batch_size, args.prefetch, shuffle_seed=args.seed) as ahead:  # leaving early stops the read-ahead thread
         for _, (xb, yb) in zip(range(steps), ahead):
             yield (to_model_shape(xb, shape),), yb
 

@@ -161,3 +161,49 @@ def test_bad_arguments(source, tmp_path):
     with pytest.raises(ValueError, match="batch size"):
         cache(source, tmp_path).steps(0)
     assert np.array_equal(cache(source, tmp_path, 1, 2).ids, cache(source, tmp_path, 1, 2).ids)
+
+
+_FULL_DISK = """
+import json, sys
+sys.path[:0] = [sys.argv[4], sys.argv[5]]
+from datacache import Pipeline, SampleCache
+from datacache.sources import LabelsCsvSource
+from datacache_helpers import fresh_digests, served_digests
+pipe = Pipeline(mode="L", mean=(0.5,), std=(0.25,))
+src = LabelsCsvSource(sys.argv[1])
+out = {}
+for name, where in (("full", sys.argv[2]), ("ro", sys.argv[3])):
+    events = []
+    c = SampleCache(src, pipe, where, log=events.append)
+    ok = [sorted(served_digests(list(c.batches(e, 10)))) == fresh_digests(src, pipe) for e in range(2)]
+    out[name] = dict(ok=ok, state=c.state, events=events)
+print(json.dumps(out))
+"""
+
+
+def test_full_or_read_only_file_system_serves_from_the_source(tmp_path):
+    """A 256 KiB tmpfs fills up mid-epoch, a read-only one refuses at once: both epochs still serve every sample."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) to mount a private tmpfs")
+    src = make_png_dataset(tmp_path / "src", n=120, size=28)
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    full.mkdir()
+    ro.mkdir()
+    (tmp_path / "prog.py").write_text(_FULL_DISK)
+    shell = (f"mount -t tmpfs -o size=256k tmpfs {full} && mount -t tmpfs -o ro,size=64k tmpfs {ro} && "
+             f"exec {sys.executable} {tmp_path / 'prog.py'} {src} {full} {ro} {ROOT} {ROOT}/tests")
+    p = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, timeout=120)
+    if p.returncode != 0 and "mount" in p.stderr:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.splitlines()[-1])
+    assert out["full"]["ok"] == [True, True] and out["full"]["state"] == "disabled", out["full"]
+    assert any("cannot write the cache" in e and "No space" in e for e in out["full"]["events"]), out["full"]
+    assert out["ro"]["ok"] == [True, True] and out["ro"]["state"] == "disabled"
+    assert any("cache disabled" in e and "read-only" in e for e in out["ro"]["events"]), out["ro"]
