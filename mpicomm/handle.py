@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Generator, Iterable
+from typing import Generator, Iterable
 
 from mpi4py import MPI
 

@@ -119,7 +119,6 @@ class Iteration(Task):
 
     # -- called from the progress thread -------------------------------------
     def poll(self) -> bool:
-        ex = self.ex
         if not self._posted:
             self._post_push_receives()
         with self._lock:

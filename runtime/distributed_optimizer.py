@@ -203,11 +203,18 @@ class DistributedOptimizer:
         self.synchronize()
         if self.pto is not None:
             self.pto.consolidate_into(self.optimizer)
-        return self.optimizer.state_dict()
+        state = self.optimizer.state_dict()
+        moved = getattr(self.strategy, "momentum", 0.0)
+        for group in state["param_groups"] if moved else ():
+            group["momentum"] = moved  # what the user configured: a resumed job moves it again
+        return state
 
     def load_state_dict(self, state) -> None:
         self.synchronize()
         self.optimizer.load_state_dict(state)
+        if getattr(self.strategy, "momentum", 0.0):
+            for group in self.optimizer.param_groups:
+                group["momentum"] = 0.0  # still held by the sparsifier (momentum correction)
         if self.pto is not None:
             self.pto.load_from(self.optimizer)
 

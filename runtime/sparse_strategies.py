@@ -53,6 +53,8 @@ class TopkSync(Strategy):
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
         if operator not in OPERATORS:
             raise ValueError(f"operator must be one of {OPERATORS}, got {operator!r}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.schedule = DensitySchedule(density, warmup_steps, ramp_steps)
         # Ranks selecting different k would meet in the exchange with different sizes: refuse up front.
         check_same_structure(comm, [f"{self.name} {self.schedule.describe()} error_feedback={error_feedback} "
@@ -67,8 +69,6 @@ class TopkSync(Strategy):
         self.dense = Ring(comm)
         dtype = params[0].dtype if params else torch.float32
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype)
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.momentum, self.masking = momentum, momentum_masking
         self.velocity = torch.zeros_like(self.flat) if momentum else None
         self.grads: list = [None] * len(params)

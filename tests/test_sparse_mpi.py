@@ -194,6 +194,19 @@ def test_sparse_options_only_for_sparse_strategies(world):
         train(world, "allreduce", steps=1, density=0.1)
 
 
+def test_checkpoints_keep_the_momentum_the_user_set(world):
+    """Momentum correction moves the SGD's momentum into the sparsifier; a checkpoint still says 0.9."""
+    torch.manual_seed(3)
+    model = Small()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with DistributedOptimizer(opt, model, "topk", sparse_options={"density": 0.1}) as dopt:
+        state = dopt.state_dict()
+        dopt.load_state_dict(state)
+        ok = state["param_groups"][0]["momentum"] == 0.9 and opt.param_groups[0]["momentum"] == 0.0
+        ok = ok and dopt.strategy.momentum == 0.9
+    assert_everywhere(world, ok, "momentum lost in the checkpoint round trip")
+
+
 def test_mpi_world_is_untouched(world):
     """Strategies work on duplicates: nothing is left pending on the caller's communicator."""
     train(world, "hier-topk", steps=2, density=0.1)
