@@ -38,3 +38,34 @@ def test_each_sample_served_once_per_epoch_across_ranks_cold_and_warm(world, sha
         assert_everywhere(world, ok, f"epoch {epoch}: steps {steps}, {len(everyone)} of {len(want)} served")
     assert_everywhere(world, cache.stats.from_source == len(cache.ids), "the source was read more than once")
     cache.close()
+
+
+def test_one_rank_corrupt_shard_and_a_changed_pipeline(world, shared_dir):
+    """A corrupted sample in rank 1's shard is never served; a new pipeline builds new shards everywhere."""
+    import h5py
+    import torch
+
+    from datacache import CachedDataset, EpochBatchSampler
+
+    source = LabelsCsvSource(f"{shared_dir}/src")
+    r, P = world.Get_rank(), world.Get_size()
+    cache = SampleCache(source, PIPE, f"{shared_dir}/cache2", r, P, memory_bytes=0, log=lambda *a: None)
+    cache.warm()
+    cache.close()
+    if r == min(1, P - 1):
+        with h5py.File(cache.path, "r+") as f:
+            f["samples"][0] = f["samples"][0] + 3.0
+    world.Barrier()
+    cache = SampleCache(source, PIPE, f"{shared_dir}/cache2", r, P, memory_bytes=0, log=lambda *a: None)
+    everyone = sorted(d for part in world.allgather(served_digests(list(cache.batches(0, 8)))) for d in part)
+    assert_everywhere(world, everyone == fresh_digests(source, PIPE), "a corrupt sample was served")
+
+    other = Pipeline(mode="L")
+    fresh = SampleCache(source, other, f"{shared_dir}/cache2", r, P, log=lambda *a: None)
+    cold = fresh.state == "cold"
+    list(fresh.batches(0, 8))
+    loader = torch.utils.data.DataLoader(CachedDataset(fresh), batch_sampler=EpochBatchSampler(fresh, 8, 1),
+                                         num_workers=1)
+    everyone = sorted(d for part in world.allgather(served_digests(loader)) for d in part)
+    assert_everywhere(world, cold and everyone == fresh_digests(source, other), "stale samples after a change")
+    cache.close(), fresh.close()
