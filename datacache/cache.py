@@ -25,7 +25,8 @@ class CacheStats:
     from_shard: int = 0
     from_memory: int = 0
     skipped: list = field(default_factory=list)  # names of unreadable samples
-    wait_s: float = 0.0
+    wait_s: float = 0.0  # blocked on an empty read-ahead queue: the data was not ready
+    fetch_s: float = 0.0  # all time spent taking batches, including the GIL handoff from the read-ahead thread
     events: list = field(default_factory=list)  # warnings, rebuilds, fallbacks (also printed)
 
 
@@ -292,8 +293,13 @@ class _Prefetcher:
 
     def __next__(self):
         t0 = time.perf_counter()
-        item = self._q.get()
-        self._stats.wait_s += time.perf_counter() - t0
+        try:
+            item = self._q.get_nowait()  # ready: no data wait (taking the GIL back is CPU sharing, not data)
+        except queue.Empty:
+            t1 = time.perf_counter()
+            item = self._q.get()
+            self._stats.wait_s += time.perf_counter() - t1
+        self._stats.fetch_s += time.perf_counter() - t0
         if item is self._END:
             raise StopIteration
         if isinstance(item, BaseException):

@@ -138,7 +138,8 @@ def train_batches(args, epoch, steps, x, y, plan, cache, shape):
             idx = torch.as_tensor(idx)
             yield tuple(t[idx] for t in x), y[idx]
         return
-    with cache.batches(epoch, args.batch_size, args.prefetch, shuffle_seed=args.seed) as ahead:  # leaving early stops the read-ahead thread
+    # Leaving early (--max-steps, an error) closes the read-ahead thread.
+    with cache.batches(epoch, args.batch_size, args.prefetch, shuffle_seed=args.seed) as ahead:
         for _, (xb, yb) in zip(range(steps), ahead):
             yield (to_model_shape(xb, shape),), yb
 
@@ -252,7 +253,7 @@ def main(argv=None) -> int:
         comm.Barrier()
         t0 = time.perf_counter()
         loss_sum = 0.0
-        waited = cache.stats.wait_s if cache else 0.0
+        waited, fetched = (cache.stats.wait_s, cache.stats.fetch_s) if cache else (0.0, 0.0)
         for step, (inputs, target) in enumerate(train_batches(args, epoch, steps, x, y, plan, cache, shape)):
             dopt.zero_grad()
             loss = criterion(model(*inputs), target)
@@ -279,14 +280,17 @@ def main(argv=None) -> int:
         row = dict(epoch=epoch + 1, loss=float(losses[0] / P), test_accuracy=acc, test_targets=scored,
                    samples_per_s=steps * args.batch_size * P / elapsed, seconds=elapsed)
         if cache:
-            wait = np.array([cache.stats.wait_s - waited])
+            # wait: blocked because the next batch was not ready; fetch: all time taking batches
+            # (includes handing the GIL back from the read-ahead thread). Slowest rank of each.
+            wait = np.array([cache.stats.wait_s - waited, cache.stats.fetch_s - fetched])
             comm.Allreduce(MPI.IN_PLACE, wait, op=MPI.MAX)
             row.update(data_wait_s=float(wait[0]), data_wait_fraction=float(wait[0]) / elapsed,
-                       cache_state=cache.state)
+                       data_fetch_fraction=float(wait[1]) / elapsed, cache_state=cache.state)
         history.append(row)
         say(f"epoch {epoch + 1}: loss {row['loss']:.4f}  test accuracy {acc * 100:.2f} %  "
             f"{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)"
-            + (f"  data wait {row['data_wait_fraction'] * 100:.1f} %" if cache else ""), flush=True)
+            + (f"  data wait {row['data_wait_fraction'] * 100:.1f} % (fetch {row['data_fetch_fraction'] * 100:.1f} %)"
+               if cache else ""), flush=True)
         if args.checkpoint:
             optimizer_state = dopt.state_dict()  # collective with --pto: the sharded state is gathered
             if rank == 0:
