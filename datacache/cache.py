@@ -65,7 +65,9 @@ class SampleCache:
         self._shard_pos: np.ndarray | None = None  # this rank's position -> shard position (-1: skipped)
         self.path = None
         self.disabled = None
-        self._sink = None  # the shard being written during a cold epoch
+        self._sink = None  # the shard being written during a cold epoch (opened on its first sample)
+        self._writing = False  # this epoch writes the shard (lock held)
+        self._lock = None
         if cache_dir is not None:
             name = f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}-s{seed}.h5"
             self.path = os.path.join(cache_dir, name)
@@ -185,51 +187,51 @@ class SampleCache:
 
     def _cold_batches(self, plan):
         """First epoch: serve from the source while writing the shard; commit only if every sample was seen."""
-        self._sink = self._writer()
+        self._writing = self._claim()
         done = False
         try:
             for positions in plan:
-                yield self._decode(positions, self._append if self._sink else None)
+                yield self._decode(positions, self._append if self._writing else None)
             done = True
         finally:
-            if self._sink is not None and not done:  # abandoned or failed epoch: no partial shard
-                self._sink.abort()
-                self._unlock()
-                self._sink = None
+            if not done:  # abandoned or failed epoch: no partial shard
+                self._stop_writing()
         if self._sink is not None:
             self._finish(self._sink)
-            self._sink = None
+        else:
+            self._stop_writing()  # nothing was decoded (every sample unreadable)
 
-    def _append(self, i: int, y: int, x: np.ndarray) -> None:
-        """Write one sample to the shard; a full or failing disk stops the writing, never the epoch."""
-        if self._sink is None:
-            return
-        try:
-            self._sink.append(i, y, x)
-        except OSError as exc:
-            self._sink.abort()
-            self._unlock()
-            self._sink = None
-            self.disabled = str(exc)
-            self._event(f"cannot write the cache ({exc}): serving from the source")
-
-    def _writer(self):
+    def _claim(self) -> bool:
+        """Whether this rank may write its shard this epoch: the directory works and no other job holds the lock."""
         if self.disabled:
-            return None
+            return False
         try:
             self._lock = shard_lock(self.path, blocking=False)
             self._lock.__enter__()
         except TimeoutError:
+            self._lock = None
             self._event("another job is writing this shard: serving from the source this epoch")
-            return None
-        shape = self.pipeline.output_shape(self.source.raw(int(self.ids[0])))
-        dtype = np.dtype(self.pipeline.config()["dtype"])
+            return False
+        return True
+
+    def _append(self, i: int, y: int, x: np.ndarray) -> None:
+        """Write one sample; a full or failing disk stops the writing, never the epoch."""
+        if not self._writing:
+            return
         try:
-            return ShardWriter(self.path, shape, dtype, self.meta).__enter__()
+            if self._sink is None:  # opened on the first sample that decodes: its shape and dtype are the shard's
+                self._sink = ShardWriter(self.path, x.shape, x.dtype, self.meta).__enter__()
+            self._sink.append(i, y, x)
         except OSError as exc:
-            self._unlock()
+            self._stop_writing()
+            self.disabled = str(exc)
             self._event(f"cannot write the cache ({exc}): serving from the source")
-            return None
+
+    def _stop_writing(self) -> None:
+        if self._sink is not None:
+            self._sink.abort()
+        self._sink, self._writing = None, False
+        self._unlock()
 
     def _finish(self, writer) -> None:
         try:
@@ -239,12 +241,13 @@ class SampleCache:
             self._event(f"cannot write the cache ({exc}): serving from the source")
             self.disabled = str(exc)
         finally:
+            self._sink, self._writing = None, False
             self._unlock()
         if not self.disabled:
             self._open()
 
     def _unlock(self) -> None:
-        lock, self._lock = getattr(self, "_lock", None), None
+        lock, self._lock = self._lock, None
         if lock is not None:
             lock.__exit__(None, None, None)
 

@@ -207,3 +207,13 @@ def test_full_or_read_only_file_system_serves_from_the_source(tmp_path):
     assert any("cannot write the cache" in e and "No space" in e for e in out["full"]["events"]), out["full"]
     assert out["ro"]["ok"] == [True, True] and out["ro"]["state"] == "disabled"
     assert any("cache disabled" in e and "read-only" in e for e in out["ro"]["events"]), out["ro"]
+
+
+def test_an_unreadable_first_sample_does_not_stop_the_first_epoch(tmp_path):
+    root = make_png_dataset(tmp_path / "src", n=20, garbage=1)
+    rows = open(f"{root}/labels.csv").read().splitlines()
+    open(f"{root}/labels.csv", "w").write("\n".join([rows[0], rows[-1], *rows[1:-1]]) + "\n")  # broken one first
+    src = LabelsCsvSource(root)
+    assert src.name(0).endswith("broken-0.png")
+    c = cache(src, tmp_path)
+    assert len(served_digests(epoch(c, 0, batch=5))) == 20 and c.state == "warm" and len(c.stats.skipped) == 1
