@@ -68,6 +68,7 @@ class SampleCache:
         self._sink = None  # the shard being written during a cold epoch (opened on its first sample)
         self._writing = False  # this epoch writes the shard (lock held)
         self._lock = None
+        self._sample_shape: tuple = (0,)  # known once a sample decodes
         if cache_dir is not None:
             name = f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}-s{seed}.h5"
             self.path = os.path.join(cache_dir, name)
@@ -100,11 +101,15 @@ class SampleCache:
                 self._event(f"shard not used ({exc.reason}: {exc}); rebuilding from the source")
                 self._remove()
             return
-        where = {int(i): p for p, i in enumerate(reader.ids)}
-        self._shard_pos = np.array([where.get(int(i), -1) for i in self.ids], dtype=np.int64)
-        self.reader = reader
-        fit = min(len(reader), self.memory_bytes // max(1, reader.nbytes // max(1, len(reader))))
-        self.memory = reader.read(np.arange(fit)) if fit else None
+        try:
+            where = {int(i): p for p, i in enumerate(reader.ids)}
+            self._shard_pos = np.array([where.get(int(i), -1) for i in self.ids], dtype=np.int64)
+            self.reader = reader
+            fit = min(len(reader), self.memory_bytes // max(1, reader.sample_bytes))
+            self.memory = reader.read(np.arange(fit)) if fit else None  # checksums verified on the way in
+        except ShardError as exc:
+            self.reader = reader
+            self._invalidate(f"{exc.reason}: {exc}")
 
     def _invalidate(self, why: str) -> None:
         self._event(f"shard invalid ({why}); serving from the source and rebuilding")
@@ -120,6 +125,9 @@ class SampleCache:
                 _remove(self.path)
         except TimeoutError:
             self._event("another job holds the shard's lock: leaving it to that job")
+        except OSError as exc:  # no lock file possible, or flock unsupported (some NFS/Lustre mounts)
+            self.disabled = f"cannot lock {self.path}: {exc}"
+            self._event(f"cache disabled ({self.disabled}): reading the source every epoch")
 
     # -- serving -------------------------------------------------------------------
     def steps(self, batch_size: int) -> int:
@@ -154,13 +162,16 @@ class SampleCache:
     def _read(self, sp: np.ndarray) -> np.ndarray:
         m = 0 if self.memory is None else len(self.memory)
         hit = sp < m
+        hits = int(hit.sum())
+        self.stats.from_memory += hits
+        self.stats.from_shard += len(sp) - hits
+        if hits == len(sp):
+            return self.memory[sp]
+        if hits == 0:
+            return self.reader.read(sp)
         out = np.empty((len(sp), *self.reader.sample_shape), dtype=self.reader.dtype)
-        if m:
-            out[hit] = self.memory[sp[hit]]
-        if (~hit).any():
-            out[~hit] = self.reader.read(sp[~hit])
-        self.stats.from_memory += int(hit.sum())
-        self.stats.from_shard += int((~hit).sum())
+        out[hit] = self.memory[sp[hit]]
+        out[~hit] = self.reader.read(sp[~hit])
         return out
 
     def _decode(self, positions, sink=None):
@@ -182,7 +193,10 @@ class SampleCache:
             xs.append(x)
             ys.append(y)
         self.stats.from_source += len(xs)
-        x = torch.from_numpy(np.stack(xs)) if xs else torch.empty(0)
+        if xs:
+            self._sample_shape = xs[0].shape
+        # A batch whose samples were all skipped is still (0, *sample shape), as a warm one would be.
+        x = torch.from_numpy(np.stack(xs)) if xs else torch.empty((0, *self._sample_shape))
         return x, torch.tensor(ys, dtype=torch.int64)
 
     def _cold_batches(self, plan):
@@ -211,6 +225,11 @@ class SampleCache:
         except TimeoutError:
             self._lock = None
             self._event("another job is writing this shard: serving from the source this epoch")
+            return False
+        except OSError as exc:
+            self._lock = None
+            self.disabled = f"cannot lock {self.path}: {exc}"
+            self._event(f"cache disabled ({self.disabled}): reading the source every epoch")
             return False
         return True
 
@@ -278,18 +297,22 @@ class _Prefetcher:
     def _run(self, produce) -> None:
         try:
             for item in produce:
-                while not self._stop.is_set():
-                    try:
-                        self._q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item):
                     produce.close()  # an abandoned first epoch leaves no half-written shard
                     return
-            self._q.put(self._END)
+            self._put(self._END)
         except BaseException as exc:  # handed to the consumer, raised where it iterates
-            self._q.put(exc)
+            self._put(exc)
+
+    def _put(self, item) -> bool:
+        """Queue `item` unless the consumer has gone (then False): never block a close() forever."""
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def __iter__(self):
         return self

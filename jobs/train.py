@@ -184,6 +184,7 @@ def main(argv=None) -> int:
     from mpi4py import MPI
 
     from mpicomm import Topology
+    from mpicomm.agree import fail_together
     from runtime import SPARSE_STRATEGIES, STRATEGIES, DistributedOptimizer
     from runtime.data import BatchPlan
     from runtime.models import build_model, input_shape, loss_fn
@@ -196,12 +197,17 @@ def main(argv=None) -> int:
     topo = Topology()
     comm, rank, P = topo.world, topo.rank, topo.size
     say = print if rank == 0 else (lambda *a, **k: None)
-    cache = None
+    cache, problem = None, None
     try:
         x, y, tx, ty = load_data(args, rank)
         if args.cache_dir:
             cache = open_cache(args, rank, P)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # FileNotFoundError, a broken source, an unusable node-local cache
+        problem = str(exc)
+    try:
+        # Data problems can be local (a node's cache directory): stop every rank, not just this one.
+        fail_together(comm, problem)
+    except RuntimeError as exc:
         say(f"error: {exc}", file=sys.stderr)
         return 2
 

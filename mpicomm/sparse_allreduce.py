@@ -75,7 +75,7 @@ class SparseAllreduce:
     """
 
     def __init__(self, topology: Topology, *, hierarchical: bool, validate: bool | None = None):
-        self.topology, self.hierarchical = topology, hierarchical
+        self.hierarchical = hierarchical
         self.size = topology.size
         if hierarchical:
             self.node, self.cross = Ring(topology.node, validate=validate), Ring(topology.cross, validate=validate)
@@ -107,6 +107,10 @@ class SparseAllreduce:
         """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard."""
         if x.dim() != 1 or not x.is_contiguous():
             raise ValueError("sparse allreduce takes a contiguous 1-D tensor")
+        if x.element_size() == 4 and x.numel() > 2**31 - 1:
+            # Indices travel at the values' width (one packed buffer): int32 for float32.
+            raise ValueError(f"{x.numel()} elements do not fit int32 indices: sparsify per layer "
+                             "(granularity='layer') or in float64")
         return self._hierarchical(x, select) if self.hierarchical else self._flat(x, select)
 
     # -- flat ------------------------------------------------------------------

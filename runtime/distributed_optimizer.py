@@ -67,6 +67,13 @@ class DistributedOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._check_and_broadcast()
         kwargs = {"p3": dict(slice_size=slice_size, credit=credit), "wfbp": dict(fuse_bytes=fuse_bytes)}.get(strategy, {})
+        self.pto = None
+        if pto:  # first: a refusal (mixed dtypes, a parameter it cannot place) leaves nothing half-built
+            from .pto import ShardedUpdate
+
+            self.pto = ShardedUpdate(optimizer, self.params, self.comm)
+            self.pto.load_from(optimizer)
+            optimizer.state.clear()  # the shards hold the state now: 1/P of it per rank
         if strategy in SPARSE_STRATEGIES:
             names = {id(p): n for n, p in model.named_parameters()}
             kwargs = dict(sparse_options or {}, topology=self.topology, names=[names[id(p)] for p in self.params])
@@ -75,12 +82,6 @@ class DistributedOptimizer:
         if pto and strategy == "allreduce":
             kwargs["reduce_scatter_only"] = True
         self.strategy = ALL_STRATEGIES[strategy](self.comm, self.params, timeline, **kwargs)
-        self.pto = None
-        if pto:
-            from .pto import ShardedUpdate
-
-            self.pto = ShardedUpdate(optimizer, self.params, self.comm)
-            self.pto.load_from(optimizer)
         self._ready = [False] * len(self.params)
         self._pending: dict[int, list] = {}  # param index -> hyper-parameters of the step() that owes it
         self._zero_requested: bool | None = None
@@ -204,6 +205,8 @@ class DistributedOptimizer:
         if self.pto is not None:
             self.pto.consolidate_into(self.optimizer)
         state = self.optimizer.state_dict()
+        if self.pto is not None:
+            self.optimizer.state.clear()  # the dict keeps its tensors; the shards stay the only live copy
         moved = getattr(self.strategy, "momentum", 0.0)
         for group in state["param_groups"] if moved else ():
             group["momentum"] = moved  # what the user configured: a resumed job moves it again
@@ -217,6 +220,7 @@ class DistributedOptimizer:
                 group["momentum"] = 0.0  # still held by the sparsifier (momentum correction)
         if self.pto is not None:
             self.pto.load_from(self.optimizer)
+            self.optimizer.state.clear()
 
     def close(self) -> None:
         """Apply what is owed, stop the strategy's threads and free its communicators."""

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
 
-from .mstopk import k_for_density
+from .mstopk import check_density, k_for_density
 
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-def check_density(density: float, what: str = "density") -> float:
-    density = float(density)
-    if not (0.0 < density <= 1.0) or math.isnan(density):
-        raise ValueError(f"{what} must be in (0, 1], got {density}")
-    return density
 
 
 class DensitySchedule:

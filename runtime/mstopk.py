@@ -15,12 +15,18 @@ COMPACT_RATIO = 8      # narrow the working set once a probe keeps at most 1/8 o
 INDEX_DTYPES = (torch.int64, torch.int32)
 
 
+def check_density(density: float, what: str = "density") -> float:
+    density = float(density)
+    if not 0 < density <= 1:  # also rejects NaN
+        raise ValueError(f"{what} must be in (0, 1], got {density!r}")
+    return density
+
+
 def k_for_density(numel: int, density: float) -> int:
     """max(1, ceil(density * numel)), without float fuzz turning 0.07 * 100 into 8."""
     if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 1:
         raise ValueError(f"numel must be a positive integer, got {numel!r}")
-    if not 0 < density <= 1:  # also rejects NaN
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    density = check_density(density)
     p = density * numel
     k = round(p) if abs(p - round(p)) <= 1e-9 * p else math.ceil(p)
     return int(min(numel, max(1, k)))

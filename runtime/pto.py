@@ -376,6 +376,8 @@ def _group_members(optimizer, params) -> list[list[int]]:
     for gi, g in enumerate(optimizer.param_groups):
         idx = []
         for p in g["params"]:
+            if id(p) not in index and not p.requires_grad:
+                continue  # a frozen parameter: no gradient, never updated, as in the unsharded step
             if id(p) not in index:
                 raise ValueError(f"param group {gi} of the optimizer holds a parameter of shape {tuple(p.shape)} "
                                  "that is not in ShardedUpdate's params")

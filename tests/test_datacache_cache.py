@@ -217,3 +217,25 @@ def test_an_unreadable_first_sample_does_not_stop_the_first_epoch(tmp_path):
     assert src.name(0).endswith("broken-0.png")
     c = cache(src, tmp_path)
     assert len(served_digests(epoch(c, 0, batch=5))) == 20 and c.state == "warm" and len(c.stats.skipped) == 1
+
+
+@pytest.mark.timeout(30)
+def test_leaving_an_epoch_early_never_hangs(source, tmp_path):
+    """The read-ahead thread may be blocked on a full queue with the epoch's end marker: close() still returns."""
+    c = cache(source, tmp_path)
+    c.warm()
+    for taken in range(c.steps(10) + 1):
+        with c.batches(0, 10, prefetch=4) as it:
+            for _ in zip(range(taken), it):
+                pass
+
+
+def test_a_corrupt_sample_found_while_loading_memory_is_rebuilt_at_open(source, tmp_path):
+    c = cache(source, tmp_path)
+    c.warm()
+    c.close()
+    with h5py.File(c.path, "r+") as f:
+        f["samples"][7] = f["samples"][7] - 1.0
+    d = cache(source, tmp_path)  # the memory level reads (and verifies) every sample at open
+    assert d.state == "cold" and any("invalid" in e for e in d.stats.events)
+    assert sorted(served_digests(epoch(d, 0))) == fresh_digests(source, PIPE) and d.state == "warm"

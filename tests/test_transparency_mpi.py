@@ -165,3 +165,25 @@ def test_initial_parameters_come_from_rank_0(world):
         w = model.weight.detach().clone()
     torch.manual_seed(0)
     assert_everywhere(world, torch.equal(w, nn.Linear(5, 3).weight.detach()), "not rank 0's weights")
+
+
+def test_pto_with_frozen_parameters_in_the_optimizer(world):
+    """An optimizer built from model.parameters() (frozen ones included) works with pto, as without it."""
+    X, Y = data(world.Get_size())
+    results = []
+    for pto in (False, True):
+        torch.manual_seed(7)
+        model = Edgy()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        with DistributedOptimizer(opt, model, "allreduce", pto=pto) as dopt:
+            r = world.Get_rank()
+            for step in range(3):
+                dopt.zero_grad()
+                x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+                nn.functional.cross_entropy(model(x), y).backward()
+                dopt.step()
+            state = dopt.state_dict()
+            kept = len(opt.state) == 0 if pto else True  # after a checkpoint the shards stay the only copy
+        results.append(([p.detach().clone() for p in model.parameters()], len(state["state"]), kept))
+    ok = close(results[0][0], results[1][0]) and results[0][1] == results[1][1] and results[1][2]
+    assert_everywhere(world, ok, "pto with frozen parameters differs from the unsharded step")
