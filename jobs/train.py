@@ -114,24 +114,11 @@ def open_cache(args, rank, ranks):
                        log=lambda text: print(text, file=sys.stderr, flush=True))
 
 
-def to_model_shape(x, shape):
-    """(N, 1, 28, 28) normalized images as the model takes them: flat for the MLP, padded 3-channel for CNNs."""
-    import torch.nn.functional as F
-
-    from runtime.data import FASHION_MEAN, FASHION_STD
-
-    if len(shape) == 1:
-        return x.reshape(len(x), -1)
-    c, h, w = shape
-    top, left = (h - x.shape[2]) // 2, (w - x.shape[3]) // 2
-    # Pad with the normalized black background, as runtime.data.to_tensor does for in-memory data.
-    x = F.pad(x, (left, w - x.shape[3] - left, top, h - x.shape[2] - top), value=-FASHION_MEAN / FASHION_STD)
-    return x.expand(-1, c, -1, -1).contiguous()
-
-
 def train_batches(args, epoch, steps, x, y, plan, cache, shape):
     """This epoch's (inputs, target) batches: from the in-memory arrays, or read ahead through the cache."""
     import torch
+
+    from runtime.data import fit_to_shape
 
     if cache is None:
         for idx in plan.epoch(epoch)[:steps]:
@@ -141,7 +128,7 @@ def train_batches(args, epoch, steps, x, y, plan, cache, shape):
     # Leaving early (--max-steps, an error) closes the read-ahead thread.
     with cache.batches(epoch, args.batch_size, args.prefetch, shuffle_seed=args.seed) as ahead:
         for _, (xb, yb) in zip(range(steps), ahead):
-            yield (to_model_shape(xb, shape),), yb
+            yield (fit_to_shape(xb, shape),), yb
 
 
 def evaluate(model, x, y, comm, batch=512):

@@ -78,8 +78,14 @@ def to_tensor(images, shape: tuple[int, ...]) -> torch.Tensor:
     x = torch.as_tensor(np.asarray(images))
     if x.dtype != torch.uint8 or x.dim() != 3:
         raise ValueError(f"images must be uint8 [N, H, W], got {x.dtype} {tuple(x.shape)}")
+    return fit_to_shape((x.float() / 255.0 - FASHION_MEAN) / FASHION_STD, shape)
+
+
+def fit_to_shape(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Normalized gray images [N, H, W] or [N, 1, H, W] as a model takes them (see to_tensor)."""
+    if x.dim() == 4:
+        x = x[:, 0]
     n, h, w = x.shape
-    x = (x.float() / 255.0 - FASHION_MEAN) / FASHION_STD
     shape = tuple(shape)
     if len(shape) == 1:
         if shape[0] != h * w:
