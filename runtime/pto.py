@@ -51,6 +51,7 @@ class ShardedUpdate:
         # Everything checked here is the same on every rank, so every rank raises alike before
         # any collective (the Ring's Dup) is entered.
         self._members = _group_members(optimizer, self.params)
+        self._layout = _group_layout(optimizer)
         dtypes = sorted({str(p.dtype) for p in self.params})
         if len(dtypes) != 1:
             raise TypeError(f"ShardedUpdate needs parameters of one dtype, got {', '.join(dtypes)} "
@@ -127,6 +128,8 @@ class ShardedUpdate:
         return {k: v for k, v in group.items() if k != "params"}
 
     def _check_same_groups(self, optimizer) -> None:
+        if _group_layout(optimizer) == self._layout:
+            return  # the usual case, every step: the very same parameter objects in the same groups
         try:
             same, why = _group_members(optimizer, self.params) == self._members, "parameters moved between groups"
         except ValueError as exc:
@@ -389,6 +392,11 @@ def _group_members(optimizer, params) -> list[list[int]]:
         raise ValueError(f"params #{missing} (shapes {[tuple(params[i].shape) for i in missing]}) are in no param "
                          "group of the optimizer: every parameter ShardedUpdate updates must be in exactly one")
     return members
+
+
+def _group_layout(optimizer) -> tuple:
+    """Which parameter objects sit in which group, cheap to compare every step."""
+    return tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups)
 
 
 def _identity(p: torch.Tensor) -> tuple[int, int]:
