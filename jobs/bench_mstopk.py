@@ -7,7 +7,7 @@ of a seeded random vector; one row per implementation with d, density, k, impl,
 median_s, min_s (over --repeats timed calls after one warm-up call),
 speedup_vs_topk (torch.topk's median over this one's), count (elements returned)
 and mass_ratio (captured sum of squares over the exact top-k's). torch.topk is
-timed as the reference selection, runtime.mstopk.exact_topk: |x|, topk unsorted,
+timed as the reference selection, runtime.sparse.mstopk.exact_topk: |x|, topk unsorted,
 gather of the signed values, i.e. the same output as MSTopK.
 """
 
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from runtime.mstopk import DEFAULT_ITERS, MSTopK, exact_topk, k_for_density
+from runtime.sparse.mstopk import DEFAULT_ITERS, MSTopK, exact_topk, k_for_density
 
 from jobs.report import parse_size, run_metadata, save_figure, write_json
 

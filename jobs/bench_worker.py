@@ -128,13 +128,15 @@ class Bench:
             flat = torch.zeros(sum(p.numel() for p in model.parameters()))
             comm_t = self._time_comm(lambda: dist.all_reduce(flat))
             return times, comm_t
-        from runtime import DistributedOptimizer
+        from runtime import DistributedOptimizer, P3Options, TopkOptions
 
-        kw = {"slice_size": self.args.slice_size} if self.args.slice_size else {}
         base = name.removesuffix("+pto")
+        strategy = base
+        if base == "p3" and self.args.slice_size:
+            strategy = P3Options(slice_size=self.args.slice_size)
         if base in SPARSE:
-            kw["sparse_options"] = dict(density=self.args.density)
-        with DistributedOptimizer(opt, model, base, topology=self.topo, pto=name.endswith("+pto"), **kw) as dopt:
+            strategy = TopkOptions(density=self.args.density, hierarchical=base == "hier-topk")
+        with DistributedOptimizer(opt, model, strategy, topology=self.topo, pto=name.endswith("+pto")) as dopt:
             before = self._traffic(dopt)
             times = self.timed(self.train_step(model, dopt), dopt.synchronize)
             if before is not None:

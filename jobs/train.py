@@ -154,14 +154,18 @@ def evaluate(model, x, y, comm, batch=512):
     return counts[0] / max(1, counts[1]), int(counts[1])
 
 
-def save_checkpoint(path, model, optimizer_state, epoch, args):
-    import torch
+def strategy_options(args):
+    """The --strategy and its options as a runtime options object."""
+    from runtime import P3Options, TopkOptions
 
-    state = dict(model=model.state_dict(), optimizer=optimizer_state, epoch=epoch, args=vars(args))
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # readers see the old or the new checkpoint, never half of one
+    if args.strategy == "p3":
+        return P3Options(credit=args.credit, **({"slice_size": args.slice_size} if args.slice_size else {}))
+    if args.strategy in ("topk", "hier-topk"):
+        return TopkOptions(density=args.density, hierarchical=args.strategy == "hier-topk",
+                           error_feedback=not args.no_error_feedback, warmup_steps=args.dense_warmup_steps,
+                           ramp_steps=args.density_ramp_steps, granularity=args.topk_granularity,
+                           operator=args.topk_operator)
+    return args.strategy
 
 
 def main(argv=None) -> int:
@@ -172,7 +176,8 @@ def main(argv=None) -> int:
 
     from mpicomm import Topology
     from mpicomm.agree import fail_together
-    from runtime import SPARSE_STRATEGIES, STRATEGIES, DistributedOptimizer
+    from runtime import SPARSE_STRATEGIES, STRATEGIES, CheckpointError, DistributedOptimizer, load_checkpoint, \
+        save_checkpoint
     from runtime.data import BatchPlan
     from runtime.models import build_model, input_shape, loss_fn
 
@@ -205,30 +210,25 @@ def main(argv=None) -> int:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
-    start_epoch = 0
-    if args.resume and os.path.exists(args.checkpoint):
-        ckpt = torch.load(args.checkpoint, weights_only=False)
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        start_epoch = ckpt["epoch"] + 1
-        say(f"resumed from {args.checkpoint} after epoch {ckpt['epoch'] + 1}")
-
     timeline = None
     if args.timeline:
-        from runtime.timeline import Timeline
-        from runtime.trace_hooks import instrument
+        from runtime.trace import Timeline, instrument
 
         timeline = Timeline(rank)
         instrument(model, timeline)
-    kw = {"slice_size": args.slice_size} if args.slice_size else {}
-    if args.strategy in SPARSE_STRATEGIES:
-        kw["sparse_options"] = dict(density=args.density, error_feedback=not args.no_error_feedback,
-                                    warmup_steps=args.dense_warmup_steps, ramp_steps=args.density_ramp_steps,
-                                    granularity=args.topk_granularity, operator=args.topk_operator)
-    if args.pto:
-        kw["pto"] = True
-    dopt = DistributedOptimizer(opt, model, args.strategy, topology=topo, credit=args.credit,
-                                timeline=timeline, **kw)
+    dopt = DistributedOptimizer(opt, model, strategy_options(args), topology=topo, pto=args.pto, timeline=timeline)
+    start_epoch = 0
+    if args.resume:
+        try:
+            # Rank 0 reads the file and decides for every rank: node-local checkpoints work.
+            extra = load_checkpoint(args.checkpoint, model, dopt)
+        except CheckpointError as exc:
+            say(f"error: --resume: {exc}", file=sys.stderr)
+            dopt.close()
+            return 2
+        if extra is not None:
+            start_epoch = extra["epoch"] + 1
+            say(f"resumed from {args.checkpoint} after epoch {extra['epoch'] + 1}")
     criterion = loss_fn(args.model)
     plan = None if cache else BatchPlan(len(x[0]), args.batch_size, P, rank, args.seed)
     full = cache.steps(args.batch_size) if cache else len(plan)
@@ -285,14 +285,17 @@ def main(argv=None) -> int:
             + (f"  data wait {row['data_wait_fraction'] * 100:.1f} % (fetch {row['data_fetch_fraction'] * 100:.1f} %)"
                if cache else ""), flush=True)
         if args.checkpoint:
-            optimizer_state = dopt.state_dict()  # collective with --pto: the sharded state is gathered
-            if rank == 0:
-                save_checkpoint(args.checkpoint, model, optimizer_state, epoch, args)
+            try:
+                save_checkpoint(args.checkpoint, model, dopt, epoch=epoch, args=vars(args))  # collective
+            except CheckpointError as exc:
+                say(f"error: --checkpoint: {exc}", file=sys.stderr)
+                dopt.close()
+                return 2
     dopt.close()
     if cache is not None:
         cache.close()
     if timeline is not None:
-        from runtime.timeline import merge
+        from runtime.trace.timeline import merge
 
         part = f"{args.timeline}.rank{rank}.json"
         timeline.dump(part)

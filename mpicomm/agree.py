@@ -7,13 +7,13 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from .handle import wait_all
-from .ring import Ring
 from .validate import CollectiveMismatchError
 
 
 def check_same_structure(comm: MPI.Comm, entries: list[str], what: str = "parameter") -> None:
     """Raise on every rank unless all ranks hold the same list of descriptions (e.g. 'fc1.weight (256, 784) float32').
+
+    The error names the first differing entry and which ranks hold which value.
 
     One small Allgather of a checksum in the common case; only on a mismatch
     are the lists gathered to name the first entry that differs.
@@ -27,9 +27,16 @@ def check_same_structure(comm: MPI.Comm, entries: list[str], what: str = "parame
     for i in range(max(len(x) for x in lists)):
         column = [x[i] if i < len(x) else "(missing)" for x in lists]
         if any(c != column[0] for c in column):
-            shown = "; ".join(f"rank {r}: {c}" for r, c in enumerate(column))
-            raise CollectiveMismatchError(f"models differ across ranks at {what} #{i}: {shown}")
-    raise CollectiveMismatchError(f"models differ across ranks ({what} lists of different lengths)")
+            raise CollectiveMismatchError(f"ranks differ at {what} #{i}: {group_by_value(column)}")
+    raise CollectiveMismatchError(f"ranks differ ({what} lists of different lengths)")
+
+
+def group_by_value(values: list[str]) -> str:
+    """'rank 0, 2: x; rank 1: y': each distinct value once, after the ranks that hold it."""
+    order: dict[str, list[int]] = {}
+    for r, v in enumerate(values):
+        order.setdefault(v, []).append(r)
+    return "; ".join(f"rank {', '.join(map(str, rs))}: {v}" for v, rs in order.items())
 
 
 def fail_together(comm: MPI.Comm, problem: str | None, error: type[Exception] = RuntimeError) -> None:
@@ -47,6 +54,23 @@ def fail_together(comm: MPI.Comm, problem: str | None, error: type[Exception] = 
 
 
 def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
-    """Overwrite every rank's tensors with root's, all in flight together."""
-    with Ring(comm) as ring:
-        wait_all([ring.broadcast(t, root=root) for t in tensors if t.numel()])
+    """Overwrite every rank's tensors (any layout) with root's: one native Bcast per dtype.
+
+    Start-up only, so simplicity wins over overlap: the tensors of a dtype are
+    packed into one buffer, which MPI moves with its own tree algorithm (a
+    call per tensor, each validated, took seconds on small models).
+    """
+    import torch
+
+    by_dtype: dict = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for dtype, group in by_dtype.items():
+        flat = torch.cat([t.detach().reshape(-1) for t in group]) if comm.Get_rank() == root else \
+            torch.empty(sum(t.numel() for t in group), dtype=dtype)
+        comm.Bcast([flat.view(torch.uint8).numpy(), MPI.BYTE], root=root)
+        if comm.Get_rank() != root:
+            with torch.no_grad():
+                for t, part in zip(group, flat.split([t.numel() for t in group])):
+                    t.copy_(part.view(t.shape))

@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Generator, Iterable
+from typing import Callable, Generator, Iterable
 
 from mpi4py import MPI
 
-# An algorithm is a generator: it posts Isend/Irecv, yields the list of
-# requests it needs completed before its next local step, and returns its
-# result. The algorithm thus reads as straight-line code, while the handle
-# decides when to block (wait) or merely poll (test).
+from .requests import RequestLog
+
+# An algorithm is a generator: it posts Isend/Irecv (through its RequestLog), yields the list of
+# requests it needs completed before its next local step, and returns its result. The
+# algorithm thus reads as straight-line code, while the handle decides when to block (wait)
+# or merely poll (test).
 Algorithm = Generator[list, None, object]
 
 
+class CancelledError(RuntimeError):
+    """The collective was cancelled (an error path) before it completed."""
+
+
 class Handle:
-    """A collective in flight: `test()` advances it without blocking, `wait()` finishes it."""
+    """A collective in flight: `test()` advances it without blocking, `wait()` finishes it, `cancel()` drops it."""
 
-    __slots__ = ("name", "_gen", "_reqs", "_done", "_result", "_error")
+    __slots__ = ("name", "_gen", "_reqs", "_done", "_result", "_error", "_log")
 
-    def __init__(self, name: str, algorithm: Algorithm):
+    def __init__(self, name: str, algorithm: Algorithm, log: RequestLog | None = None):
         self.name = name
         self._gen = algorithm
+        self._log = log
         self._reqs: list = []
         self._done = False
         self._result = None
@@ -32,11 +39,18 @@ class Handle:
         try:
             self._reqs = self._gen.send(None)
         except StopIteration as stop:
-            self._done, self._result, self._reqs = True, stop.value, []
+            self._finish(stop.value, None)
         except BaseException as exc:
-            # Cancel nothing here: an error raised by validation happens before
-            # any point-to-point traffic, and other errors are fatal anyway.
-            self._done, self._error, self._reqs = True, exc, []
+            # An error raised by validation happens before any point-to-point traffic;
+            # whatever else was posted is cancelled so it cannot match later messages.
+            self._finish(None, exc)
+            if self._log is not None:
+                self._log.cancel()
+
+    def _finish(self, result, error) -> None:
+        self._done, self._result, self._error, self._reqs = True, result, error, []
+        if self._log is not None and error is None:
+            self._log.release()
 
     @property
     def done(self) -> bool:
@@ -59,9 +73,61 @@ class Handle:
             raise self._error
         return self._result
 
+    def cancel(self) -> None:
+        """Error path: stop the algorithm, cancel its receives, free its sends. Idempotent."""
+        if self._done:
+            return
+        self._gen.close()
+        if self._log is not None:
+            self._log.cancel()
+        self._done, self._error, self._reqs = True, CancelledError(f"{self.name} was cancelled"), []
+
+    def then(self, fn: Callable) -> "Then":
+        """A handle whose result is fn(this handle's result), computed once, on completion."""
+        return Then(self, fn)
+
     def __repr__(self) -> str:
         state = "done" if self._done else f"{len(self._reqs)} requests pending"
         return f"<Handle {self.name}: {state}>"
+
+
+class Then:
+    """`handle.then(fn)`: completes with the inner handle and applies fn to its result (DDP's Future.then)."""
+
+    __slots__ = ("inner", "fn", "_has", "_result")
+
+    def __init__(self, inner, fn: Callable):
+        self.inner, self.fn, self._has, self._result = inner, fn, False, None
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def done(self) -> bool:
+        return self._has
+
+    def _complete(self, value):
+        if not self._has:
+            self._result, self._has = self.fn(value), True
+        return self._result
+
+    def test(self) -> bool:
+        if self._has:
+            return True
+        if not self.inner.test():
+            return False
+        self._complete(self.inner.wait())
+        return True
+
+    def wait(self):
+        return self._complete(self.inner.wait()) if not self._has else self._result
+
+    def cancel(self) -> None:
+        self.inner.cancel()
+
+    def then(self, fn: Callable) -> "Then":
+        return Then(self, fn)
 
 
 def wait_all(handles: Iterable[Handle]) -> list:
@@ -72,7 +138,10 @@ def wait_all(handles: Iterable[Handle]) -> list:
         # Block on one handle's current step while polling the rest: every
         # algorithm advances, and no rank spins without ever blocking.
         head = pending[0]
-        MPI.Request.Waitall(head._reqs)
-        head._advance()
+        if isinstance(head, Handle):
+            MPI.Request.Waitall(head._reqs)
+            head._advance()
+        else:
+            head.wait()
         pending = [h for h in pending if not h.test()]
     return [h.wait() for h in handles]

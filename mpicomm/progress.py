@@ -41,6 +41,10 @@ class Future:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def wait_done(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds; True once the task finished (successfully or not)."""
+        return self._event.wait(timeout)
+
     def wait(self, timeout: float | None = None):
         if not self._event.wait(timeout):
             raise TimeoutError(f"{self.task!r} not finished after {timeout} s")
@@ -95,10 +99,14 @@ class ProgressThread:
                 except BaseException as exc:  # surfaced to whoever waits on the future
                     fut.error = exc
                     finished.append(fut)
+                    tell = getattr(fut.task, "fail", None)
+                    if tell is not None:
+                        tell(exc)  # a task with waiters of its own wakes them with the error
             if finished:
                 with self._cv:
                     for fut in finished:
-                        self._pending.remove(fut)
+                        if fut in self._pending:  # abort() may have dropped it meanwhile
+                            self._pending.remove(fut)
                 for fut in finished:
                     fut._event.set()
                 sleep = self.min_sleep
@@ -109,6 +117,14 @@ class ProgressThread:
     def stop(self) -> None:
         """Finish what was submitted, then end the thread."""
         with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join()
+
+    def abort(self) -> None:
+        """Error path: drop what is pending (its owner cancels the requests) and end the thread."""
+        with self._cv:
+            self._pending.clear()
             self._stop = True
             self._cv.notify()
         self._thread.join()

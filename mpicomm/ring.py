@@ -17,6 +17,7 @@ from mpi4py import MPI
 from . import validate as V
 from .buffers import OP_CODES, Buffer, BufferError, block_counts, check_buffer, offsets, reduce_into
 from .handle import Handle
+from .requests import RequestLog
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
@@ -58,7 +59,8 @@ class Ring:
     # -- public collectives ------------------------------------------------
     def allreduce(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
         """Reduce `buf` across ranks into `out` (in place into `buf` when out is None)."""
-        return Handle("allreduce", self._allreduce(buf, out, op, tag))
+        log = RequestLog()
+        return Handle("allreduce", self._allreduce(buf, out, op, tag, log), log)
 
     def reduce_scatter(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
         """Rank r gets block r of the reduction (blocks as in `block_counts`).
@@ -67,22 +69,26 @@ class Ring:
         other blocks are left holding partial sums; the handle returns that
         block. Out of place, `buf` is left untouched.
         """
-        return Handle("reduce_scatter", self._reduce_scatter(buf, out, op, tag))
+        log = RequestLog()
+        return Handle("reduce_scatter", self._reduce_scatter(buf, out, op, tag, log), log)
 
     def allgather(self, buf, out=None, *, tag: int | None = None) -> Handle:
         """Concatenate every rank's `buf` (same length everywhere) into `out`.
 
         Pass buf=IN_PLACE when this rank's block already sits in `out`.
         """
-        return Handle("allgather", self._allgather(buf, out, None, tag, "allgather"))
+        log = RequestLog()
+        return Handle("allgather", self._allgather(buf, out, None, tag, "allgather", log), log)
 
     def allgatherv(self, buf, out=None, *, counts=None, tag: int | None = None) -> Handle:
         """Concatenate blocks of different lengths; `counts` is exchanged when not given."""
-        return Handle("allgatherv", self._allgather(buf, out, counts, tag, "allgatherv"))
+        log = RequestLog()
+        return Handle("allgatherv", self._allgather(buf, out, counts, tag, "allgatherv", log), log)
 
     def broadcast(self, buf, root: int = 0, *, tag: int | None = None) -> Handle:
         """Copy root's `buf` into every rank's `buf`, pipelined along the ring."""
-        return Handle("broadcast", self._broadcast(buf, root, tag))
+        log = RequestLog()
+        return Handle("broadcast", self._broadcast(buf, root, tag, log), log)
 
     # -- argument handling -------------------------------------------------
     def _tag(self, tag, problem):
@@ -121,7 +127,7 @@ class Ring:
         return None if op in OP_CODES else ValueError(f"unsupported op {op!r} (use one of {sorted(OP_CODES)})")
 
     # -- algorithms --------------------------------------------------------
-    def _allreduce(self, buf, out, op, tag):
+    def _allreduce(self, buf, out, op, tag, log):
         src, problem = self._wrap(buf, "buf")
         problem = problem or self._check_op(op)
         dst = src
@@ -134,10 +140,10 @@ class Ring:
         if dst is not src:
             dst.copy_from(src)
         counts = block_counts(dst.count, self.size)
-        yield from self._ring(dst, counts, range(0, 2 * self.size - 2), op, tag)
+        yield from self._ring(dst, counts, range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj
 
-    def _reduce_scatter(self, buf, out, op, tag):
+    def _reduce_scatter(self, buf, out, op, tag, log):
         src, problem = self._wrap(buf, "buf")
         problem = problem or self._check_op(op)
         counts = block_counts(src.count if src else 0, self.size)
@@ -152,14 +158,14 @@ class Ring:
         tag, problem = self._tag(tag, problem)
         yield from self._agree("reduce_scatter", problem, ref=src, op=op, tag=tag)
         if dst is None:
-            yield from self._ring(src, counts, range(0, self.size - 1), op, tag)
+            yield from self._ring(src, counts, range(0, self.size - 1), op, tag, log)
             return src.elements(lo, hi)
         if self.size == 1:
             dst.copy_from(src)
-        yield from self._ring(src, counts, range(0, self.size - 1), op, tag, out=dst)
+        yield from self._ring(src, counts, range(0, self.size - 1), op, tag, log, out=dst)
         return dst.obj
 
-    def _allgather(self, buf, out, counts, tag, kind):
+    def _allgather(self, buf, out, counts, tag, kind, log):
         in_place = buf is IN_PLACE
         src = dst = problem = None
         if not in_place:
@@ -195,7 +201,7 @@ class Ring:
         offs = offsets(counts)
         if src is not None:
             dst.copy_from(src, offs[self.rank])
-        yield from self._ring(dst, counts, range(self.size - 1, 2 * self.size - 2), None, tag)
+        yield from self._ring(dst, counts, range(self.size - 1, 2 * self.size - 2), None, tag, log)
         return dst.obj
 
     def _exchange_counts(self, local: int, problem):
@@ -209,7 +215,7 @@ class Ring:
             raise V.CollectiveMismatchError(f"allgatherv: rank(s) {bad} passed an invalid argument")
         return table.tolist()
 
-    def _broadcast(self, buf, root, tag):
+    def _broadcast(self, buf, root, tag, log):
         b, problem = self._wrap(buf, "buf")
         if problem is None and not (isinstance(root, int) and 0 <= root < self.size):
             problem = ValueError(f"root {root!r} outside [0, {self.size})")
@@ -222,20 +228,20 @@ class Ring:
         chunks = _chunks(0, b.count, self._chunk_elems(b))
         sends = []
         if self.rank == root:
-            sends = [self.comm.Isend([b.bytes(a, z), MPI.BYTE], self.right, tag) for a, z in chunks]
+            sends = [log.isend(self.comm, [b.bytes(a, z), MPI.BYTE], self.right, tag) for a, z in chunks]
         else:
-            recvs = [self.comm.Irecv([b.bytes(a, z), MPI.BYTE], self.left, tag) for a, z in chunks]
+            recvs = [log.irecv(self.comm, [b.bytes(a, z), MPI.BYTE], self.left, tag) for a, z in chunks]
             for req, (a, z) in zip(recvs, chunks):
                 yield [req]
                 if self.rank != last:
-                    sends.append(self.comm.Isend([b.bytes(a, z), MPI.BYTE], self.right, tag))
+                    sends.append(log.isend(self.comm, [b.bytes(a, z), MPI.BYTE], self.right, tag))
         yield sends
         return b.obj
 
     def _chunk_elems(self, b: Buffer) -> int:
         return max(1, self.chunk_bytes // b.itemsize)
 
-    def _ring(self, data: Buffer, counts, steps: range, op, tag, out: Buffer | None = None):
+    def _ring(self, data: Buffer, counts, steps: range, op, tag, log, out: Buffer | None = None):
         """Run ring steps `steps` over `data` split into blocks `counts`.
 
         Steps 0..P-2 reduce (block r ends fully reduced on rank r), steps
@@ -269,14 +275,14 @@ class Ring:
                 target, base = scratch[t % nscratch], 0
             else:
                 target, base = data, a0
-            return [(self.comm.Irecv([target.bytes(base + a - a0, base + z - a0), MPI.BYTE], self.left, tag), a, z)
+            return [(log.irecv(self.comm, [target.bytes(base + a - a0, base + z - a0), MPI.BYTE], self.left, tag), a, z)
                     for a, z in _chunks(a0, a0 + counts[blk], per)]
 
         sends = []
         first = steps[0]
         src_blk = (r - first - 1) % P
         for a, z in _chunks(offs[src_blk], offs[src_blk] + counts[src_blk], per):
-            sends.append(self.comm.Isend([data.bytes(a, z), MPI.BYTE], self.right, tag))
+            sends.append(log.isend(self.comm, [data.bytes(a, z), MPI.BYTE], self.right, tag))
         pending = post_recvs(first)
         for t in steps:
             upcoming = None
@@ -305,12 +311,12 @@ class Ring:
                         reduce_into(op, got, data.elements(a, z), got)
                     if t < last:
                         src = data.bytes(a, z) if acc is data else acc.bytes(a - a0, z - a0)
-                        req_s = self.comm.Isend([src, MPI.BYTE], self.right, tag)
+                        req_s = log.isend(self.comm, [src, MPI.BYTE], self.right, tag)
                         sends.append(req_s)
                         if acc is not data:
                             busy[k].append(req_s)
                 elif t < last:
-                    sends.append(self.comm.Isend([data.bytes(a, z), MPI.BYTE], self.right, tag))
+                    sends.append(log.isend(self.comm, [data.bytes(a, z), MPI.BYTE], self.right, tag))
             pending = upcoming
         yield sends
 

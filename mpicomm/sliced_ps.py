@@ -1,45 +1,61 @@
-"""P3's exchange: gradients cut into slices, each slice owned by one rank, pushed and pulled by priority.
+"""P3's exchange: flat gradient buffers cut into slices, each owned by one rank, pushed and pulled by priority.
 
 Every rank is both a worker and the parameter server of 1/P of the slices
-(round-robin), so every link carries traffic both ways. A slice's priority is
-its layer's place in the forward pass: the first layer's slices go first, and
-a slice that becomes ready later but ranks higher overtakes queued ones. At
-most `credit` outgoing messages are in flight, so the queue, not MPI, decides
-the order. All MPI calls of an iteration happen on the progress thread; the
-backward hooks only enqueue.
+(round-robin), so every link carries traffic both ways. Slices are cut from
+flat buffers (one per dtype) without regard to tensor boundaries, so small
+tensors share a slice instead of paying a message each. A slice's priority
+is that of its most urgent tensor (its layer's place in the forward pass):
+the first layer's slices go first, and a slice that becomes ready later but
+ranks higher overtakes queued ones. At most `credit` outgoing messages are in
+flight, so the queue, not MPI, decides the order. All MPI calls happen on the
+progress thread; the backward hooks only enqueue. Buffers, byte views and
+receive scratch are built once: a step allocates nothing but a few lists.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 
 import torch
 from mpi4py import MPI
 
-from .buffers import Buffer
 from .progress import Task
+from .requests import RequestLog
+from .stall import StallPolicy, wait_until
 from .tags import check_tag
 
 PUSH, RESULT = 0, 1
 
 
 class SlicePlan:
-    """Which slice covers which elements of which tensor, who owns it, and its tags."""
+    """Which elements each slice covers, which tensors it touches, who owns it, and its tags.
 
-    def __init__(self, sizes: list[int], slice_size: int, ranks: int, comm: MPI.Comm):
-        if slice_size < 1:
-            raise ValueError(f"slice_size must be >= 1, got {slice_size}")
-        self.slices: list[tuple[int, int, int]] = []  # (tensor, start, stop)
-        self.by_tensor: list[list[int]] = []
-        for t, n in enumerate(sizes):
-            ids = []
-            for a in range(0, n, slice_size):
-                ids.append(len(self.slices))
-                self.slices.append((t, a, min(a + slice_size, n)))
-            self.by_tensor.append(ids)
-        self.ranks = ranks
+    buffer_sizes[b]: elements of flat buffer b; segments[t] = (b, start, stop):
+    where tensor t lives. Slice s is elements [start, stop) of buffer
+    slices[s][0].
+    """
+
+    def __init__(self, buffer_sizes: list[int], segments: list[tuple[int, int, int]], slice_size: int,
+                 ranks: int, comm: MPI.Comm):
+        if not isinstance(slice_size, int) or slice_size < 1:
+            raise ValueError(f"slice_size must be an integer >= 1, got {slice_size!r}")
+        self.slices: list[tuple[int, int, int]] = []
+        for b, n in enumerate(buffer_sizes):
+            self.slices += [(b, a, min(a + slice_size, n)) for a in range(0, n, slice_size)]
         self.count = len(self.slices)
+        self.ranks = ranks
+        first = {}
+        for s, (b, a, _) in enumerate(self.slices):
+            first.setdefault(b, s)
+        self.slices_of: list[list[int]] = []  # tensor -> slices covering it
+        self.tensors_of: list[list[int]] = [[] for _ in range(self.count)]  # slice -> tensors it touches
+        for t, (b, a, z) in enumerate(segments):
+            ids = list(range(first[b] + a // slice_size, first[b] + (z - 1) // slice_size + 1)) if z > a else []
+            self.slices_of.append(ids)
+            for s in ids:
+                self.tensors_of[s].append(t)
         if self.count:
             check_tag(comm, 2 * self.count - 1)  # push tags 0..S-1, result tags S..2S-1
 
@@ -53,184 +69,257 @@ class SlicePlan:
         return self.count + s
 
 
-class SlicedExchange:
-    """The long-lived state of P3 on one communicator: plan, priorities, receive scratch."""
+class SlicedExchange(Task):
+    """P3 on one communicator: the plan, persistent views and scratch, and the state of the step in flight.
 
-    def __init__(self, comm: MPI.Comm, sizes: list[int], slice_size: int, credit: int = 8,
-                 timeline=None, dtype=torch.float32):
-        if credit < 1:
-            raise ValueError(f"credit must be >= 1, got {credit}")
+    One step at a time: `begin()` starts a step (the previous one must be
+    complete), `ready(t)` from the training thread hands over tensor t, the
+    progress thread calls `poll()`, and `wait(tensors)` blocks until those
+    tensors hold the average over ranks.
+    """
+
+    def __init__(self, comm: MPI.Comm, buffers: list[torch.Tensor], segments: list[tuple[int, int, int]],
+                 slice_size: int, credit: int = 8, timeline=None, names: list[str] | None = None):
+        if not isinstance(credit, int) or credit < 1:
+            raise ValueError(f"credit must be an integer >= 1, got {credit!r}")
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.plan = SlicePlan(sizes, slice_size, self.size, self.comm)
-        self.credit = credit
-        self.timeline = timeline
-        self.priority = list(range(len(sizes)))  # replaced by forward order once known
-        # Receive buffers for the pushes of the slices this rank owns: one per peer, reused every step.
-        self.owned = [s for s in range(self.plan.count) if self.plan.owner(s) == self.rank]
-        self.scratch = {s: torch.empty((self.size - 1, self.plan.slices[s][2] - self.plan.slices[s][1]), dtype=dtype)
+        self.plan = plan = SlicePlan([b.numel() for b in buffers], segments, slice_size, self.size, self.comm)
+        self.credit, self.timeline = credit, timeline
+        self.names = names or [f"tensor {t}" for t in range(len(segments))]
+        self.views = [buffers[b][a:z] for b, a, z in plan.slices]
+        self.wire = [v.view(torch.uint8).numpy() for v in self.views]  # what MPI sends and receives into
+        self.owned = [s for s in range(plan.count) if plan.owner(s) == self.rank]
+        self.peers = [p for p in range(self.size) if p != self.rank]
+        self.scratch = {s: torch.empty((self.size - 1, self.views[s].numel()), dtype=self.views[s].dtype)
                         for s in self.owned} if self.size > 1 else {}
-        self.current: Iteration | None = None
+        self.scratch_wire = {s: [row.view(torch.uint8).numpy() for row in rows] for s, rows in self.scratch.items()}
+        self.slice_priority = list(range(plan.count))
+        self.set_priorities(list(range(len(segments))))
+        self._cond = threading.Condition()
+        self._inbox: collections.deque = collections.deque()  # tensors handed over, not yet seen by the poller
+        self.active = False
+        self.error: BaseException | None = None
+        self.log = RequestLog()
+        self._reset()
 
     def set_priorities(self, priority: list[int]) -> None:
         """priority[t]: smaller is more urgent (the tensor's layer position in the forward pass)."""
-        self.priority = list(priority)
+        self.slice_priority = [min((priority[t] for t in ts), default=0) for ts in self.plan.tensors_of]
 
-    def begin(self) -> "Iteration":
-        self.current = Iteration(self)
-        return self.current
-
-    def free(self) -> None:
-        if self.comm != MPI.COMM_NULL:
-            self.comm.Free()
-
-
-class Iteration(Task):
-    """One synchronisation of every tensor; polled by the progress thread until all slices are averaged."""
-
-    def __init__(self, ex: SlicedExchange):
-        self.ex = ex
-        n = len(ex.plan.by_tensor)
-        self.grads: list = [None] * n
-        self.tensor_done = [threading.Event() for _ in range(n)]
-        self._left_in_tensor = [len(ids) for ids in ex.plan.by_tensor]
-        self._inbox: list[int] = []  # tensors made ready by the backward pass, not yet seen by the poller
-        self._lock = threading.Lock()
-        self._queue: list = []  # heap of (priority, slice, kind, dest)
-        self._out: list = []  # (request, kind, slice, dest, timeline token)
-        self._in: list = []  # (request, kind, slice, timeline token)
-        self._arrived = {s: 0 for s in ex.owned}
-        self._local_ready = set()
-        self._results_left = {s: ex.size - 1 for s in ex.owned}
-        self._slices_left = ex.plan.count
+    # -- one step ---------------------------------------------------------------------
+    def _reset(self) -> None:
+        plan = self.plan
+        self._tensors_left = [len(ts) for ts in plan.tensors_of]  # per slice: tensors not yet handed over
+        self._slices_left = [len(ids) for ids in plan.slices_of]  # per tensor: slices not yet averaged
+        self.tensor_done = [not ids for ids in plan.slices_of]
+        self._arrived = {s: 0 for s in self.owned}
+        self._got = {s: [False] * (self.size - 1) for s in self.owned}  # which peers' pushes arrived
+        self._local_ready = {s: False for s in self.owned}
+        self._results_left = {s: self.size - 1 for s in self.owned}
+        self._left = plan.count
+        self._slice_finished = [False] * plan.count
+        self._queue: list = []  # heap of (priority, slice, kind, peer)
+        self._out_reqs: list = []
+        self._out: list = []  # (kind, slice, peer, timeline token) per outgoing request
+        self._in_reqs: list = []
+        self._in: list = []  # (kind, slice, peer position or timeline token) per incoming request
         self._posted = False
-        for t, ids in enumerate(ex.plan.by_tensor):
-            if not ids:  # empty tensor: nothing to exchange
-                self.tensor_done[t].set()
+        self._inbox.clear()
 
-    # -- called from the training thread ------------------------------------
-    def ready(self, t: int, grad: torch.Tensor) -> None:
-        """The gradient of tensor t is final for this step; `grad` is a contiguous tensor of its elements."""
-        if not grad.is_contiguous():
-            raise ValueError(f"gradient of tensor {t} is not contiguous")
-        with self._lock:
-            self.grads[t] = grad.reshape(-1)
-            self._inbox.append(t)
+    def begin(self) -> "SlicedExchange":
+        if self.active:
+            raise RuntimeError("the previous p3 step is still in flight")
+        self._reset()
+        self.active = True
+        return self
 
-    # -- called from the progress thread -------------------------------------
+    def ready(self, t: int) -> None:
+        """The training thread: tensor t's gradient in the flat buffer is final for this step."""
+        self._inbox.append(t)
+
+    # -- the progress thread ---------------------------------------------------------
     def poll(self) -> bool:
         if not self._posted:
             self._post_push_receives()
-        with self._lock:
-            inbox, self._inbox = self._inbox, []
-        for t in inbox:
-            self._enqueue_tensor(t)
+        inbox = self._inbox
+        while inbox:
+            self._tensor_ready(inbox.popleft())
         self._send_from_queue()
-        self._complete_outgoing()
-        self._complete_incoming()
+        if self._out_reqs:
+            self._complete_outgoing()
+        if self._in_reqs:
+            self._complete_incoming()
         self._send_from_queue()
-        return self._slices_left == 0 and not self._out and not self._in
+        if self._left == 0 and not self._out_reqs and not self._in_reqs:
+            self.log.release()
+            with self._cond:
+                self.active = False
+                self._cond.notify_all()
+            return True
+        return False
 
     def _post_push_receives(self) -> None:
-        ex, plan = self.ex, self.ex.plan
-        for s in ex.owned:
-            peers = [p for p in range(ex.size) if p != ex.rank]
-            for k, peer in enumerate(peers):
-                req = ex.comm.Irecv([Buffer(ex.scratch[s][k]).bytes(), MPI.BYTE], peer, plan.push_tag(s))
-                self._in.append((req, PUSH, s, None))
+        plan, log, comm = self.plan, self.log, self.comm
+        for s in self.owned:
+            for k, peer in enumerate(self.peers):
+                self._in_reqs.append(log.irecv(comm, [self.scratch_wire[s][k], MPI.BYTE], peer, plan.push_tag(s)))
+                self._in.append((PUSH, s, k))
         self._posted = True
 
-    def _enqueue_tensor(self, t: int) -> None:
-        ex = self.ex
-        prio = ex.priority[t]
-        for s in ex.plan.by_tensor[t]:
-            if ex.size == 1:
+    def _tensor_ready(self, t: int) -> None:
+        plan = self.plan
+        for s in plan.slices_of[t]:
+            self._tensors_left[s] -= 1
+            if self._tensors_left[s]:
+                continue
+            if self.size == 1:
                 self._slice_done(s)
-            elif ex.plan.owner(s) == ex.rank:
-                self._local_ready.add(s)
+            elif plan.owner(s) == self.rank:
+                self._local_ready[s] = True
                 self._try_aggregate(s)
             else:
-                heapq.heappush(self._queue, (prio, s, PUSH, ex.plan.owner(s)))
-
-    def _view(self, s: int) -> torch.Tensor:
-        t, a, z = self.ex.plan.slices[s]
-        return self.grads[t][a:z]
+                heapq.heappush(self._queue, (self.slice_priority[s], s, PUSH, plan.owner(s)))
 
     def _send_from_queue(self) -> None:
-        ex, plan, tl = self.ex, self.ex.plan, self.ex.timeline
-        while self._queue and len(self._out) < ex.credit:
-            prio, s, kind, dest = heapq.heappop(self._queue)
+        plan, tl, queue = self.plan, self.timeline, self._queue
+        while queue and len(self._out_reqs) < self.credit:
+            prio, s, kind, peer = heapq.heappop(queue)
             tag = plan.push_tag(s) if kind == PUSH else plan.result_tag(s)
             token = tl.begin(f"{'push' if kind == PUSH else 'send result'} s{s}", "p3", track="push",
-                             slice=s, peer=dest, priority=prio) if tl else None
-            req = ex.comm.Isend([Buffer(self._view(s)).bytes(), MPI.BYTE], dest, tag)
-            self._out.append((req, kind, s, dest, token))
+                             slice=s, peer=peer, priority=prio) if tl else None
+            self._out_reqs.append(self.log.isend(self.comm, [self.wire[s], MPI.BYTE], peer, tag))
+            self._out.append((kind, s, peer, token))
 
     def _complete_outgoing(self) -> None:
-        if not self._out:
-            return
-        ex, plan, tl = self.ex, self.ex.plan, self.ex.timeline
-        idx = MPI.Request.Testsome([o[0] for o in self._out])
+        idx = MPI.Request.Testsome(self._out_reqs)
         if not idx:
             return
-        done = set(idx)
+        plan, tl = self.plan, self.timeline
         for i in idx:
-            _, kind, s, dest, token = self._out[i]
+            kind, s, peer, token = self._out[i]
             if tl:
                 tl.end(token)
             if kind == PUSH:
                 # Only now may the slice's memory receive the averaged result: it was the send buffer.
-                token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=dest) if tl else None
-                req = ex.comm.Irecv([Buffer(self._view(s)).bytes(), MPI.BYTE], dest, plan.result_tag(s))
-                self._in.append((req, RESULT, s, token))
+                token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=peer) if tl else None
+                self._in_reqs.append(self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], peer, plan.result_tag(s)))
+                self._in.append((RESULT, s, token))
             else:
                 self._results_left[s] -= 1
                 if self._results_left[s] == 0:
                     self._slice_done(s)
+        done = set(idx)
+        self._out_reqs = [r for i, r in enumerate(self._out_reqs) if i not in done]
         self._out = [o for i, o in enumerate(self._out) if i not in done]
 
     def _complete_incoming(self) -> None:
-        if not self._in:
-            return
-        tl = self.ex.timeline
-        idx = MPI.Request.Testsome([i[0] for i in self._in])
+        idx = MPI.Request.Testsome(self._in_reqs)
         if not idx:
             return
-        done = set(idx)
+        tl = self.timeline
         for i in idx:
-            _, kind, s, token = self._in[i]
-            if kind == PUSH:
+            kind, s, token = self._in[i]
+            if kind == PUSH:  # token: the peer's position in self.peers
+                self._got[s][token] = True
                 self._arrived[s] += 1
                 self._try_aggregate(s)
             else:
                 if tl:
                     tl.end(token)
                 self._slice_done(s)
+        done = set(idx)
+        self._in_reqs = [r for i, r in enumerate(self._in_reqs) if i not in done]
         self._in = [x for i, x in enumerate(self._in) if i not in done]
 
     def _try_aggregate(self, s: int) -> None:
         """Owner: once every peer's push and the local gradient are in, average and send back."""
-        ex = self.ex
-        if s not in self._local_ready or self._arrived[s] < ex.size - 1:
+        if not self._local_ready[s] or self._arrived[s] < self.size - 1:
             return
-        view = self._view(s)
-        tl = ex.timeline
+        view, tl = self.views[s], self.timeline
         token = tl.begin(f"aggregate s{s}", "p3", track="comm", slice=s) if tl else None
-        view.add_(ex.scratch[s].sum(dim=0)).div_(ex.size)
+        for row in self.scratch[s]:  # row by row: no temporary the size of the slice
+            view.add_(row)
+        view.div_(self.size)
         if tl:
             tl.end(token)
-        prio = ex.priority[ex.plan.slices[s][0]]
-        for peer in range(ex.size):
-            if peer != ex.rank:
-                heapq.heappush(self._queue, (prio, s, RESULT, peer))
+        for peer in self.peers:
+            heapq.heappush(self._queue, (self.slice_priority[s], s, RESULT, peer))
 
     def _slice_done(self, s: int) -> None:
-        self._slices_left -= 1
-        t = self.ex.plan.slices[s][0]
-        self._left_in_tensor[t] -= 1
-        if self._left_in_tensor[t] == 0:
-            self.tensor_done[t].set()
+        self._left -= 1
+        self._slice_finished[s] = True
+        finished = []
+        for t in self.plan.tensors_of[s]:
+            self._slices_left[t] -= 1
+            if self._slices_left[t] == 0:
+                finished.append(t)
+        if finished:
+            with self._cond:
+                for t in finished:
+                    self.tensor_done[t] = True
+                self._cond.notify_all()
+
+    # -- the training thread ------------------------------------------------------------
+    def fail(self, error: BaseException) -> None:
+        """The progress thread's poll raised: wake every waiter with the error."""
+        with self._cond:
+            self.error = error
+            self._cond.notify_all()
+
+    def wait(self, tensors, policy: StallPolicy | None = None) -> None:
+        """Block until these tensors hold the averaged gradient; a stall report names the missing slices."""
+        done, cond = self.tensor_done, self._cond
+
+        def finished() -> bool:
+            if self.error is not None:
+                raise self.error
+            if all(done[t] for t in tensors):
+                return True
+            with cond:  # woken at each completion; the timeout lets wait_until keep the deadline
+                if not all(done[t] for t in tensors) and self.error is None:
+                    cond.wait(0.05)
+            return False
+        wait_until(finished, what="p3 exchange", report=lambda: self.report(tensors), policy=policy,
+                   who=f"rank {self.rank}: ", blocking=True)
+
+    def report(self, tensors) -> str:
+        """What the slices of these tensors are still waiting for."""
+        plan, lines = self.plan, []
+        for t in tensors:
+            pending = [s for s in plan.slices_of[t] if self._slice_pending(s)]
+            if not pending:
+                continue
+            s = pending[0]
+            if self._tensors_left[s]:
+                waits = "this rank's own gradients (its backward has not produced them)"
+            elif plan.owner(s) != self.rank:
+                waits = f"the average from its owner, rank {plan.owner(s)}"
+            elif self._arrived[s] < self.size - 1:
+                waits = f"pushes from rank(s) {[p for p, got in zip(self.peers, self._got[s]) if not got]}"
+            else:
+                waits = f"sending its average ({self._results_left[s]} peers left)"
+            lines.append(f"{self.names[t]} ({len(pending)} slices left, e.g. slice {s} waits for {waits})")
+        return "; ".join(lines[:6]) or "nothing (finishing)"
+
+    def _slice_pending(self, s: int) -> bool:
+        return not self._slice_finished[s]
+
+    def abort(self) -> None:
+        """Error path: cancel the receives, free the sends, forget the step."""
+        self.log.cancel()
+        self._out_reqs, self._in_reqs, self._out, self._in = [], [], [], []
+        with self._cond:
+            self.active = False
+            self._cond.notify_all()
+
+    def live_requests(self) -> int:
+        return self.log.live()
+
+    def free(self) -> None:
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
 
     def __repr__(self) -> str:
-        return f"<P3 iteration: {self._slices_left} slices left, {len(self._out)} out, {len(self._in)} in>"
-
+        return (f"<P3 exchange: {self._left} slices left, {len(self._out_reqs)} out, "
+                f"{len(self._in_reqs)} in>")

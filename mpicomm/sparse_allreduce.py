@@ -11,8 +11,9 @@ go round the world ring. Hierarchical (for slow links between nodes):
      shard j of the node's sum;
   2. select from that shard;
   3. allgather the selections among the ranks holding shard j on every node
-     (the cross communicator) and sum them into the shard;
-  4. allgather the shard's nonzeros inside the node.
+     (the cross communicator);
+  4. allgather those (index, value) pairs inside the node; every rank sums
+     all of them, in the same order.
 Only step 3 crosses nodes, carrying k/L entries per rank instead of flat's k
 per rank through every ring hop.
 """
@@ -31,12 +32,13 @@ Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 INDEX_DTYPES = {4: torch.int32, 8: torch.int64}  # index width follows the value width: one packed buffer
 
 
-def pack(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def pack(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """(values, indices) as one byte tensor [indices | values], indices stored at the values' width."""
     k, width = values.numel(), values.element_size()
     if width not in INDEX_DTYPES:
         raise TypeError(f"sparse allreduce needs 4- or 8-byte values, got {values.dtype}")
-    out = torch.empty(2 * k * width, dtype=torch.uint8)
+    if out is None:
+        out = torch.empty(2 * k * width, dtype=torch.uint8)
     out[:k * width].view(INDEX_DTYPES[width]).copy_(indices)
     out[k * width:].view(values.dtype).copy_(values)
     return out
@@ -70,8 +72,9 @@ class SparseAllreduce:
     The topology's communicators are duplicated (rings), so this object's
     traffic never mixes with the caller's. `traffic` counts bytes sent to
     peers on the same node and on other nodes, as the algorithms send them.
-    The dense result lives in a buffer reused by the next call of the same
-    size: freshly allocated 100 MB tensors cost page faults on every step.
+    Every buffer (packed selections, gathered blocks, the dense result unless
+    the caller passes `out`) is kept for the next call of the same size:
+    freshly allocated 100 MB tensors cost page faults on every step.
     """
 
     def __init__(self, topology: Topology, *, hierarchical: bool, validate: bool | None = None):
@@ -88,43 +91,65 @@ class SparseAllreduce:
         self.traffic = Traffic()
         self.applied = torch.empty(0, dtype=torch.int64)  # indices the last result may be nonzero at
         self._scratch: dict = {}
+        self._handles: list = []
 
     def _buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._scratch.get((name, n, dtype))
-        if buf is None:
-            buf = self._scratch[(name, n, dtype)] = torch.empty(n, dtype=dtype)
+        buf = self._scratch.get((name, dtype))
+        if buf is None or buf.numel() != n:
+            buf = self._scratch[(name, dtype)] = torch.empty(n, dtype=dtype)
         return buf
-
-    def _zeros(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return self._buffer(name, n, dtype).zero_()
 
     def free(self) -> None:
         for ring in self.rings:
             ring.free()
         self.rings = []
 
-    def __call__(self, x: torch.Tensor, select: Select) -> torch.Tensor:
-        """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard."""
+    def cancel(self) -> None:
+        """Error path: cancel a collective left in flight."""
+        for h in self._handles:
+            h.cancel()
+        self._handles = []
+
+    def _run(self, handle):
+        self._handles = [handle]
+        result = handle.wait()
+        self._handles = []
+        return result
+
+    def __call__(self, x: torch.Tensor, select: Select, out: torch.Tensor | None = None,
+                 k_of: Callable[[int], int] | None = None) -> torch.Tensor:
+        """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard.
+
+        out: where the sum goes (may be x itself: x is not read after the selection).
+        k_of(n): how many entries `select` keeps of n; with it the hierarchical
+        exchange knows every shard's selection size without exchanging sizes.
+        """
         if x.dim() != 1 or not x.is_contiguous():
             raise ValueError("sparse allreduce takes a contiguous 1-D tensor")
         if x.element_size() == 4 and x.numel() > 2**31 - 1:
             # Indices travel at the values' width (one packed buffer): int32 for float32.
             raise ValueError(f"{x.numel()} elements do not fit int32 indices: sparsify per layer "
                              "(granularity='layer') or in float64")
-        return self._hierarchical(x, select) if self.hierarchical else self._flat(x, select)
+        if out is None:
+            out = self._buffer("out", x.numel(), x.dtype)
+        return self._hierarchical(x, select, out, k_of) if self.hierarchical else self._flat(x, select, out)
+
+    def _pack(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return pack(values, indices, self._buffer(name, 2 * values.numel() * values.element_size(), torch.uint8))
 
     # -- flat ------------------------------------------------------------------
-    def _flat(self, x: torch.Tensor, select: Select) -> torch.Tensor:
-        mine = pack(*_select(select, x))
-        # Equal k everywhere is part of the contract; the ring's validation names a rank that differs.
-        gathered = self.world.allgather(mine, torch.empty(mine.numel() * self.size, dtype=torch.uint8)).wait()
+    def _flat(self, x: torch.Tensor, select: Select, out: torch.Tensor) -> torch.Tensor:
+        mine = self._pack("mine", *_select(select, x))
+        # Equal k everywhere is part of the contract (agreed when the strategy was built).
+        gathered = self._run(self.world.allgather(mine, self._buffer("gathered", mine.numel() * self.size,
+                                                                     torch.uint8)))
         self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
-        out = self._zeros("out", x.numel(), x.dtype)
+        out.zero_()
         self.applied = _scatter_add(out, gathered, [mine.numel()] * self.size, x.dtype)
         return out
 
     # -- hierarchical -------------------------------------------------------------
-    def _hierarchical(self, x: torch.Tensor, select: Select) -> torch.Tensor:
+    def _hierarchical(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of) -> torch.Tensor:
         node, cross = self.node, self.cross
         L, j = node.size, node.rank
         counts = block_counts(x.numel(), L)
@@ -132,33 +157,38 @@ class SparseAllreduce:
         # 1. node reduce-scatter: shard j of the node's sum.
         if L > 1:
             shard = self._buffer("shard", counts[j], x.dtype)
-            node.reduce_scatter(x, shard).wait()
+            self._run(node.reduce_scatter(x, shard))
             self.traffic.add((x.numel() - counts[j]) * x.element_size(), False)
         else:
             shard = x
-        # 2. select within the shard (shard-local indices).
-        mine = pack(*_select(select, shard))
-        # 3. allgather the selections across nodes (equal k: same shard length everywhere), sum into the shard.
-        total = self._zeros("total", counts[j], x.dtype)
+        # 2. select within the shard; indices shifted to the whole vector's positions.
+        values, indices = _select(select, shard)
+        mine = self._pack("mine", values, indices + lo)
+        # 3. allgather the selections across nodes (equal k: same shard length everywhere).
         if cross.size > 1:
-            gathered = cross.allgather(mine, torch.empty(mine.numel() * cross.size, dtype=torch.uint8)).wait()
+            gathered = self._run(cross.allgather(mine, self._buffer("gathered", mine.numel() * cross.size,
+                                                                    torch.uint8)))
             self.traffic.add(mine.numel() * (cross.size - 1), True)
-            self.applied = _scatter_add(total, gathered, [mine.numel()] * cross.size, x.dtype)
         else:
-            self.applied = _scatter_add(total, mine, [mine.numel()], x.dtype)
-        if L == 1:
-            return total
-        # 4. node allgather of the shard's nonzeros: every rank of the node ends with the whole sum.
-        nz = torch.nonzero(total).flatten()
-        packed = pack(total[nz], nz + lo)
-        sizes = torch.empty(L, dtype=torch.int64)
-        node.allgather(torch.tensor([packed.numel()], dtype=torch.int64), sizes).wait()
-        sizes = sizes.tolist()
-        gathered = node.allgatherv(packed, torch.empty(sum(sizes), dtype=torch.uint8), counts=sizes).wait()
-        # A ring allgather forwards every block except the right neighbour's own.
-        self.traffic.add(sum(sizes) - sizes[(j + 1) % L] + 8 * (L - 1), False)
-        out = self._zeros("out", x.numel(), x.dtype)
-        self.applied = _scatter_add(out, gathered, sizes, x.dtype)
+            gathered = mine
+        # 4. node allgather of those (index, value) pairs as they are: no pass looks for nonzeros, and
+        # when the caller says how many entries a shard of each length keeps, no sizes are exchanged.
+        width = 2 * x.element_size()
+        if L > 1:
+            if k_of is not None:
+                sizes = [width * (k_of(c) if c else 0) * cross.size for c in counts]
+            else:
+                table = self._buffer("sizes", L, torch.int64)
+                sizes = self._run(node.allgather(torch.tensor([gathered.numel()]), table)).tolist()
+            everything = self._run(node.allgatherv(gathered, self._buffer("node", sum(sizes), torch.uint8),
+                                                   counts=sizes))
+            # A ring allgather forwards every block except the right neighbour's own.
+            self.traffic.add(sum(sizes) - sizes[(j + 1) % L], False)
+        else:
+            sizes, everything = [gathered.numel()], gathered
+        out.zero_()
+        blocks = [size // cross.size for size in sizes for _ in range(cross.size)]
+        self.applied = _scatter_add(out, everything, blocks, x.dtype)
         return out
 
 
@@ -169,13 +199,18 @@ def _select(select: Select, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return select(x)
 
 
-def _scatter_add(out: torch.Tensor, gathered: torch.Tensor, sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Add the packed (index, value) blocks of byte sizes `sizes` into the dense `out`; returns their indices."""
+def _scatter_add(out: torch.Tensor, gathered: torch.Tensor, blocks: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Add the packed (index, value) blocks, of these byte sizes, into the dense `out`; returns their indices.
+
+    The blocks are summed in rank order, the same on every rank, so every
+    rank ends with bit-identical sums.
+    """
     start, touched = 0, []
-    for size in sizes:
-        vals, idx = unpack(gathered[start:start + size], dtype)
-        idx = idx.long()
-        out.index_put_((idx,), vals, accumulate=True)
-        touched.append(idx)
+    for size in blocks:
+        if size:
+            vals, idx = unpack(gathered[start:start + size], dtype)
+            idx = idx.long()
+            out.index_put_((idx,), vals, accumulate=True)
+            touched.append(idx)
         start += size
     return torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64)

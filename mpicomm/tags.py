@@ -1,4 +1,4 @@
-"""Message tags: explicit ones checked against the communicator's TAG_UB, automatic ones allocated in call order."""
+"""Message tags in two namespaces: explicit ones in the lower half of TAG_UB, automatic ones above."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from mpi4py import MPI
 
 
 class TagError(ValueError):
-    """A tag outside [0, TAG_UB] of the communicator."""
+    """A tag outside the range its namespace allows on this communicator."""
 
 
 def tag_upper_bound(comm: MPI.Comm) -> int:
@@ -15,28 +15,36 @@ def tag_upper_bound(comm: MPI.Comm) -> int:
     return int(ub) if ub is not None else 32767
 
 
+def explicit_tag_bound(comm: MPI.Comm) -> int:
+    """The largest tag a caller may choose; tags above it are handed out automatically.
+
+    Two namespaces on one communicator: a collective started with an explicit
+    tag and one tagged automatically can never receive each other's messages.
+    """
+    return tag_upper_bound(comm) // 2
+
+
 def check_tag(comm: MPI.Comm, tag: int) -> int:
-    ub = tag_upper_bound(comm)
-    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= ub:
-        raise TagError(f"tag {tag!r} is outside [0, TAG_UB={ub}] of this communicator")
+    """An explicit tag: an int in [0, explicit_tag_bound(comm)]."""
+    top = explicit_tag_bound(comm)
+    if not isinstance(tag, int) or isinstance(tag, bool) or not 0 <= tag <= top:
+        raise TagError(f"tag {tag!r} is outside [0, {top}]: explicit tags use the lower half of "
+                       f"TAG_UB={tag_upper_bound(comm)}, the upper half is for automatic tags")
     return tag
 
 
 class TagAllocator:
-    """Hands out tags for collectives in the order they are started.
+    """Hands out automatic tags, above the explicit namespace, in the order collectives are started.
 
     Collectives must be started in the same order on every rank (MPI's rule
     for non-blocking collectives too), so a counter gives matching tags
-    everywhere without any communication. Tags below `reserved` are left for
-    callers that key tags themselves, e.g. by (tensor, slice).
+    everywhere without any communication.
     """
 
-    def __init__(self, comm: MPI.Comm, reserved: int = 0):
+    def __init__(self, comm: MPI.Comm):
         self.ub = tag_upper_bound(comm)
-        if not 0 <= reserved < self.ub:
-            raise TagError(f"reserved={reserved} leaves no automatic tags below TAG_UB={self.ub}")
-        self.first = reserved
-        self._next = reserved
+        self.first = explicit_tag_bound(comm) + 1
+        self._next = self.first
 
     def next(self) -> int:
         tag = self._next
@@ -47,7 +55,7 @@ class TagAllocator:
 
 
 def slice_tag(comm: MPI.Comm, tensor_index: int, slice_index: int, slices_per_tensor: int) -> int:
-    """A distinct tag per (tensor, slice), checked against TAG_UB rather than silently wrapped."""
+    """A distinct explicit tag per (tensor, slice), checked rather than silently wrapped."""
     if not 0 <= slice_index < slices_per_tensor:
         raise TagError(f"slice {slice_index} outside [0, {slices_per_tensor}) for tensor {tensor_index}")
     return check_tag(comm, tensor_index * slices_per_tensor + slice_index)

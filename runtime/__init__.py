@@ -1,7 +1,21 @@
-"""runtime: the training runtime (data-parallel strategies, optimizer wrapper, timeline) built on mpicomm."""
+"""runtime: the training runtime on mpicomm: DistributedOptimizer, its strategies, checkpoints, tracing, models."""
 
-from .distributed_optimizer import DistributedOptimizer
-from .sparse_strategies import SPARSE_STRATEGIES
-from .strategies import DEFAULT_SLICE_SIZE, STRATEGIES
+from mpicomm.stall import StallError, StallPolicy
+from mpicomm.step_check import PeerFailedError
+from mpicomm.validate import CollectiveMismatchError
 
-__all__ = ["DEFAULT_SLICE_SIZE", "DistributedOptimizer", "SPARSE_STRATEGIES", "STRATEGIES"]
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .comm_hooks import CompressionState, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from .optimizer import DistributedOptimizer
+from .options import (DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE, AllreduceOptions, P3Options, StrategyOptions,
+                      TopkOptions, WfbpOptions)
+from .registry import ALL_STRATEGIES, SPARSE_STRATEGIES, STRATEGIES
+from .sparse import NonFiniteGradientError
+
+__all__ = [
+    "ALL_STRATEGIES", "AllreduceOptions", "CheckpointError", "CollectiveMismatchError", "CompressionState",
+    "DEFAULT_FUSE_BYTES", "DEFAULT_SLICE_SIZE", "DistributedOptimizer", "GradBucket", "NonFiniteGradientError",
+    "P3Options", "PeerFailedError", "SPARSE_STRATEGIES", "STRATEGIES", "StallError", "StallPolicy",
+    "StrategyOptions", "TopkOptions", "WfbpOptions", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
+    "load_checkpoint", "save_checkpoint",
+]

@@ -8,8 +8,10 @@ from itertools import accumulate
 
 import torch
 
-from mpicomm import IN_PLACE, Ring, block_counts, wait_all
-from mpicomm.agree import check_same_structure, fail_together
+from mpicomm import IN_PLACE, Ring, block_counts
+from mpicomm.agree import fail_together
+
+from .grad_buffers import memory_order
 
 
 class ShardedUpdate:
@@ -22,27 +24,30 @@ class ShardedUpdate:
         optimizer.load_state_dict(...); pto.load_from(optimizer)                   # resume
 
     `params` (same order and shapes on every rank, one dtype, CPU) are viewed
-    as one flat vector of n elements; rank r owns elements
-    [`shard`[0], `shard`[1]), block r of `block_counts(n, P)`, so a shard may
-    cut through tensors. A private optimizer of the same class holds one leaf
-    tensor per param group of `optimizer` (that group's elements inside the
-    shard) with the group's hyper-parameters, re-copied before every step so
-    that schedulers are honoured; only it holds optimizer state, 1/P of the
-    total. `optimizer` itself is used for its hyper-parameters and as the
-    unsharded state container for checkpoints; it is never stepped.
+    as one flat vector of n elements, each parameter in its memory order (as
+    the gradient buffers lay it out); rank r owns elements [`shard`[0],
+    `shard`[1]), block r of `block_counts(n, P)`, so a shard may cut through
+    tensors. Each piece of a parameter inside the shard is a view of the
+    shard that a private optimizer of the same class steps, in the param
+    group of its parameter, with that group's hyper-parameters re-copied
+    before every step (schedulers are honoured). Only the private optimizer
+    holds state, 1/P of the total and per piece, so per-parameter state such
+    as Adam's step count stays per parameter. `optimizer` itself is used for
+    its hyper-parameters and as the unsharded state container for
+    checkpoints; it is never stepped.
 
     The result equals an unsharded `optimizer.step()` on every rank only when
     the update is elementwise within a parameter (SGD with momentum, weight
     decay, nesterov; Adam; AdamW; ...). Optimizers that use per-tensor
     quantities (LAMB's and LARS's trust ratios, Adafactor's factored moments,
     gradient-norm clipping inside the optimizer) would compute them over the
-    shard pieces instead of whole tensors and give different results.
+    pieces instead of whole tensors and give different results.
 
-    Gradients that are None count as zeros (every parameter is updated every
-    step, as the data-parallel strategies do). The model parameters are the
-    source of truth: parameters changed between steps (loaded weights,
-    in-place edits) are re-read into the shard; see `refresh` for the writes
-    that cannot be noticed.
+    `step(skip=...)` leaves parameters out, as an unsharded step leaves out a
+    parameter whose .grad is None. The model parameters are the source of
+    truth: parameters changed between steps (loaded weights, in-place edits)
+    are re-read into the shard; see `refresh` for the writes that cannot be
+    noticed.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], comm):
@@ -71,46 +76,31 @@ class ShardedUpdate:
         self._bounds = list(zip(bounds[:-1], bounds[1:]))
         start, stop = self._bounds[self.rank]
 
-        # The allgather target: block r is this rank's shard, which the leaves below live in
-        # when they can, so the update writes straight into what is sent.
+        # The allgather target: block r is this rank's shard, which the pieces are views of,
+        # so the update writes straight into what is sent.
         self.flat = torch.empty(self.numel, dtype=self.dtype)
         self._mine = self.flat[start:stop]
         self._grad = torch.empty(stop - start, dtype=self.dtype)
         # (param index, first, last element inside the param, position in the shard) of each
-        # parameter that overlaps this rank's shard.
+        # parameter that overlaps this rank's shard, and the shard view the optimizer steps.
         self._pieces = []
         for i, (a, z) in enumerate(zip(self.offsets[:-1], self.offsets[1:])):
             lo, hi = max(a, start), min(z, stop)
             if lo < hi:
                 self._pieces.append((i, lo - a, hi - a, lo - start))
-        self._leaves = [_Leaf(self._segments(m), self._mine) for m in self._members]
-        # Elements of each group held by each rank: the counts of the state allgathers.
-        self._group_counts = [[sum(_overlap(self.offsets[i], self.offsets[i + 1], s, e) for i in m)
-                               for s, e in self._bounds] for m in self._members]
+        self._leaves = [self._mine[pos:pos + z - a] for _, a, z, pos in self._pieces]
+        group_of = {i: gi for gi, m in enumerate(self._members) for i in m}
         self._written = [None] * len(self.params)  # see _read_params
-        self._opt = self._make_optimizer([dict(self._hyper(g), params=[leaf.tensor])
-                                          for g, leaf in zip(optimizer.param_groups, self._leaves)])
+        self._opt = self._make_optimizer([
+            dict(self._hyper(g), params=[leaf for (i, *_), leaf in zip(self._pieces, self._leaves)
+                                         if group_of[i] == gi])
+            for gi, g in enumerate(optimizer.param_groups)])
 
     # -- layout ----------------------------------------------------------------
     @property
     def shard(self) -> tuple[int, int]:
         """(start, stop): the elements of the flat parameter vector this rank updates."""
         return self._bounds[self.rank]
-
-    def _pieces_of(self, members):
-        """The pieces (see _pieces) of these parameters, in flat order."""
-        members = set(members)
-        return [piece for piece in self._pieces if piece[0] in members]
-
-    def _segments(self, members):
-        """[lo, hi) runs of the shard holding a group's elements, in flat order, adjacent ones merged."""
-        segs = []
-        for _, a, z, pos in self._pieces_of(members):
-            if segs and segs[-1][1] == pos:
-                segs[-1] = (segs[-1][0], pos + z - a)
-            else:
-                segs.append((pos, pos + z - a))
-        return segs
 
     def _make_optimizer(self, groups):
         cls = type(self.optimizer)
@@ -138,22 +128,25 @@ class ShardedUpdate:
             raise ValueError(f"the optimizer's param groups changed since ShardedUpdate was built: {why}")
 
     # -- the update ----------------------------------------------------------------
-    def step(self, grad_shard: torch.Tensor | None = None) -> None:
+    def step(self, grad_shard: torch.Tensor | None = None, skip=()) -> None:
         """One optimizer step: update this rank's shard, then allgather so every rank has all parameters.
 
         grad_shard None: the averaged gradients are read from each param's .grad
         (None as zeros). Otherwise it is the averaged gradient of exactly this
         rank's shard (stop - start elements), e.g. a reduce-scatter's output.
+        skip: indices of parameters to leave untouched (no rank produced a
+        gradient for them), state included.
         """
-        self.update_shard(grad_shard)
+        self.update_shard(grad_shard, skip)
         self.allgather_params()
 
-    def update_shard(self, grad_shard: torch.Tensor | None = None) -> None:
+    def update_shard(self, grad_shard: torch.Tensor | None = None, skip=()) -> None:
         """The first half of `step`: run the private optimizer on this rank's shard (no communication)."""
         self._check_same_groups(self.optimizer)
         for sg, ug in zip(self._opt.param_groups, self.optimizer.param_groups):
             sg.update(self._hyper(ug))
         start, stop = self.shard
+        skip = set(skip)
         with torch.no_grad():
             self._read_params()
             if grad_shard is None:
@@ -163,7 +156,7 @@ class ShardedUpdate:
                     if g is None:
                         grad[pos:pos + z - a].zero_()
                     else:
-                        grad[pos:pos + z - a] = g.detach().reshape(-1)[a:z]
+                        grad[pos:pos + z - a] = memory_order(g.detach())[a:z]
             else:
                 if grad_shard.numel() != stop - start:
                     raise ValueError(f"grad_shard has {grad_shard.numel()} elements, rank {self.rank}'s shard "
@@ -171,19 +164,16 @@ class ShardedUpdate:
                 grad = grad_shard.detach().reshape(-1)
                 if grad.dtype != self.dtype:
                     grad = grad.to(self.dtype)
-            for leaf in self._leaves:
-                leaf.set_grad(grad)
+            for (i, a, z, pos), leaf in zip(self._pieces, self._leaves):
+                leaf.grad = None if i in skip else grad[pos:pos + z - a]
         self._opt.step()
-        with torch.no_grad():
-            for leaf in self._leaves:
-                leaf.write_shard(self._mine)
 
     def allgather_params(self) -> None:
         """The second half of `step`: gather every rank's updated shard and copy it into the parameters."""
         self.ring.allgatherv(IN_PLACE, self.flat, counts=self.counts).wait()
         with torch.no_grad():
             for p, a, z in zip(self.params, self.offsets[:-1], self.offsets[1:]):
-                p.copy_(self.flat[a:z].view(p.shape))
+                memory_order(p.detach()).copy_(self.flat[a:z])
         self._written = [_identity(p) for p in self.params]
 
     def refresh(self) -> None:
@@ -202,14 +192,9 @@ class ShardedUpdate:
         step would cost a copy of n/P elements; a parameter whose storage and
         version counter are those we left it with still holds our values.
         """
-        stale = False
         for i, a, z, pos in self._pieces:
             if self._written[i] != _identity(self.params[i]):
-                self._mine[pos:pos + z - a] = self.params[i].detach().reshape(-1)[a:z]
-                stale = True
-        if stale:
-            for leaf in self._leaves:
-                leaf.read_shard(self._mine)
+                self._mine[pos:pos + z - a] = memory_order(self.params[i].detach())[a:z]
 
     # -- checkpoints -----------------------------------------------------------------
     def consolidate_into(self, optimizer: torch.optim.Optimizer) -> None:
@@ -218,93 +203,80 @@ class ShardedUpdate:
         Afterwards `optimizer.state_dict()` is what the unsharded optimizer
         would hold (e.g. SGD's momentum_buffer, Adam's step/exp_avg/exp_avg_sq)
         on every rank. Per-element state is allgathered; scalar state (Adam's
-        step) must be equal on all ranks, as it is when all ranks step together.
+        step) must be equal in every piece of a parameter, as it is when all
+        ranks step together.
         """
         self._check_same_groups(optimizer)
-        entries, problem = [], None
-        for gi, leaf in enumerate(self._leaves):
-            for k, v in self._opt.state.get(leaf.tensor, {}).items():
-                kind = _kind(v, leaf.numel)
+        # What each rank's pieces hold, per parameter: scalars by value, per-element state by dtype.
+        mine, problem = {}, None
+        for (i, a, z, _), leaf in zip(self._pieces, self._leaves):
+            info = mine.setdefault(i, {})
+            for k, v in self._opt.state.get(leaf, {}).items():
+                kind = _kind(v, z - a)
                 if kind == "other":
-                    problem = f"param group {gi}: state {k!r} is neither per-element nor a scalar"
-                elif kind == "elem":
-                    entries.append(f"group {gi} {k}: per-element {v.dtype}")
-                else:
-                    entries.append(f"group {gi} {k} = {float(v)!r}")
-        # The same keys everywhere (so the allgathers below pair up), and the same scalars
-        # (a rank that skipped a step would make the merged state a lie).
+                    problem = f"parameter #{i}: state {k!r} is neither per-element nor a scalar"
+                info[k] = ("elem", str(v.dtype)) if kind == "elem" else ("scalar", v)
         fail_together(self.ring.comm, problem, ValueError)
-        check_same_structure(self.ring.comm, entries, "optimizer state")
-
-        # All in flight together; each gathers one group's elements of one state, in flat order.
-        handles = [self.ring.allgatherv(v, torch.empty(sum(counts), dtype=v.dtype), counts=counts)
-                   for leaf, counts in zip(self._leaves, self._group_counts)
-                   for v in self._opt.state.get(leaf.tensor, {}).values() if _kind(v, leaf.numel) == "elem"]
-        gathered = iter(wait_all(handles))
-        for leaf, members in zip(self._leaves, self._members):
-            state = self._opt.state.get(leaf.tensor, {})
-            full = {k: next(gathered) for k, v in state.items() if _kind(v, leaf.numel) == "elem"}
-            pos = 0
-            for i in members:
-                p = self.params[i]
-                entry = {}
-                for k, v in state.items():
-                    if k in full:
-                        entry[k] = torch.empty_like(p, dtype=v.dtype)  # the param's memory format, like zeros_like
-                        entry[k].copy_(full[k][pos:pos + p.numel()].view(p.shape))
-                    else:
-                        entry[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
-                pos += p.numel()
-                if entry:
-                    optimizer.state[p] = entry
+        merged: dict = {}
+        for r, infos in enumerate(self.ring.comm.allgather(mine)):  # checkpoints only: pickling is fine
+            for i, info in infos.items():
+                entry = merged.setdefault(i, {})
+                for k, v in info.items():
+                    if k in entry and not _same_value(entry[k][1], v[1]):
+                        problem = (f"parameter #{i}: state {k!r} differs between its pieces "
+                                   f"({entry[k][1]!r} vs {v[1]!r} on rank {r}); did a rank skip a step?")
+                    entry[k] = v
+        if problem:
+            raise ValueError(problem)
+        # One allgather per per-element key: the shard with each piece's state (zeros where a piece has none).
+        keys = sorted({(k, dtype) for e in merged.values() for k, (kind, dtype) in e.items() if kind == "elem"})
+        full = {}
+        for k, dtype in keys:
+            local = torch.zeros(self._mine.numel(), dtype=getattr(torch, dtype.removeprefix("torch.")))
+            for (i, a, z, pos), leaf in zip(self._pieces, self._leaves):
+                v = self._opt.state.get(leaf, {}).get(k)
+                if v is not None:
+                    local[pos:pos + z - a] = v
+            full[k] = self.ring.allgatherv(local, torch.empty(self.numel, dtype=local.dtype), counts=self.counts).wait()
+        for i, p in enumerate(self.params):
+            entry = {}
+            for k, (kind, value) in merged.get(i, {}).items():  # the optimizer's own key order
+                if kind == "elem":
+                    entry[k] = torch.empty_like(p, dtype=full[k].dtype)  # the param's memory format
+                    memory_order(entry[k]).copy_(full[k][self.offsets[i]:self.offsets[i + 1]])
                 else:
-                    optimizer.state.pop(p, None)
+                    entry[k] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+            if entry:
+                optimizer.state[p] = entry
+            else:
+                optimizer.state.pop(p, None)
 
     def load_from(self, optimizer: torch.optim.Optimizer) -> None:
-        """(Re)initialise the shard's optimizer state from `optimizer`'s unsharded state (for --resume).
+        """(Re)initialise the pieces' optimizer state from `optimizer`'s unsharded state (for --resume).
 
         Local: every rank must hold the same unsharded state (e.g. loaded from
-        the same checkpoint) and picks out its own shard. A group without state
-        starts fresh. `optimizer.state` can be cleared afterwards to save memory.
-        The shard's parameter values are re-read from the model too.
+        the same checkpoint) and picks out its own pieces. A parameter without
+        state starts fresh. `optimizer.state` can be cleared afterwards to save
+        memory. The shard's parameter values are re-read from the model too.
         """
         self._check_same_groups(optimizer)
         self.refresh()
-        for gi, (leaf, members) in enumerate(zip(self._leaves, self._members)):
-            states = [optimizer.state.get(self.params[i]) or {} for i in members]
-            if not any(states):
-                self._opt.state.pop(leaf.tensor, None)
+        group_of = {i: gi for gi, m in enumerate(self._members) for i in m}
+        elementwise = [self._elementwise_keys(g) for g in optimizer.param_groups]
+        for (i, a, z, _), leaf in zip(self._pieces, self._leaves):
+            state = optimizer.state.get(self.params[i]) or {}
+            if not state:
+                self._opt.state.pop(leaf, None)
                 continue
-            keys = list(states[0])
-            if any(list(s) != keys for s in states):
-                raise ValueError(f"param group {gi}: parameters hold different optimizer state keys "
-                                 "(some without state?); the sharded state needs one layout per group")
-            elementwise = self._elementwise_keys(optimizer.param_groups[gi])
-            new = {}
-            for k in keys:
-                values = [s[k] for s in states]
-                if k in elementwise:
-                    new[k] = self._shard_of(gi, k, dict(zip(members, values)), leaf)
+            piece = {}
+            for k, v in state.items():
+                if k in elementwise[group_of[i]]:
+                    if not torch.is_tensor(v) or v.numel() != self.numels[i]:
+                        raise ValueError(f"parameter #{i}: state {k!r} is not a tensor of {self.numels[i]} elements")
+                    piece[k] = memory_order(_like(v, self.params[i]))[a:z].clone()
                 else:
-                    first = values[0]
-                    if any(not _same_value(v, first) for v in values[1:]):
-                        raise ValueError(f"param group {gi}: state {k!r} differs between parameters, "
-                                         "so it cannot be shared by the group's shard")
-                    new[k] = first.clone() if torch.is_tensor(first) else copy.deepcopy(first)
-            self._opt.state[leaf.tensor] = new
-
-    def _shard_of(self, gi, key, values: dict, leaf):
-        """This rank's elements of one per-element state ({param index: tensor}), laid out like the group's leaf."""
-        for i, v in values.items():
-            if not torch.is_tensor(v) or v.numel() != self.numels[i]:
-                raise ValueError(f"param group {gi}: state {key!r} of parameter #{i} is not a tensor of "
-                                 f"{self.numels[i]} elements")
-        out = torch.empty(leaf.numel, dtype=next(iter(values.values())).dtype)
-        pos = 0
-        for i, a, z, _ in self._pieces_of(values):
-            out[pos:pos + z - a] = values[i].detach().reshape(-1)[a:z]
-            pos += z - a
-        return out
+                    piece[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+            self._opt.state[leaf] = piece
 
     def _elementwise_keys(self, group) -> set:
         """Which state keys this optimizer keeps per element, found by stepping a throwaway 2-element tensor.
@@ -329,41 +301,13 @@ class ShardedUpdate:
         self.close()
 
 
-class _Leaf:
-    """One param group's part of the shard as a single tensor the private optimizer steps.
-
-    When the group's elements are one run of the shard, the leaf is a view of
-    it and nothing is copied; otherwise (groups interleaved in parameter
-    order, e.g. weights with decay and biases without) it is its own tensor
-    gathered from and scattered back to the runs.
-    """
-
-    def __init__(self, segments, shard: torch.Tensor):
-        self.segments = segments
-        self.numel = sum(z - a for a, z in segments)
-        self.is_view = len(segments) <= 1
-        if segments and self.is_view:
-            self.tensor = shard[segments[0][0]:segments[0][1]]
-        else:
-            self.tensor = torch.empty(self.numel, dtype=shard.dtype)
-        self._grad = None if self.is_view else torch.empty_like(self.tensor)
-
-    def read_shard(self, shard) -> None:
-        if not self.is_view:
-            torch.cat([shard[a:z] for a, z in self.segments], out=self.tensor)
-
-    def write_shard(self, shard) -> None:
-        if not self.is_view:
-            for (a, z), part in zip(self.segments, self.tensor.split([z - a for a, z in self.segments])):
-                shard[a:z] = part
-
-    def set_grad(self, grad) -> None:
-        if self.is_view:
-            a, z = self.segments[0] if self.segments else (0, 0)
-            self.tensor.grad = grad[a:z]
-        else:
-            torch.cat([grad[a:z] for a, z in self.segments], out=self._grad)
-            self.tensor.grad = self._grad
+def _like(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Per-element state laid out like its parameter (a checkpoint may hold it contiguous)."""
+    if value.stride() == p.stride():
+        return value.detach()
+    out = torch.empty_like(p, dtype=value.dtype)
+    out.copy_(value.detach().view(p.shape))
+    return out
 
 
 def _group_members(optimizer, params) -> list[list[int]]:
@@ -404,12 +348,8 @@ def _identity(p: torch.Tensor) -> tuple[int, int]:
     return p.data_ptr(), p._version
 
 
-def _overlap(a: int, z: int, s: int, e: int) -> int:
-    return max(0, min(z, e) - max(a, s))
-
-
 def _kind(value, numel: int) -> str:
-    """'elem' for per-element state of a 1-d leaf of `numel` elements, 'scalar' for a number, else 'other'."""
+    """'elem' for per-element state of a 1-d piece of `numel` elements, 'scalar' for a number, else 'other'."""
     if torch.is_tensor(value):
         if value.dim() == 1 and value.numel() == numel:
             return "elem"

@@ -7,7 +7,7 @@ import torch
 
 import numpy as np
 
-from runtime.mstopk import MSTopK, _first_true, exact_topk, k_for_density
+from runtime.sparse.mstopk import MSTopK, _first_true, exact_topk, k_for_density
 
 torch.set_num_threads(1)
 

@@ -119,7 +119,7 @@ def test_matches_unsharded_with_scheduler(world, name, layout):
     assert_everywhere(world, rel <= 1e-6, f"{name} {layout}: max relative difference {rel:.3g}")
     assert_everywhere(world, [g["lr"] for g in pto._opt.param_groups] == [g["lr"] for g in ref_opt.param_groups],
                       "the scheduler's lr did not reach the shard optimizer")
-    assert_everywhere(world, sum(leaf.numel for leaf in pto._leaves) == stop - start, "shard not covered")
+    assert_everywhere(world, sum(leaf.numel() for leaf in pto._leaves) == stop - start, "shard not covered")
     pto.close()
 
 

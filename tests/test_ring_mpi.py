@@ -195,3 +195,17 @@ def test_explicit_tags_and_reverse_wait_order(world):
         ha.wait()
         P = world.Get_size()
         assert_everywhere(world, np.all(a == P) and np.all(b == 2 * P), "explicit tags")
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_explicit_and_automatic_tags_never_meet(world, validate):
+    """An explicit tag 0 beside automatically tagged collectives: separate namespaces, correct sums."""
+    P = world.Get_size()
+    with Ring(world, validate=validate, chunk_bytes=4096) as ring:
+        a = np.ones(30_000, np.float32)
+        b = np.full(20_000, 2, np.float32)
+        c = np.full(10_000, 3, np.float32)
+        handles = [ring.allreduce(b), ring.allreduce(a, tag=0), ring.allreduce(c)]
+        wait_all(handles[::-1])
+        ok = np.all(a == P) and np.all(b == 2 * P) and np.all(c == 3 * P)
+        assert_everywhere(world, bool(ok), "explicit tag 0 mixed with automatic tags")

@@ -8,23 +8,24 @@ import torch
 from mpi4py import MPI
 
 from mpicomm import IN_PLACE, BufferError, Ring, TagAllocator, TagError, check_tag, slice_tag
+from mpicomm.tags import explicit_tag_bound
 
 
 def test_tag_bounds():
     ub = MPI.COMM_SELF.Get_attr(MPI.TAG_UB)
-    assert check_tag(MPI.COMM_SELF, 0) == 0 and check_tag(MPI.COMM_SELF, ub) == ub
-    for bad in (-1, ub + 1, 1.5, True):
+    top = explicit_tag_bound(MPI.COMM_SELF)
+    assert check_tag(MPI.COMM_SELF, 0) == 0 and check_tag(MPI.COMM_SELF, top) == top == ub // 2
+    for bad in (-1, top + 1, ub, 1.5, True):
         with pytest.raises(TagError, match="TAG_UB"):
             check_tag(MPI.COMM_SELF, bad)
 
 
-def test_allocator_wraps_above_reserved_range():
-    tags = TagAllocator(MPI.COMM_SELF, reserved=100)
-    assert [tags.next() for _ in range(3)] == [100, 101, 102]
+def test_automatic_tags_live_above_the_explicit_ones_and_wrap_there():
+    tags = TagAllocator(MPI.COMM_SELF)
+    first = explicit_tag_bound(MPI.COMM_SELF) + 1
+    assert [tags.next() for _ in range(3)] == [first, first + 1, first + 2]
     tags._next = tags.ub
-    assert tags.next() == tags.ub and tags.next() == 100
-    with pytest.raises(TagError):
-        TagAllocator(MPI.COMM_SELF, reserved=-1)
+    assert tags.next() == tags.ub and tags.next() == first
 
 
 def test_slice_tags_distinct_and_checked():

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from runtime.timeline import Timeline, TimelineError, merge, summarize
+from runtime.trace.timeline import Timeline, TimelineError, merge, summarize
 
 
 def data_events(trace):

@@ -1,0 +1,93 @@
+"""Waiting with a deadline: back off while polling, report a stall, and give up with a StallError."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+ENV_WARNING = "MPITRAIN_STALL_WARNING"
+ENV_TIMEOUT = "MPITRAIN_STALL_TIMEOUT"
+
+
+class StallError(TimeoutError):
+    """A wait outlived its deadline; the message says what was missing (which ranks, which slices)."""
+
+
+def _env_seconds(name: str, default: float | None) -> float | None:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("none", "inf", "0"):
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${name} must be a number of seconds (or none), got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"${name} must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class StallPolicy:
+    """How long a blocking wait may take, like Horovod's stall inspector.
+
+    warn_after: seconds before the first stall report on stderr (then one
+    every warn_after seconds); timeout: seconds before StallError is raised
+    (None: wait for ever, reporting). Defaults: $MPITRAIN_STALL_WARNING (60)
+    and $MPITRAIN_STALL_TIMEOUT (600; "none" disables it).
+    """
+
+    warn_after: float | None = 60.0
+    timeout: float | None = 600.0
+
+    @classmethod
+    def from_env(cls) -> "StallPolicy":
+        return cls(_env_seconds(ENV_WARNING, 60.0), _env_seconds(ENV_TIMEOUT, 600.0))
+
+    def __post_init__(self):
+        for name in ("warn_after", "timeout"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"StallPolicy.{name} must be a positive number of seconds or None, got {v!r}")
+
+
+# Polls between sleeps, then sleeps doubling up to MAX_SLEEP: a wait that ends within
+# microseconds costs no latency, a long one costs no core (ranks may share cores).
+SPIN_POLLS = 50
+MIN_SLEEP, MAX_SLEEP = 10e-6, 1e-3
+
+
+def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str] = lambda: "",
+               policy: StallPolicy | None = None, who: str = "", blocking: bool = False) -> None:
+    """Poll `done()` until it returns True; print stall reports; raise StallError past the deadline.
+
+    `what` names the wait ("p3 slices of parameter fc1.weight"); `report()`
+    says what is missing (called only when a report is due). blocking: done()
+    itself blocks for a short while (a condition variable), so no sleeping here.
+    """
+    if done():
+        return
+    policy = policy or StallPolicy.from_env()
+    start = time.monotonic()
+    next_warning = policy.warn_after
+    polls, sleep = 0, MIN_SLEEP
+    while not done():
+        polls += 1
+        if not blocking:
+            if polls > SPIN_POLLS:
+                time.sleep(sleep)
+                sleep = min(MAX_SLEEP, sleep * 2)
+            if polls % 64:
+                continue  # the clock is read every 64 polls only
+        waited = time.monotonic() - start
+        if policy.timeout is not None and waited >= policy.timeout:
+            raise StallError(f"{who}{what}: nothing after {waited:.0f} s (stall timeout {policy.timeout:g} s, "
+                             f"${ENV_TIMEOUT}); {report()}")
+        if next_warning is not None and waited >= next_warning:
+            print(f"[mpitrain] {who}stall: {what} not done after {waited:.0f} s; {report()}", file=sys.stderr,
+                  flush=True)
+            next_warning += policy.warn_after

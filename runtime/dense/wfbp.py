@@ -1,0 +1,120 @@
+"""Poseidon's wait-free backprop: a bucket's allreduce starts the moment backward has produced it."""
+
+from __future__ import annotations
+
+from mpicomm import Ring
+from mpicomm.progress import HandleTask, ProgressThread
+from mpicomm.stall import wait_until
+
+from ..comm_hooks import GradBucket, allreduce_hook
+from ..strategy import Strategy, StrategyContext
+from .allreduce import _copy_back
+
+
+class WfbpSync(Strategy):
+    """Buckets of about `fuse_bytes` (a large gradient alone), in reverse registration order (backward's).
+
+    A bucket is a contiguous range of a dtype's flat gradient buffer, so it is
+    reduced where backward wrote it. It starts, through the comm hook, when
+    all of its gradients exist; a progress thread drives the collectives
+    while backward continues. Buckets are tagged by index, so ranks may start
+    them in different orders (a branch taken on one rank only).
+    """
+
+    name = "wfbp"
+    hooks = True
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        self.ring = Ring(ctx.topology.world, validate=False)
+        self.progress = ProgressThread("mpitrain-wfbp")
+        self.hook_state, self.hook = ctx.comm_hook or (None, allreduce_hook)
+        self.bucket_params = buckets(self.params, ctx.options.fuse_bytes)
+        self.bucket_of = {i: b for b, idxs in enumerate(self.bucket_params) for i in idxs}
+        self.buckets = []
+        for b, idxs in enumerate(self.bucket_params):
+            buf = self.buffers.segments[idxs[0]][0]
+            lo = min(self.buffers.segments[i][1] for i in idxs)
+            hi = max(self.buffers.segments[i][2] for i in idxs)
+            self.buckets.append(GradBucket(b, self.buffers.flats[buf][lo:hi], [self.params[i] for i in idxs],
+                                           self.ring, b))
+        self.left = [len(idxs) for idxs in self.bucket_params]
+        self.futures: list = [None] * len(self.buckets)
+
+    def grad_ready(self, i: int) -> None:
+        b = self.bucket_of[i]
+        self.left[b] -= 1
+        if self.left[b] == 0:
+            self.left[b] = len(self.bucket_params[b])  # ready for the next step
+            self._start(b)
+
+    def _start(self, b: int) -> None:
+        tl, bucket = self.timeline, self.buckets[b]
+        token = tl.begin(f"allreduce b{b}", "sync", track="comm", bucket=b,
+                         params=len(self.bucket_params[b])) if tl else None
+
+        def averaged(handle, bucket=bucket, token=token):
+            _copy_back(bucket, handle.wait())
+            if tl:
+                tl.end(token)
+
+        self.futures[b] = self.progress.submit(HandleTask(self.hook(self.hook_state, bucket), averaged))
+
+    def wait(self, indices) -> None:
+        futures = {self.bucket_of[i] for i in indices}
+        pending = [self.futures[b] for b in futures if self.futures[b] is not None]
+
+        def done() -> bool:
+            for fut in pending:
+                if not fut.wait_done(0.05):
+                    return False
+            return True
+        wait_until(done, what="wait-free backprop buckets", policy=self.ctx.policy, blocking=True,
+                   who=f"rank {self.ctx.topology.rank}: ",
+                   report=lambda: f"buckets {[b for b in futures if not self.futures[b].done()]} wait on the ring "
+                                  f"(left neighbour: rank {self.ring.left})")
+        for fut in pending:
+            fut.wait()  # re-raises an error of the progress thread
+        for b in futures:
+            self.futures[b] = None
+
+    def abort(self) -> None:
+        self.progress.abort()
+        for fut in self.futures:
+            if fut is not None:
+                fut.task.handle.cancel()
+        self.futures = [None] * len(self.buckets)
+        self.left = [len(idxs) for idxs in self.bucket_params]
+
+    def close(self) -> None:
+        self.progress.stop()
+        self.ring.free()
+
+
+def buckets(params, fuse_bytes: int) -> list[list[int]]:
+    """Parameter indices in buckets of about fuse_bytes (a large tensor alone), last parameters first.
+
+    A bucket holds consecutive parameters of one dtype, hence one contiguous
+    range of that dtype's flat buffer.
+    """
+    out, current, size = [], [], 0
+    for i in reversed(range(len(params))):
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        if current and params[current[0]].dtype != p.dtype:
+            out.append(current)
+            current, size = [], 0
+        if nbytes >= fuse_bytes:
+            if current:
+                out.append(current)
+                current, size = [], 0
+            out.append([i])
+            continue
+        current.append(i)
+        size += nbytes
+        if size >= fuse_bytes:
+            out.append(current)
+            current, size = [], 0
+    if current:
+        out.append(current)
+    return out

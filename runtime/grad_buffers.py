@@ -1,0 +1,98 @@
+"""Gradients as views of flat buffers, one per dtype (DDP's gradient_as_bucket_view): no packing copies."""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_layout(t: torch.Tensor) -> bool:
+    """Whether t's elements fill exactly numel() consecutive slots in some dimension order (no gaps, no overlap).
+
+    Contiguous and channels_last tensors do; expanded or sliced ones do not.
+    """
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+class GradientBuffers:
+    """Every managed parameter's gradient lives in a flat buffer of its dtype; p.grad is a view into it.
+
+    Parameters keep their order (the model's, identical on every rank) inside
+    each dtype's buffer, and each view has its parameter's strides, so a
+    channels_last weight gets a channels_last gradient. Autograd accumulates
+    into an existing .grad in place, so once attached the backward pass
+    writes straight into the buffers that the strategies send: nothing is
+    packed or unpacked. A gradient that arrives elsewhere (the user set
+    .grad to None, or replaced it) is copied in once and the view re-attached.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str]):
+        self.params = params
+        for p, name in zip(params, names):
+            if not dense_layout(p):
+                raise ValueError(f"parameter {name} {tuple(p.shape)} with strides {p.stride()} has gaps or overlaps "
+                                 "in memory: make it contiguous (or channels_last) before wrapping")
+            if p.device.type != "cpu":
+                raise ValueError(f"parameter {name} is on {p.device}: only CPU parameters are supported")
+        self.dtypes: list[torch.dtype] = list(dict.fromkeys(p.dtype for p in params))
+        sizes = [0] * len(self.dtypes)
+        self.segments: list[tuple[int, int, int]] = []  # param -> (buffer, start, stop)
+        for p in params:
+            b = self.dtypes.index(p.dtype)
+            self.segments.append((b, sizes[b], sizes[b] + p.numel()))
+            sizes[b] += p.numel()
+        self.flats = [torch.zeros(n, dtype=d) for n, d in zip(sizes, self.dtypes)]
+        self.views = [self.flats[b].as_strided(p.shape, p.stride(), a) for p, (b, a, _) in zip(params, self.segments)]
+        self.flat_views = [self.flats[b][a:z] for b, a, z in self.segments]
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if p.grad is not None:
+                    self.views[i].copy_(p.grad)
+                p.grad = self.views[i]
+
+    def attach(self, i: int) -> torch.Tensor:
+        """Make sure parameter i's gradient is in its view (copying it there if autograd put it elsewhere)."""
+        p, view = self.params[i], self.views[i]
+        g = p.grad
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+            view.copy_(g)
+        else:
+            return view
+        p.grad = view
+        return view
+
+    def zero(self, indices=None) -> None:
+        """Zero these parameters' gradients in place (all when None), keeping the views attached."""
+        if indices is None:
+            for flat in self.flats:
+                flat.zero_()
+            for p, view in zip(self.params, self.views):
+                if p.grad is not view:
+                    p.grad = view
+            return
+        for i in indices:
+            self.flat_views[i].zero_()
+            if self.params[i].grad is not self.views[i]:
+                self.params[i].grad = self.views[i]
+
+    def flat(self, i: int) -> torch.Tensor:
+        """Parameter i's gradient as a 1-D slice of its buffer (memory order)."""
+        return self.flat_views[i]
+
+    @property
+    def numel(self) -> int:
+        return sum(f.numel() for f in self.flats)
+
+
+def memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's elements in the order they sit in memory (its layout's flat form)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())

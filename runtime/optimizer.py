@@ -1,0 +1,498 @@
+"""DistributedOptimizer: wrap any torch optimizer so gradients are averaged over MPI ranks with a chosen strategy."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from mpicomm import Topology
+from mpicomm.agree import broadcast_tensors, check_same_structure
+from mpicomm.stall import StallError, StallPolicy
+from mpicomm.step_check import ABORT, CLOSE, EXCHANGE, ReportedProblem, StepCheck, digest
+from mpicomm.validate import CollectiveMismatchError
+
+from . import checkpoint
+from .grad_buffers import GradientBuffers
+from .model_buffers import BufferSync
+from .options import StrategyOptions, resolve
+from .p3.forward_gate import ForwardGate
+from .registry import strategy_class
+from .strategy import StrategyContext
+from .updates import ParamUpdater, describe_hyper, hyperparameters
+
+
+class DistributedOptimizer:
+    """Synchronous data-parallel SGD over MPI; the training loop stays as it was.
+
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, "p3")
+        for x, y in batches:                 # every rank calls step() equally often
+            opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
+        opt.close()
+
+    strategy: a name ("allreduce", "wfbp", "p3", "topk", "hier-topk") or an
+    options object (runtime.options: AllreduceOptions, WfbpOptions, P3Options,
+    TopkOptions). Wrapping is collective: every setting (strategy and its
+    options, pto, backward_passes_per_step, buffers) and the model's structure
+    are compared across ranks (an error names ranks and values), and rank 0's
+    parameters, buffers and optimizer state are broadcast. Every step agrees
+    across ranks on the step number and the hyper-parameters, so a rank that
+    steps more often, closes early, fails or trains with another learning rate
+    stops every rank with an error instead of a hang or silent drift.
+
+    - comm / topology: the ranks to train on (default MPI.COMM_WORLD; a
+      communicator is duplicated, never used directly);
+    - pto: each rank updates 1/P of the parameters (runtime.pto);
+    - backward_passes_per_step: gradient accumulation (Horovod's); `no_sync()`
+      is DDP's form of it;
+    - buffers: "average" (default), "broadcast" or "none" for module buffers
+      such as BatchNorm statistics (runtime.model_buffers);
+    - stall: runtime.StallPolicy, how long a wait may take before a stall
+      report and a StallError naming what is missing.
+
+    Gradients live in flat per-dtype buffers that .grad views (zero_grad()
+    zeroes them in place rather than setting None). Parameters no rank
+    produced a gradient for in a step are not updated, as with one process.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+                 strategy: str | StrategyOptions = "p3", *, comm=None, topology: Topology | None = None,
+                 pto: bool = False, backward_passes_per_step: int = 1, buffers: str = "average",
+                 timeline=None, stall: StallPolicy | None = None):
+        self.options = resolve(strategy)
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+        if comm is not None and topology is not None:
+            raise ValueError("pass comm or topology, not both")
+        self.optimizer, self.model, self.timeline = optimizer, model, timeline
+        self.policy = stall or StallPolicy.from_env()
+        self._own_topology = topology is None
+        self.topology = topology or (Topology(comm) if comm is not None else Topology())
+        self.comm = self.topology.world
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.names = [n for n, _ in named]
+        self.bpps, self.pto_enabled, self.buffer_mode = backward_passes_per_step, bool(pto), buffers
+        cls = strategy_class(self.options.name)
+        try:
+            self._check_settings()
+            self._build(cls, pto, momentum_correction=getattr(self.options, "momentum_correction", False))
+        except BaseException:
+            self._release_topology()
+            raise
+        n = len(self.params)
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._used = np.zeros(n, dtype=bool)  # this rank produced a gradient this step
+        self._passes = [0] * n  # backward passes that reached each parameter this step
+        self._sent = [False] * n
+        self._owed = np.zeros(n, dtype=bool)  # deferred (p3): updates still to apply before next use
+        self._owed_hyper: list | None = None
+        self._zero_requested = False
+        self._open = False  # a backward pass of the current step has run
+        self._synchronized = False  # synchronize() averaged this step's gradients already
+        self._no_sync = False
+        self._update_mask = None
+        self.steps = 0
+        self.failed: BaseException | None = None
+        self._closed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.gate = ForwardGate(model, self.params, self._on_module_enter) if self.strategy.deferred else None
+        self._forward_hook = model.register_forward_pre_hook(self._before_forward) \
+            if self.model_buffers.active else None
+        self._state_hook = model.register_state_dict_pre_hook(lambda *a: self._before_reading())
+        self._capture_hooks = _capture(self.strategy)
+
+    # -- set-up --------------------------------------------------------------
+    def _build(self, cls, pto: bool, momentum_correction: bool) -> None:
+        """Everything collective after the settings agreed: the same calls, in the same order, on every rank."""
+        self._broadcast_from_root()
+        self.buffers = GradientBuffers(self.params, self.names)
+        self.updater = ParamUpdater(self.optimizer, self.params)
+        self.pto = None
+        if pto:  # first: a refusal (mixed dtypes, a parameter it cannot place) leaves nothing half-built
+            from .pto import ShardedUpdate
+
+            self.pto = ShardedUpdate(self.optimizer, self.params, self.comm)
+            self.pto.load_from(self.optimizer)
+            self.optimizer.state.clear()  # the pieces hold the state now: 1/P of it per rank
+        self.moved_momentum = _take_sgd_momentum(self.optimizer) if momentum_correction else 0.0
+        self._comm_hook = None
+        ctx = StrategyContext(self.topology, self.params, self.names, self.buffers, self.options, self.timeline,
+                              self.policy, None, shard_gradients=pto and self.options.name == "allreduce",
+                              momentum=self.moved_momentum)
+        self.strategy = cls(ctx)
+        self.check = StepCheck(self.comm, len(self.params), self.policy)
+        self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy)
+
+    def _check_settings(self) -> None:
+        """Collective, before anything else collective: a rank with other settings would create other communicators."""
+        entries = [f"strategy {self.options.describe()}", f"pto={self.pto_enabled}",
+                   f"backward_passes_per_step={self.bpps}", f"buffers={self.buffer_mode}",
+                   f"optimizer {type(self.optimizer).__name__} groups="
+                   f"{[len(g['params']) for g in self.optimizer.param_groups]}"]
+        entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} strides={p.stride()}"
+                    for n, p in zip(self.names, self.params)]
+        entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in self.model.named_buffers()]
+        check_same_structure(self.comm, entries, "setting")
+        model_params = {id(p) for p in self.model.parameters()}
+        foreign = [tuple(p.shape) for g in self.optimizer.param_groups for p in g["params"] if id(p) not in model_params]
+        if foreign:
+            raise ValueError(f"the optimizer holds parameters that are not in the model (shapes {foreign[:4]}): "
+                             "they would be updated without being synchronised")
+
+    def _broadcast_from_root(self) -> None:
+        state = self.optimizer.state_dict()["state"]
+        tensors = [v for k in sorted(state) for _, v in sorted(state[k].items()) if torch.is_tensor(v) and v.dim()]
+        check_same_structure(self.comm, [f"{tuple(t.shape)} {t.dtype}" for t in tensors], "optimizer state tensor")
+        with torch.no_grad():
+            broadcast_tensors(self.comm, [p.detach() for p in self.model.parameters()] +
+                              list(self.model.buffers()) + tensors)
+        if tensors:  # state_dict() handed out references to the live state, except where it copied
+            self.optimizer.load_state_dict(self.optimizer.state_dict())
+
+    def register_comm_hook(self, state, hook) -> None:
+        """DDP-style hook (runtime.comm_hooks), called for each bucket instead of the plain average."""
+        if not self.strategy.hooks:
+            raise ValueError(f"{self.strategy.name} does not take communication hooks: they apply to the "
+                             "bucketed strategies allreduce and wfbp")
+        if self.steps or self._open:
+            raise RuntimeError("register_comm_hook must be called before the first backward pass")
+        if self.pto is not None and self.options.name == "allreduce":
+            raise ValueError("allreduce with pto reduce-scatters the gradients: no bucket for a hook to average")
+        self.strategy.hook_state, self.strategy.hook = state, hook
+        self._comm_hook = getattr(hook, "__name__", type(hook).__name__)
+
+    # -- hooks ---------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self.failed is not None:
+            return
+        i = self._index[id(p)]
+        if self._owed[i]:
+            error = RuntimeError(
+                f"{self.names[i]} got a gradient before its deferred ({self.strategy.name}) update was applied: a "
+                "forward pass used it without running the module that held it in the first forward pass (a "
+                "weight shared or read by another module). Call synchronize() before such forward passes, or "
+                "use a strategy that updates in step() (wfbp)")
+            self._fail(error)
+            raise error
+        if not self._open:
+            self._open = True
+            if self._owed.any():
+                # Backward of the next step has begun: what is still owed belongs to parameters
+                # this forward pass skipped, and must be applied before their memory is reused.
+                self._apply(np.flatnonzero(self._owed))
+        self._used[i] = True
+        self._passes[i] += 1
+        if self._no_sync or self._passes[i] < self.bpps:
+            return
+        if self._sent[i]:
+            raise RuntimeError(f"the gradient of {self.names[i]} became ready {self._passes[i]} times in one step: "
+                               f"call step() after every {self.bpps} backward pass(es), or accumulate with "
+                               "no_sync() / backward_passes_per_step")
+        self._send(i)
+
+    def _send(self, i: int) -> None:
+        self.buffers.attach(i)
+        self._sent[i] = True
+        self.strategy.grad_ready(i)
+
+    def _on_module_enter(self, params: list[int]) -> None:
+        if self.failed is None:
+            owed = [i for i in params if self._owed[i]]
+            if owed:
+                self._apply(owed)
+
+    def _before_forward(self, module, inputs) -> None:
+        if self.failed is None:
+            self.model_buffers.finish()
+
+    def _before_reading(self) -> None:
+        """model.state_dict() is never stale: owed updates and buffer averages land first."""
+        if self.failed is None and not self._closed:
+            self._flush()
+
+    # -- the optimizer interface -----------------------------------------------
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally in the backward passes inside; the next one outside averages them."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's idiom after an explicit synchronize(); step() already knows, so this only reads the same."""
+        yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place (they are views of the strategy's buffers; set_to_none is not honoured)."""
+        self._usable()
+        if self._owed.any():
+            # Parameters still owed an update keep their averaged gradient until it is applied.
+            self._zero_requested = True
+            self.buffers.zero(np.flatnonzero(~self._owed))
+        else:
+            self.buffers.zero()
+
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step does not take a closure")
+        self._usable()
+        explicit = self._synchronized
+        if not explicit:
+            self._exchange(full=False)
+        self._synchronized = False
+        try:
+            self._update(immediately=explicit)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        return None
+
+    def synchronize(self) -> None:
+        """Finish all communication: average this step's gradients into .grad, or apply updates still owed.
+
+        Before step() (after backward) the averaged gradients can then be read
+        or clipped, under every strategy:
+
+            loss.backward(); opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()                       # updates with the clipped gradients
+
+        After step(), it applies the updates p3 defers to the next forward pass
+        (forward passes and model.state_dict() do that by themselves).
+        """
+        self._usable()
+        if self._open and not self._synchronized:
+            self._exchange(full=True)
+            try:
+                self.strategy.wait(range(len(self.params)))
+            except BaseException as exc:
+                self._fail(exc)
+                raise
+            self._synchronized = True
+        else:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._owed.any():
+            self._apply(np.flatnonzero(self._owed))
+        self.model_buffers.finish()
+
+    # -- one step ------------------------------------------------------------
+    def _exchange(self, full: bool) -> None:
+        """Agree with every rank, hand over the gradients backward did not produce, start the averaging."""
+        if self._owed.any():
+            self._apply(np.flatnonzero(self._owed))  # parameters this step's forward and backward skipped
+        if self.gate is not None and self.gate.gate is None:
+            # The first forward pass is over: gates and priorities are known from now on.
+            self.strategy.set_priorities(self.gate.freeze())
+        unsent = [i for i in range(len(self.params)) if not self._sent[i]]
+        for i in unsent:
+            if self._passes[i]:
+                self.buffers.attach(i)  # accumulated in fewer passes than backward_passes_per_step
+            else:
+                self.buffers.zero([i])  # no gradient here this step: counts as zeros in the average
+        problem = getattr(self.strategy, "local_problem", lambda: None)()
+        hyper = hyperparameters(self.optimizer)
+        settings = describe_hyper(hyper) + [f"comm hook {self._comm_hook}"]
+        try:
+            used = self.check.run(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
+                                  describe=lambda: settings)
+        except ReportedProblem as exc:
+            error = getattr(self.strategy, "problem_error", RuntimeError)(str(exc))
+            self._fail(error)
+            raise error from None
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.steps += 1
+        try:
+            for i in unsent:
+                self._sent[i] = True
+                self.strategy.grad_ready(i)
+            self.strategy.finish(used, full)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.model_buffers.start()
+        self._update_mask = used
+        self._open = False
+        self._used[:] = False
+        self._passes = [0] * len(self.params)
+        self._sent = [False] * len(self.params)
+        self._hyper = hyper
+
+    def _update(self, immediately: bool) -> None:
+        mask = self._update_mask
+        if not self.strategy.exact:
+            # Delayed values (error feedback) may reach parameters no rank used this step.
+            for i in np.flatnonzero(~mask):
+                mask[i] = bool(self.buffers.flat(i).any())
+        if self.strategy.deferred and not immediately and self.pto is None:
+            self._owed = mask.copy()
+            self._owed_hyper = self._hyper
+            return
+        self.strategy.wait(range(len(self.params)))
+        if self.pto is not None:
+            self.pto.step(self.strategy.grad_shard, skip=np.flatnonzero(~mask).tolist())
+        else:
+            self.updater.step(np.flatnonzero(mask).tolist(), self._hyper)
+
+    def _apply(self, owed) -> None:
+        """Deferred updates (p3): wait for these parameters' slices, then run the optimizer on them."""
+        owed = [int(i) for i in owed]
+        tl = self.timeline
+        try:
+            if tl:
+                with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]):
+                    self.strategy.wait(owed)
+            else:
+                self.strategy.wait(owed)
+            self.updater.step(owed, self._owed_hyper)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._owed[owed] = False
+        if self._zero_requested:
+            self.buffers.zero(owed)
+            if not self._owed.any():
+                self._zero_requested = False
+
+    # -- failure and the end -----------------------------------------------------
+    def _usable(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"this DistributedOptimizer stopped after an error ({type(self.failed).__name__}: "
+                               f"{self.failed}); create a new one to continue") from self.failed
+        if self._closed:
+            raise RuntimeError("this DistributedOptimizer is closed")
+
+    def _fail(self, exc: BaseException) -> None:
+        """Error path: cancel what is in flight, without waiting for ranks that may never come."""
+        if self.failed is None:
+            self.failed = exc
+            self.strategy.abort()
+            self.model_buffers.abandon()
+
+    def abort(self, exc: BaseException) -> None:
+        """This rank stops with `exc`: tell the other ranks (they raise PeerFailedError) and release everything."""
+        if self.failed is None and not self._closed and not self.check.broken:
+            text = f"{type(exc).__name__}: {exc}"
+            quick = StallPolicy(warn_after=None, timeout=min(30.0, self.policy.timeout or 30.0))
+            try:
+                self.check.run(ABORT, self.steps, 0, text=text, policy=quick)
+            except (StallError, CollectiveMismatchError, RuntimeError):
+                pass  # the others learn it from their own agreement round or their stall report
+        self._fail(exc)
+        self._release()
+
+    def close(self) -> None:
+        """Agree with every rank that training is over, apply what is owed, stop threads, free communicators."""
+        if self._closed:
+            return
+        if self.failed is not None:
+            self._release()
+            return
+        try:
+            self.check.run(CLOSE, self.steps, 0, describe=lambda: [])
+            if self._open:
+                self.strategy.abort()  # a backward without step() on every rank: nothing to finish
+            else:
+                self._flush()
+        except BaseException as exc:
+            self._fail(exc)
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks + self._capture_hooks:
+            h.remove()
+        self._hooks = self._capture_hooks = []
+        if self.gate is not None:
+            self.gate.remove()
+        for h in (self._forward_hook, self._state_hook):
+            if h is not None:
+                h.remove()
+        if self.failed is None:
+            self.strategy.close()
+        if self.pto is not None:
+            self.pto.close()
+        self.check.free()
+        self._release_topology()
+
+    def _release_topology(self) -> None:
+        if self._own_topology:
+            self.topology.free()
+
+    def live_requests(self) -> int:
+        """MPI requests of this optimizer still in flight (for leak checks)."""
+        return self.strategy.live_requests()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None:
+            self.abort(exc)
+        else:
+            self.close()
+
+    # -- checkpoints ---------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Collective. The optimizer state (unsharded) and the strategy's, rank-local parts on rank 0 only."""
+        self._usable()
+        self._flush()
+        return checkpoint.optimizer_state(self)
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Collective. `state` as state_dict() returned it; only rank 0's is read (others may pass None)."""
+        self._usable()
+        self._flush()
+        checkpoint.load_optimizer_state(self, state)
+
+
+def _capture(strategy) -> list:
+    """Forward and backward hooks on the modules whose sufficient factors the strategy asked for."""
+    handles = []
+    for k, module in enumerate(strategy.capture):
+        inputs = {}
+
+        def keep(mod, args, k=k, inputs=inputs):
+            inputs[k] = args[0].detach()
+
+        def give(mod, grad_input, grad_output, k=k, inputs=inputs):
+            strategy.captured(k, inputs.pop(k), grad_output[0].detach())
+
+        handles += [module.register_forward_pre_hook(keep), module.register_full_backward_hook(give)]
+    return handles
+
+
+def _take_sgd_momentum(optimizer) -> float:
+    """Move an SGD's momentum into the sparsifier (momentum correction): the SGD continues without it.
+
+    Returns 0 for other optimizers, which keep their own state.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return 0.0
+    groups = optimizer.param_groups
+    momenta = {g["momentum"] for g in groups}
+    if momenta == {0}:
+        return 0.0
+    if len(momenta) > 1 or any(g["nesterov"] or g["dampening"] for g in groups):
+        raise ValueError("momentum correction needs one plain momentum for all parameter groups (no nesterov, "
+                         "no dampening); pass TopkOptions(momentum_correction=False) to keep the SGD's")
+    for g in groups:
+        g["momentum"] = 0.0
+    return float(momenta.pop())

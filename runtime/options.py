@@ -1,0 +1,121 @@
+"""Typed, validated settings of each strategy: what `DistributedOptimizer(strategy=...)` accepts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DEFAULT_FUSE_BYTES = 1 << 20  # wfbp: gradients share buckets of about this size
+DEFAULT_SLICE_SIZE = 262_144  # p3: elements per slice (1 MiB of float32); BENCHMARKS.md
+OPERATORS = ("mstopk", "exact")
+GRANULARITIES = ("model", "layer")
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_fraction(name: str, value, *, allow_zero: bool = False, allow_one: bool = True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        (0 <= value if allow_zero else 0 < value) and (value <= 1 if allow_one else value < 1)
+    if not ok:
+        lo, hi = "[0" if allow_zero else "(0", "1]" if allow_one else "1)"
+        raise ValueError(f"{name} must be in {lo}, {hi}, got {value!r}")
+
+
+class StrategyOptions:
+    """Base of the option classes; `name` is the strategy they configure."""
+
+    name = "base"
+
+    def describe(self) -> str:
+        """'p3 slice_size=262144 credit=8': compared across ranks when wrapping."""
+        return " ".join([self.name] + [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)])
+
+
+@dataclass(frozen=True)
+class AllreduceOptions(StrategyOptions):
+    """One fused ring allreduce per dtype once backward is over."""
+
+    name = "allreduce"
+
+
+@dataclass(frozen=True)
+class WfbpOptions(StrategyOptions):
+    """Wait-free backprop: each bucket's allreduce starts as soon as backward has produced it.
+
+    fuse_bytes: gradients smaller than this share buckets of about this size.
+    """
+
+    fuse_bytes: int = DEFAULT_FUSE_BYTES
+    name = "wfbp"
+
+    def __post_init__(self):
+        _check_int("fuse_bytes", self.fuse_bytes, 1)
+
+
+@dataclass(frozen=True)
+class P3Options(StrategyOptions):
+    """P3: slices of slice_size elements by forward-pass priority, at most credit messages in flight."""
+
+    slice_size: int = DEFAULT_SLICE_SIZE
+    credit: int = 8
+    name = "p3"
+
+    def __post_init__(self):
+        _check_int("slice_size", self.slice_size, 1)
+        _check_int("credit", self.credit, 1)
+
+
+@dataclass(frozen=True)
+class TopkOptions(StrategyOptions):
+    """Top-k sparsification with error feedback, flat (`topk`) or hierarchical (`hier-topk`).
+
+    density: fraction of entries sent each step; error_feedback: keep what was
+    not sent for later steps; warmup_steps dense steps first, then a DGC-style
+    exponential ramp from 0.25 to density over ramp_steps; granularity
+    "model" (select over the flattened model) or "layer" (k per parameter);
+    operator "mstopk" (approximate, no sort) or "exact" (torch.topk);
+    momentum_correction: move an SGD's momentum into the sparsifier (DGC), and
+    momentum_masking: clear the velocity where entries were applied.
+    """
+
+    density: float = 0.01
+    hierarchical: bool = False
+    error_feedback: bool = True
+    warmup_steps: int = 0
+    ramp_steps: int = 0
+    granularity: str = "model"
+    operator: str = "mstopk"
+    momentum_correction: bool = True
+    momentum_masking: bool = True
+
+    def __post_init__(self):
+        _check_fraction("density", self.density)
+        _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_int("ramp_steps", self.ramp_steps, 0)
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.operator not in OPERATORS:
+            raise ValueError(f"operator must be one of {OPERATORS}, got {self.operator!r}")
+        for flag in ("hierarchical", "error_feedback", "momentum_correction", "momentum_masking"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "hier-topk" if self.hierarchical else "topk"
+
+
+OPTIONS = {"allreduce": AllreduceOptions, "wfbp": WfbpOptions, "p3": P3Options, "topk": TopkOptions,
+           "hier-topk": lambda: TopkOptions(hierarchical=True)}
+
+
+def resolve(strategy) -> StrategyOptions:
+    """A strategy name (defaults) or an options object, as an options object."""
+    if isinstance(strategy, StrategyOptions):
+        return strategy
+    if isinstance(strategy, str) and strategy in OPTIONS:
+        return OPTIONS[strategy]()
+    raise ValueError(f"unknown strategy {strategy!r}: pass one of {', '.join(OPTIONS)} or an options object "
+                     "(AllreduceOptions, WfbpOptions, P3Options, TopkOptions)")

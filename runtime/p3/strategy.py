@@ -1,0 +1,76 @@
+"""The p3 strategy: hand finished gradients to the sliced exchange, wait per layer before its next forward."""
+
+from __future__ import annotations
+
+from mpicomm.progress import ProgressThread
+from mpicomm.sliced_ps import SlicedExchange
+from mpicomm.stall import wait_until
+
+from ..strategy import Strategy, StrategyContext
+
+
+class P3Sync(Strategy):
+    """Priority-based parameter propagation over a colocated sharded parameter server (mpicomm.sliced_ps).
+
+    The exchange of a step runs on a progress thread; `step()` returns at once
+    and each layer waits only for its own slices, in its next forward pass
+    (`deferred`). Slice priorities follow the forward order learned from the
+    first forward pass (set_priorities).
+    """
+
+    name = "p3"
+    deferred = True
+
+    def __init__(self, ctx: StrategyContext):
+        super().__init__(ctx)
+        o = ctx.options
+        self.exchange = SlicedExchange(ctx.topology.world, self.buffers.flats, self.buffers.segments, o.slice_size,
+                                       o.credit, self.timeline, ctx.names)
+        self.progress = ProgressThread("mpitrain-p3")
+        self.future = None  # the exchange of the newest step on the progress thread
+        self._open = False  # gradients of the current step are being handed over
+
+    def set_priorities(self, priority: list[int]) -> None:
+        self.exchange.set_priorities(priority)
+
+    def _started(self) -> SlicedExchange:
+        ex = self.exchange
+        if not self._open:
+            if self.future is not None:
+                # The previous step reuses these buffers until it is over (usually it is: every
+                # layer waited for its slices in forward; a layer skipped this time did not).
+                fut = self.future
+                wait_until(lambda: fut.wait_done(0.05), what="the previous p3 step", blocking=True,
+                           policy=self.ctx.policy, who=f"rank {ex.rank}: ",
+                           report=lambda: ex.report(range(len(self.params))))
+                fut.wait()
+            self.future = self.progress.submit(ex.begin())
+            self._open = True
+        return ex
+
+    def grad_ready(self, i: int) -> None:
+        self._started().ready(i)
+
+    def finish(self, used, full: bool = False) -> None:
+        self._started()
+        self._open = False
+
+    def wait(self, indices) -> None:
+        if self.future is None:
+            return
+        self.exchange.wait(indices, self.ctx.policy)
+        if self.future.done():
+            self.future.wait()  # re-raises an error of the progress thread
+            self.future = None
+
+    def live_requests(self) -> int:
+        return self.exchange.live_requests()
+
+    def abort(self) -> None:
+        self.progress.abort()  # first: no poll may run while the requests are cancelled
+        self.exchange.abort()
+        self.future, self._open = None, False
+
+    def close(self) -> None:
+        self.progress.stop()
+        self.exchange.free()

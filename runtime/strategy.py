@@ -1,0 +1,111 @@
+"""The protocol between DistributedOptimizer and a synchronisation strategy, and what a strategy is given."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mpicomm import Topology
+from mpicomm.stall import StallPolicy
+
+from .grad_buffers import GradientBuffers
+
+
+@dataclass
+class StrategyContext:
+    """Everything a strategy may use; it duplicates `topology`'s communicators for its own traffic."""
+
+    topology: Topology
+    params: list[torch.nn.Parameter]
+    names: list[str]
+    buffers: GradientBuffers
+    options: object
+    timeline: object = None
+    policy: StallPolicy = field(default_factory=StallPolicy.from_env)
+    comm_hook: object = None  # (state, hook) or None
+    shard_gradients: bool = False  # PTO: leave only this rank's averaged shard (grad_shard)
+    momentum: float = 0.0  # SGD momentum moved into the strategy (sparse momentum correction)
+
+
+class Strategy:
+    """How gradients get averaged. DistributedOptimizer drives every strategy through these calls.
+
+    Per step: `grad_ready(i)` as backward finalises parameter i's gradient
+    (it sits in `ctx.buffers`), `finish(used, full)` once backward is over (`used`:
+    which parameters any rank produced a gradient for), then `wait(indices)`
+    before those parameters are updated. Class attributes say how the wrapper
+    treats the strategy:
+
+    - deferred: updates are applied per layer, just before the layer's next
+      forward (p3), rather than in step();
+    - exact: synchronous SGD on the full gradient; parameters no rank used are
+      then left alone, as one process would. A non-exact strategy reports what
+      it applied (`touched`), since delayed values can reach such parameters;
+    - hooks: accepts a DDP-style communication hook (bucketed strategies);
+    - capture: modules whose layer inputs and output gradients the strategy
+      needs (sufficient factors); the wrapper then calls `captured(k, input,
+      grad_output)` for capture[k] during backward.
+    """
+
+    name = "base"
+    deferred = False
+    exact = True
+    hooks = False
+
+    def __init__(self, ctx: StrategyContext):
+        self.ctx = ctx
+        self.params, self.buffers, self.timeline = ctx.params, ctx.buffers, ctx.timeline
+        self.size = ctx.topology.size
+        self.capture: list[torch.nn.Module] = []
+
+    def grad_ready(self, i: int) -> None:
+        """Backward produced parameter i's final gradient; the strategy may start sending it."""
+
+    def finish(self, used, full: bool = False) -> None:
+        """Backward is over and every gradient has been handed to grad_ready.
+
+        full: the caller wants every averaged gradient in .grad (synchronize()),
+        even where the strategy would otherwise leave only a shard (PTO).
+        """
+
+    def wait(self, indices) -> None:
+        """Block (under the stall policy) until these parameters' gradients are averaged."""
+
+    def touched(self):
+        """Non-exact strategies: bools, which parameters received a non-zero averaged gradient."""
+        return None
+
+    @property
+    def grad_shard(self):
+        """With ctx.shard_gradients: this rank's block of the flat averaged gradient."""
+        return None
+
+    def captured(self, k: int, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """Factors of capture[k] for this step: its input rows and its output-gradient rows."""
+
+    def state_dict(self) -> dict:
+        """{"shared": same on every rank, "local": this rank's own} (e.g. error-feedback residuals)."""
+        return {"shared": {}, "local": {}}
+
+    def load_state_dict(self, shared: dict, local: dict) -> None:
+        if shared or local:
+            raise ValueError(f"{self.name} keeps no state, but the checkpoint holds some")
+
+    def live_requests(self) -> int:
+        return 0
+
+    def abort(self) -> None:
+        """Error path: cancel what is in flight without waiting for other ranks."""
+
+    def close(self) -> None:
+        """Stop threads and free communicators (after the last step completed)."""
+
+
+def wait_handles(handles, what: str, policy: StallPolicy, rank: int, report=lambda: "") -> list:
+    """Finish these collective handles under the stall policy, progressing all of them; returns their results."""
+    from mpicomm.stall import wait_until
+
+    wait_until(lambda: all([h.test() for h in handles]), what=what, report=report, policy=policy,
+               who=f"rank {rank}: ")
+    return [h.wait() for h in handles]

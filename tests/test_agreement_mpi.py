@@ -1,0 +1,105 @@
+"""Ranks that disagree or fail: a clear error on every rank, never a hang."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import assert_everywhere
+from dp_helpers import batches, local, wrap
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+
+def model_and_opt(lr=0.05):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(11, 13), nn.Tanh(), nn.Linear(13, 5))
+    return model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+
+
+def one_step(world, model, dopt, step=0):
+    X, Y = batches(world.Get_size(), steps=step + 1)
+    r = world.Get_rank()
+    dopt.zero_grad()
+    nn.functional.cross_entropy(model(local(X[step], r)), local(Y[step], r)).backward()
+    dopt.step()
+
+
+def needs_two(world):
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+
+
+def raised_everywhere(world, fn, *patterns):
+    """fn() raises on every rank with a message matching every pattern (rank-independent)."""
+    import re
+
+    try:
+        fn()
+        message = None
+    except Exception as exc:  # noqa: BLE001 - any error type, as long as it says what happened
+        message = f"{type(exc).__name__}: {exc}"
+    ok = message is not None and all(re.search(p, message) for p in patterns)
+    assert_everywhere(world, ok, f"got {message!r}, wanted {patterns}")
+    return message
+
+
+@pytest.mark.parametrize("setting", ["strategy", "slice_size", "pto"])
+def test_one_rank_configured_differently_is_named(world, setting):
+    needs_two(world)
+    odd = world.Get_rank() == 1
+    model, opt = model_and_opt()
+    kw = {"strategy": "wfbp" if odd else "p3"} if setting == "strategy" else {"strategy": "p3"}
+    if setting == "slice_size":
+        kw["slice_size"] = 5 if odd else 7
+    if setting == "pto":
+        kw["pto"] = odd
+    strategy = kw.pop("strategy")
+    raised_everywhere(world, lambda: wrap(opt, model, strategy, **kw), "rank 0", "rank 1", setting.split("_")[0])
+
+
+def test_different_learning_rate_is_named_at_the_first_step(world):
+    needs_two(world)
+    model, opt = model_and_opt(lr=0.1 if world.Get_rank() == 1 else 0.05)
+    dopt = wrap(opt, model, "allreduce")
+    raised_everywhere(world, lambda: one_step(world, model, dopt), "lr", "0.1", "0.05", "rank 1")
+    dopt.close()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "topk"])
+def test_ranks_stepping_a_different_number_of_times(world, strategy):
+    needs_two(world)
+    model, opt = model_and_opt()
+    dopt = wrap(opt, model, strategy)
+
+    def run():
+        for step in range(3 if world.Get_rank() == 1 else 4):
+            one_step(world, model, dopt, step)
+        dopt.close()
+    raised_everywhere(world, run, "step", "rank 1", "close")
+    dopt.close()  # after the error: releases what is left, without communicating
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+def test_rank_raising_mid_step_stops_every_rank(world, strategy):
+    """Rank 1's data path fails after backward: its error reaches the others, quickly, and nobody hangs."""
+    needs_two(world)
+    model, opt = model_and_opt()
+    t0 = time.monotonic()
+
+    def run():
+        with wrap(opt, model, strategy) as dopt:
+            for step in range(5):
+                X, Y = batches(world.Get_size(), steps=step + 1)
+                r = world.Get_rank()
+                dopt.zero_grad()
+                nn.functional.cross_entropy(model(local(X[step], r)), local(Y[step], r)).backward()
+                if step == 2 and r == 1:
+                    raise OSError("disk went away")
+                dopt.step()
+    message = raised_everywhere(world, run, "disk went away")
+    assert_everywhere(world, world.Get_rank() == 1 or "rank 1" in message, message)
+    assert_everywhere(world, time.monotonic() - t0 < 30, "took 30 s or more")

@@ -1,0 +1,64 @@
+"""Forward passes that branch on data: skipped modules, rank-dependent paths, parameters no rank used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_everywhere
+from dp_helpers import Branchy, batches, close, max_diff, train
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+# Sequences of paths: 2 skips both experts, so in those steps `a` and `b` got no gradient anywhere.
+SAME = [0, 1, 2, 0, 0, 2, 1, 1, 2, 2, 0, 1, 0, 2, 1, 0, 2, 1, 0, 0]
+
+EXACT = ["allreduce", "wfbp", "p3", "allreduce+pto", "wfbp+pto", "p3+pto", "topk", "hier-topk"]
+
+
+def options(name):
+    """Keyword arguments for one strategy label; sparse ones at density 1, plain error feedback: exact."""
+    base, _, pto = name.partition("+")
+    kw = {"slice_size": 7} if base == "p3" else {}
+    if base in ("topk", "hier-topk"):
+        kw["sparse_options"] = {"density": 1.0, "momentum_correction": False}
+    if pto:
+        kw["pto"] = True
+    return base, kw
+
+
+@pytest.mark.parametrize("strategy", EXACT)
+def test_same_branch_on_every_rank_equals_one_process(world, strategy):
+    """A module skipped in a step is not updated (no gradient anywhere: weight decay and momentum leave it be)."""
+    X, Y = batches(world.Get_size())
+    path = lambda step, rank: SAME[step]  # noqa: E731
+    want = train(world, None, Branchy, path, X, Y)
+    base, kw = options(strategy)
+    got = train(world, base, Branchy, path, X, Y, **kw)
+    assert_everywhere(world, close(got, want), f"{strategy}: max difference {max_diff(got, want):.3g}")
+
+
+@pytest.mark.parametrize("strategy", EXACT)
+def test_rank_dependent_branches_equal_one_process(world, strategy):
+    """Each rank takes its own path; averaged gradients count the ranks that did not use a module as zeros."""
+    X, Y = batches(world.Get_size())
+    path = lambda step, rank: (step * 7 + rank) % 3  # noqa: E731
+    want = train(world, None, Branchy, path, X, Y)
+    base, kw = options(strategy)
+    got = train(world, base, Branchy, path, X, Y, **kw)
+    assert_everywhere(world, close(got, want), f"{strategy}: max difference {max_diff(got, want):.3g}")
+    # Every rank holds the same parameters (a rank-dependent update would make them drift apart).
+    mine = torch.cat([p.reshape(-1) for p in got])
+    first = mine.clone()
+    world.Bcast(first.numpy(), root=0)
+    assert_everywhere(world, torch.equal(mine, first), f"{strategy}: ranks' parameters differ")
+
+
+def test_first_steps_only_layer_is_left_alone_afterwards(world):
+    """A layer used only in the first steps keeps the value those steps gave it, as with one process."""
+    X, Y = batches(world.Get_size())
+    path = lambda step, rank: 0 if step < 3 else 2  # noqa: E731
+    want = train(world, None, Branchy, path, X, Y)
+    for strategy in ("allreduce", "wfbp", "p3"):
+        got = train(world, strategy, Branchy, path, X, Y, **options(strategy)[1])
+        assert_everywhere(world, close(got, want), f"{strategy}: max difference {max_diff(got, want):.3g}")
