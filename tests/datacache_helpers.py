@@ -52,3 +52,19 @@ def fresh_digests(source, pipeline, skip_unreadable: bool = True) -> list[str]:
 
 def served_digests(batches) -> list[str]:
     return [sample_digest(x.numpy(), y) for xb, yb in batches for x, y in zip(xb, yb.tolist())]
+
+
+def flip_label_byte(shard_path, position: int) -> None:
+    """Flip the low bit of one stored label in the HDF5 file on disk, where HDF5 put it; the manifest is untouched."""
+    import h5py
+
+    with h5py.File(shard_path, "r") as f:
+        labels = f["labels"]
+        c = labels.chunks[0]
+        chunk = labels.id.get_chunk_info_by_coord((position // c * c,)).byte_offset
+        offset = chunk + (position % c) * labels.dtype.itemsize  # little-endian: the label's low byte
+    with open(shard_path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))  # 3 becomes 2: a wrong label that still looks valid
