@@ -162,18 +162,21 @@ class SampleCache:
             yield torch.from_numpy(x), torch.from_numpy(self._labels[sp])
 
     def _read(self, sp: np.ndarray) -> np.ndarray:
+        """Samples at shard positions `sp`, from memory where held; counted only once read (a failed read is
+        served, and counted, from the source)."""
         m = 0 if self.memory is None else len(self.memory)
         hit = sp < m
         hits = int(hit.sum())
+        if hits == len(sp):
+            out = self.memory[sp]
+        elif hits == 0:
+            out = self.reader.read(sp)
+        else:
+            out = np.empty((len(sp), *self.reader.sample_shape), dtype=self.reader.dtype)
+            out[hit] = self.memory[sp[hit]]
+            out[~hit] = self.reader.read(sp[~hit])
         self.stats.from_memory += hits
         self.stats.from_shard += len(sp) - hits
-        if hits == len(sp):
-            return self.memory[sp]
-        if hits == 0:
-            return self.reader.read(sp)
-        out = np.empty((len(sp), *self.reader.sample_shape), dtype=self.reader.dtype)
-        out[hit] = self.memory[sp[hit]]
-        out[~hit] = self.reader.read(sp[~hit])
         return out
 
     def _decode(self, positions, sink=None):

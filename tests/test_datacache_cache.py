@@ -90,6 +90,21 @@ def test_a_corrupt_label_is_never_served_and_the_shard_is_rebuilt(source, tmp_pa
     assert rebuilt.verify() == [] and rebuilt.labels.tolist() == [source.label(int(i)) for i in rebuilt.ids]
 
 
+def test_stats_count_each_served_sample_where_it_came_from(source, tmp_path):
+    """A shard read that fails mid-epoch counts its batch once, as served from the source."""
+    c = cache(source, tmp_path)
+    c.warm()
+    c.close()
+    with h5py.File(c.path, "r+") as f:  # beyond the 20 samples held in memory: found mid-epoch
+        f["samples"][90] = f["samples"][90] + 1.0
+    c = cache(source, tmp_path, memory_bytes=20 * 64 * 4)
+    served = served_digests(epoch(c, 0))
+    s = c.stats
+    assert any("invalid" in e for e in s.events) and sorted(served) == fresh_digests(source, PIPE)
+    assert (s.from_memory, s.from_shard, s.from_source) != (0, 0, 0)
+    assert s.from_memory + s.from_shard + s.from_source == len(served), (s.from_memory, s.from_shard, s.from_source)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "foreign", "no-manifest"])
 def test_damaged_or_foreign_shards_are_rebuilt(source, tmp_path, damage):
     c = cache(source, tmp_path)
