@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import os
 
@@ -30,6 +31,23 @@ def make_png_dataset(root, n: int = 103, size: int = 8, seed: int = 0, garbage: 
         w.writerow(["filename", "label"])
         w.writerows(rows)
     return str(root)
+
+
+def write_idx(path, magic: int, dims, payload: bytes) -> None:
+    """A gzip-compressed IDX file: magic number, dimensions, then `payload` (which need not match them)."""
+    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in dims)
+    with gzip.open(path, "wb") as f:
+        f.write(header + payload)
+
+
+def write_idx_pair(root, n: int = 5, prefix: str = "train"):
+    """A valid split of n random 28x28 images in root, as Fashion-MNIST names it; returns (images, labels)."""
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, n, dtype=np.uint8)
+    write_idx(root / f"{prefix}-images-idx3-ubyte.gz", 2051, images.shape, images.tobytes())
+    write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", 2049, labels.shape, labels.tobytes())
+    return images, labels
 
 
 def sample_digest(x, y) -> str:
