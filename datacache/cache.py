@@ -62,6 +62,7 @@ class SampleCache:
         self.stats = CacheStats()
         self.reader: ShardReader | None = None
         self.memory: np.ndarray | None = None  # shard positions [0, len(memory)) held in RAM
+        self._labels: np.ndarray | None = None  # every shard position's label, checked at open (8 bytes each)
         self._shard_pos: np.ndarray | None = None  # this rank's position -> shard position (-1: skipped)
         self.path = None
         self.disabled = None
@@ -104,7 +105,8 @@ class SampleCache:
         try:
             where = {int(i): p for p, i in enumerate(reader.ids)}
             self._shard_pos = np.array([where.get(int(i), -1) for i in self.ids], dtype=np.int64)
-            self.reader = reader
+            # Read here, inside the fall-back: a label that fails its checksum rebuilds the shard before it is served.
+            self.reader, self._labels = reader, reader.labels
             fit = min(len(reader), self.memory_bytes // max(1, reader.sample_bytes))
             self.memory = reader.read(np.arange(fit)) if fit else None  # checksums verified on the way in
         except ShardError as exc:
@@ -115,7 +117,7 @@ class SampleCache:
         self._event(f"shard invalid ({why}); serving from the source and rebuilding")
         if self.reader is not None:
             self.reader.close()
-        self.reader, self.memory, self._shard_pos = None, None, None
+        self.reader, self.memory, self._labels, self._shard_pos = None, None, None, None
         self._remove()
 
     def _remove(self) -> None:
@@ -157,21 +159,24 @@ class SampleCache:
                 self._invalidate(str(exc))
                 yield self._decode(positions)
                 continue
-            yield torch.from_numpy(x), torch.from_numpy(self.reader.labels[sp])
+            yield torch.from_numpy(x), torch.from_numpy(self._labels[sp])
 
     def _read(self, sp: np.ndarray) -> np.ndarray:
+        """Samples at shard positions `sp`, from memory where held; counted only once read (a failed read is
+        served, and counted, from the source)."""
         m = 0 if self.memory is None else len(self.memory)
         hit = sp < m
         hits = int(hit.sum())
+        if hits == len(sp):
+            out = self.memory[sp]
+        elif hits == 0:
+            out = self.reader.read(sp)
+        else:
+            out = np.empty((len(sp), *self.reader.sample_shape), dtype=self.reader.dtype)
+            out[hit] = self.memory[sp[hit]]
+            out[~hit] = self.reader.read(sp[~hit])
         self.stats.from_memory += hits
         self.stats.from_shard += len(sp) - hits
-        if hits == len(sp):
-            return self.memory[sp]
-        if hits == 0:
-            return self.reader.read(sp)
-        out = np.empty((len(sp), *self.reader.sample_shape), dtype=self.reader.dtype)
-        out[hit] = self.memory[sp[hit]]
-        out[~hit] = self.reader.read(sp[~hit])
         return out
 
     def _decode(self, positions, sink=None):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from .cache import SampleCache
 from .partition import epoch_batches
+from .shard import ShardError
 
 
 class CachedDataset(Dataset):
@@ -17,13 +17,19 @@ class CachedDataset(Dataset):
     reader reopens its HDF5 file on first use in the worker (serial HDF5
     handles must not cross fork or pickle). The memory level stays in the
     main process's `SampleCache.batches`: copying it into every worker
-    would multiply its size by the number of workers.
+    would multiply its size by the number of workers. Labels come from
+    the cache's copy, checked when it opened the shard.
+
+    A sample that fails its checksum is decoded from the source, and so is
+    everything this worker serves after it. A worker cannot invalidate the
+    shard for the main process: `SampleCache.batches` does, and rebuilds it,
+    when it reads the damage itself.
     """
 
     def __init__(self, cache: SampleCache):
         self.ids = cache.ids
         self.source, self.pipeline = cache.source, cache.pipeline
-        self.reader = cache.reader
+        self.reader, self.labels = cache.reader, cache._labels
         self.shard_pos = cache._shard_pos
 
     def __len__(self) -> int:
@@ -31,8 +37,11 @@ class CachedDataset(Dataset):
 
     def __getitem__(self, p: int):
         if self.reader is not None and self.shard_pos[p] >= 0:
-            sp = np.array([self.shard_pos[p]])
-            return torch.from_numpy(self.reader.read(sp)[0]), int(self.reader.labels[sp[0]])
+            sp = int(self.shard_pos[p])
+            try:
+                return torch.from_numpy(self.reader.read([sp])[0]), int(self.labels[sp])
+            except ShardError:
+                self.reader = None
         i = int(self.ids[p])
         return torch.from_numpy(self.pipeline.apply(self.source.raw(i), self.source.name(i))), self.source.label(i)
 

@@ -8,7 +8,8 @@ import sys
 
 from PIL import Image
 
-from .sources import FASHION_ROOT, IdxSource
+from .idx import FASHION_ROOT
+from .sources import IdxSource
 
 
 def _progress(total: int, desc: str, enabled: bool):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import glob
-import gzip
 import hashlib
 import json
 import operator
@@ -13,11 +12,9 @@ import threading
 
 import numpy as np
 
+from .idx import FASHION_ROOT, fashion_mnist_files, read_data, read_labelled
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
-IMAGE_MAGIC = 2051  # IDX: unsigned bytes, 3 dimensions (count, rows, cols)
-LABEL_MAGIC = 2049  # IDX: unsigned bytes, 1 dimension (count)
-FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
-_FASHION_PREFIX = {"train": "train", "test": "t10k"}
 
 
 class UnreadableSample(Exception):
@@ -197,75 +194,21 @@ class LabelsCsvSource(_FileSource):
                 f" ({self.unlabelled} images without a label)")
 
 
-def _open_idx(path: str):
-    """A binary file object for a plain or gzip-compressed IDX file (decided by content, not by name)."""
-    with open(path, "rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rb") if gz else open(path, "rb")
-
-
-def _idx_header(path: str, magic: int, ndim: int) -> tuple[int, ...]:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"IDX file {path} not found")
-    want = 4 * (1 + ndim)
-    try:
-        with _open_idx(path) as f:
-            head = f.read(want)
-    except (OSError, EOFError) as e:
-        raise ValueError(f"{path}: unreadable IDX file ({e})") from e
-    if len(head) < want:
-        raise ValueError(f"{path}: truncated IDX header ({len(head)} bytes, need {want})")
-    found = int.from_bytes(head[:4], "big")
-    if found != magic:
-        raise ValueError(f"{path}: bad IDX magic number {found:#010x}, expected {magic:#010x}")
-    return tuple(int.from_bytes(head[4 * k:4 * k + 4], "big") for k in range(1, ndim + 1))
-
-
-def _idx_body(path: str, dims: tuple[int, ...]) -> np.ndarray:
-    try:
-        with _open_idx(path) as f:
-            data = f.read()
-    except (OSError, EOFError) as e:
-        raise ValueError(f"{path}: unreadable IDX file ({e})") from e
-    header, size = 4 * (1 + len(dims)), int(np.prod(dims))
-    if len(data) - header != size:
-        state = "truncated" if len(data) - header < size else "has trailing bytes"
-        raise ValueError(f"{path}: IDX data {state}: header says {dims} = {size} bytes, file holds {len(data) - header}")
-    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)  # read-only view
-
-
 class IdxSource(Source):
     """Images and labels from a pair of IDX files (plain or gzip); images are decompressed on first raw()."""
 
     def __init__(self, images_path: str, labels_path: str, tag: str | None = None):
         self.images_path, self.labels_path = os.path.abspath(images_path), os.path.abspath(labels_path)
         self.tag = tag or os.path.basename(images_path).split("-")[0]
-        self._dims = _idx_header(self.images_path, IMAGE_MAGIC, 3)
-        n_labels = _idx_header(self.labels_path, LABEL_MAGIC, 1)[0]
-        if self._dims[0] != n_labels:
-            raise ValueError(f"{self.images_path} holds {self._dims[0]} images but {self.labels_path} "
-                             f"holds {n_labels} labels")
-        if n_labels == 0:
-            raise ValueError(f"IdxSource: no samples in {self.images_path}")
         # Labels are small: read now. Images (47 MB for Fashion-MNIST) wait until needed, so that
         # open + fingerprint stays cheap when a cache already holds the preprocessed samples.
-        self._labels = _idx_body(self.labels_path, (n_labels,))
+        self._dims, self._labels = read_labelled(self.images_path, self.labels_path)
         self._images = None
         self._lock = threading.Lock()
 
     @classmethod
     def fashion_mnist(cls, split: str = "train", root: str = FASHION_ROOT) -> "IdxSource":
-        if split not in _FASHION_PREFIX:
-            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-        prefix = os.path.join(root, _FASHION_PREFIX[split])
-        paths = []
-        for kind in ("images-idx3-ubyte", "labels-idx1-ubyte"):
-            found = [p for p in (f"{prefix}-{kind}.gz", f"{prefix}-{kind}") if os.path.isfile(p)]
-            if not found:
-                raise FileNotFoundError(f"Fashion-MNIST file {prefix}-{kind}[.gz] not found; install the dataset "
-                                        f"with `apt-get install dataset-fashion-mnist` or pass root=")
-            paths.append(found[0])
-        return cls(paths[0], paths[1], tag=split)
+        return cls(*fashion_mnist_files(split, root), tag=split)
 
     @property
     def image_shape(self) -> tuple[int, int]:
@@ -275,7 +218,7 @@ class IdxSource(Source):
         if self._images is None:
             with self._lock:  # prefetch threads may ask at once; decompress only once
                 if self._images is None:
-                    self._images = _idx_body(self.images_path, self._dims)
+                    self._images = read_data(self.images_path, self._dims)
         return self._images
 
     def __getstate__(self):

@@ -86,6 +86,7 @@ def load_data(args, rank):
     """(train inputs, train targets, test inputs, test targets); inputs are tuples of tensors: model(*inputs)."""
     import torch
 
+    from datacache.idx import load_fashion_mnist
     from runtime import data as D
     from runtime.models import input_shape, model_input
 
@@ -94,11 +95,11 @@ def load_data(args, rank):
         tx, ty = model_input(args.model, max(256, args.synthetic_samples // 8), args.seed + 1)
         return x, y, tx, ty
     shape = input_shape(args.model)
-    txs, tys = D.load_fashion_mnist("test")
+    txs, tys = load_fashion_mnist("test")
     test = (D.to_tensor(txs, shape),), torch.as_tensor(tys)
     if args.cache_dir:  # the training set comes through the cache
         return (None, None, *test)
-    xs, ys = D.load_fashion_mnist("train")
+    xs, ys = load_fashion_mnist("train")
     return (D.to_tensor(xs, shape),), torch.as_tensor(ys), *test
 
 

@@ -1,72 +1,19 @@
-"""Datasets (Fashion-MNIST from IDX files, synthetic tasks) and the deterministic per-rank batch plan."""
+"""Data as models take it: normalized, shaped images, synthetic tasks, the per-rank BatchPlan; datacache reads files."""
 
 from __future__ import annotations
-
-import gzip
-import os
-import zlib
 
 import numpy as np
 import torch
 
-DEFAULT_FASHION_ROOT = "/usr/share/datasets/fashion-mnist"
 FASHION_MEAN = 0.2860
 FASHION_STD = 0.3530
-IMAGE_MAGIC = 2051  # 0x00000803: unsigned bytes, 3 dimensions
-LABEL_MAGIC = 2049  # 0x00000801: unsigned bytes, 1 dimension
-_SPLIT_PREFIX = {"train": "train", "test": "t10k"}
 
 # Token ids reserved by the synthetic seq2seq task; content tokens are FIRST_TOKEN..vocab-1.
 PAD, BOS = 0, 1
 FIRST_TOKEN = 2
 
 
-# ----------------------------------------------------------------------------- Fashion-MNIST
-
-def _read_idx(path: str, magic: int, ndim: int) -> np.ndarray:
-    """Read one gzip-compressed IDX file of unsigned bytes, checking its header against its size."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"Fashion-MNIST file {path} not found; install the dataset with "
-            f"`apt-get install dataset-fashion-mnist` (as root), or pass root= pointing at the IDX files")
-    try:
-        with gzip.open(path, "rb") as f:
-            raw = f.read()
-    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError; a cut stream is an EOFError
-        raise ValueError(f"{path}: not a readable gzip file ({e})") from e
-    header = 4 * (1 + ndim)
-    if len(raw) < header:
-        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes, need {header})")
-    found = int.from_bytes(raw[:4], "big")
-    if found != magic:
-        raise ValueError(f"{path}: bad IDX magic number {found}, expected {magic}")
-    dims = tuple(int(d) for d in np.frombuffer(raw, dtype=">u4", count=ndim, offset=4))
-    size = int(np.prod(dims))
-    if len(raw) - header != size:
-        state = "truncated" if len(raw) - header < size else "has trailing bytes"
-        raise ValueError(f"{path}: IDX data {state}: header says {dims} = {size} bytes, "
-                         f"file holds {len(raw) - header}")
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
-
-
-def load_fashion_mnist(split: str = "train", root: str = DEFAULT_FASHION_ROOT) -> tuple[np.ndarray, np.ndarray]:
-    """Images uint8 [N, 28, 28] and labels int64 [N] of one split ("train" or "test")."""
-    if split not in _SPLIT_PREFIX:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    prefix = os.path.join(root, _SPLIT_PREFIX[split])
-    image_path = f"{prefix}-images-idx3-ubyte.gz"
-    label_path = f"{prefix}-labels-idx1-ubyte.gz"
-    images = _read_idx(image_path, IMAGE_MAGIC, 3)
-    labels = _read_idx(label_path, LABEL_MAGIC, 1)
-    if images.shape[1:] != (28, 28):
-        raise ValueError(f"{image_path}: images are {images.shape[1]}x{images.shape[2]}, expected 28x28")
-    if len(images) != len(labels):
-        raise ValueError(f"{image_path} holds {len(images)} images but {label_path} holds {len(labels)} labels")
-    if labels.size and labels.max() > 9:
-        raise ValueError(f"{label_path}: label {int(labels.max())} out of range 0..9")
-    # frombuffer views are read-only; copy into ordinary writable arrays.
-    return images.copy(), labels.astype(np.int64)
-
+# ----------------------------------------------------------------------------- images
 
 def to_tensor(images, shape: tuple[int, ...]) -> torch.Tensor:
     """Normalize uint8 images [N, 28, 28] to float32 and shape them for a model input.

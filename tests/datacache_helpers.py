@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import os
 
@@ -32,6 +33,23 @@ def make_png_dataset(root, n: int = 103, size: int = 8, seed: int = 0, garbage: 
     return str(root)
 
 
+def write_idx(path, magic: int, dims, payload: bytes) -> None:
+    """A gzip-compressed IDX file: magic number, dimensions, then `payload` (which need not match them)."""
+    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in dims)
+    with gzip.open(path, "wb") as f:
+        f.write(header + payload)
+
+
+def write_idx_pair(root, n: int = 5, prefix: str = "train"):
+    """A valid split of n random 28x28 images in root, as Fashion-MNIST names it; returns (images, labels)."""
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, n, dtype=np.uint8)
+    write_idx(root / f"{prefix}-images-idx3-ubyte.gz", 2051, images.shape, images.tobytes())
+    write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", 2049, labels.shape, labels.tobytes())
+    return images, labels
+
+
 def sample_digest(x, y) -> str:
     return hashlib.sha1(np.ascontiguousarray(x).tobytes() + int(y).to_bytes(8, "little")).hexdigest()
 
@@ -52,3 +70,19 @@ def fresh_digests(source, pipeline, skip_unreadable: bool = True) -> list[str]:
 
 def served_digests(batches) -> list[str]:
     return [sample_digest(x.numpy(), y) for xb, yb in batches for x, y in zip(xb, yb.tolist())]
+
+
+def flip_label_byte(shard_path, position: int) -> None:
+    """Flip the low bit of one stored label in the HDF5 file on disk, where HDF5 put it; the manifest is untouched."""
+    import h5py
+
+    with h5py.File(shard_path, "r") as f:
+        labels = f["labels"]
+        c = labels.chunks[0]
+        chunk = labels.id.get_chunk_info_by_coord((position // c * c,)).byte_offset
+        offset = chunk + (position % c) * labels.dtype.itemsize  # little-endian: the label's low byte
+    with open(shard_path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))  # 3 becomes 2: a wrong label that still looks valid

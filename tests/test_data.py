@@ -1,102 +1,13 @@
-"""Fashion-MNIST IDX loading, preprocessing, synthetic tasks and the per-rank BatchPlan (serial, no MPI)."""
+"""Preprocessing for models, synthetic tasks and the per-rank BatchPlan (serial, no MPI); IDX: test_datacache_idx."""
 
 from __future__ import annotations
-
-import gzip
-import os
-import re
 
 import numpy as np
 import pytest
 import torch
 
-from runtime.data import (BOS, DEFAULT_FASHION_ROOT, FASHION_MEAN, FASHION_STD, FIRST_TOKEN, BatchPlan,
-                          load_fashion_mnist, synthetic_classification, synthetic_seq2seq, to_tensor)
-
-REAL = os.path.isfile(os.path.join(DEFAULT_FASHION_ROOT, "t10k-labels-idx1-ubyte.gz"))
-
-
-def write_idx(path, magic: int, dims, payload: bytes) -> None:
-    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in dims)
-    with gzip.open(path, "wb") as f:
-        f.write(header + payload)
-
-
-def write_split(root, n=5, prefix="train", images=None, labels=None):
-    """A valid small split; returns the arrays written."""
-    rng = np.random.default_rng(0)
-    images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8) if images is None else images
-    labels = rng.integers(0, 10, n, dtype=np.uint8) if labels is None else labels
-    write_idx(root / f"{prefix}-images-idx3-ubyte.gz", 2051, images.shape, images.tobytes())
-    write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", 2049, labels.shape, labels.tobytes())
-    return images, labels
-
-
-# ----------------------------------------------------------------------------- IDX loading
-
-def test_small_idx_roundtrip(tmp_path):
-    images, labels = write_split(tmp_path, n=7, prefix="t10k")
-    x, y = load_fashion_mnist("test", root=str(tmp_path))
-    assert x.dtype == np.uint8 and x.shape == (7, 28, 28) and x.flags.writeable
-    assert y.dtype == np.int64 and y.shape == (7,)
-    np.testing.assert_array_equal(x, images)
-    np.testing.assert_array_equal(y, labels)
-
-
-@pytest.mark.parametrize("which,magic,dims,payload,match", [
-    ("images", 2049, (3, 28, 28), bytes(3 * 784), "bad IDX magic number 2049, expected 2051"),
-    ("labels", 2051, (3,), bytes(3), "bad IDX magic number 2051, expected 2049"),
-    ("images", 2051, (3, 28, 28), bytes(3 * 784 - 10), "truncated"),
-    ("labels", 2049, (3,), bytes(2), "truncated"),
-    ("images", 2051, (3, 28, 28), bytes(3 * 784 + 1), "trailing bytes"),
-    ("images", 2051, (3, 27, 28), bytes(3 * 27 * 28), "27x28, expected 28x28"),
-    ("labels", 2049, (4,), bytes(4), "holds 3 images but .* holds 4 labels"),
-    ("labels", 2049, (3,), bytes([0, 1, 12]), "label 12 out of range"),
-])
-def test_corrupt_files_are_named(tmp_path, which, magic, dims, payload, match):
-    write_split(tmp_path, n=3)
-    path = tmp_path / f"train-{which}-idx{3 if which == 'images' else 1}-ubyte.gz"
-    write_idx(path, magic, dims, payload)
-    with pytest.raises(ValueError, match=match) as err:
-        load_fashion_mnist("train", root=str(tmp_path))
-    assert "ubyte.gz" in str(err.value)
-
-
-def test_truncated_header_and_not_gzip(tmp_path):
-    write_split(tmp_path, n=3)
-    images = tmp_path / "train-images-idx3-ubyte.gz"
-    with gzip.open(images, "wb") as f:
-        f.write((2051).to_bytes(4, "big") + (3).to_bytes(4, "big"))
-    with pytest.raises(ValueError, match="truncated IDX header"):
-        load_fashion_mnist("train", root=str(tmp_path))
-    images.write_bytes(b"this is not gzip at all")
-    with pytest.raises(ValueError, match=re.escape(f"{images}: not a readable gzip file")):
-        load_fashion_mnist("train", root=str(tmp_path))
-    images.write_bytes(gzip.compress(bytes(500))[:20])  # gzip stream cut short
-    with pytest.raises(ValueError, match="not a readable gzip file"):
-        load_fashion_mnist("train", root=str(tmp_path))
-
-
-def test_missing_files_say_how_to_install(tmp_path):
-    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist") as err:
-        load_fashion_mnist("train", root=str(tmp_path / "nowhere"))
-    assert "train-images-idx3-ubyte.gz" in str(err.value)
-    write_split(tmp_path, n=2)
-    (tmp_path / "train-labels-idx1-ubyte.gz").unlink()
-    with pytest.raises(FileNotFoundError, match="train-labels-idx1-ubyte.gz"):
-        load_fashion_mnist("train", root=str(tmp_path))
-    with pytest.raises(ValueError, match="split must be"):
-        load_fashion_mnist("validation", root=str(tmp_path))
-
-
-@pytest.mark.skipif(not REAL, reason=f"Fashion-MNIST not installed in {DEFAULT_FASHION_ROOT}")
-def test_real_fashion_mnist():
-    for split, n in (("train", 60000), ("test", 10000)):
-        x, y = load_fashion_mnist(split)
-        assert x.shape == (n, 28, 28) and x.dtype == np.uint8
-        assert y.shape == (n,) and y.dtype == np.int64
-        assert np.bincount(y).tolist() == [n // 10] * 10  # both splits are class-balanced
-    assert abs(x.mean() / 255 - FASHION_MEAN) < 0.01 and abs(x.std() / 255 - FASHION_STD) < 0.01
+from runtime.data import (BOS, FASHION_MEAN, FASHION_STD, FIRST_TOKEN, BatchPlan, synthetic_classification,
+                          synthetic_seq2seq, to_tensor)
 
 
 # ----------------------------------------------------------------------------- preprocessing

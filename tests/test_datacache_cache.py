@@ -14,7 +14,7 @@ import torch
 from datacache import CachedDataset, EpochBatchSampler, Pipeline, SampleCache
 from datacache.shard import shard_lock
 from datacache.sources import LabelsCsvSource, UnreadableSample
-from datacache_helpers import fresh_digests, make_png_dataset, served_digests
+from datacache_helpers import flip_label_byte, fresh_digests, make_png_dataset, served_digests
 
 PIPE = Pipeline(mode="L", mean=(0.5,), std=(0.25,))
 
@@ -73,6 +73,36 @@ def test_corrupt_sample_is_never_served_and_the_shard_is_rebuilt(source, tmp_pat
     assert any("invalid" in e for e in c.stats.events)
     epoch(c, 1)  # rebuilds
     assert c.state == "warm" and cache(source, tmp_path).reader.verify() == []
+
+
+@pytest.mark.parametrize("memory_bytes", [0, 256 << 20])  # labels of shard reads and of memory hits
+def test_a_corrupt_label_is_never_served_and_the_shard_is_rebuilt(source, tmp_path, memory_bytes):
+    c = cache(source, tmp_path, memory_bytes=memory_bytes)
+    c.warm()
+    c.close()
+    flip_label_byte(c.path, 5)
+    want = fresh_digests(source, PIPE)  # a digest covers the label
+    c = cache(source, tmp_path, memory_bytes=memory_bytes)
+    for e in range(3):  # from the source while the shard is rebuilt, then from the new shard
+        assert sorted(served_digests(epoch(c, e))) == want, f"epoch {e}"
+    assert any("invalid" in e for e in c.stats.events) and c.state == "warm"
+    rebuilt = cache(source, tmp_path).reader
+    assert rebuilt.verify() == [] and rebuilt.labels.tolist() == [source.label(int(i)) for i in rebuilt.ids]
+
+
+def test_stats_count_each_served_sample_where_it_came_from(source, tmp_path):
+    """A shard read that fails mid-epoch counts its batch once, as served from the source."""
+    c = cache(source, tmp_path)
+    c.warm()
+    c.close()
+    with h5py.File(c.path, "r+") as f:  # beyond the 20 samples held in memory: found mid-epoch
+        f["samples"][90] = f["samples"][90] + 1.0
+    c = cache(source, tmp_path, memory_bytes=20 * 64 * 4)
+    served = served_digests(epoch(c, 0))
+    s = c.stats
+    assert any("invalid" in e for e in s.events) and sorted(served) == fresh_digests(source, PIPE)
+    assert (s.from_memory, s.from_shard, s.from_source) != (0, 0, 0)
+    assert s.from_memory + s.from_shard + s.from_source == len(served), (s.from_memory, s.from_shard, s.from_source)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "foreign", "no-manifest"])
@@ -153,6 +183,21 @@ def test_dataloader_workers_give_the_same_batches(source, tmp_path, warm):
     want = epoch(c, 3, batch=16)
     assert len(got) == len(want)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("damage", ["label", "sample"])
+def test_dataloader_workers_serve_a_corrupt_shard_from_the_source(source, tmp_path, damage):
+    c = cache(source, tmp_path, memory_bytes=0)
+    c.warm()
+    c.close()
+    if damage == "label":
+        flip_label_byte(c.path, 5)
+    else:
+        with h5py.File(c.path, "r+") as f:
+            f["samples"][5] = f["samples"][5] + 1.0
+    c = cache(source, tmp_path, memory_bytes=0)
+    loader = torch.utils.data.DataLoader(CachedDataset(c), batch_sampler=EpochBatchSampler(c, 16), num_workers=1)
+    assert sorted(served_digests(loader)) == fresh_digests(source, PIPE)
 
 
 def test_bad_arguments(source, tmp_path):

@@ -7,7 +7,7 @@ import pytest
 from conftest import assert_everywhere
 from datacache import Pipeline, SampleCache
 from datacache.sources import LabelsCsvSource
-from datacache_helpers import fresh_digests, make_png_dataset, served_digests
+from datacache_helpers import flip_label_byte, fresh_digests, make_png_dataset, served_digests
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -69,3 +69,39 @@ def test_one_rank_corrupt_shard_and_a_changed_pipeline(world, shared_dir):
     everyone = sorted(d for part in world.allgather(served_digests(loader)) for d in part)
     assert_everywhere(world, cold and everyone == fresh_digests(source, other), "stale samples after a change")
     cache.close(), fresh.close()
+
+
+def test_one_rank_corrupt_label_is_served_from_the_source_and_rebuilt(world, shared_dir):
+    """A flipped label byte in rank 1's shard: no rank fails or waits, no wrong label is served, it is rebuilt."""
+    import torch
+
+    from datacache import CachedDataset, EpochBatchSampler
+    from datacache.shard import ShardError
+
+    source = LabelsCsvSource(f"{shared_dir}/src")
+    r, P = world.Get_rank(), world.Get_size()
+    where = f"{shared_dir}/cache3"
+    SampleCache(source, PIPE, where, r, P, log=lambda *a: None).warm()
+    victim = min(1, P - 1)
+    if r == victim:
+        flip_label_byte(SampleCache(source, PIPE, where, r, P, log=lambda *a: None).path, 2)
+    world.Barrier()
+    want = fresh_digests(source, PIPE)
+    cache = SampleCache(source, PIPE, where, r, P, log=lambda *a: None)
+    loader = torch.utils.data.DataLoader(CachedDataset(cache), batch_sampler=EpochBatchSampler(cache, 8),
+                                         num_workers=1)
+    for name, batches in [("workers", lambda: loader)] + [(f"epoch {e}", lambda e=e: cache.batches(e, 8))
+                                                            for e in range(3)]:
+        try:  # a rank that raised alone would leave the others waiting in the allgather
+            served, problem = served_digests(batches()), ""
+        except (ShardError, RuntimeError) as exc:
+            served, problem = [], f"{type(exc).__name__}: {exc}"
+        everyone = sorted(d for part in world.allgather(served) for d in part)
+        assert_everywhere(world, not problem and everyone == want, f"{name}: {problem or 'wrong samples served'}")
+    s = cache.stats
+    counted = s.from_memory + s.from_shard + s.from_source
+    rebuilt = r != victim or any("invalid" in e for e in s.events)
+    assert_everywhere(world, rebuilt and cache.state == "warm" and counted == 3 * len(cache.ids),
+                      f"state {cache.state}, counted {counted} for {3 * len(cache.ids)} served, events {s.events}")
+    assert_everywhere(world, cache.reader.verify() == [], "the rebuilt shard does not verify")
+    cache.close()

@@ -18,6 +18,7 @@ import pytest
 
 from datacache.shard import (FORMAT_VERSION, ShardError, ShardLockBusy, ShardReader, ShardWriter, check_writable,
                              manifest_path, shard_lock)
+from datacache_helpers import flip_label_byte
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 META = {"pipeline": "p-abc123", "source": "fmnist-train-v1", "partition": [3, 8]}
@@ -170,6 +171,17 @@ def test_flipped_byte_is_found(tmp_path):
     np.testing.assert_array_equal(r.read([3, 138, 136]), data[[3, 138, 136]])
     assert not np.array_equal(r.read([victim], verify=False), data[[victim]])
     assert pickle.loads(pickle.dumps(e.value)).reason == "corrupt"
+
+
+def test_flipped_label_byte_is_found(tmp_path):
+    path = str(tmp_path / "s.h5")
+    write_shard(path, samples(300, (3, 8, 8), np.uint8))
+    flip_label_byte(path, 201)
+    r = ShardReader(path, META)  # same size: the manifest cannot tell
+    for look in (lambda: r.labels, r.verify):
+        with pytest.raises(ShardError, match="'labels' does not match") as e:
+            look()
+        assert e.value.reason == "corrupt"
 
 
 def test_foreign(tmp_path):

@@ -14,9 +14,10 @@ import pytest
 from PIL import Image
 
 from datacache.export import export_idx_to_png
+from datacache.idx import FASHION_ROOT
 from datacache.pipeline import Pipeline
-from datacache.sources import (FASHION_ROOT, IdxSource, ImageFolderSource, LabelsCsvSource, UnreadableSample,
-                               open_source)
+from datacache.sources import IdxSource, ImageFolderSource, LabelsCsvSource, UnreadableSample, open_source
+from datacache_helpers import write_idx, write_idx_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REAL = os.path.isfile(os.path.join(FASHION_ROOT, "t10k-labels-idx1-ubyte.gz"))
@@ -35,21 +36,6 @@ def png_bytes(array: np.ndarray) -> bytes:
 def write_image(path, array: np.ndarray, fmt: str = "PNG") -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     Image.fromarray(array).save(path, format=fmt)
-
-
-def write_idx(path, magic: int, dims, payload: bytes) -> None:
-    header = magic.to_bytes(4, "big") + b"".join(int(d).to_bytes(4, "big") for d in dims)
-    with gzip.open(path, "wb") as f:
-        f.write(header + payload)
-
-
-def write_idx_pair(root, n: int = 5, prefix: str = "train"):
-    rng = np.random.default_rng(1)
-    images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
-    labels = rng.integers(0, 10, n, dtype=np.uint8)
-    write_idx(root / f"{prefix}-images-idx3-ubyte.gz", 2051, images.shape, images.tobytes())
-    write_idx(root / f"{prefix}-labels-idx1-ubyte.gz", 2049, labels.shape, labels.tobytes())
-    return images, labels
 
 
 def make_folder(root):

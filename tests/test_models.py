@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.data import DEFAULT_FASHION_ROOT, BatchPlan, load_fashion_mnist, to_tensor
+from datacache.idx import FASHION_ROOT, load_fashion_mnist
+from runtime.data import BatchPlan, to_tensor
 from runtime.models import MODELS, build_model, input_shape, loss_fn, model_input
 
 torch.set_num_threads(1)
@@ -157,7 +158,7 @@ def test_loss_is_mean_cross_entropy_over_tokens():
     assert torch.allclose(loss_fn("transformer")(logits, target), manual)
 
 
-@pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_FASHION_ROOT, "train-images-idx3-ubyte.gz")),
+@pytest.mark.skipif(not os.path.isfile(os.path.join(FASHION_ROOT, "train-images-idx3-ubyte.gz")),
                     reason="Fashion-MNIST not installed")
 def test_mlp_learns_fashion_mnist_in_two_epochs():
     """The 784-256-10 MLP with plain SGD (lr 0.1, batch 64) passes 84 % test accuracy after 2 epochs."""
