@@ -122,7 +122,8 @@ class StepCheck:
         recvs = [log.irecv(self.comm, [table[r], MPI.BYTE], r, _TAG_UP) for r in range(1, self.size)]
 
         def missing() -> str:
-            late = [r + 1 for r, req in enumerate(recvs) if req]
+            # Testall leaves every request untouched unless all completed: ask each one.
+            late = [r + 1 for r, req in enumerate(recvs) if not req.Test()]
             return f"rank(s) {late} have not reached this point (step {step}); the others wait for them"
         try:
             wait_until(lambda: MPI.Request.Testall(recvs), what=f"agreement on step {step}", report=missing,

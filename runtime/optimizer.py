@@ -121,7 +121,7 @@ class DistributedOptimizer:
         self._comm_hook = None
         ctx = StrategyContext(self.topology, self.params, self.names, self.buffers, self.options, self.timeline,
                               self.policy, None, shard_gradients=pto and self.options.name == "allreduce",
-                              momentum=self.moved_momentum)
+                              momentum=self.moved_momentum, model=self.model)
         self.strategy = cls(ctx)
         self.check = StepCheck(self.comm, len(self.params), self.policy)
         self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy)
@@ -427,9 +427,12 @@ class DistributedOptimizer:
                 h.remove()
         if self.failed is None:
             self.strategy.close()
-        if self.pto is not None:
-            self.pto.close()
-        self.check.free()
+            if self.pto is not None:
+                self.pto.close()
+            self.check.free()
+        # After a failure the strategy's and the agreement's communicators are deliberately not freed:
+        # messages other ranks sent before they learnt of the failure may still arrive, and MPI may
+        # reuse a freed communicator's context for the next one, which would then receive them.
         self._release_topology()
 
     def _release_topology(self) -> None:
@@ -464,18 +467,21 @@ class DistributedOptimizer:
 
 
 def _capture(strategy) -> list:
-    """Forward and backward hooks on the modules whose sufficient factors the strategy asked for."""
+    """Forward hooks on the modules whose sufficient factors the strategy asked for.
+
+    The output-gradient rows come from a hook on the layer's output tensor:
+    they arrive as soon as backward reaches the layer, before its weight
+    gradient is computed (and without the module-level backward hooks, which
+    warn on a first layer whose input needs no gradient).
+    """
     handles = []
     for k, module in enumerate(strategy.capture):
-        inputs = {}
+        def keep(mod, args, output, k=k):
+            if output.requires_grad:
+                rows = args[0].detach()
+                output.register_hook(lambda grad, rows=rows: strategy.captured(k, rows, grad.detach()))
 
-        def keep(mod, args, k=k, inputs=inputs):
-            inputs[k] = args[0].detach()
-
-        def give(mod, grad_input, grad_output, k=k, inputs=inputs):
-            strategy.captured(k, inputs.pop(k), grad_output[0].detach())
-
-        handles += [module.register_forward_pre_hook(keep), module.register_full_backward_hook(give)]
+        handles.append(module.register_forward_hook(keep))
     return handles
 
 

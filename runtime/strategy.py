@@ -26,6 +26,7 @@ class StrategyContext:
     comm_hook: object = None  # (state, hook) or None
     shard_gradients: bool = False  # PTO: leave only this rank's averaged shard (grad_shard)
     momentum: float = 0.0  # SGD momentum moved into the strategy (sparse momentum correction)
+    model: torch.nn.Module | None = None  # for strategies that pick layers (sufficient factors)
 
 
 class Strategy:

@@ -10,6 +10,8 @@ import torch.nn as nn
 
 from conftest import assert_everywhere
 from dp_helpers import batches, local, wrap
+from mpicomm.requests import live_requests
+from runtime import StallPolicy
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -103,3 +105,28 @@ def test_rank_raising_mid_step_stops_every_rank(world, strategy):
     message = raised_everywhere(world, run, "disk went away")
     assert_everywhere(world, world.Get_rank() == 1 or "rank 1" in message, message)
     assert_everywhere(world, time.monotonic() - t0 < 30, "took 30 s or more")
+    # Nothing left in flight: receives cancelled, sends freed (a stale receive could match later traffic).
+    assert_everywhere(world, live_requests() == 0, f"{live_requests()} MPI requests left")
+    # And the ranks can carry on with a new optimizer: nothing of the failed one interferes.
+    model, opt = model_and_opt()
+    with wrap(opt, model, strategy) as dopt:
+        for step in range(3):
+            one_step(world, model, dopt, step)
+    assert_everywhere(world, live_requests() == 0, "requests left after a clean run")
+
+
+def test_a_stalled_rank_is_named_and_nobody_waits_for_ever(world):
+    """Rank 1 stops calling step(): rank 0's stall report names it, every rank raises StallError."""
+    needs_two(world)
+    model, opt = model_and_opt()
+    dopt = wrap(opt, model, "p3", stall=StallPolicy(warn_after=None, timeout=2.0))
+
+    def run():
+        for step in range(3):
+            if step == 2 and world.Get_rank() == 1:
+                time.sleep(5)  # busy elsewhere, far past the stall timeout
+            one_step(world, model, dopt, step)
+    message = raised_everywhere(world, run, "StallError")
+    assert_everywhere(world, world.Get_rank() != 0 or "rank(s) [1] have not reached" in message, message)
+    dopt.close()
+    assert_everywhere(world, live_requests() == 0, f"{live_requests()} MPI requests left")

@@ -1,0 +1,127 @@
+"""Soak: thousands of training steps under one strategy, watching memory, threads and MPI requests for leaks.
+
+    mpiexec -n 4 python -m jobs.soak --steps 2000 --json results/soak-p3.json
+
+Every --every steps each rank samples its resident memory (VmRSS), its
+threads (/proc/self/task) and the MPI requests the runtime has in flight,
+after a synchronize(). Prints a table of samples (the largest value over
+ranks), and the verdict: RSS growth from the first sample after --settle
+steps to the last, against --max-growth; threads and requests must not grow
+at all. Exit 1 when a bound is exceeded. Writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from jobs.report import run_metadata, save_figure, write_json
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jobs.soak", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--strategy", default="p3", choices=("allreduce", "wfbp", "p3", "topk", "hier-topk"))
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--every", type=int, default=100, help="steps between samples (default 100)")
+    p.add_argument("--settle", type=int, default=100, help="steps before the baseline sample (default 100)")
+    p.add_argument("--max-growth", type=float, default=0.05, help="allowed RSS growth (default 0.05 = 5 %%)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    args = p.parse_args(argv)
+    for name in ("steps", "every", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.settle < args.steps:
+        p.error("--settle must be in [0, --steps)")
+    if not args.max_growth > 0:
+        p.error("--max-growth must be > 0")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    return args
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from mpicomm.requests import live_requests
+    from runtime import DistributedOptimizer
+    from runtime.models import build_model, loss_fn, model_input
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    torch.manual_seed(0)
+    model = build_model("mlp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = model_input("mlp", args.batch_size * 8, seed=rank)
+    loss = loss_fn("mlp")
+    dopt = DistributedOptimizer(opt, model, args.strategy)
+    samples = []
+    for step in range(1, args.steps + 1):
+        i = (step % 8) * args.batch_size
+        dopt.zero_grad()
+        loss(model(x[0][i:i + args.batch_size]), y[i:i + args.batch_size]).backward()
+        dopt.step()
+        if step % args.every == 0 or step == args.settle:
+            dopt.synchronize()
+            mine = np.array([rss_bytes(), threads(), live_requests()], dtype=np.int64)
+            comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+            samples.append(dict(step=step, rss_mb=mine[0] / 2**20, threads=int(mine[1]), requests=int(mine[2])))
+    dopt.close()
+    samples.sort(key=lambda s: s["step"])
+    base = next(s for s in samples if s["step"] >= args.settle)
+    last = samples[-1]
+    growth = last["rss_mb"] / base["rss_mb"] - 1
+    thread_growth = last["threads"] - base["threads"]
+    request_growth = max(s["requests"] for s in samples if s["step"] >= base["step"]) - base["requests"]
+    ok = growth < args.max_growth and thread_growth <= 0 and request_growth <= 0
+    if rank == 0:
+        print("| step | RSS MB (max over ranks) | threads | MPI requests in flight |\n|---:|---:|---:|---:|")
+        for s in samples:
+            print(f"| {s['step']} | {s['rss_mb']:.1f} | {s['threads']} | {s['requests']} |")
+        print(f"\n{args.strategy}, {comm.Get_size()} ranks, {args.steps} steps: RSS {growth * 100:+.2f} % from step "
+              f"{base['step']} (bound {args.max_growth * 100:g} %), threads {thread_growth:+d}, "
+              f"requests {request_growth:+d} -> {'ok' if ok else 'LEAK'}")
+        if args.json:
+            write_json(args.json, run_metadata("jobs.soak", argv, ranks=comm.Get_size()),
+                       [dict(s, strategy=args.strategy) for s in samples])
+            if args.plot:
+                plot(samples, args.plot, args.strategy)
+    return 0 if ok else 1
+
+
+def plot(samples, path, strategy):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s["step"] for s in samples], [s["rss_mb"] for s in samples], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("RSS MB (max over ranks)")
+    ax.set_title(f"soak: {strategy}")
+    ax.grid(True, alpha=0.3)
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""jobs.soak end to end: a few hundred p3 steps on 4 ranks without thread, request or memory growth."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+from mpicomm.launch import mpiexec
+
+
+def test_soak_reports_no_leak(tmp_path):
+    out = tmp_path / "soak.json"
+    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "jobs.soak", "--steps", "300", "--every", "50",
+           "--settle", "50", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "-> ok" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["step"] for r in rows] == list(range(50, 301, 50))
+    assert len({r["threads"] for r in rows}) == 1 and {r["requests"] for r in rows} == {0}
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
