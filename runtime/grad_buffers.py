@@ -55,16 +55,21 @@ class GradientBuffers:
                     self.views[i].copy_(p.grad)
                 p.grad = self.views[i]
 
+    def holds(self, i: int) -> bool:
+        """Whether parameter i's .grad is None or its view here (not a tensor the user assigned)."""
+        g = self.params[i].grad
+        return g is None or (g.data_ptr() == self.views[i].data_ptr() and g.stride() == self.views[i].stride())
+
     def attach(self, i: int) -> torch.Tensor:
         """Make sure parameter i's gradient is in its view (copying it there if autograd put it elsewhere)."""
         p, view = self.params[i], self.views[i]
         g = p.grad
         if g is None:
             view.zero_()
-        elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
-            view.copy_(g)
-        else:
+        elif self.holds(i):
             return view
+        else:
+            view.copy_(g)
         p.grad = view
         return view
 

@@ -15,6 +15,7 @@ from mpicomm.validate import CollectiveMismatchError
 
 from . import checkpoint
 from .grad_buffers import GradientBuffers
+from .model_buffers import MODES as BUFFER_MODES
 from .model_buffers import BufferSync
 from .options import StrategyOptions, resolve
 from .p3.forward_gate import ForwardGate
@@ -65,6 +66,8 @@ class DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if comm is not None and topology is not None:
             raise ValueError("pass comm or topology, not both")
+        if buffers not in BUFFER_MODES:
+            raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
         self.optimizer, self.model, self.timeline = optimizer, model, timeline
         self.policy = stall or StallPolicy.from_env()
         self._own_topology = topology is None
@@ -297,8 +300,10 @@ class DistributedOptimizer:
             self.strategy.set_priorities(self.gate.freeze())
         unsent = [i for i in range(len(self.params)) if not self._sent[i]]
         for i in unsent:
-            if self._passes[i]:
-                self.buffers.attach(i)  # accumulated in fewer passes than backward_passes_per_step
+            if self._passes[i] or not self.buffers.holds(i):
+                # Accumulated in fewer passes than backward_passes_per_step, or set by hand (.grad = ...).
+                self.buffers.attach(i)
+                self._used[i] = True
             else:
                 self.buffers.zero([i])  # no gradient here this step: counts as zeros in the average
         problem = getattr(self.strategy, "local_problem", lambda: None)()

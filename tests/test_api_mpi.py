@@ -232,3 +232,20 @@ def test_lbfgs_style_closure_is_refused(world):
     with pytest.raises(ValueError, match="closure"):
         dopt.step(lambda: 0.0)
     dopt.close()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+def test_gradients_set_by_hand_are_averaged(world, strategy):
+    """A .grad assigned without backward (a custom gradient) counts, as it would for torch's optimizer."""
+    r, P = world.Get_rank(), world.Get_size()
+    model = make()
+    dopt = wrap(torch.optim.SGD(model.parameters(), lr=1.0), model, strategy)
+    before = params(model)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(r))
+    dopt.step()
+    dopt.synchronize()
+    dopt.close()
+    mean = (P - 1) / 2
+    ok = all(torch.allclose(a, b - mean) for a, b in zip(params(model), before))
+    assert_everywhere(world, ok, "hand-set gradients were not averaged and applied")
