@@ -41,6 +41,9 @@ class SlicePlan:
                  ranks: int, comm: MPI.Comm):
         if not isinstance(slice_size, int) or slice_size < 1:
             raise ValueError(f"slice_size must be an integer >= 1, got {slice_size!r}")
+        count = sum(-(-n // slice_size) for n in buffer_sizes)
+        if count:  # before any list is built: a plan too large for the tags would exhaust memory first
+            check_tag(comm, 2 * count - 1)  # push tags 0..S-1, result tags S..2S-1
         self.slices: list[tuple[int, int, int]] = []
         for b, n in enumerate(buffer_sizes):
             self.slices += [(b, a, min(a + slice_size, n)) for a in range(0, n, slice_size)]
@@ -56,8 +59,6 @@ class SlicePlan:
             self.slices_of.append(ids)
             for s in ids:
                 self.tensors_of[s].append(t)
-        if self.count:
-            check_tag(comm, 2 * self.count - 1)  # push tags 0..S-1, result tags S..2S-1
 
     def owner(self, s: int) -> int:
         return s % self.ranks

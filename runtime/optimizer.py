@@ -62,6 +62,7 @@ class DistributedOptimizer:
                  pto: bool = False, backward_passes_per_step: int = 1, buffers: str = "average",
                  timeline=None, stall: StallPolicy | None = None):
         self.options = resolve(strategy)
+        cls = strategy_class(self.options.name)  # before the collective Topology: an unknown one leaks nothing
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if comm is not None and topology is not None:
@@ -78,7 +79,6 @@ class DistributedOptimizer:
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.bpps, self.pto_enabled, self.buffer_mode = backward_passes_per_step, bool(pto), buffers
-        cls = strategy_class(self.options.name)
         try:
             self._check_settings()
             self._build(cls, pto, momentum_correction=getattr(self.options, "momentum_correction", False))

@@ -49,6 +49,12 @@ def test_span_fields_and_nesting():
     assert meta["process_name"] == {"name": "rank 3"} and meta["process_sort_index"] == {"sort_index": 3}
 
 
+def test_an_empty_timeline_is_still_a_timeline():
+    """Strategies guard with `if tl`: were an empty timeline false, nothing would ever record on a fresh one, and
+    a span begun while it was empty (token None) would crash its end() once another thread had recorded."""
+    assert Timeline(0) and Timeline(0, enabled=False) and len(Timeline(0)) == 0
+
+
 def test_span_records_the_exception_and_lets_it_through():
     tl = Timeline(0)
     with pytest.raises(KeyError):

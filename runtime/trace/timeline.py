@@ -57,6 +57,11 @@ class Timeline:
     def __len__(self) -> int:
         return len(self._events)
 
+    def __bool__(self) -> bool:
+        # Callers guard with `if tl` (is there a timeline?); through __len__ alone an empty one is false,
+        # so nothing would record until something else did, and a span begun then could not be ended.
+        return True
+
     def span(self, name: str, cat: str, track: str = "main", **args):
         """A context manager recording one complete span."""
         return _Span(self, name, cat, track, args, 0.0) if self.enabled else _NULL
