@@ -268,7 +268,7 @@ class SlicedExchange(Task):
             self.error = error
             self._cond.notify_all()
 
-    def wait(self, tensors, policy: StallPolicy | None = None) -> None:
+    def wait(self, tensors, policy: StallPolicy | None = None, interrupt=None) -> None:
         """Block until these tensors hold the averaged gradient; a stall report names the missing slices."""
         done, cond = self.tensor_done, self._cond
 
@@ -282,7 +282,7 @@ class SlicedExchange(Task):
                     cond.wait(0.05)
             return False
         wait_until(finished, what="p3 exchange", report=lambda: self.report(tensors), policy=policy,
-                   who=f"rank {self.rank}: ", blocking=True)
+                   who=f"rank {self.rank}: ", blocking=True, interrupt=interrupt)
 
     def report(self, tensors) -> str:
         """What the slices of these tensors are still waiting for."""

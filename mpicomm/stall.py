@@ -62,12 +62,15 @@ MIN_SLEEP, MAX_SLEEP = 10e-6, 1e-3
 
 
 def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str] = lambda: "",
-               policy: StallPolicy | None = None, who: str = "", blocking: bool = False) -> None:
+               policy: StallPolicy | None = None, who: str = "", blocking: bool = False,
+               interrupt: Callable[[], None] | None = None) -> None:
     """Poll `done()` until it returns True; print stall reports; raise StallError past the deadline.
 
     `what` names the wait ("p3 slices of parameter fc1.weight"); `report()`
     says what is missing (called only when a report is due). blocking: done()
     itself blocks for a short while (a condition variable), so no sleeping here.
+    interrupt(): called between polls; it raises to abandon the wait (another
+    rank's failure beacon).
     """
     if done():
         return
@@ -76,6 +79,8 @@ def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str]
     next_warning = policy.warn_after
     polls, sleep = 0, MIN_SLEEP
     while not done():
+        if interrupt is not None:
+            interrupt()
         polls += 1
         if not blocking:
             if polls > SPIN_POLLS:

@@ -24,10 +24,10 @@ class BufferSync:
     buffers (num_batches_tracked) advance alike on every rank and are left alone.
     """
 
-    def __init__(self, model: torch.nn.Module, comm: MPI.Comm, mode: str, policy: StallPolicy):
+    def __init__(self, model: torch.nn.Module, comm: MPI.Comm, mode: str, policy: StallPolicy, interrupt=None):
         if mode not in MODES:
             raise ValueError(f"buffers must be one of {MODES}, got {mode!r}")
-        self.mode, self.policy = mode, policy
+        self.mode, self.policy, self.interrupt = mode, policy, interrupt
         self.buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()] if mode != "none" else []
         self.comm = comm
         self.size = comm.Get_size()
@@ -56,7 +56,8 @@ class BufferSync:
         if req is None:
             return
         wait_until(req.Test, what="averaging module buffers", policy=self.policy,
-                   who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers")
+                   who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
+                   interrupt=self.interrupt)
         self._request = None
         scale = 1.0 / self.size if self.mode == "average" else 1.0
         with torch.no_grad():

@@ -9,9 +9,8 @@ import torch
 
 from mpicomm import Topology
 from mpicomm.agree import broadcast_tensors, check_same_structure
-from mpicomm.stall import StallError, StallPolicy
-from mpicomm.step_check import ABORT, CLOSE, EXCHANGE, ReportedProblem, StepCheck, digest
-from mpicomm.validate import CollectiveMismatchError
+from mpicomm.stall import StallPolicy
+from mpicomm.step_check import CLOSE, EXCHANGE, ReportedProblem, StepCheck, digest
 
 from . import checkpoint
 from .grad_buffers import GradientBuffers
@@ -63,7 +62,8 @@ class DistributedOptimizer:
                  timeline=None, stall: StallPolicy | None = None):
         self.options = resolve(strategy)
         cls = strategy_class(self.options.name)  # before the collective Topology: an unknown one leaks nothing
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
+                or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
         if comm is not None and topology is not None:
             raise ValueError("pass comm or topology, not both")
@@ -122,12 +122,13 @@ class DistributedOptimizer:
             self.optimizer.state.clear()  # the pieces hold the state now: 1/P of it per rank
         self.moved_momentum = _take_sgd_momentum(self.optimizer) if momentum_correction else 0.0
         self._comm_hook = None
+        self.check = StepCheck(self.comm, len(self.params), self.policy)
         ctx = StrategyContext(self.topology, self.params, self.names, self.buffers, self.options, self.timeline,
                               self.policy, None, shard_gradients=pto and self.options.name == "allreduce",
-                              momentum=self.moved_momentum, model=self.model)
+                              momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
-        self.check = StepCheck(self.comm, len(self.params), self.policy)
-        self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy)
+        self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy,
+                                        self.check.interrupt)
 
     def _check_settings(self) -> None:
         """Collective, before anything else collective: a rank with other settings would create other communicators."""
@@ -389,15 +390,11 @@ class DistributedOptimizer:
 
     def abort(self, exc: BaseException) -> None:
         """This rank stops with `exc`: tell the other ranks (they raise PeerFailedError) and release everything."""
-        if self.failed is None and not self._closed and not self.check.broken:
-            text = f"{type(exc).__name__}: {exc}"
-            quick = StallPolicy(warn_after=None, timeout=min(30.0, self.policy.timeout or 30.0))
-            try:
-                self.check.run(ABORT, self.steps, 0, text=text, policy=quick)
-            except (StallError, CollectiveMismatchError, RuntimeError):
-                pass  # the others learn it from their own agreement round or their stall report
-        self._fail(exc)
-        self._release()
+        if not self._closed:
+            # Not when every rank raised together (a disagreement) or heard of it already.
+            self.check.notify_failure(f"{type(exc).__name__}: {exc}")
+            self._fail(exc)
+            self._release()
 
     def close(self) -> None:
         """Agree with every rank that training is over, apply what is owed, stop threads, free communicators."""
@@ -435,6 +432,8 @@ class DistributedOptimizer:
             if self.pto is not None:
                 self.pto.close()
             self.check.free()
+        else:
+            self.check.stop_listening()
         # After a failure the strategy's and the agreement's communicators are deliberately not freed:
         # messages other ranks sent before they learnt of the failure may still arrive, and MPI may
         # reuse a freed communicator's context for the next one, which would then receive them.

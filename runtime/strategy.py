@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -27,6 +28,7 @@ class StrategyContext:
     shard_gradients: bool = False  # PTO: leave only this rank's averaged shard (grad_shard)
     momentum: float = 0.0  # SGD momentum moved into the strategy (sparse momentum correction)
     model: torch.nn.Module | None = None  # for strategies that pick layers (sufficient factors)
+    interrupt: Callable[[], None] = lambda: None  # raises when another rank failed; every wait calls it
 
 
 class Strategy:
@@ -103,10 +105,10 @@ class Strategy:
         """Stop threads and free communicators (after the last step completed)."""
 
 
-def wait_handles(handles, what: str, policy: StallPolicy, rank: int, report=lambda: "") -> list:
+def wait_handles(handles, what: str, ctx: StrategyContext, report=lambda: "") -> list:
     """Finish these collective handles under the stall policy, progressing all of them; returns their results."""
     from mpicomm.stall import wait_until
 
-    wait_until(lambda: all([h.test() for h in handles]), what=what, report=report, policy=policy,
-               who=f"rank {rank}: ")
+    wait_until(lambda: all([h.test() for h in handles]), what=what, report=report, policy=ctx.policy,
+               who=f"rank {ctx.topology.rank}: ", interrupt=ctx.interrupt)
     return [h.wait() for h in handles]

@@ -85,9 +85,14 @@ def test_ranks_stepping_a_different_number_of_times(world, strategy):
     dopt.close()  # after the error: releases what is left, without communicating
 
 
+@pytest.mark.parametrize("when", ["after backward", "after step"])
 @pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
-def test_rank_raising_mid_step_stops_every_rank(world, strategy):
-    """Rank 1's data path fails after backward: its error reaches the others, quickly, and nobody hangs."""
+def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
+    """Rank 1's data path fails: its error reaches the others quickly, wherever they wait, and nobody hangs.
+
+    After step(), under p3 the others wait in the next forward pass for slices rank 1 owns and no
+    longer serves: only the failure beacon can reach them there.
+    """
     needs_two(world)
     model, opt = model_and_opt()
     t0 = time.monotonic()
@@ -99,9 +104,11 @@ def test_rank_raising_mid_step_stops_every_rank(world, strategy):
                 r = world.Get_rank()
                 dopt.zero_grad()
                 nn.functional.cross_entropy(model(local(X[step], r)), local(Y[step], r)).backward()
-                if step == 2 and r == 1:
+                if step == 2 and r == 1 and when == "after backward":
                     raise OSError("disk went away")
                 dopt.step()
+                if step == 2 and r == 1:
+                    raise OSError("disk went away")
     message = raised_everywhere(world, run, "disk went away")
     assert_everywhere(world, world.Get_rank() == 1 or "rank 1" in message, message)
     assert_everywhere(world, time.monotonic() - t0 < 30, "took 30 s or more")

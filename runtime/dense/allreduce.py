@@ -34,18 +34,17 @@ class AllreduceSync(Strategy):
         self._handles: list = []
 
     def finish(self, used, full: bool = False) -> None:
-        tl, rank = self.timeline, self.ctx.topology.rank
+        tl = self.timeline
         if self.ctx.shard_gradients and not full:
             span = tl.begin("reduce-scatter (fused)", "sync", track="comm") if tl else None
             self._handles = [self.ring.reduce_scatter(self.buffers.flats[0], tag=0)]
-            (shard,) = wait_handles(self._handles, "reduce-scatter of the gradients", self.ctx.policy, rank,
-                                    self._report)
+            (shard,) = wait_handles(self._handles, "reduce-scatter of the gradients", self.ctx, self._report)
             self._shard = shard.div_(self.size)
         else:
             span = tl.begin("allreduce (fused)", "sync", track="comm") if tl else None
             self._shard = None
             self._handles = [self.hook(self.hook_state, b) for b in self.buckets]
-            results = wait_handles(self._handles, "allreduce of the gradients", self.ctx.policy, rank, self._report)
+            results = wait_handles(self._handles, "allreduce of the gradients", self.ctx, self._report)
             for bucket, result in zip(self.buckets, results):
                 _copy_back(bucket, result)
         self._handles = []

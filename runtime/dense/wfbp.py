@@ -70,7 +70,7 @@ class WfbpSync(Strategy):
                     return False
             return True
         wait_until(done, what="wait-free backprop buckets", policy=self.ctx.policy, blocking=True,
-                   who=f"rank {self.ctx.topology.rank}: ",
+                   who=f"rank {self.ctx.topology.rank}: ", interrupt=self.ctx.interrupt,
                    report=lambda: f"buckets {[b for b in futures if not self.futures[b].done()]} wait on the ring "
                                   f"(left neighbour: rank {self.ring.left})")
         for fut in pending:

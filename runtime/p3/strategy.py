@@ -41,7 +41,7 @@ class P3Sync(Strategy):
                 # layer waited for its slices in forward; a layer skipped this time did not).
                 fut = self.future
                 wait_until(lambda: fut.wait_done(0.05), what="the previous p3 step", blocking=True,
-                           policy=self.ctx.policy, who=f"rank {ex.rank}: ",
+                           policy=self.ctx.policy, who=f"rank {ex.rank}: ", interrupt=self.ctx.interrupt,
                            report=lambda: ex.report(range(len(self.params))))
                 fut.wait()
             self.future = self.progress.submit(ex.begin())
@@ -58,7 +58,7 @@ class P3Sync(Strategy):
     def wait(self, indices) -> None:
         if self.future is None:
             return
-        self.exchange.wait(indices, self.ctx.policy)
+        self.exchange.wait(indices, self.ctx.policy, self.ctx.interrupt)
         if self.future.done():
             self.future.wait()  # re-raises an error of the progress thread
             self.future = None

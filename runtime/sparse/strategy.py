@@ -94,8 +94,7 @@ class TopkSync(Strategy):
                 if local is not flat:
                     flat.copy_(local)
                 self._handles = [self.dense.allreduce(flat, tag=b)]
-                wait_handles(self._handles, f"{self.name} dense warm-up allreduce", self.ctx.policy,
-                             self.ctx.topology.rank)
+                wait_handles(self._handles, f"{self.name} dense warm-up allreduce", self.ctx)
                 flat.div_(self.size)
             elif self.granularity == "model":
                 self.sparse(local, lambda x, b=b: self.ef.select(("model", b), x, density), out=flat,
