@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--timeline", metavar="PATH", help="Chrome-trace JSON of the run, one track per rank")
     p.add_argument("--json", metavar="PATH", help="write per-epoch metrics here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress (else a bar on a terminal, a line every ~10 %% of an epoch in a log file)")
     args = p.parse_args(argv)
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint PATH")
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
     from runtime.data import BatchPlan
     from runtime.models import build_model, input_shape, loss_fn
 
+    from jobs.progress import epoch_progress
+
     known = {**STRATEGIES, **SPARSE_STRATEGIES}
     if args.strategy not in known:
         print(f"error: unknown strategy {args.strategy!r} (choose from {', '.join(known)})", file=sys.stderr)
@@ -241,8 +244,7 @@ def main(argv=None) -> int:
     for epoch in range(start_epoch, args.epochs):
         bar = None
         if rank == 0 and not args.no_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", leave=False)
+            bar = epoch_progress(steps, f"epoch {epoch + 1}/{args.epochs}", args.batch_size * P)
         comm.Barrier()
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -259,9 +261,7 @@ def main(argv=None) -> int:
             loss_value = loss.detach().item()
             loss_sum += loss_value
             if bar is not None:
-                bar.update(1)
-                if step % 20 == 0:
-                    bar.set_postfix(loss=f"{loss_value:.3f}")
+                bar.update(loss_value)
         dopt.synchronize()
         comm.Barrier()
         elapsed = time.perf_counter() - t0

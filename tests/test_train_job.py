@@ -111,3 +111,21 @@ def test_training_reads_through_the_cache(tmp_path):
         assert [r["cache_state"] for r in rows] == ["warm", "warm"]
         assert all(0 <= r["data_wait_fraction"] < 1 for r in rows) and "data wait" in proc.stdout
     assert len(list((tmp_path / "cache").glob("*.h5"))) == 2  # one shard per rank, reused by the second job
+
+
+def test_progress_in_a_log_file_is_plain_lines(tmp_path):
+    """stdout and stderr redirected to files, as under sbatch: no tqdm redraws, a line every tenth of an epoch."""
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train",
+           *[a for a in QUICK if a != "--no-progress"], "--epochs", "2"]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.run(cmd, stdout=o, stderr=e, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    text = out.read_text()
+    assert "\r" not in text and "\r" not in err.read_text()
+    # 512 samples / (2 ranks x 32) = 8 steps: a line after each of steps 1..7 of each epoch.
+    for epoch in (1, 2):
+        lines = [line for line in text.splitlines() if line.startswith(f"epoch {epoch}/2: ")]
+        assert [line.split()[2] for line in lines] == [f"{n}/8" for n in range(1, 8)], text
+        assert all(", loss " in line and line.endswith(" samples/s") for line in lines)
+
