@@ -23,19 +23,25 @@ import json
 import os
 import sys
 
+from jobs import bench_worker
+from jobs.choices import MODELS
+from jobs.inputs import InputError, JobParser, at_least, between, comma_list, output_file, parse, positive
+from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
 DEFAULT_BANDWIDTHS = "0.5gbit,1gbit,2.5gbit,10gbit,none"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    """The checked command line: everything the worker would refuse is refused here, before a cluster is up."""
+    p = JobParser(prog="python -m jobs.bench", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", default="vgg19,resnet50,transformer")
     p.add_argument("--strategies", default="allreduce,wfbp,p3,ddp")
-    p.add_argument("--bandwidths", default=DEFAULT_BANDWIDTHS, help="per-host link rates; none = unshaped")
-    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--bandwidths", help=f"per-host link rates; none = unshaped (default {DEFAULT_BANDWIDTHS}; "
+                                        "not with --local)")
+    p.add_argument("--hosts", type=int, default=4,
+                   help="default 4; with --local, emulated nodes of --ranks-per-host ranks on this host")
     p.add_argument("--ranks-per-host", type=int, default=1)
     p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -48,10 +54,33 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
-    args = p.parse_args(argv)
+    return parse(p, argv, check_args)
+
+
+def check_args(args) -> None:
+    args.models = comma_list("--models", args.models, MODELS)
+    bench_worker.check_settings(args)
+    at_least(args, 1, "hosts", "ranks_per_host")
+    positive(args, "timeout")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "plot")
+    if args.local:
+        if args.bandwidths is not None:
+            raise InputError("--bandwidths", "--local runs unshaped on this host, with no links to shape: "
+                                             "drop --bandwidths or --local")
+        return
+    # Last: the cluster's own limits, from mpicomm (which imports torch and starts MPI).
+    from mpicomm.emulation import EmulationError, parse_bandwidth
+    from mpicomm.emulation.netns import MAX_HOSTS
+
+    between(args, 1, MAX_HOSTS, "hosts")
+    args.bandwidths = comma_list("--bandwidths", args.bandwidths or DEFAULT_BANDWIDTHS)
+    for bw in args.bandwidths:
+        try:
+            parse_bandwidth(bw)
+        except EmulationError as exc:
+            raise InputError("--bandwidths", str(exc)) from None
 
 
 def worker_cmd(args, model, label):
@@ -59,7 +88,9 @@ def worker_cmd(args, model, label):
            "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
            "--optimizer", args.optimizer]
-    return cmd + (["--slice-size", str(args.slice_size)] if args.slice_size else [])
+    cmd += ["--slice-size", str(args.slice_size)] if args.slice_size else []
+    # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
+    return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local else [])
 
 
 def rows_from(proc) -> list[dict]:
@@ -118,11 +149,11 @@ def main(argv=None) -> int:
     from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
 
     rows = []
-    bandwidths = ["local-unshaped"] if args.local else [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+    bandwidths = ["local-unshaped"] if args.local else args.bandwidths
     try:
         for bw in bandwidths:
             label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
-            for model in args.models.split(","):
+            for model in args.models:
                 print(f"# {model} at {label} ...", flush=True)
                 if args.local:
                     proc = run_local(worker_cmd(args, model, label), args.hosts * args.ranks_per_host,
@@ -139,10 +170,9 @@ def main(argv=None) -> int:
             return 2
     print("\n" + markdown(rows))
     if args.json:
-        write_json(args.json, run_metadata("jobs.bench", argv), rows)
+        write_together(None, "--json", args.json, lambda: write_json(args.json, run_metadata("jobs.bench", argv), rows))
     if args.plot and rows:
-        plot(rows, args.plot)
-        print(f"wrote {args.plot}")
+        write_together(None, "--plot", args.plot, lambda: (plot(rows, args.plot), print(f"wrote {args.plot}")))
     return 0
 
 

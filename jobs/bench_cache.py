@@ -22,18 +22,18 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import sys
 import time
 
+from jobs.inputs import InputError, JobParser, at_least, existing_dir, output_dir, output_file, parse
+from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
 DEFAULT_SOURCE = "/tmp/mpitrain-fmnist-png"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_cache", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = JobParser(prog="python -m jobs.bench_cache", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--source", default=DEFAULT_SOURCE, help=f"default {DEFAULT_SOURCE} (exported if missing)")
     p.add_argument("--cache-dir", default="/tmp/mpitrain-bench-cache", help="emptied first")
     p.add_argument("--epochs", type=int, default=3)
@@ -42,12 +42,22 @@ def parse_args(argv=None):
     p.add_argument("--memory-mb", type=int, default=256)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
-    args = p.parse_args(argv)
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
     if args.epochs < 2:
-        p.error("--epochs must be >= 2 (a cold and a warm epoch)")
+        raise InputError("--epochs", f"must be >= 2 (a cold and a warm epoch), got {args.epochs}")
+    at_least(args, 1, "batch_size")
+    at_least(args, 0, "workers", "memory_mb")
+    if args.source == DEFAULT_SOURCE:
+        output_dir(args, "source")  # exported there if missing
+    else:
+        existing_dir(args, "source")
+    output_dir(args, "cache_dir")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "plot")
 
 
 def timed(comm, loader) -> tuple[float, int]:
@@ -83,8 +93,8 @@ def raw_loader(cache, batch_size, workers):
                       num_workers=workers)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
     from mpi4py import MPI
     import torch
 
@@ -131,11 +141,12 @@ def main(argv=None) -> int:
         f"warm epochs {summary['warm_vs_cold']:.1f}x epoch 1, {summary['warm_vs_raw_dataloader']:.1f}x the raw "
         f"DataLoader with {args.workers} worker(s)")
     cache.close()
-    if rank == 0 and args.json:
-        write_json(args.json, run_metadata("jobs.bench_cache", argv, ranks=P, source=args.source, **summary), rows)
-    if rank == 0 and args.plot:
-        plot(rows, args.plot)
-        say(f"wrote {args.plot}")
+    if args.json:
+        meta = run_metadata("jobs.bench_cache", argv, ranks=P, source=args.source, **summary)
+        write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=rank == 0)
+    if args.plot:
+        write_together(comm, "--plot", args.plot, lambda: (plot(rows, args.plot), say(f"wrote {args.plot}")),
+                       here=rank == 0)
     return 0
 
 
@@ -154,4 +165,7 @@ def plot(rows, path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before torch and MPI start
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import numpy as np
 
+from jobs.inputs import JobParser, at_least, comma_list, output_file, parse, positive
+from jobs.outputs import write_together
 from jobs.report import parse_size as _parse_size, run_metadata, save_figure, write_json
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
@@ -38,8 +39,8 @@ def bus_factor(op: str, ranks: int) -> float:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_collectives", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = JobParser(prog="python -m jobs.bench_collectives", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
@@ -56,22 +57,18 @@ def parse_args(argv=None):
                    help="per-host link rate (Gbit/s) for the bandwidth bound; default: the emulated cluster's")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
     p.add_argument("--plot", metavar="PNG", help="busbw-vs-size plot (default: the JSON path with .png)")
-    args = p.parse_args(argv)
-    try:
-        args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-    except argparse.ArgumentTypeError as exc:
-        p.error(str(exc))
-    args.ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
-    for name, given, known in (("op", args.ops, OPS), ("impl", args.impls, IMPLS)):
-        bad = [g for g in given if g not in known]
-        if bad or not given:
-            p.error(f"unknown {name} {bad or given} (choose from {', '.join(known)})")
-    if args.iters < 0 or args.warmup < 0:
-        p.error("--iters and --warmup must be >= 0")
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    args.sizes = comma_list("--sizes", args.sizes, parse=parse_size)
+    args.ops = comma_list("--ops", args.ops, OPS)
+    args.impls = comma_list("--impls", args.impls, IMPLS)
+    at_least(args, 0, "iters", "warmup")
+    positive(args, "link_gbps")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "plot")
 
 
 class Case:
@@ -190,8 +187,8 @@ def plot(rows, path: str, title: str) -> None:
     save_figure(fig, path)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
     from mpi4py import MPI  # here, not at import: importing a job must not start MPI
 
     from mpicomm import Ring
@@ -242,14 +239,15 @@ def main(argv=None) -> int:
         shutdown_gloo(comm)
     if rank == 0:
         _summary(rows, say)
-        meta = run_metadata("jobs.bench_collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                            ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate,
-                            network=network, link_bps=link_bps)
-        if args.json:
-            write_json(args.json, meta, rows, say)
-        if args.plot:
-            plot(rows, args.plot, f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}")
-            say(f"wrote {args.plot}")
+    meta = run_metadata("jobs.bench_collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
+                        ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate,
+                        network=network, link_bps=link_bps)
+    if args.json:
+        write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=rank == 0)
+    if args.plot:
+        title = f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}"
+        write_together(comm, "--plot", args.plot, lambda: (plot(rows, args.plot, title), say(f"wrote {args.plot}")),
+                       here=rank == 0)
     return 0
 
 
@@ -276,4 +274,7 @@ def _summary(rows, say) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before MPI starts
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

@@ -22,6 +22,10 @@ import subprocess
 import sys
 import tempfile
 
+from jobs.choices import STRATEGIES
+from jobs.inputs import (InputError, JobParser, at_least, check_fraction, comma_list, one_of, output_file, parse,
+                         positive)
+from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
 # 117 steps: half of the first epoch of the default run (4 ranks x 64 samples per step).
@@ -30,9 +34,8 @@ DEFAULT_CONFIGS = ("allreduce,topk:0.01,hier-topk:0.01,topk:0.01:117,hier-topk:0
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_convergence", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = JobParser(prog="python -m jobs.bench_convergence", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"default {DEFAULT_CONFIGS}")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--epochs", type=int, default=2)
@@ -42,18 +45,36 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per training run")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
-    args = p.parse_args(argv)
-    args.configs = [parse_config(c) for c in args.configs.split(",") if c]
-    args.seeds = [int(s) for s in args.seeds.split(",") if s]
-    if not args.configs or not args.seeds:
-        p.error("need at least one configuration and one seed")
+    return parse(p, argv, check_args)
+
+
+def check_args(args) -> None:
+    args.configs = comma_list("--configs", args.configs, parse=parse_config)
+    for strategy, density, ramp in args.configs:
+        one_of("--configs", strategy, STRATEGIES)
+        if density is not None:
+            check_fraction("--configs", density)
+        if ramp < 0:
+            raise InputError("--configs", f"a ramp is a number of steps >= 0, got {ramp}")
+    args.seeds = comma_list("--seeds", args.seeds, parse=int)
+    if min(args.seeds) < 0:
+        raise InputError("--seeds", f"must be >= 0, got {min(args.seeds)}")
+    at_least(args, 1, "epochs", "ranks", "ranks_per_node")
+    at_least(args, 0, "max_steps")
+    positive(args, "timeout")
+    if args.ranks % args.ranks_per_node:
+        raise InputError("--ranks-per-node", f"{args.ranks_per_node} does not divide --ranks {args.ranks}")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "plot")
 
 
 def parse_config(text: str) -> tuple[str, float | None, int]:
-    strategy, density, ramp = (text.split(":") + ["", ""])[:3]
+    """'strategy[:density[:ramp]]'; ValueError if a part is not a number or there are too many."""
+    parts = text.split(":")
+    if len(parts) > 3:
+        raise ValueError("want strategy, strategy:density or strategy:density:ramp")
+    strategy, density, ramp = (parts + ["", ""])[:3]
     return strategy, float(density) if density else None, int(ramp) if ramp else 0
 
 
@@ -133,10 +154,11 @@ def main(argv=None) -> int:
         return 2
     print("\n" + table(rows, args.configs, args.seeds))
     if args.json:
-        write_json(args.json, run_metadata("jobs.bench_convergence", argv), rows)
+        write_together(None, "--json", args.json,
+                       lambda: write_json(args.json, run_metadata("jobs.bench_convergence", argv), rows))
     if args.plot:
-        plot(rows, args.configs, args.plot)
-        print(f"wrote {args.plot}")
+        write_together(None, "--plot", args.plot,
+                       lambda: (plot(rows, args.configs, args.plot), print(f"wrote {args.plot}")))
     return 0
 
 

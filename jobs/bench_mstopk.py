@@ -18,10 +18,8 @@ import os
 import sys
 import time
 
-import torch
-
-from runtime.sparse.mstopk import DEFAULT_ITERS, MSTopK, exact_topk, k_for_density
-
+from jobs.inputs import JobParser, at_least, check_fraction, comma_list, output_file, parse
+from jobs.outputs import write_together
 from jobs.report import parse_size, run_metadata, save_figure, write_json
 
 IMPLS = ("mstopk-sampled", "mstopk-bisection", "torch.topk")  # the first is MSTopK's default
@@ -30,36 +28,30 @@ def parse_count(text: str) -> int:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_mstopk", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = JobParser(prog="python -m jobs.bench_mstopk", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1M,25M", help="comma-separated element counts (default 1M,25M)")
     p.add_argument("--densities", default="0.001,0.01", help="comma-separated k/d (default 0.001,0.01)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls per row (default 5)")
     p.add_argument("--data", default="normal", choices=("normal", "cubed"),
                    help="randn, or randn**3 for heavy tails (default normal)")
-    p.add_argument("--iters", type=int, default=DEFAULT_ITERS, help=f"MSTopK probes (default {DEFAULT_ITERS})")
+    p.add_argument("--iters", type=int, help="MSTopK probes (default: MSTopK's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
     p.add_argument("--png", metavar="PATH", help="bar plot (default: the JSON path with .png)")
-    args = p.parse_args(argv)
-    try:
-        args.sizes = [parse_count(s) for s in args.sizes.split(",") if s.strip()]
-    except argparse.ArgumentTypeError as exc:
-        p.error(str(exc))
-    try:
-        args.densities = [float(s) for s in args.densities.split(",") if s.strip()]
-    except ValueError:
-        p.error(f"--densities wants numbers, got {args.densities!r}")
-    if not args.sizes or not args.densities:
-        p.error("need at least one size and one density")
-    bad = [d for d in args.densities if not 0 < d <= 1]
-    if bad:
-        p.error(f"densities must be in (0, 1], got {bad}")
-    if args.repeats < 1 or args.iters < 1:
-        p.error("--repeats and --iters must be >= 1")
+    return parse(p, argv, check_args)
+
+
+def check_args(args) -> None:
+    args.sizes = comma_list("--sizes", args.sizes, parse=parse_count)
+    args.densities = comma_list("--densities", args.densities, parse=float)
+    for density in args.densities:
+        check_fraction("--densities", density)
+    at_least(args, 1, "repeats", "iters")
+    at_least(args, 0, "seed")
     if args.png is None and args.json:
         args.png = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "png")
 
 
 def time_calls(fn, repeats: int) -> tuple[float, float, tuple]:
@@ -112,6 +104,11 @@ def plot(rows, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import torch  # here, not at import: runtime starts MPI
+
+    from runtime.sparse.mstopk import DEFAULT_ITERS, MSTopK, exact_topk, k_for_density
+
+    args.iters = args.iters or DEFAULT_ITERS
     torch.set_num_threads(1)  # the operator's home is one rank per core, beside the training
     ops = {"mstopk-sampled": MSTopK(args.iters, sampled=True, seed=args.seed),
            "mstopk-bisection": MSTopK(args.iters, sampled=False, seed=args.seed)}
@@ -143,10 +140,10 @@ def main(argv=None) -> int:
     meta = run_metadata("jobs.bench_mstopk", argv, threads=1, torch=torch.__version__, data=args.data,
                         iters=args.iters, repeats=args.repeats, seed=args.seed, default_impl=IMPLS[0])
     if args.json:
-        write_json(args.json, meta, rows)
+        write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.png:
-        plot(rows, args.png, f"top-k of |x|, one thread, {args.data} data\n(labels: speedup vs torch.topk)")
-        print(f"wrote {args.png}")
+        title = f"top-k of |x|, one thread, {args.data} data\n(labels: speedup vs torch.topk)"
+        write_together(None, "--png", args.png, lambda: (plot(rows, args.png, title), print(f"wrote {args.png}")))
     return 0
 
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
+from jobs.choices import MODELS
+from jobs.inputs import JobParser, at_least, comma_list, one_of, output_file, parse
+from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
 OPTIMIZERS = {
@@ -28,8 +30,8 @@ OPTIMIZERS = {
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_pto", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = JobParser(prog="python -m jobs.bench_pto", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="vgg19", help="a runtime.models name (default vgg19)")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                    help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
@@ -37,16 +39,17 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2; the first builds state)")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
     p.add_argument("--plot", metavar="PNG", help="bar plot (default: the JSON path with .png)")
-    args = p.parse_args(argv)
-    args.optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
-    bad = [o for o in args.optimizers if o not in OPTIMIZERS]
-    if bad or not args.optimizers:
-        p.error(f"unknown optimizer {bad or args.optimizers} (choose from {', '.join(OPTIMIZERS)})")
-    if args.repeats < 1 or args.warmup < 0:
-        p.error("--repeats must be >= 1 and --warmup >= 0")
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    one_of("--model", args.model, MODELS)
+    args.optimizers = comma_list("--optimizers", args.optimizers, OPTIMIZERS)
+    at_least(args, 1, "repeats")
+    at_least(args, 0, "warmup")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "plot")
 
 
 def make_optimizer(name, params):
@@ -112,8 +115,8 @@ def plot(rows, path: str, title: str) -> None:
     save_figure(fig, path)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
     from mpi4py import MPI  # here, not at import: importing a job must not start MPI
     import torch
 
@@ -149,17 +152,20 @@ def main(argv=None) -> int:
         rows.append(dict(model=args.model, optimizer=name, ranks=P, params=n, unsharded_step_s=unsharded,
                          pto_step_s=step, pto_update_s=update, pto_allgather_s=allgather,
                          speedup=unsharded / step))
-    if rank == 0:
-        say(format_table(rows))
-        meta = run_metadata("jobs.bench_pto", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(), ranks=P,
-                            torch=torch.__version__, threads=1, repeats=args.repeats, warmup=args.warmup)
-        if args.json:
-            write_json(args.json, meta, rows, say)
-        if args.plot:
-            plot(rows, args.plot, f"PTO vs unsharded step, {args.model}, {P} ranks")
-            say(f"wrote {args.plot}")
+    say(format_table(rows))
+    meta = run_metadata("jobs.bench_pto", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(), ranks=P,
+                        torch=torch.__version__, threads=1, repeats=args.repeats, warmup=args.warmup)
+    if args.json:
+        write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=rank == 0)
+    if args.plot:
+        title = f"PTO vs unsharded step, {args.model}, {P} ranks"
+        write_together(comm, "--plot", args.plot, lambda: (plot(rows, args.plot, title), say(f"wrote {args.plot}")),
+                       here=rank == 0)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before torch and MPI start
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

@@ -16,14 +16,14 @@ over ranks, to peers on the same node and on other nodes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 
-STRATEGIES = ("allreduce", "wfbp", "p3", "ddp", "topk", "hier-topk")
-SPARSE = ("topk", "hier-topk")
+from jobs.choices import EXACT_STRATEGIES, MODELS, SPARSE_STRATEGIES as SPARSE
+from jobs.inputs import InputError, JobParser, at_least, comma_list, fraction, one_of, parse
+
+STRATEGIES = (*EXACT_STRATEGIES, "ddp", *SPARSE)
 
 
 def cpu_busy_s() -> float:
@@ -35,7 +35,7 @@ def cpu_busy_s() -> float:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_worker", description=__doc__.split("\n\n")[0])
+    p = JobParser(prog="python -m jobs.bench_worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="vgg19")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
@@ -47,12 +47,28 @@ def parse_args(argv=None):
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd with momentum 0.9, or adam")
     p.add_argument("--bandwidth", default="unshaped", help="label written into the rows")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    args.strategies = [s for s in args.strategies.split(",") if s]
-    bad = [s for s in args.strategies if s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto"]
-    if bad:
-        p.error(f"unknown strategies {bad} (choose from {', '.join(STRATEGIES)})")
-    return args
+    p.add_argument("--ranks-per-node", type=int, help="emulate nodes of this many consecutive ranks")
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    one_of("--model", args.model, MODELS)
+    args.strategies = check_settings(args)
+    at_least(args, 0, "seed")
+    at_least(args, 1, "ranks_per_node")
+
+
+def check_settings(args) -> list[str]:
+    """The strategies to run, after checking what jobs.bench hands the worker under the same option names."""
+    strategies = comma_list("--strategies", args.strategies)
+    for s in strategies:
+        if s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto":
+            raise InputError("--strategies", f"unknown {s!r} (choose from {', '.join(STRATEGIES)}; "
+                                             "any but ddp may end in +pto)")
+    at_least(args, 1, "batch_size", "batches", "iters", "slice_size")
+    at_least(args, 0, "warmup")
+    fraction(args, "density")
+    return strategies
 
 
 class Bench:
@@ -65,7 +81,7 @@ class Bench:
 
         torch.set_num_threads(1)
         self.args, self.MPI, self.torch = args, MPI, torch
-        self.topo = Topology()
+        self.topo = Topology(ranks_per_node=args.ranks_per_node)
         self.comm, self.P = self.topo.world, self.topo.size
         self.build = lambda: (torch.manual_seed(args.seed), build_model(args.model))[1]
         self.inputs, self.target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
@@ -172,8 +188,8 @@ class Bench:
         return self.slowest(time.perf_counter() - t0) / n
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
     import statistics
 
     b = Bench(args)
@@ -208,4 +224,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before torch and MPI start
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

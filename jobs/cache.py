@@ -22,15 +22,17 @@ import json
 import os
 import sys
 
+from jobs.inputs import InputError, JobParser, at_least, existing_dir, output_dir, parse
+from jobs.outputs import write_together
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.cache", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    p = JobParser(prog="python -m jobs.cache", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="cmd", required=True)
     warm = sub.add_parser("warm", help="build this rank's shard (under mpiexec/srun: every rank's)")
     warm.add_argument("--source", required=True, help="image folder, labels.csv folder or Fashion-MNIST IDX dir")
-    warm.add_argument("--split", default="train", help="for IDX sources: train or test")
+    warm.add_argument("--split", choices=("train", "test"), default="train", help="for IDX sources: train or test")
     add_pipeline_args(warm)
     warm.add_argument("--seed", type=int, default=0, help="partition seed (jobs.train always uses 0)")
     warm.add_argument("--on-error", choices=("skip", "fail"), default="skip")
@@ -43,7 +45,25 @@ def parse_args(argv=None):
         q.add_argument("--cache-dir", required=True)
     export = sub.add_parser("export", help="write Fashion-MNIST (IDX) as 70,000 PNG files + labels.csv")
     export.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    if args.cmd == "export":
+        output_dir(args, "out")
+        return
+    if args.cmd != "warm":
+        existing_dir(args, "cache_dir")
+        return
+    at_least(args, 0, "memory_mb", "seed")
+    at_least(args, 1, "resize", "crop")
+    existing_dir(args, "source")
+    output_dir(args, "cache_dir")
+    if any(getattr(args, k) is not None for k in PIPELINE_OPTIONS):
+        try:
+            pipeline_from(args)  # the pipeline's own checks: channels of mean/std, uint8 not normalized...
+        except ValueError as exc:
+            raise InputError("/".join(f"--{k}" for k in PIPELINE_OPTIONS), str(exc)) from None
 
 
 def add_pipeline_args(p) -> None:
@@ -58,11 +78,13 @@ def add_pipeline_args(p) -> None:
     p.add_argument("--memory-mb", type=int, default=256, help="in-memory level per rank (default 256)")
 
 
+PIPELINE_OPTIONS = ("mode", "resize", "crop", "mean", "std", "dtype")
+
+
 def pipeline_from(args):
     from datacache.pipeline import Pipeline
 
-    custom = {k: getattr(args, k) for k in ("mode", "resize", "crop", "mean", "std", "dtype")
-              if getattr(args, k, None) is not None}
+    custom = {k: getattr(args, k) for k in PIPELINE_OPTIONS if getattr(args, k, None) is not None}
     return Pipeline(**custom) if custom else Pipeline.fashion_mnist()
 
 
@@ -158,16 +180,14 @@ def clear(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
     if args.cmd == "export":
         from datacache.export import export_fashion_mnist
 
-        print(f"wrote {export_fashion_mnist(args.out)} images to {args.out}")
+        write_together(None, "--out", args.out,
+                       lambda: print(f"wrote {export_fashion_mnist(args.out)} images to {args.out}"))
         return 0
-    if args.cmd != "warm" and not os.path.isdir(args.cache_dir):
-        print(f"error: no cache directory {args.cache_dir}", file=sys.stderr)
-        return 2
     try:
         return {"warm": warm, "info": info, "verify": verify, "clear": clear}[args.cmd](args)
     except (ValueError, FileNotFoundError) as exc:
@@ -176,4 +196,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before MPI starts
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

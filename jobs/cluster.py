@@ -17,10 +17,12 @@ import argparse
 import json
 import sys
 
+from jobs.inputs import InputError, JobParser, at_least, between, parse, positive
+
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m jobs.cluster", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p = JobParser(prog="python -m jobs.cluster", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="action", required=True)
     up = sub.add_parser("up", help="create the hosts and links")
     up.add_argument("--hosts", type=int, default=4, help="number of hosts (1..64, default 4)")
@@ -41,12 +43,31 @@ def parse_args(argv):
     ex = sub.add_parser("exec", help="run a plain command on one host: exec HOST -- CMD ...")
     ex.add_argument("host", type=int)
     ex.add_argument("cmd", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
+    return parse(p, argv, check_args)
+
+
+def check_args(args) -> None:
     if args.action in ("run", "exec"):
         args.cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not args.cmd:
-            p.error(f"{args.action} needs a command after --")
-    return args
+            raise InputError(args.action, "needs a command after --")
+    if args.action == "run":
+        at_least(args, 1, "np")
+        positive(args, "timeout")
+    if args.action == "exec" and args.host < 0:
+        raise InputError("exec HOST", f"must be >= 0, got {args.host}")
+    if args.action != "up":
+        return
+    at_least(args, 1, "ranks_per_host")
+    # Last: the cluster's own limits, from mpicomm (which imports torch and starts MPI).
+    from mpicomm.emulation import EmulationError, parse_bandwidth
+    from mpicomm.emulation.netns import MAX_HOSTS
+
+    between(args, 1, MAX_HOSTS, "hosts")
+    try:
+        parse_bandwidth(args.bandwidth)
+    except EmulationError as exc:
+        raise InputError("--bandwidth", str(exc)) from None
 
 
 def main(argv=None) -> int:

@@ -36,11 +36,20 @@ def run_metadata(job: str, argv=None, **extra) -> dict:
 
 
 def write_json(path: str, meta: dict, rows: list, say=print) -> None:
-    """{"meta": ..., "rows": [...]} to `path`; an interrupted run never leaves half a file."""
+    """{"meta": ..., "rows": [...]} to `path`; an interrupted run never leaves half a file.
+
+    A path that exists and is not a regular file (/dev/stdout, a pipe) is written in place: renaming a
+    temp file over it would replace the device.
+    """
+    doc = dict(meta=meta, rows=rows)
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(doc, f, indent=1)
     os.replace(tmp, path)
     say(f"wrote {path}")
 

@@ -19,13 +19,15 @@ import os
 import sys
 import time
 
-MODELS = ("mlp", "vgg19", "resnet50", "transformer")
+from jobs.choices import MODELS, STRATEGIES
+from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, one_of, output_dir, output_file,
+                         parse)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
+    """The checked command line; a bad value prints one `error:` line and exits 2 on every rank."""
+    p = JobParser(prog="python -m jobs.train", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", choices=MODELS, default="mlp")
     p.add_argument("--data", choices=("fashion-mnist", "synthetic"), default="fashion-mnist")
     p.add_argument("--strategy", default="p3",
@@ -61,25 +63,30 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
     p.add_argument("--timeline", metavar="PATH", help="Chrome-trace JSON of the run, one track per rank")
     p.add_argument("--json", metavar="PATH", help="write per-epoch metrics here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress (else a bar on a terminal, a line every ~10 %% of an epoch in a log file)")
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    """Everything that can be known wrong before MPI starts, from the cheapest check on."""
+    one_of("--strategy", args.strategy, STRATEGIES)
+    at_least(args, 1, "batch_size", "epochs", "threads", "credit", "synthetic_samples", "prefetch", "slice_size")
+    at_least(args, 0, "max_steps", "dense_warmup_steps", "density_ramp_steps", "lr", "momentum", "seed",
+             "cache_memory_mb")
+    fraction(args, "density")
     if args.resume and not args.checkpoint:
-        p.error("--resume needs --checkpoint PATH")
-    for name in ("batch_size", "epochs", "threads", "credit", "synthetic_samples", "prefetch"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 < args.density <= 1:
-        p.error(f"--density must be in (0, 1], got {args.density}")
-    for name in ("dense_warmup_steps", "density_ramp_steps"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0")
+        raise InputError("--resume", "needs --checkpoint PATH")
     if args.data == "fashion-mnist" and args.model == "transformer":
-        p.error("the transformer trains on synthetic sequences: use --data synthetic")
+        raise InputError("--data", "the transformer trains on synthetic sequences: use --data synthetic")
     if args.cache_dir and (args.data != "fashion-mnist" or args.model == "transformer"):
-        p.error("--cache-dir serves image data: use it with --data fashion-mnist and an image model")
+        raise InputError("--cache-dir", "serves image data: use it with --data fashion-mnist and an image model")
     if args.data_dir and not args.cache_dir:
-        p.error("--data-dir needs --cache-dir")
-    return args
+        raise InputError("--data-dir", "needs --cache-dir")
+    existing_dir(args, "data_dir")
+    output_dir(args, "cache_dir", writable=False)  # an unwritable cache falls back to the source
+    output_file(args, "json")
+    output_file(args, "checkpoint", "timeline", replaced=True)  # both written to a temp file, then renamed
 
 
 def load_data(args, rank):
@@ -169,23 +176,21 @@ def strategy_options(args):
     return args.strategy
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
     import numpy as np
     import torch
     from mpi4py import MPI
 
     from mpicomm import Topology
     from mpicomm.agree import fail_together
-    from runtime import SPARSE_STRATEGIES, STRATEGIES, CheckpointError, DistributedOptimizer, load_checkpoint, \
-        save_checkpoint
+    from runtime import CheckpointError, DistributedOptimizer, load_checkpoint, save_checkpoint
     from runtime.data import BatchPlan
     from runtime.models import build_model, input_shape, loss_fn
 
-    known = {**STRATEGIES, **SPARSE_STRATEGIES}
-    if args.strategy not in known:
-        print(f"error: unknown strategy {args.strategy!r} (choose from {', '.join(known)})", file=sys.stderr)
-        return 2
+    from jobs.outputs import write_together
+    from jobs.progress import epoch_progress
+
     torch.set_num_threads(args.threads)
     topo = Topology()
     comm, rank, P = topo.world, topo.rank, topo.size
@@ -242,8 +247,7 @@ def main(argv=None) -> int:
     for epoch in range(start_epoch, args.epochs):
         bar = None
         if rank == 0 and not args.no_progress:
-            from tqdm import tqdm
-            bar = tqdm(total=steps, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step", leave=False)
+            bar = epoch_progress(steps, f"epoch {epoch + 1}/{args.epochs}", args.batch_size * P)
         comm.Barrier()
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -260,9 +264,7 @@ def main(argv=None) -> int:
             loss_value = loss.detach().item()
             loss_sum += loss_value
             if bar is not None:
-                bar.update(1)
-                if step % 20 == 0:
-                    bar.set_postfix(loss=f"{loss_value:.3f}")
+                bar.update(loss_value)
         dopt.synchronize()
         comm.Barrier()
         elapsed = time.perf_counter() - t0
@@ -288,10 +290,10 @@ def main(argv=None) -> int:
         if args.checkpoint:
             try:
                 save_checkpoint(args.checkpoint, model, dopt, epoch=epoch, args=vars(args))  # collective
-            except CheckpointError as exc:
+            except CheckpointError as exc:  # a write failing at run time (disk full): every rank stops
                 say(f"error: --checkpoint: {exc}", file=sys.stderr)
                 dopt.close()
-                return 2
+                return 1
     dopt.close()
     if cache is not None:
         cache.close()
@@ -299,20 +301,26 @@ def main(argv=None) -> int:
         from runtime.trace.timeline import merge
 
         part = f"{args.timeline}.rank{rank}.json"
-        timeline.dump(part)
-        comm.Barrier()
-        if rank == 0:
+        write_together(comm, "--timeline", part, lambda: timeline.dump(part))
+
+        def merge_parts():
             merge([f"{args.timeline}.rank{r}.json" for r in range(P)], args.timeline)
             for r in range(P):
                 os.remove(f"{args.timeline}.rank{r}.json")
             say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
-    if args.json and rank == 0:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(args=vars(args), ranks=P, epochs=history), f, indent=1)
+        write_together(comm, "--timeline", args.timeline, merge_parts, here=rank == 0)
+    if args.json:
+        def write_metrics():
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(dict(args=vars(args), ranks=P, epochs=history), f, indent=1)
+        write_together(comm, "--json", args.json, write_metrics, here=rank == 0)
     topo.free()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before torch and MPI start
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

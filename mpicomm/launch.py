@@ -1,10 +1,12 @@
-"""Command lines for mpiexec, including hydra's emulation of several hosts on this one."""
+"""Command lines for mpiexec, including hydra's emulation of several hosts on this one; the jobs' entry point."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import sys
+import traceback
+from typing import Callable, NoReturn
 
 FAKE_SSH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "fake-ssh")
 
@@ -25,3 +27,29 @@ def emulated_hosts(layout: str) -> list[str]:
     groups ranks by fake host although all of them run here.
     """
     return ["-hosts", layout, "-launcher", "ssh", "-launcher-exec", FAKE_SSH]
+
+
+def run_main(main: Callable[[], int | None]) -> NoReturn:
+    """Exit with main()'s status; an uncaught exception on any rank aborts every rank of the job.
+
+    An exception ends only its own rank: the others would wait for it in their next collective
+    forever. So, as `python -m mpi4py` does for scripts, the traceback is printed (each line
+    prefixed with the rank) and MPI_COMM_WORLD is aborted. SystemExit passes through: a job that
+    exits with a status chose it on every rank. Without MPI started, or on one rank, the exception
+    propagates as usual.
+    """
+    try:
+        status = main()
+    except SystemExit:
+        raise
+    except BaseException:  # KeyboardInterrupt too: one rank interrupted leaves the others waiting as well
+        MPI = sys.modules.get("mpi4py.MPI")
+        if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+            raise
+        rank = MPI.COMM_WORLD.Get_rank()
+        lines = traceback.format_exc().rstrip("\n").split("\n")
+        sys.stdout.flush()
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    sys.exit(status)

@@ -30,4 +30,4 @@ def test_bench_cache_rows_and_plot(tmp_path):
 def test_bench_cache_needs_a_warm_epoch():
     proc = subprocess.run([sys.executable, "-m", "jobs.bench_cache", "--epochs", "1"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
-    assert proc.returncode == 2 and "--epochs must be >= 2" in proc.stderr
+    assert proc.returncode == 2 and "--epochs: must be >= 2" in proc.stderr

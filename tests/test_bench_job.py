@@ -20,6 +20,7 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     keys = {"model", "strategy", "bandwidth", "ranks", "samples_per_s", "ci", "t_iter_s", "t_compute_s", "t_comm_s"}
     for r in rows:
         assert keys <= set(r) and r["ranks"] == 2 and r["bandwidth"] == "local-unshaped"
+        assert r["nodes"] == 2  # --local honours --hosts: one emulated node per host
         assert r["samples_per_s"] > 0 and r["t_iter_s"] > 0 and r["t_comm_s"] > 0
         assert abs(r["overlap_efficiency"] - max(r["t_compute_s"], r["t_comm_s"]) / r["t_iter_s"]) < 1e-9
     assert "| mlp | p3 | local-unshaped |" in proc.stdout
@@ -29,4 +30,4 @@ def test_local_bench_rows_table_and_plot(tmp_path):
 def test_worker_rejects_unknown_strategy():
     proc = subprocess.run([sys.executable, "-m", "jobs.bench_worker", "--strategies", "p4"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
-    assert proc.returncode == 2 and "unknown strategies ['p4']" in proc.stderr
+    assert proc.returncode == 2 and "--strategies: unknown 'p4'" in proc.stderr

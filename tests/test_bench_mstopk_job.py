@@ -30,4 +30,4 @@ def test_bench_mstopk_rows_table_and_plot(tmp_path):
 def test_bench_mstopk_rejects_bad_density():
     proc = subprocess.run([sys.executable, "-m", "jobs.bench_mstopk", "--densities", "0.01,2"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
-    assert proc.returncode == 2 and "densities must be in (0, 1], got [2.0]" in proc.stderr
+    assert proc.returncode == 2 and "--densities: must be in (0, 1], got 2.0" in proc.stderr

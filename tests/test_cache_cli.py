@@ -41,4 +41,5 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     proc = cli("warm", "--source", str(empty), "--cache-dir", str(tmp_path / "c"))
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
     missing = cli("info", "--cache-dir", str(tmp_path / "nope"))
-    assert missing.returncode == 2 and "no cache directory" in missing.stderr
+    assert missing.returncode == 2 and missing.stderr.startswith("error: --cache-dir: ")
+    assert "does not exist" in missing.stderr

@@ -62,7 +62,10 @@ def test_uneven_hosts_refused_on_every_rank(tmp_path):
 
 
 def test_jobs_import_without_starting_mpi():
-    code = "import sys, jobs.bench_collectives; assert 'mpi4py.MPI' not in sys.modules, 'MPI initialised at import'"
+    """Every job: importing it (and so checking its command line, which comes first) starts neither MPI nor torch."""
+    code = ("import importlib, pkgutil, sys, jobs\n"
+            "for m in pkgutil.iter_modules(jobs.__path__): importlib.import_module('jobs.' + m.name)\n"
+            "assert 'mpi4py.MPI' not in sys.modules and 'torch' not in sys.modules, 'MPI or torch started at import'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
@@ -87,8 +90,57 @@ def test_bench_collectives_writes_table_json_and_plot(tmp_path):
 
 
 def test_bench_collectives_rejects_bad_arguments():
-    for args, msg in ((["--sizes", "4Q"], "not a size"), (["--ops", "alltoall"], "unknown op"),
+    for args, msg in ((["--sizes", "4Q"], "not a size"), (["--ops", "alltoall"], "--ops: unknown 'alltoall'"),
                       (["--iters", "-1"], ">= 0")):
         proc = subprocess.run([sys.executable, "-m", "jobs.bench_collectives", *args], capture_output=True,
                               text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 2 and msg in proc.stderr, (args, proc.stderr)
+
+
+RUN_MAIN_JOB = """
+    import sys, time
+    from mpi4py import MPI
+    from mpicomm.launch import run_main
+
+    def main():
+        comm = MPI.COMM_WORLD
+        comm.Barrier()
+        if comm.Get_rank() == 2:
+            time.sleep(0.5)  # the others are inside the collective by now
+            raise RuntimeError("rank 2 fails mid-run")
+        comm.Barrier()  # where the other ranks would wait forever
+        return 0
+
+    run_main(main)
+"""
+
+
+def test_run_main_aborts_every_rank_when_one_raises(tmp_path):
+    """Plain `python prog.py`, no `-m mpi4py`: run_main alone turns one rank's exception into an abort."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent(RUN_MAIN_JOB))
+    cmd = ["timeout", "-k", "5", "30", mpiexec(), "-n", "4", sys.executable, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path)
+    assert proc.returncode not in (0, 124, 137), (proc.returncode, proc.stderr[-2000:])
+    assert "[rank 2] Traceback (most recent call last):" in proc.stderr
+    assert "[rank 2] RuntimeError: rank 2 fails mid-run" in proc.stderr
+
+
+def test_run_main_lets_system_exit_through(tmp_path):
+    """A status every rank chose is the job's exit status; no abort, no traceback."""
+    script = tmp_path / "prog.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        from mpi4py import MPI
+        from mpicomm.launch import run_main
+
+        def main():
+            MPI.COMM_WORLD.Barrier()
+            sys.exit(3)
+
+        run_main(main)
+    """))
+    cmd = ["timeout", "-k", "5", "30", mpiexec(), "-n", "2", sys.executable, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Abort" not in proc.stderr

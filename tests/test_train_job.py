@@ -60,11 +60,11 @@ def test_timeline_has_a_track_per_rank_with_layers_and_slices(tmp_path):
     assert not list(trace.parent.glob("*.rank*.json"))  # per-rank parts merged and removed
 
 
-@pytest.mark.parametrize("args,message", [(["--strategy", "nope"], "unknown strategy"),
-                                          (["--resume"], "--resume needs --checkpoint"),
-                                          (["--batch-size", "0"], "--batch-size must be >= 1"),
-                                          (["--density", "0"], "--density must be in (0, 1]"),
-                                          (["--density", "1.5"], "--density must be in (0, 1]")])
+@pytest.mark.parametrize("args,message", [(["--strategy", "nope"], "--strategy: unknown 'nope'"),
+                                          (["--resume"], "--resume: needs --checkpoint"),
+                                          (["--batch-size", "0"], "--batch-size: must be >= 1"),
+                                          (["--density", "0"], "--density: must be in (0, 1]"),
+                                          (["--density", "1.5"], "--density: must be in (0, 1]")])
 def test_bad_arguments(args, message):
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
@@ -111,3 +111,54 @@ def test_training_reads_through_the_cache(tmp_path):
         assert [r["cache_state"] for r in rows] == ["warm", "warm"]
         assert all(0 <= r["data_wait_fraction"] < 1 for r in rows) and "data wait" in proc.stdout
     assert len(list((tmp_path / "cache").glob("*.h5"))) == 2  # one shard per rank, reused by the second job
+
+
+def test_progress_in_a_log_file_is_plain_lines(tmp_path):
+    """stdout and stderr redirected to files, as under sbatch: no tqdm redraws, a line every tenth of an epoch."""
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train",
+           *[a for a in QUICK if a != "--no-progress"], "--epochs", "2"]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.run(cmd, stdout=o, stderr=e, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, err.read_text()[-3000:]
+    text = out.read_text()
+    assert "\r" not in text and "\r" not in err.read_text()
+    # 512 samples / (2 ranks x 32) = 8 steps: a line after each of steps 1..7 of each epoch.
+    for epoch in (1, 2):
+        lines = [line for line in text.splitlines() if line.startswith(f"epoch {epoch}/2: ")]
+        assert [line.split()[2] for line in lines] == [f"{n}/8" for n in range(1, 8)], text
+        assert all(", loss " in line and line.endswith(" samples/s") for line in lines)
+
+
+def test_a_failed_metrics_write_stops_every_rank_with_one_line(tmp_path):
+    """/dev/full: the path passes the start-up check, the write fails (ENOSPC) on rank 0 alone."""
+    cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", *QUICK,
+           "--epochs", "1", "--json", "/dev/full"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == ["error: --json: cannot write /dev/full: No space left on device"]
+
+
+def test_a_data_problem_exits_2_on_every_rank(tmp_path):
+    """A dataset directory that passes the start-up check but holds no dataset: one line, no traceback."""
+    if not os.path.isdir("/usr/share/datasets/fashion-mnist"):
+        pytest.skip("Fashion-MNIST is not installed (make setup installs it as root)")
+    (tmp_path / "empty").mkdir()
+    cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", "--no-progress",
+           "--cache-dir", str(tmp_path / "cache"), "--data-dir", str(tmp_path / "empty")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: ") and "not a recognised dataset layout" in proc.stderr
+
+
+def test_ranks_that_disagree_about_an_input_all_stop(tmp_path):
+    """A relative --data-dir that exists in rank 0's working directory only: every rank stops, none waits."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "a" / "data").mkdir()
+    job = [sys.executable, "-m", "jobs.train", "--no-progress", "--cache-dir", "cache", "--data-dir", "data"]
+    cmd = ["timeout", "-k", "5", "60", mpiexec(), "-n", "1", "-wdir", str(tmp_path / "a"), *job,
+           ":", "-n", "1", "-wdir", str(tmp_path / "b"), *job]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == ["error: --data-dir: data does not exist (rank 1)"]

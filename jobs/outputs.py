@@ -1,0 +1,34 @@
+"""Writing a job's output files: a write that fails stops every rank with one line, not a traceback or a hang."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+WRITE_FAILED = 1  # exit status when an output could not be written (bad input is 2)
+
+
+def write_together(comm, opt: str, path: str, write: Callable[[], object], here: bool = True) -> None:
+    """Run `write` (this rank's part of the output at `path`; not if here=False), then agree across `comm`.
+
+    The inputs were checked at start-up, but a disk fills and permissions change: if `write` raises
+    OSError on any rank, that rank prints `error: --option: cannot write PATH: reason` and every rank
+    exits 1 together. A rank that raised alone would leave the others waiting in their next
+    collective. comm=None for a job that runs as one process.
+    """
+    problem = None
+    if here:
+        try:
+            write()
+        except OSError as exc:
+            problem = f"{opt}: cannot write {path}: {exc.strerror or exc}"
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+    if comm is not None:
+        from mpicomm.agree import fail_together
+
+        try:
+            fail_together(comm, problem)
+        except RuntimeError as exc:  # another rank's write failed; that rank said which
+            problem = problem or str(exc)
+    if problem is not None:
+        sys.exit(WRITE_FAILED)

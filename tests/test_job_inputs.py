@@ -1,0 +1,184 @@
+"""Bad inputs to every job: one `error: --option: reason` line, exit 2, nothing written, no hang, no cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from datacache_helpers import make_png_dataset
+from mpicomm.launch import mpiexec
+
+# Small settings, so that a run the job wrongly accepts still ends soon (and the case fails, not hangs).
+TRAIN = ["--model", "mlp", "--data", "synthetic", "--synthetic-samples", "512", "--batch-size", "32",
+         "--no-progress", "--epochs", "1"]
+CACHED = ["--model", "mlp", "--no-progress", "--epochs", "1", "--max-steps", "2", "--batch-size", "8"]
+WORKER = ["--model", "mlp", "--batch-size", "8", "--batches", "2", "--iters", "1", "--warmup", "1",
+          "--strategies", "allreduce"]
+LOCAL = ["--local", "--hosts", "2", "--models", "mlp", "--batch-size", "8", "--batches", "2", "--iters", "1",
+         "--warmup", "1", "--strategies", "allreduce"]
+COLL = ["--sizes", "4K", "--iters", "1", "--ops", "allreduce"]
+MSTOPK = ["--sizes", "1000", "--densities", "0.1", "--repeats", "1"]
+PTO = ["--model", "mlp", "--repeats", "1", "--warmup", "0"]
+
+# (id, job, arguments, the option the error must name, marks). Placeholders: {out} an empty output
+# directory, {dir} an existing empty directory inside it, {file} an existing file, {missing} a path that
+# does not exist, {png} a small labels.csv image dataset. "mpiexec": run as `mpiexec -n 2`.
+# "cluster": without the check, the job would bring up an emulated cluster (root) first.
+CASES = [
+    ("train-max-steps-negative", "jobs.train", [*TRAIN, "--max-steps", "-5", "--json", "{out}/m.json"], "--max-steps"),
+    ("train-slice-size-negative", "jobs.train", [*TRAIN, "--strategy", "p3", "--slice-size", "-1"], "--slice-size"),
+    ("train-slice-size-zero", "jobs.train", [*TRAIN, "--slice-size", "0", "--json", "{out}/m.json"], "--slice-size"),
+    ("train-json-is-a-directory", "jobs.train", [*TRAIN, "--max-steps", "2", "--json", "{dir}"], "--json"),
+    ("train-json-under-a-file", "jobs.train", [*TRAIN, "--max-steps", "2", "--json", "{file}/m.json"], "--json"),
+    ("train-timeline-is-a-directory", "jobs.train", [*TRAIN, "--max-steps", "2", "--timeline", "{dir}"],
+     "--timeline"),
+    ("train-timeline-under-a-file", "jobs.train", [*TRAIN, "--max-steps", "2", "--timeline", "{file}/t.json"],
+     "--timeline"),
+    ("train-checkpoint-under-a-file", "jobs.train", [*TRAIN, "--max-steps", "2", "--checkpoint", "{file}/c.pt"],
+     "--checkpoint"),
+    ("train-checkpoint-is-a-directory", "jobs.train", [*TRAIN, "--max-steps", "2", "--checkpoint", "{dir}"],
+     "--checkpoint"),
+    ("train-mpiexec-3-epochs-checkpoint-under-a-file", "jobs.train",
+     [*TRAIN, "--epochs", "3", "--max-steps", "2", "--checkpoint", "{file}/c.pt"], "--checkpoint", "mpiexec"),
+    ("train-mpiexec-json-is-a-directory", "jobs.train", [*TRAIN, "--max-steps", "2", "--json", "{dir}"], "--json",
+     "mpiexec"),
+    ("train-strategy-unknown", "jobs.train", [*TRAIN, "--strategy", "nope"], "--strategy"),
+    ("train-density-above-1", "jobs.train", [*TRAIN, "--strategy", "topk", "--density", "1.5"], "--density"),
+    ("train-epochs-zero", "jobs.train", [*TRAIN, "--epochs", "0"], "--epochs"),
+    ("train-lr-negative", "jobs.train", [*TRAIN, "--lr", "-0.1"], "--lr"),
+    ("train-momentum-negative", "jobs.train", [*TRAIN, "--momentum", "-1"], "--momentum"),
+    ("train-seed-negative", "jobs.train", [*TRAIN, "--seed", "-1"], "--seed"),
+    ("train-model-unknown", "jobs.train", [*TRAIN, "--model", "alexnet"], "--model"),
+    ("train-data-dir-missing", "jobs.train", [*CACHED, "--cache-dir", "{out}/cache", "--data-dir", "{missing}"],
+     "--data-dir"),
+    ("train-cache-dir-is-a-file", "jobs.train", [*CACHED, "--cache-dir", "{file}", "--data-dir", "{png}"],
+     "--cache-dir"),
+    ("train-cache-memory-negative", "jobs.train",
+     [*CACHED, "--cache-dir", "{out}/cache", "--data-dir", "{png}", "--cache-memory-mb", "-1"], "--cache-memory-mb"),
+    ("worker-model-unknown", "jobs.bench_worker", [*WORKER, "--model", "alexnet"], "--model"),
+    ("worker-density-zero", "jobs.bench_worker", [*WORKER, "--strategies", "topk", "--density", "0"], "--density"),
+    ("worker-slice-size-negative", "jobs.bench_worker", [*WORKER, "--strategies", "p3", "--slice-size", "-4"],
+     "--slice-size"),
+    ("worker-iters-zero", "jobs.bench_worker", [*WORKER, "--iters", "0"], "--iters"),
+    ("bench-local-strategy-unknown", "jobs.bench", [*LOCAL, "--strategies", "p4", "--json", "{out}/b.json"],
+     "--strategies"),
+    ("bench-local-model-unknown", "jobs.bench", [*LOCAL, "--models", "alexnet"], "--models"),
+    ("bench-local-density-above-1", "jobs.bench", [*LOCAL, "--strategies", "topk", "--density", "2"], "--density"),
+    ("bench-local-with-bandwidths", "jobs.bench", [*LOCAL, "--bandwidths", "1gbit", "--json", "{out}/b.json"],
+     "--bandwidths"),
+    ("bench-local-json-under-a-file", "jobs.bench", [*LOCAL, "--json", "{file}/b.json"], "--json"),
+    ("bench-local-ranks-per-host-zero", "jobs.bench", [*LOCAL, "--ranks-per-host", "0"], "--ranks-per-host"),
+    ("bench-bandwidth-unparseable", "jobs.bench", ["--models", "mlp", "--bandwidths", "junk"], "--bandwidths"),
+    ("bench-hosts-zero", "jobs.bench", ["--models", "mlp", "--hosts", "0"], "--hosts"),
+    ("bench-strategy-unknown", "jobs.bench", ["--models", "mlp", "--bandwidths", "1gbit", "--strategies", "p4"],
+     "--strategies", "cluster"),
+    ("bench-slice-size-negative", "jobs.bench", ["--models", "mlp", "--bandwidths", "1gbit", "--slice-size", "-1"],
+     "--slice-size", "cluster"),
+    ("collectives-json-is-a-directory", "jobs.bench_collectives", [*COLL, "--json", "{dir}"], "--json"),
+    ("collectives-plot-under-a-file", "jobs.bench_collectives", [*COLL, "--plot", "{file}/p.png"], "--plot"),
+    ("collectives-link-gbps-negative", "jobs.bench_collectives", [*COLL, "--link-gbps", "-1"], "--link-gbps"),
+    ("collectives-chunk-bytes-zero", "jobs.bench_collectives", [*COLL, "--chunk-bytes", "0"], "--chunk-bytes"),
+    ("bench-cache-source-missing", "jobs.bench_cache", ["--source", "{missing}", "--cache-dir", "{out}/c"],
+     "--source"),
+    ("bench-cache-memory-negative", "jobs.bench_cache",
+     ["--source", "{png}", "--cache-dir", "{out}/c", "--epochs", "2", "--memory-mb", "-1"], "--memory-mb"),
+    ("bench-cache-cache-dir-is-a-file", "jobs.bench_cache", ["--source", "{png}", "--cache-dir", "{file}"],
+     "--cache-dir"),
+    ("bench-cache-workers-negative", "jobs.bench_cache",
+     ["--source", "{png}", "--cache-dir", "{out}/c", "--workers", "-1"], "--workers"),
+    ("mstopk-json-is-a-directory", "jobs.bench_mstopk", [*MSTOPK, "--json", "{dir}"], "--json"),
+    ("mstopk-iters-zero", "jobs.bench_mstopk", [*MSTOPK, "--iters", "0"], "--iters"),
+    ("pto-model-unknown", "jobs.bench_pto", [*PTO, "--model", "alexnet"], "--model"),
+    ("pto-plot-under-a-file", "jobs.bench_pto", [*PTO, "--plot", "{file}/p.png"], "--plot"),
+    ("convergence-strategy-unknown", "jobs.bench_convergence",
+     ["--configs", "nope", "--seeds", "0", "--epochs", "1", "--max-steps", "1"], "--configs"),
+    ("convergence-density-not-a-number", "jobs.bench_convergence", ["--configs", "topk:abc"], "--configs"),
+    ("convergence-seeds-not-numbers", "jobs.bench_convergence", ["--seeds", "a"], "--seeds"),
+    ("convergence-ranks-per-node-not-dividing", "jobs.bench_convergence",
+     ["--configs", "allreduce", "--seeds", "0", "--epochs", "1", "--max-steps", "1", "--ranks", "4",
+      "--ranks-per-node", "3"], "--ranks-per-node"),
+    ("cache-warm-memory-negative", "jobs.cache",
+     ["warm", "--source", "{png}", "--cache-dir", "{out}/c", "--memory-mb", "-1"], "--memory-mb"),
+    ("cache-warm-source-missing", "jobs.cache", ["warm", "--source", "{missing}", "--cache-dir", "{out}/c"],
+     "--source"),
+    ("cache-warm-cache-dir-is-a-file", "jobs.cache", ["warm", "--source", "{png}", "--cache-dir", "{file}"],
+     "--cache-dir"),
+    ("cache-export-out-is-a-file", "jobs.cache", ["export", "--out", "{file}"], "--out"),
+    ("cache-info-cache-dir-missing", "jobs.cache", ["info", "--cache-dir", "{missing}"], "--cache-dir"),
+    ("cluster-up-hosts-zero", "jobs.cluster", ["up", "--hosts", "0"], "--hosts"),
+    ("cluster-up-bandwidth-unparseable", "jobs.cluster", ["up", "--bandwidth", "junk"], "--bandwidth"),
+    ("cluster-run-local-np-zero", "jobs.cluster", ["run", "--local", "-n", "0", "--", "true"], "--np"),
+    ("topology-expect-nodes-zero", "jobs.topology", ["--expect-nodes", "0"], "--expect-nodes"),
+    ("topology-json-is-a-directory", "jobs.topology", ["--json", "{dir}"], "--json"),
+]
+
+
+def tree(root) -> list[tuple[str, int]]:
+    """Every path under root with its size (-1 for directories): what a job must leave unchanged."""
+    found = []
+    for top, dirs, files in os.walk(root):
+        found += [(os.path.relpath(os.path.join(top, d), root), -1) for d in dirs]
+        found += [(os.path.relpath(os.path.join(top, f), root), os.path.getsize(os.path.join(top, f))) for f in files]
+    return sorted(found)
+
+
+def run_bounded(cmd, timeout):
+    """(returncode, stdout, stderr); returncode None if it hung, its whole process group then killed."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+@pytest.mark.parametrize("job,args,option,flags", [pytest.param(job, args, option, flags, id=name)
+                                                   for name, job, args, option, *flags in CASES])
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, job, args, option, flags):
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    (out / "existing").mkdir(parents=True)
+    inputs.mkdir()
+    (inputs / "file.txt").write_text("not a directory\n")
+    places = dict(out=str(out), dir=str(out / "existing"), file=str(inputs / "file.txt"),
+                  missing=str(inputs / "missing"), png=str(inputs / "png"))
+    if any("{png}" in a for a in args):
+        make_png_dataset(inputs / "png", n=40, size=28)
+    before = tree(tmp_path)
+    cmd = [sys.executable, "-m", job, *(a.format(**places) for a in args)]
+    if "mpiexec" in flags:
+        cmd = [mpiexec(), "-n", "2", *cmd]
+    code, stdout, stderr = run_bounded(cmd, timeout=90)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    problems = []
+    if code is None:
+        problems.append("hung (killed after 90 s)")
+    elif code != 2:
+        problems.append(f"exit {code}")
+    if "Traceback" in stderr:
+        problems.append("traceback")
+    if len(lines) != 1:
+        problems.append(f"{len(lines)} stderr lines")
+    elif not (lines[0].startswith("error: ") and option in lines[0]):
+        problems.append(f"stderr line does not start with 'error: ' and name {option}")
+    changed = sorted(set(tree(tmp_path)) ^ set(before))
+    if changed:
+        problems.append(f"wrote {[p for p, _ in changed][:4]}")
+    assert not problems, f"{'; '.join(problems)}\nstderr: {stderr[-1500:]}\nstdout: {stdout[-500:]}"
+
+
+def test_the_jobs_names_are_runtimes():
+    """jobs.choices lets the jobs check names before runtime (and MPI) is imported: it must not drift."""
+    from jobs import choices
+    from runtime import SPARSE_STRATEGIES, STRATEGIES
+    from runtime.models import MODELS
+
+    assert choices.MODELS == tuple(MODELS)
+    assert choices.EXACT_STRATEGIES == tuple(STRATEGIES) and choices.SPARSE_STRATEGIES == tuple(SPARSE_STRATEGIES)
