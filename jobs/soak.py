@@ -4,10 +4,12 @@
 
 Every --every steps each rank samples its resident memory (VmRSS), its
 threads (/proc/self/task) and the MPI requests the runtime has in flight,
-after a synchronize(). Prints a table of samples (the largest value over
-ranks), and the verdict: RSS growth from the first sample after --settle
-steps to the last, against --max-growth; threads and requests must not grow
-at all. Exit 1 when a bound is exceeded. Writes JSON and a PNG.
+after a synchronize() (the runtime keeps one receive posted per optimizer: the
+failure beacon). Prints a table of samples (the largest value over ranks),
+and the verdict: RSS growth from the first sample after --settle steps to the
+last, against --max-growth; threads and requests must not grow at all, and
+after close() no request may be left. Exit 1 when a bound is exceeded.
+Writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -87,20 +89,22 @@ def main(argv=None) -> int:
             comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
             samples.append(dict(step=step, rss_mb=mine[0] / 2**20, threads=int(mine[1]), requests=int(mine[2])))
     dopt.close()
+    left = np.array([live_requests()], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, left, op=MPI.MAX)
     samples.sort(key=lambda s: s["step"])
     base = next(s for s in samples if s["step"] >= args.settle)
     last = samples[-1]
     growth = last["rss_mb"] / base["rss_mb"] - 1
     thread_growth = last["threads"] - base["threads"]
     request_growth = max(s["requests"] for s in samples if s["step"] >= base["step"]) - base["requests"]
-    ok = growth < args.max_growth and thread_growth <= 0 and request_growth <= 0
+    ok = growth < args.max_growth and thread_growth <= 0 and request_growth <= 0 and left[0] == 0
     if rank == 0:
         print("| step | RSS MB (max over ranks) | threads | MPI requests in flight |\n|---:|---:|---:|---:|")
         for s in samples:
             print(f"| {s['step']} | {s['rss_mb']:.1f} | {s['threads']} | {s['requests']} |")
         print(f"\n{args.strategy}, {comm.Get_size()} ranks, {args.steps} steps: RSS {growth * 100:+.2f} % from step "
               f"{base['step']} (bound {args.max_growth * 100:g} %), threads {thread_growth:+d}, "
-              f"requests {request_growth:+d} -> {'ok' if ok else 'LEAK'}")
+              f"requests {request_growth:+d}, {int(left[0])} left after close() -> {'ok' if ok else 'LEAK'}")
         if args.json:
             write_json(args.json, run_metadata("jobs.soak", argv, ranks=comm.Get_size()),
                        [dict(s, strategy=args.strategy) for s in samples])

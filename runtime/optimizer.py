@@ -8,18 +8,19 @@ import numpy as np
 import torch
 
 from mpicomm import Topology
-from mpicomm.agree import broadcast_tensors, check_same_structure
 from mpicomm.stall import StallPolicy
 from mpicomm.step_check import CLOSE, EXCHANGE, ReportedProblem, StepCheck, digest
 
 from . import checkpoint
+from .deferred import DeferredUpdates
 from .grad_buffers import GradientBuffers
 from .model_buffers import MODES as BUFFER_MODES
 from .model_buffers import BufferSync
 from .options import StrategyOptions, resolve
 from .p3.forward_gate import ForwardGate
 from .registry import strategy_class
-from .strategy import StrategyContext
+from .startup import broadcast_from_root, check_settings
+from .strategy import StrategyContext, capture_hooks
 from .updates import ParamUpdater, describe_hyper, hyperparameters
 
 
@@ -80,8 +81,10 @@ class DistributedOptimizer:
         self.names = [n for n, _ in named]
         self.bpps, self.pto_enabled, self.buffer_mode = backward_passes_per_step, bool(pto), buffers
         try:
-            self._check_settings()
-            self._build(cls, pto, momentum_correction=getattr(self.options, "momentum_correction", False))
+            settings = [f"strategy {self.options.describe()}", f"pto={self.pto_enabled}",
+                        f"backward_passes_per_step={self.bpps}", f"buffers={self.buffer_mode}"]
+            check_settings(self.comm, settings, model, optimizer)
+            self._build(cls, pto)
         except BaseException:
             self._release_topology()
             raise
@@ -90,9 +93,7 @@ class DistributedOptimizer:
         self._used = np.zeros(n, dtype=bool)  # this rank produced a gradient this step
         self._passes = [0] * n  # backward passes that reached each parameter this step
         self._sent = [False] * n
-        self._owed = np.zeros(n, dtype=bool)  # deferred (p3): updates still to apply before next use
-        self._owed_hyper: list | None = None
-        self._zero_requested = False
+        self.deferred = DeferredUpdates(self.strategy, self.updater, self.buffers, timeline)
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync = False
@@ -105,12 +106,12 @@ class DistributedOptimizer:
         self._forward_hook = model.register_forward_pre_hook(self._before_forward) \
             if self.model_buffers.active else None
         self._state_hook = model.register_state_dict_pre_hook(lambda *a: self._before_reading())
-        self._capture_hooks = _capture(self.strategy)
+        self._capture_hooks = capture_hooks(self.strategy)
 
     # -- set-up --------------------------------------------------------------
-    def _build(self, cls, pto: bool, momentum_correction: bool) -> None:
+    def _build(self, cls, pto: bool) -> None:
         """Everything collective after the settings agreed: the same calls, in the same order, on every rank."""
-        self._broadcast_from_root()
+        broadcast_from_root(self.comm, self.model, self.optimizer)
         self.buffers = GradientBuffers(self.params, self.names)
         self.updater = ParamUpdater(self.optimizer, self.params)
         self.pto = None
@@ -120,41 +121,15 @@ class DistributedOptimizer:
             self.pto = ShardedUpdate(self.optimizer, self.params, self.comm)
             self.pto.load_from(self.optimizer)
             self.optimizer.state.clear()  # the pieces hold the state now: 1/P of it per rank
-        self.moved_momentum = _take_sgd_momentum(self.optimizer) if momentum_correction else 0.0
+        self.moved_momentum = cls.adopt_momentum(self.optimizer, self.options)
         self._comm_hook = None
         self.check = StepCheck(self.comm, len(self.params), self.policy)
         ctx = StrategyContext(self.topology, self.params, self.names, self.buffers, self.options, self.timeline,
-                              self.policy, None, shard_gradients=pto and self.options.name == "allreduce",
+                              self.policy, None, shard_gradients=pto and cls.can_shard_gradients,
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
         self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy,
                                         self.check.interrupt)
-
-    def _check_settings(self) -> None:
-        """Collective, before anything else collective: a rank with other settings would create other communicators."""
-        entries = [f"strategy {self.options.describe()}", f"pto={self.pto_enabled}",
-                   f"backward_passes_per_step={self.bpps}", f"buffers={self.buffer_mode}",
-                   f"optimizer {type(self.optimizer).__name__} groups="
-                   f"{[len(g['params']) for g in self.optimizer.param_groups]}"]
-        entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} strides={p.stride()}"
-                    for n, p in zip(self.names, self.params)]
-        entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in self.model.named_buffers()]
-        check_same_structure(self.comm, entries, "setting")
-        model_params = {id(p) for p in self.model.parameters()}
-        foreign = [tuple(p.shape) for g in self.optimizer.param_groups for p in g["params"] if id(p) not in model_params]
-        if foreign:
-            raise ValueError(f"the optimizer holds parameters that are not in the model (shapes {foreign[:4]}): "
-                             "they would be updated without being synchronised")
-
-    def _broadcast_from_root(self) -> None:
-        state = self.optimizer.state_dict()["state"]
-        tensors = [v for k in sorted(state) for _, v in sorted(state[k].items()) if torch.is_tensor(v) and v.dim()]
-        check_same_structure(self.comm, [f"{tuple(t.shape)} {t.dtype}" for t in tensors], "optimizer state tensor")
-        with torch.no_grad():
-            broadcast_tensors(self.comm, [p.detach() for p in self.model.parameters()] +
-                              list(self.model.buffers()) + tensors)
-        if tensors:  # state_dict() handed out references to the live state, except where it copied
-            self.optimizer.load_state_dict(self.optimizer.state_dict())
 
     def register_comm_hook(self, state, hook) -> None:
         """DDP-style hook (runtime.comm_hooks), called for each bucket instead of the plain average."""
@@ -163,8 +138,9 @@ class DistributedOptimizer:
                              "bucketed strategies allreduce and wfbp")
         if self.steps or self._open:
             raise RuntimeError("register_comm_hook must be called before the first backward pass")
-        if self.pto is not None and self.options.name == "allreduce":
-            raise ValueError("allreduce with pto reduce-scatters the gradients: no bucket for a hook to average")
+        if self.strategy.ctx.shard_gradients:
+            raise ValueError(f"{self.strategy.name} with pto reduce-scatters the gradients: no bucket for a hook "
+                             "to average")
         self.strategy.hook_state, self.strategy.hook = state, hook
         self._comm_hook = getattr(hook, "__name__", type(hook).__name__)
 
@@ -173,7 +149,7 @@ class DistributedOptimizer:
         if self.failed is not None:
             return
         i = self._index[id(p)]
-        if self._owed[i]:
+        if self.deferred.owed[i]:
             error = RuntimeError(
                 f"{self.names[i]} got a gradient before its deferred ({self.strategy.name}) update was applied: a "
                 "forward pass used it without running the module that held it in the first forward pass (a "
@@ -183,10 +159,9 @@ class DistributedOptimizer:
             raise error
         if not self._open:
             self._open = True
-            if self._owed.any():
-                # Backward of the next step has begun: what is still owed belongs to parameters
-                # this forward pass skipped, and must be applied before their memory is reused.
-                self._apply(np.flatnonzero(self._owed))
+            # Backward of the next step has begun: what is still owed belongs to parameters
+            # this forward pass skipped, and must be applied before their memory is reused.
+            self._apply()
         self._used[i] = True
         self._passes[i] += 1
         if self._no_sync or self._passes[i] < self.bpps:
@@ -204,9 +179,7 @@ class DistributedOptimizer:
 
     def _on_module_enter(self, params: list[int]) -> None:
         if self.failed is None:
-            owed = [i for i in params if self._owed[i]]
-            if owed:
-                self._apply(owed)
+            self._apply(params)
 
     def _before_forward(self, module, inputs) -> None:
         if self.failed is None:
@@ -239,12 +212,7 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the strategy's buffers; set_to_none is not honoured)."""
         self._usable()
-        if self._owed.any():
-            # Parameters still owed an update keep their averaged gradient until it is applied.
-            self._zero_requested = True
-            self.buffers.zero(np.flatnonzero(~self._owed))
-        else:
-            self.buffers.zero()
+        self.deferred.zero_grad()
 
     def step(self, closure=None):
         if closure is not None:
@@ -287,15 +255,13 @@ class DistributedOptimizer:
             self._flush()
 
     def _flush(self) -> None:
-        if self._owed.any():
-            self._apply(np.flatnonzero(self._owed))
+        self._apply()
         self.model_buffers.finish()
 
     # -- one step ------------------------------------------------------------
     def _exchange(self, full: bool) -> None:
         """Agree with every rank, hand over the gradients backward did not produce, start the averaging."""
-        if self._owed.any():
-            self._apply(np.flatnonzero(self._owed))  # parameters this step's forward and backward skipped
+        self._apply()  # parameters this step's forward and backward skipped
         if self.gate is not None and self.gate.gate is None:
             # The first forward pass is over: gates and priorities are known from now on.
             self.strategy.set_priorities(self.gate.freeze())
@@ -307,14 +273,14 @@ class DistributedOptimizer:
                 self._used[i] = True
             else:
                 self.buffers.zero([i])  # no gradient here this step: counts as zeros in the average
-        problem = getattr(self.strategy, "local_problem", lambda: None)()
+        problem = self.strategy.local_problem()
         hyper = hyperparameters(self.optimizer)
         settings = describe_hyper(hyper) + [f"comm hook {self._comm_hook}"]
         try:
             used = self.check.run(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
                                   describe=lambda: settings)
         except ReportedProblem as exc:
-            error = getattr(self.strategy, "problem_error", RuntimeError)(str(exc))
+            error = self.strategy.problem_error(str(exc))
             self._fail(error)
             raise error from None
         except BaseException as exc:
@@ -344,8 +310,7 @@ class DistributedOptimizer:
             for i in np.flatnonzero(~mask):
                 mask[i] = bool(self.buffers.flat(i).any())
         if self.strategy.deferred and not immediately and self.pto is None:
-            self._owed = mask.copy()
-            self._owed_hyper = self._hyper
+            self.deferred.owe(mask, self._hyper)
             return
         self.strategy.wait(range(len(self.params)))
         if self.pto is not None:
@@ -353,25 +318,13 @@ class DistributedOptimizer:
         else:
             self.updater.step(np.flatnonzero(mask).tolist(), self._hyper)
 
-    def _apply(self, owed) -> None:
-        """Deferred updates (p3): wait for these parameters' slices, then run the optimizer on them."""
-        owed = [int(i) for i in owed]
-        tl = self.timeline
+    def _apply(self, indices=None) -> None:
+        """Deferred updates owed to these parameters (all when None): applied, or the optimizer fails."""
         try:
-            if tl:
-                with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]):
-                    self.strategy.wait(owed)
-            else:
-                self.strategy.wait(owed)
-            self.updater.step(owed, self._owed_hyper)
+            self.deferred.apply(indices)
         except BaseException as exc:
             self._fail(exc)
             raise
-        self._owed[owed] = False
-        if self._zero_requested:
-            self.buffers.zero(owed)
-            if not self._owed.any():
-                self._zero_requested = False
 
     # -- failure and the end -----------------------------------------------------
     def _usable(self) -> None:
@@ -468,41 +421,3 @@ class DistributedOptimizer:
         self._usable()
         self._flush()
         checkpoint.load_optimizer_state(self, state)
-
-
-def _capture(strategy) -> list:
-    """Forward hooks on the modules whose sufficient factors the strategy asked for.
-
-    The output-gradient rows come from a hook on the layer's output tensor:
-    they arrive as soon as backward reaches the layer, before its weight
-    gradient is computed (and without the module-level backward hooks, which
-    warn on a first layer whose input needs no gradient).
-    """
-    handles = []
-    for k, module in enumerate(strategy.capture):
-        def keep(mod, args, output, k=k):
-            if output.requires_grad:
-                rows = args[0].detach()
-                output.register_hook(lambda grad, rows=rows: strategy.captured(k, rows, grad.detach()))
-
-        handles.append(module.register_forward_hook(keep))
-    return handles
-
-
-def _take_sgd_momentum(optimizer) -> float:
-    """Move an SGD's momentum into the sparsifier (momentum correction): the SGD continues without it.
-
-    Returns 0 for other optimizers, which keep their own state.
-    """
-    if not isinstance(optimizer, torch.optim.SGD):
-        return 0.0
-    groups = optimizer.param_groups
-    momenta = {g["momentum"] for g in groups}
-    if momenta == {0}:
-        return 0.0
-    if len(momenta) > 1 or any(g["nesterov"] or g["dampening"] for g in groups):
-        raise ValueError("momentum correction needs one plain momentum for all parameter groups (no nesterov, "
-                         "no dampening); pass TopkOptions(momentum_correction=False) to keep the SGD's")
-    for g in groups:
-        g["momentum"] = 0.0
-    return float(momenta.pop())

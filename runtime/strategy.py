@@ -43,8 +43,9 @@ class Strategy:
     - deferred: updates are applied per layer, just before the layer's next
       forward (p3), rather than in step();
     - exact: synchronous SGD on the full gradient; parameters no rank used are
-      then left alone, as one process would. A non-exact strategy reports what
-      it applied (`touched`), since delayed values can reach such parameters;
+      then left alone, as one process would. A non-exact strategy's average can
+      reach such parameters through delayed values: they are updated where it
+      is non-zero;
     - hooks: accepts a DDP-style communication hook (bucketed strategies);
     - capture: modules whose layer inputs and output gradients the strategy
       needs (sufficient factors); the wrapper then calls `captured(k, input,
@@ -55,12 +56,22 @@ class Strategy:
     deferred = False
     exact = True
     hooks = False
+    can_shard_gradients = False  # with PTO, may leave only this rank's averaged shard (grad_shard)
+    problem_error = RuntimeError  # what every rank raises when a rank reports a local_problem()
 
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
         self.params, self.buffers, self.timeline = ctx.params, ctx.buffers, ctx.timeline
         self.size = ctx.topology.size
         self.capture: list[torch.nn.Module] = []
+
+    @classmethod
+    def adopt_momentum(cls, optimizer: torch.optim.Optimizer, options) -> float:
+        """Before construction: take over the optimizer's momentum (DGC's correction); returns what was taken."""
+        return 0.0
+
+    def set_priorities(self, priority: list[int]) -> None:
+        """Per parameter, its layer's place in the first forward pass (smaller: needed sooner)."""
 
     def grad_ready(self, i: int) -> None:
         """Backward produced parameter i's final gradient; the strategy may start sending it."""
@@ -75,8 +86,8 @@ class Strategy:
     def wait(self, indices) -> None:
         """Block (under the stall policy) until these parameters' gradients are averaged."""
 
-    def touched(self):
-        """Non-exact strategies: bools, which parameters received a non-zero averaged gradient."""
+    def local_problem(self) -> str | None:
+        """Before the step's agreement: a reason this rank cannot go on (a NaN gradient), or None."""
         return None
 
     @property
@@ -112,3 +123,22 @@ def wait_handles(handles, what: str, ctx: StrategyContext, report=lambda: "") ->
     wait_until(lambda: all([h.test() for h in handles]), what=what, report=report, policy=ctx.policy,
                who=f"rank {ctx.topology.rank}: ", interrupt=ctx.interrupt)
     return [h.wait() for h in handles]
+
+
+def capture_hooks(strategy: Strategy) -> list:
+    """Forward hooks on the modules whose sufficient factors the strategy asked for.
+
+    The output-gradient rows come from a hook on the layer's output tensor:
+    they arrive as soon as backward reaches the layer, before its weight
+    gradient is computed (and without the module-level backward hooks, which
+    warn on a first layer whose input needs no gradient).
+    """
+    handles = []
+    for k, module in enumerate(strategy.capture):
+        def keep(mod, args, output, k=k):
+            if output.requires_grad:
+                rows = args[0].detach()
+                output.register_hook(lambda grad, rows=rows: strategy.captured(k, rows, grad.detach()))
+
+        handles.append(module.register_forward_hook(keep))
+    return handles

@@ -55,8 +55,8 @@ def test_bandwidth_strings():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["up", "--hosts", "0"], "hosts must be between 1 and 64"),
-    (["up", "--hosts", "65"], "hosts must be between 1 and 64"),
+    (["up", "--hosts", "0"], "--hosts: must be between 1 and 64"),
+    (["up", "--hosts", "65"], "--hosts: must be between 1 and 64"),
     (["up", "--bandwidth", "fast"], "cannot parse bandwidth"),
     (["down"], "no emulated cluster is up"),
     (["status"], "no emulated cluster is up"),

@@ -168,7 +168,7 @@ def test_mpiexec_launcher(cluster, tmp_path):
 @needs_slurm
 @pytest.mark.timeout(**TEST_TIMEOUT)
 @pytest.mark.parametrize("script, args, message", [
-    ("bench_collectives.sbatch", ["--ops", "nope"], "unknown op"),
+    ("bench_collectives.sbatch", ["--ops", "nope"], "--ops: unknown 'nope'"),
     ("topology.sbatch", ["--expect-nodes", "3"], "error: expected 3 nodes"),
 ], ids=["invalid-argument", "wrong-node-count"])
 def test_failing_job_fails_sbatch_wait(cluster, script, args, message, tmp_path):

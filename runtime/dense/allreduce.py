@@ -19,6 +19,7 @@ class AllreduceSync(Strategy):
 
     name = "allreduce"
     hooks = True
+    can_shard_gradients = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)

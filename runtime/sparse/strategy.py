@@ -82,6 +82,10 @@ class TopkSync(Strategy):
 
     problem_error = NonFiniteGradientError
 
+    @classmethod
+    def adopt_momentum(cls, optimizer, options) -> float:
+        return take_sgd_momentum(optimizer) if options.momentum_correction else 0.0
+
     def finish(self, used, full: bool = False) -> None:
         step, self.steps = self.steps, self.steps + 1
         tl = self.timeline
@@ -158,3 +162,22 @@ class HierTopkSync(TopkSync):
 
     name = "hier-topk"
     hierarchical = True
+
+
+def take_sgd_momentum(optimizer) -> float:
+    """Move an SGD's momentum into the sparsifier (momentum correction): the SGD continues without it.
+
+    Returns 0 for other optimizers, which keep their own state.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return 0.0
+    groups = optimizer.param_groups
+    momenta = {g["momentum"] for g in groups}
+    if momenta == {0}:
+        return 0.0
+    if len(momenta) > 1 or any(g["nesterov"] or g["dampening"] for g in groups):
+        raise ValueError("momentum correction needs one plain momentum for all parameter groups (no nesterov, "
+                         "no dampening); pass TopkOptions(momentum_correction=False) to keep the SGD's")
+    for g in groups:
+        g["momentum"] = 0.0
+    return float(momenta.pop())

@@ -1,0 +1,54 @@
+"""Updates a deferred strategy (p3) owes parameters until just before their next use."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class DeferredUpdates:
+    """The owed set, the hyper-parameters of the step that owes it, and a zero_grad() that must wait for it.
+
+    After a p3 step each used parameter is owed its update; the forward gate
+    applies a layer's updates as the layer starts (waiting for its slices
+    first), and whatever a forward pass skipped is applied before the next
+    backward or step. A parameter keeps its averaged gradient until its
+    update is applied, so zero_grad() zeroes the others at once and those
+    only once applied.
+    """
+
+    def __init__(self, strategy, updater, buffers, timeline=None):
+        self.strategy, self.updater, self.buffers, self.timeline = strategy, updater, buffers, timeline
+        self.owed = np.zeros(len(buffers.params), dtype=bool)
+        self.hyper: list | None = None
+        self._zero_requested = False
+
+    def pending(self) -> bool:
+        return bool(self.owed.any())
+
+    def owe(self, mask: np.ndarray, hyper: list) -> None:
+        self.owed, self.hyper = mask.copy(), hyper
+
+    def apply(self, indices=None) -> None:
+        """Wait for these parameters' averaged gradients (all owed ones when None), then update them."""
+        owed = np.flatnonzero(self.owed) if indices is None else [i for i in indices if self.owed[i]]
+        owed = [int(i) for i in owed]
+        if not owed:
+            return
+        tl = self.timeline
+        if tl:
+            with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]):
+                self.strategy.wait(owed)
+        else:
+            self.strategy.wait(owed)
+        self.updater.step(owed, self.hyper)
+        self.owed[owed] = False
+        if self._zero_requested:
+            self.buffers.zero(owed)
+            self._zero_requested = self.pending()
+
+    def zero_grad(self) -> None:
+        if self.pending():
+            self._zero_requested = True
+            self.buffers.zero(np.flatnonzero(~self.owed))
+        else:
+            self.buffers.zero()

@@ -1,0 +1,36 @@
+"""What wrapping agrees on across ranks before anything else, and rank 0's state broadcast to every rank."""
+
+from __future__ import annotations
+
+import torch
+
+from mpicomm.agree import broadcast_tensors, check_same_structure
+
+
+def check_settings(comm, settings: list[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Collective, first: a rank with other settings would go on to create other communicators and hang.
+
+    Compares the settings, the optimizer's groups, and every trainable
+    parameter (name, shape, dtype, strides) and buffer; the error names the
+    first difference and which ranks hold which value.
+    """
+    entries = list(settings)
+    entries.append(f"optimizer {type(optimizer).__name__} groups={[len(g['params']) for g in optimizer.param_groups]}")
+    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} strides={p.stride()}"
+                for n, p in model.named_parameters() if p.requires_grad]
+    entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in model.named_buffers()]
+    check_same_structure(comm, entries, "setting")
+    in_model = {id(p) for p in model.parameters()}
+    foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in in_model]
+    if foreign:
+        raise ValueError(f"the optimizer holds parameters that are not in the model (shapes {foreign[:4]}): "
+                         "they would be updated without being synchronised")
+
+
+def broadcast_from_root(comm, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Rank 0's parameters, buffers and optimizer state tensors on every rank (collective)."""
+    state = optimizer.state_dict()["state"]  # references to the live state tensors, written in place
+    tensors = [v for k in sorted(state) for _, v in sorted(state[k].items()) if torch.is_tensor(v) and v.dim()]
+    check_same_structure(comm, [f"{tuple(t.shape)} {t.dtype}" for t in tensors], "optimizer state tensor")
+    with torch.no_grad():
+        broadcast_tensors(comm, [p.detach() for p in model.parameters()] + list(model.buffers()) + tensors)
