@@ -1,12 +1,15 @@
-"""Per-step agreement through a coordinator, and an abort beacon that reaches every rank in any wait.
+"""Per-step agreement across ranks, and an abort beacon that reaches every rank in any wait.
 
-Every rank sends rank 0 a small fixed-size message at each synchronisation
-point (a training step, a close): its action, step number, a digest of
-settings that must match (hyper-parameters), a bitmap of the parameters it
-used, and any problem it found (a NaN gradient). Rank 0 answers each rank
-with one verdict: the OR of the bitmaps, or the error every rank raises. Like
-Horovod's coordinator, rank 0 knows exactly which ranks have not arrived,
-which is what its stall report names. Two messages per rank per step.
+At each synchronisation point (a training step, a close) every rank
+contributes its action, step number, a digest of the settings that must
+match (hyper-parameters), whether it found a problem (a NaN gradient) and a
+flag per parameter it used. The common path is one small native
+non-blocking allreduce (MAX over each value and its negation gives min and
+max, MAX over the 0/1 flags their OR): as cheap as MPI makes agreement. Only when
+ranks differ, or one reports a problem, do they gather their descriptions to
+raise the same error naming ranks and values on every rank. Each rank also
+tells rank 0 it has arrived, so that rank 0's stall report can name, like
+Horovod's coordinator, exactly the ranks that have not.
 
 A rank that fails sends every other rank a beacon with its error; each rank
 keeps a receive for it posted, and every wait of the runtime tests it
@@ -28,10 +31,9 @@ from .validate import CollectiveMismatchError
 
 EXCHANGE, CLOSE = 1, 2
 _ACTION = {EXCHANGE: "step", CLOSE: "close()"}
-OK, ERROR, DESCRIBE, PROBLEM = 0, 1, 2, 3
-TEXT = 240  # bytes of problem or error text a rank can send
-REPLY_TEXT = 1500
-_TAG_UP, _TAG_DOWN, _TAG_BEACON = 1, 2, 3
+TEXT = 240  # bytes of error text in a failure beacon
+_TAG_ARRIVED, _TAG_BEACON = 1, 3
+_HEAD = 8  # action, -action, step, -step, settings, -settings, problem, spare
 
 
 class PeerFailedError(RuntimeError):
@@ -55,10 +57,13 @@ class StepCheck:
         self.policy = policy or StallPolicy.from_env()
         self.nbits = nbits
         self.names = names
-        self._bitbytes = (nbits + 7) // 8
-        self._msg = np.zeros(4 * 8 + self._bitbytes + TEXT, dtype=np.uint8)
-        self._reply = np.zeros(2 * 8 + self._bitbytes + REPLY_TEXT, dtype=np.uint8)
-        self._table = np.zeros((self.size, self._msg.size), dtype=np.uint8) if self.rank == 0 else None
+        self._vec = np.zeros(_HEAD + nbits, dtype=np.int64)
+        self._out = np.zeros_like(self._vec)
+        self._arrivals = np.zeros(self.size, dtype=np.int64)
+        self._arrival_log = RequestLog()
+        self._round = None  # (action, step, settings, text, describe) of a round started, not finished
+        self._arrived: list = []
+        self._request = None
         self.broken = False  # a round failed: no more rounds
         self.everyone_knows = False  # ...and every rank raised (or heard of) it: nobody to tell
         self._beacon_in = np.zeros(TEXT, dtype=np.uint8)
@@ -113,109 +118,87 @@ class StepCheck:
         naming it). describe(): this rank's settings as "name=value" lines,
         gathered only when the `settings` digests differ, to name the values.
         """
+        self.start(action, step, settings, used, text, describe)
+        return self.finish(policy)
+
+    def start(self, action: int, step: int, settings: int, used: np.ndarray | None = None, text: str = "",
+              describe: Callable[[], list[str]] | None = None) -> None:
+        """The first half of run(): post this rank's part and return; finish() completes the round."""
         if self.broken:
             raise RuntimeError("an earlier agreement round failed: this object cannot be used any more")
+        if self._round is not None:
+            raise RuntimeError("the previous agreement round was not finished")
+        vec = self._vec
+        vec[:_HEAD] = (action, -action, step, -step, settings, -settings, int(bool(text)), 0)
+        vec[_HEAD:] = np.asarray(used, dtype=bool) if used is not None else 0
+        self._round = (action, step, settings, text, describe)
         if self.size == 1:
-            return np.asarray(used if used is not None else np.zeros(self.nbits, bool), dtype=bool)
-        msg = self._msg
-        msg[:] = 0
-        msg[:32].view(np.int64)[:] = (action, step, settings, 0)
-        if used is not None:
-            msg[32:32 + self._bitbytes] = np.packbits(np.asarray(used, dtype=bool))
-        raw = text.encode()[:TEXT]
-        msg[:32].view(np.int64)[3] = len(raw)
-        msg[32 + self._bitbytes:32 + self._bitbytes + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-        policy = policy or self.policy
-        try:
-            if self.rank == 0:
-                self._coordinate(step, policy)
-            else:
-                self._ask(step, policy)
-        except (StallError, PeerFailedError):
-            self.broken = True
-            raise
-        status = int(self._reply[:16].view(np.int64)[0])
-        if status == DESCRIBE:
-            self._name_differences(describe)
-        if status in (ERROR, PROBLEM):
-            self.broken = self.everyone_knows = True
-            n = int(self._reply[:16].view(np.int64)[1])
-            text = bytes(self._reply[16 + self._bitbytes:16 + self._bitbytes + n]).decode(errors="replace")
-            raise {ERROR: CollectiveMismatchError, PROBLEM: ReportedProblem}[status](text)
-        bits = np.unpackbits(self._reply[16:16 + self._bitbytes])[:self.nbits]
-        return bits.astype(bool)
+            self._out[:] = vec
+            return
+        log = self._arrival_log
+        if self.rank == 0:
+            self._arrived = [log.irecv(self.comm, [self._arrivals[r:r + 1], MPI.INT64_T], r, _TAG_ARRIVED)
+                             for r in range(1, self.size)]
+        else:
+            self._arrivals[0] = step
+            self._arrived = [log.isend(self.comm, [self._arrivals[:1], MPI.INT64_T], 0, _TAG_ARRIVED)]
+        self._request = self.comm.Iallreduce(vec, self._out, op=MPI.MAX)
 
-    def _ask(self, step: int, policy: StallPolicy) -> None:
-        log = RequestLog()
-        send = log.isend(self.comm, [self._msg, MPI.BYTE], 0, _TAG_UP)
-        recv = log.irecv(self.comm, [self._reply, MPI.BYTE], 0, _TAG_DOWN)
-        try:
-            wait_until(lambda: MPI.Request.Testall([send, recv]), what=f"agreement on step {step}",
-                       report=lambda: "no verdict from rank 0, which coordinates and names missing ranks",
-                       policy=policy, who=f"rank {self.rank}: ", interrupt=self.interrupt)
-        except (StallError, PeerFailedError):
-            log.cancel()
-            raise
-        log.release()
+    @property
+    def pending(self) -> bool:
+        return self._round is not None
 
-    def _coordinate(self, step: int, policy: StallPolicy) -> None:
-        log = RequestLog()
-        table = self._table
-        table[0] = self._msg
-        recvs = [log.irecv(self.comm, [table[r], MPI.BYTE], r, _TAG_UP) for r in range(1, self.size)]
+    def finish(self, policy: StallPolicy | None = None) -> np.ndarray:
+        """Complete the round start() began: the OR of `used`, or the same error on every rank."""
+        action, step, settings, text, describe = self._round
+        if self.size > 1:
+            try:
+                self._wait(step, policy or self.policy)
+            except (StallError, PeerFailedError):
+                self.broken = True
+                raise
+        self._round = None
+        self.interrupt()  # a round can complete with a rank that has given up meanwhile
+        out = self._out
+        if (out[0:6:2] != -out[1:6:2]).any() or out[6]:
+            self._explain(action, step, settings, text, describe)
+        return out[_HEAD:] > 0
+
+    def _wait(self, step: int, policy: StallPolicy) -> None:
+        log, arrived, request = self._arrival_log, self._arrived, self._request
 
         def missing() -> str:
+            if self.rank != 0:
+                return "a rank has not reached this point; rank 0's report names it"
             # Testall leaves every request untouched unless all completed: ask each one.
-            late = [r + 1 for r, req in enumerate(recvs) if not req.Test()]
+            late = [r + 1 for r, req in enumerate(arrived) if not req.Test()]
             return f"rank(s) {late} have not reached this point (step {step}); the others wait for them"
         try:
-            wait_until(lambda: MPI.Request.Testall(recvs), what=f"agreement on step {step}", report=missing,
-                       policy=policy, who="rank 0: ", interrupt=self.interrupt)
+            wait_until(request.Test, what=f"agreement on step {step}", report=missing, policy=policy,
+                       who=f"rank {self.rank}: ", interrupt=self.interrupt)
+            # Sent before each rank's allreduce began: delivered by now, or nearly.
+            wait_until(lambda: MPI.Request.Testall(arrived), what="arrivals", policy=policy,
+                       who=f"rank {self.rank}: ", interrupt=self.interrupt)
+            log.release()
         except (StallError, PeerFailedError):
             log.cancel()
             raise
-        self._reply[:] = self._verdict()
-        sends = [log.isend(self.comm, [self._reply, MPI.BYTE], r, _TAG_DOWN) for r in range(1, self.size)]
-        wait_until(lambda: MPI.Request.Testall(sends), what="sending the verdict", policy=policy, who="rank 0: ",
-                   interrupt=self.interrupt)
-        log.release()
 
-    # -- rank 0's verdict -------------------------------------------------------------
-    def _verdict(self) -> np.ndarray:
-        head = self._table[:, :32].view(np.int64)  # (size, 4): action, step, settings, text length
-        reply = np.zeros_like(self._reply)
-        bits = np.bitwise_or.reduce(self._table[:, 32:32 + self._bitbytes], axis=0)
-        reply[16:16 + self._bitbytes] = bits
-        problem, status = None, OK
-        if (head[:, :2] != head[0, :2]).any():
-            problem = "ranks are at different points: " + group_by_value(
-                [f"{_ACTION.get(int(a), a)} #{int(s) + 1}" if a == EXCHANGE else f"{_ACTION.get(int(a), a)} after "
-                 f"{int(s)} steps" for a, s in head[:, :2]])
-        elif (head[:, 2] != head[0, 2]).any():
-            status = DESCRIBE
-        elif head[:, 3].any():
-            problem, status = "; ".join(f"rank {r}: {self._text(r)}" for r in np.flatnonzero(head[:, 3])), PROBLEM
-        if problem is not None:
-            status = status or ERROR
-            raw = problem.encode()[:REPLY_TEXT]
-            reply[16:16 + self._bitbytes] = 0
-            reply[16 + self._bitbytes:16 + self._bitbytes + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-            reply[:16].view(np.int64)[1] = len(raw)
-        reply[:16].view(np.int64)[0] = status
-        return reply
-
-    def _text(self, r: int) -> str:
-        n = int(self._table[r, :32].view(np.int64)[3])
-        start = 32 + self._bitbytes
-        return bytes(self._table[r, start:start + n]).decode(errors="replace")
-
-    def _name_differences(self, describe) -> None:
-        """Rare path, every rank together: gather the settings as text and raise naming the differing ones."""
+    # -- the rare path: name what differs ----------------------------------------------
+    def _explain(self, action: int, step: int, settings: int, text: str, describe) -> None:
+        """Every rank together (all saw the same reduced values): gather the details, raise the same error."""
         self.broken = self.everyone_knows = True
-        mine = describe() if describe is not None else []
-        lists = self.comm.allgather(mine)  # failure path only: pickling is fine
-        for i in range(max(len(x) for x in lists)):
-            column = [x[i] if i < len(x) else "(missing)" for x in lists]
-            if any(c != column[0] for c in column):
-                raise CollectiveMismatchError(f"settings differ across ranks: {group_by_value(column)}")
-        raise CollectiveMismatchError("settings differ across ranks (their digests differ)")
+        mine = (action, step, settings, text, describe() if describe is not None else [])
+        rows = self.comm.allgather(mine)  # failure path only: pickling is fine
+        if len({(a, s) for a, s, *_ in rows}) > 1:
+            raise CollectiveMismatchError("ranks are at different points: " + group_by_value(
+                [f"{_ACTION.get(a, a)} #{s + 1}" if a == EXCHANGE else f"{_ACTION.get(a, a)} after {s} steps"
+                 for a, s, *_ in rows]))
+        if len({d for _, _, d, *_ in rows}) > 1:
+            lists = [r[4] for r in rows]
+            for i in range(max(len(x) for x in lists)):
+                column = [x[i] if i < len(x) else "(missing)" for x in lists]
+                if any(c != column[0] for c in column):
+                    raise CollectiveMismatchError(f"settings differ across ranks: {group_by_value(column)}")
+            raise CollectiveMismatchError("settings differ across ranks (their digests differ)")
+        raise ReportedProblem("; ".join(f"rank {r}: {row[3]}" for r, row in enumerate(rows) if row[3]))

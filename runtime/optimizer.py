@@ -277,16 +277,13 @@ class DistributedOptimizer:
         hyper = hyperparameters(self.optimizer)
         settings = describe_hyper(hyper) + [f"comm hook {self._comm_hook}"]
         try:
-            used = self.check.run(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
-                                  describe=lambda: settings)
-        except ReportedProblem as exc:
-            error = self.strategy.problem_error(str(exc))
-            self._fail(error)
-            raise error from None
+            self.check.start(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
+                             describe=lambda: settings)
         except BaseException as exc:
             self._fail(exc)
             raise
         self.steps += 1
+        used = self._finish_round()
         try:
             for i in unsent:
                 self._sent[i] = True
@@ -302,6 +299,18 @@ class DistributedOptimizer:
         self._passes = [0] * len(self.params)
         self._sent = [False] * len(self.params)
         self._hyper = hyper
+
+    def _finish_round(self):
+        """The step's agreement: which parameters any rank used, or the error every rank raises."""
+        try:
+            return self.check.finish()
+        except ReportedProblem as exc:
+            error = self.strategy.problem_error(str(exc))
+            self._fail(error)
+            raise error from None
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def _update(self, immediately: bool) -> None:
         mask = self._update_mask
@@ -335,17 +344,17 @@ class DistributedOptimizer:
             raise RuntimeError("this DistributedOptimizer is closed")
 
     def _fail(self, exc: BaseException) -> None:
-        """Error path: cancel what is in flight, without waiting for ranks that may never come."""
+        """Error path: tell the other ranks, cancel what is in flight, wait for nobody."""
         if self.failed is None:
             self.failed = exc
+            # Not when every rank raised together (a disagreement) or heard of it already.
+            self.check.notify_failure(f"{type(exc).__name__}: {exc}")
             self.strategy.abort()
             self.model_buffers.abandon()
 
     def abort(self, exc: BaseException) -> None:
         """This rank stops with `exc`: tell the other ranks (they raise PeerFailedError) and release everything."""
         if not self._closed:
-            # Not when every rank raised together (a disagreement) or heard of it already.
-            self.check.notify_failure(f"{type(exc).__name__}: {exc}")
             self._fail(exc)
             self._release()
 
