@@ -314,9 +314,6 @@ class SlicedExchange(Task):
             self.active = False
             self._cond.notify_all()
 
-    def live_requests(self) -> int:
-        return self.log.live()
-
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()

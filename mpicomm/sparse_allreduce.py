@@ -26,6 +26,7 @@ import torch
 
 from .buffers import block_counts, offsets
 from .ring import Ring
+from .stall import DRIVE, StallPolicy, wait_until
 from .topology import Topology
 
 Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -77,8 +78,10 @@ class SparseAllreduce:
     freshly allocated 100 MB tensors cost page faults on every step.
     """
 
-    def __init__(self, topology: Topology, *, hierarchical: bool, validate: bool | None = None):
+    def __init__(self, topology: Topology, *, hierarchical: bool, validate: bool | None = None,
+                 policy: StallPolicy | None = None, interrupt=None):
         self.hierarchical = hierarchical
+        self.policy, self.interrupt, self.rank = policy, interrupt, topology.rank
         self.size = topology.size
         if hierarchical:
             self.node, self.cross = Ring(topology.node, validate=validate), Ring(topology.cross, validate=validate)
@@ -112,9 +115,10 @@ class SparseAllreduce:
 
     def _run(self, handle):
         self._handles = [handle]
-        result = handle.wait()
+        wait_until(handle.test, what=f"sparse allreduce ({handle.name})", policy=self.policy,
+                   who=f"rank {self.rank}: ", interrupt=self.interrupt, spin=DRIVE)
         self._handles = []
-        return result
+        return handle.wait()
 
     def __call__(self, x: torch.Tensor, select: Select, out: torch.Tensor | None = None,
                  k_of: Callable[[int], int] | None = None) -> torch.Tensor:

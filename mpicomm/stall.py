@@ -55,33 +55,38 @@ class StallPolicy:
                 raise ValueError(f"StallPolicy.{name} must be a positive number of seconds or None, got {v!r}")
 
 
-# First polls with a yield of the core between them (SPIN_SECONDS), then sleeps doubling up to
-# MAX_SLEEP: a short wait costs no latency, a long one no core. The yield matters where ranks
-# share cores: a rank spinning without it starved the others (a 4-rank Iallreduce on 2 cores
-# took 5.3 ms instead of 36 us; sleeping 10 us instead of yielding, 265 us). Spinning longer
-# than ~1 ms took compute time from ranks that were still working (a 5 ms window cost the demo
-# 15 % of its throughput).
+# By default a wait first polls with a yield of the core between polls (SPIN_SECONDS), then
+# sleeps doubling up to MAX_SLEEP: a short wait costs no latency, a long one no core. The yield
+# matters where ranks share cores: a rank spinning without it starved the others (a 4-rank
+# Iallreduce on 2 cores took 5.3 ms instead of 36 us; sleeping 10 us instead of yielding, 265
+# us). Spinning longer than ~1 ms took compute time from ranks that were still working (a 5 ms
+# window cost the demo 15 % of its throughput). But MPI moves data only while someone calls it:
+# a thread that drives a large transfer alone must never sleep (spin=DRIVE; sleeping doubled a
+# VGG-19 ring allreduce), and a thread that merely watches one a progress thread drives should
+# poll rarely (spin=WATCH), or it contends with that thread for MPI's lock.
 SPIN_SECONDS = 1e-3
+DRIVE, WATCH = float("inf"), 0.0
 MIN_SLEEP, MAX_SLEEP = 10e-6, 1e-3
 
 
 def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str] = lambda: "",
                policy: StallPolicy | None = None, who: str = "", blocking: bool = False,
-               interrupt: Callable[[], None] | None = None) -> None:
+               interrupt: Callable[[], None] | None = None, spin: float = SPIN_SECONDS) -> None:
     """Poll `done()` until it returns True; print stall reports; raise StallError past the deadline.
 
     `what` names the wait ("p3 slices of parameter fc1.weight"); `report()`
     says what is missing (called only when a report is due). blocking: done()
     itself blocks for a short while (a condition variable), so no sleeping here.
     interrupt(): called between polls; it raises to abandon the wait (another
-    rank's failure beacon).
+    rank's failure beacon). spin: seconds of yielding polls before sleeping
+    ones (DRIVE: never sleep; WATCH: sleep from the start).
     """
     if done():
         return
     policy = policy or StallPolicy.from_env()
     start = time.monotonic()
     next_warning = policy.warn_after
-    polls, sleep, spinning = 0, MIN_SLEEP, True
+    polls, sleep, spinning = 0, MIN_SLEEP, spin > 0
     while not done():
         if interrupt is not None:
             interrupt()
@@ -95,7 +100,7 @@ def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str]
             if polls % 64:
                 continue  # the clock is read every 64 polls only
         waited = time.monotonic() - start
-        spinning = waited < SPIN_SECONDS
+        spinning = waited < spin
         if policy.timeout is not None and waited >= policy.timeout:
             raise StallError(f"{who}{what}: nothing after {waited:.0f} s (stall timeout {policy.timeout:g} s, "
                              f"${ENV_TIMEOUT}); {report()}")

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from .agree import group_by_value
 from .requests import RequestLog
-from .stall import StallError, StallPolicy, wait_until
+from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
 
 EXCHANGE, CLOSE = 1, 2
@@ -51,11 +51,14 @@ def digest(text: str) -> int:
 class StepCheck:
     """One agreement round per synchronisation point, on a private duplicate of `comm`."""
 
-    def __init__(self, comm: MPI.Comm, nbits: int, policy: StallPolicy | None = None, names=None):
+    def __init__(self, comm: MPI.Comm, nbits: int, policy: StallPolicy | None = None, names=None,
+                 watch: bool = False):
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.policy = policy or StallPolicy.from_env()
         self.nbits = nbits
+        # With a progress thread driving MPI, this thread's rounds only watch (see mpicomm.stall).
+        self.spin = WATCH if watch else SPIN_SECONDS
         self.names = names
         self._vec = np.zeros(_HEAD + nbits, dtype=np.int64)
         self._out = np.zeros_like(self._vec)
@@ -166,6 +169,10 @@ class StepCheck:
 
     def _wait(self, step: int, policy: StallPolicy) -> None:
         log, arrived, request = self._arrival_log, self._arrived, self._request
+        if self.rank != 0 and policy.timeout is not None:
+            # Rank 0 alone can name the missing ranks: the others give it time to say so first
+            # (its failure beacon then ends their wait with its report).
+            policy = StallPolicy(policy.warn_after, policy.timeout + max(1.0, 0.1 * policy.timeout))
 
         def missing() -> str:
             if self.rank != 0:
@@ -175,10 +182,10 @@ class StepCheck:
             return f"rank(s) {late} have not reached this point (step {step}); the others wait for them"
         try:
             wait_until(request.Test, what=f"agreement on step {step}", report=missing, policy=policy,
-                       who=f"rank {self.rank}: ", interrupt=self.interrupt)
+                       who=f"rank {self.rank}: ", interrupt=self.interrupt, spin=self.spin)
             # Sent before each rank's allreduce began: delivered by now, or nearly.
             wait_until(lambda: MPI.Request.Testall(arrived), what="arrivals", policy=policy,
-                       who=f"rank {self.rank}: ", interrupt=self.interrupt)
+                       who=f"rank {self.rank}: ", interrupt=self.interrupt, spin=self.spin)
             log.release()
         except (StallError, PeerFailedError):
             log.cancel()

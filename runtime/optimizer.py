@@ -123,9 +123,9 @@ class DistributedOptimizer:
             self.optimizer.state.clear()  # the pieces hold the state now: 1/P of it per rank
         self.moved_momentum = cls.adopt_momentum(self.optimizer, self.options)
         self._comm_hook = None
-        self.check = StepCheck(self.comm, len(self.params), self.policy)
+        self.check = StepCheck(self.comm, len(self.params), self.policy, watch=cls.progress_thread)
         ctx = StrategyContext(self.topology, self.params, self.names, self.buffers, self.options, self.timeline,
-                              self.policy, None, shard_gradients=pto and cls.can_shard_gradients,
+                              self.policy, shard_gradients=pto and cls.can_shard_gradients,
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
         self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy,
@@ -404,10 +404,6 @@ class DistributedOptimizer:
     def _release_topology(self) -> None:
         if self._own_topology:
             self.topology.free()
-
-    def live_requests(self) -> int:
-        """MPI requests of this optimizer still in flight (for leak checks)."""
-        return self.strategy.live_requests()
 
     def __enter__(self):
         return self

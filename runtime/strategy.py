@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from mpicomm import Topology
-from mpicomm.stall import StallPolicy
+from mpicomm.stall import DRIVE, StallPolicy, wait_until
 
 from .grad_buffers import GradientBuffers
 
@@ -24,7 +24,6 @@ class StrategyContext:
     options: object
     timeline: object = None
     policy: StallPolicy = field(default_factory=StallPolicy.from_env)
-    comm_hook: object = None  # (state, hook) or None
     shard_gradients: bool = False  # PTO: leave only this rank's averaged shard (grad_shard)
     momentum: float = 0.0  # SGD momentum moved into the strategy (sparse momentum correction)
     model: torch.nn.Module | None = None  # for strategies that pick layers (sufficient factors)
@@ -46,7 +45,8 @@ class Strategy:
       then left alone, as one process would. A non-exact strategy's average can
       reach such parameters through delayed values: they are updated where it
       is non-zero;
-    - hooks: accepts a DDP-style communication hook (bucketed strategies);
+    - hooks: accepts a DDP-style communication hook (bucketed strategies: they
+      call `self.hook(self.hook_state, bucket)`, which register_comm_hook sets);
     - capture: modules whose layer inputs and output gradients the strategy
       needs (sufficient factors); the wrapper then calls `captured(k, input,
       grad_output)` for capture[k] during backward.
@@ -57,6 +57,7 @@ class Strategy:
     exact = True
     hooks = False
     can_shard_gradients = False  # with PTO, may leave only this rank's averaged shard (grad_shard)
+    progress_thread = False  # a thread of its own drives MPI: the wrapper's waits only watch
     problem_error = RuntimeError  # what every rank raises when a rank reports a local_problem()
 
     def __init__(self, ctx: StrategyContext):
@@ -106,9 +107,6 @@ class Strategy:
         if shared or local:
             raise ValueError(f"{self.name} keeps no state, but the checkpoint holds some")
 
-    def live_requests(self) -> int:
-        return 0
-
     def abort(self) -> None:
         """Error path: cancel what is in flight without waiting for other ranks."""
 
@@ -118,10 +116,8 @@ class Strategy:
 
 def wait_handles(handles, what: str, ctx: StrategyContext, report=lambda: "") -> list:
     """Finish these collective handles under the stall policy, progressing all of them; returns their results."""
-    from mpicomm.stall import wait_until
-
     wait_until(lambda: all([h.test() for h in handles]), what=what, report=report, policy=ctx.policy,
-               who=f"rank {ctx.topology.rank}: ", interrupt=ctx.interrupt)
+               who=f"rank {ctx.topology.rank}: ", interrupt=ctx.interrupt, spin=DRIVE)
     return [h.wait() for h in handles]
 
 

@@ -26,7 +26,7 @@ class AllreduceSync(Strategy):
         # Shapes, dtypes and the order of calls were agreed when wrapping and are checked every
         # step; a fingerprint exchange per collective would only add latency.
         self.ring = Ring(ctx.topology.world, validate=False)
-        self.hook_state, self.hook = ctx.comm_hook or (None, allreduce_hook)
+        self.hook_state, self.hook = None, allreduce_hook  # register_comm_hook may replace them
         by_buffer = [[] for _ in self.buffers.flats]
         for p, (b, _, _) in zip(self.params, self.buffers.segments):
             by_buffer[b].append(p)

@@ -23,12 +23,13 @@ class WfbpSync(Strategy):
 
     name = "wfbp"
     hooks = True
+    progress_thread = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         self.ring = Ring(ctx.topology.world, validate=False)
         self.progress = ProgressThread("mpitrain-wfbp")
-        self.hook_state, self.hook = ctx.comm_hook or (None, allreduce_hook)
+        self.hook_state, self.hook = None, allreduce_hook  # register_comm_hook may replace them
         self.bucket_params = buckets(self.params, ctx.options.fuse_bytes)
         self.bucket_of = {i: b for b, idxs in enumerate(self.bucket_params) for i in idxs}
         self.buckets = []

@@ -20,6 +20,7 @@ class P3Sync(Strategy):
 
     name = "p3"
     deferred = True
+    progress_thread = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -62,9 +63,6 @@ class P3Sync(Strategy):
         if self.future.done():
             self.future.wait()  # re-raises an error of the progress thread
             self.future = None
-
-    def live_requests(self) -> int:
-        return self.exchange.live_requests()
 
     def abort(self) -> None:
         self.progress.abort()  # first: no poll may run while the requests are cancelled

@@ -56,7 +56,8 @@ class TopkSync(Strategy):
         self.schedule = DensitySchedule(o.density, o.warmup_steps, o.ramp_steps)
         self.granularity = o.granularity
         self.ef = ErrorFeedback(MSTopK() if o.operator == "mstopk" else exact_topk, enabled=o.error_feedback)
-        self.sparse = SparseAllreduce(ctx.topology, hierarchical=self.hierarchical, validate=False)
+        self.sparse = SparseAllreduce(ctx.topology, hierarchical=self.hierarchical, validate=False,
+                                      policy=ctx.policy, interrupt=ctx.interrupt)
         self.dense = Ring(ctx.topology.world, validate=False)
         self.momentum, self.masking = ctx.momentum, o.momentum_masking
         self.velocity = [torch.zeros_like(f) for f in self.buffers.flats] if self.momentum else None
