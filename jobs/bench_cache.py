@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import time
 
 from jobs.inputs import InputError, JobParser, at_least, existing_dir, output_dir, output_file, parse
@@ -35,7 +34,7 @@ def parse_args(argv=None):
     p = JobParser(prog="python -m jobs.bench_cache", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--source", default=DEFAULT_SOURCE, help=f"default {DEFAULT_SOURCE} (exported if missing)")
-    p.add_argument("--cache-dir", default="/tmp/mpitrain-bench-cache", help="emptied first")
+    p.add_argument("--cache-dir", default="/tmp/mpitrain-bench-cache", help="its shards are removed first (nothing else)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank (both DataLoaders)")
@@ -110,7 +109,11 @@ def main(argv=None, args=None) -> int:
 
             say(f"# exporting Fashion-MNIST to {args.source} ...", flush=True)
             export_fashion_mnist(args.source, progress=False)
-        shutil.rmtree(args.cache_dir, ignore_errors=True)
+        if os.path.isdir(args.cache_dir):
+            # A cold start, without deleting whatever else the directory holds: only the shards go.
+            from jobs.cache import clear
+
+            clear(argparse.Namespace(cache_dir=args.cache_dir))
     comm.Barrier()
     source = open_source(args.source)
     cache = SampleCache(source, Pipeline.fashion_mnist(), args.cache_dir, rank, P,

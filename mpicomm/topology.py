@@ -90,13 +90,6 @@ class Topology:
         """World ranks on this rank's node, in local-rank order."""
         return self.nodes[self.node_index]
 
-    def dup(self) -> "Topology":
-        """An independent copy of all three communicators for another subsystem (collective)."""
-        twin = object.__new__(Topology)
-        twin.__dict__.update(self.__dict__)
-        twin.world, twin.node, twin.cross = self.world.Dup(), self.node.Dup(), self.cross.Dup()
-        return twin
-
     def free(self) -> None:
         for name in ("cross", "node", "world"):
             comm = getattr(self, name)

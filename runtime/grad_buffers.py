@@ -22,8 +22,9 @@ def dense_layout(t: torch.Tensor) -> bool:
 class GradientBuffers:
     """Every managed parameter's gradient lives in a flat buffer of its dtype; p.grad is a view into it.
 
-    Parameters keep their order (the model's, identical on every rank) inside
-    each dtype's buffer, and each view has its parameter's strides, so a
+    Parameters sit in the model's order (identical on every rank) inside each
+    dtype's buffer, or in an order the strategy asks for (wfbp: bucket by
+    bucket), and each view has its parameter's strides, so a
     channels_last weight gets a channels_last gradient. Autograd accumulates
     into an existing .grad in place, so once attached the backward pass
     writes straight into the buffers that the strategies send: nothing is
@@ -31,7 +32,8 @@ class GradientBuffers:
     .grad to None, or replaced it) is copied in once and the view re-attached.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], names: list[str]):
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], order: list[int] | None = None):
+        """order: the parameters' order inside the buffers (default: theirs), e.g. a strategy's buckets."""
         self.params = params
         for p, name in zip(params, names):
             if not dense_layout(p):
@@ -41,10 +43,11 @@ class GradientBuffers:
                 raise ValueError(f"parameter {name} is on {p.device}: only CPU parameters are supported")
         self.dtypes: list[torch.dtype] = list(dict.fromkeys(p.dtype for p in params))
         sizes = [0] * len(self.dtypes)
-        self.segments: list[tuple[int, int, int]] = []  # param -> (buffer, start, stop)
-        for p in params:
+        self.segments: list[tuple[int, int, int]] = [(0, 0, 0)] * len(params)  # param -> (buffer, start, stop)
+        for i in (range(len(params)) if order is None else order):
+            p = params[i]
             b = self.dtypes.index(p.dtype)
-            self.segments.append((b, sizes[b], sizes[b] + p.numel()))
+            self.segments[i] = (b, sizes[b], sizes[b] + p.numel())
             sizes[b] += p.numel()
         self.flats = [torch.zeros(n, dtype=d) for n, d in zip(sizes, self.dtypes)]
         self.views = [self.flats[b].as_strided(p.shape, p.stride(), a) for p, (b, a, _) in zip(params, self.segments)]

@@ -112,7 +112,7 @@ class DistributedOptimizer:
     def _build(self, cls, pto: bool) -> None:
         """Everything collective after the settings agreed: the same calls, in the same order, on every rank."""
         broadcast_from_root(self.comm, self.model, self.optimizer)
-        self.buffers = GradientBuffers(self.params, self.names)
+        self.buffers = GradientBuffers(self.params, self.names, cls.layout(self.params, self.options))
         self.updater = ParamUpdater(self.optimizer, self.params)
         self.pto = None
         if pto:  # first: a refusal (mixed dtypes, a parameter it cannot place) leaves nothing half-built

@@ -67,6 +67,11 @@ class Strategy:
         self.capture: list[torch.nn.Module] = []
 
     @classmethod
+    def layout(cls, params: list[torch.nn.Parameter], options) -> list[int] | None:
+        """The order of the parameters inside the gradient buffers (None: the model's)."""
+        return None
+
+    @classmethod
     def adopt_momentum(cls, optimizer: torch.optim.Optimizer, options) -> float:
         """Before construction: take over the optimizer's momentum (DGC's correction); returns what was taken."""
         return 0.0

@@ -46,16 +46,13 @@ class ParamUpdater:
         self.params = params
         self._cache: dict = {}
 
-    def unplaced(self) -> list[int]:
-        """Parameters that no param group holds."""
-        return [i for i, g in enumerate(self.group_of) if g is None]
-
     def _groups(self, indices: tuple) -> list[list]:
         groups = self._cache.get(indices)
         if groups is None:
             groups = [[] for _ in self.optimizer.param_groups]
             for i in indices:
-                groups[self.group_of[i]].append(self.params[i])
+                if self.group_of[i] is not None:  # a trainable parameter the optimizer was not given
+                    groups[self.group_of[i]].append(self.params[i])
             if len(self._cache) < 4096:  # the usual keys: every parameter, one per gated layer
                 self._cache[indices] = groups
         return groups

@@ -14,6 +14,8 @@ from mpicomm.launch import mpiexec
 def test_bench_cache_rows_and_plot(tmp_path):
     src = make_png_dataset(tmp_path / "png", n=200, size=28)
     out = tmp_path / "bc.json"
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "notes.txt").write_text("not a shard")  # the cold start removes shards only
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_cache", "--source", src, "--cache-dir",
            str(tmp_path / "cache"), "--epochs", "2", "--batch-size", "32", "--workers", "0", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -25,6 +27,7 @@ def test_bench_cache_rows_and_plot(tmp_path):
     assert all(r["samples"] == 200 and r["samples_per_s"] > 0 for r in data["rows"])
     assert data["meta"]["cache_disk_bytes"] > 200 * 28 * 28 * 4 and data["meta"]["cache_memory_bytes"] > 0
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "cache" / "notes.txt").read_text() == "not a shard"
 
 
 def test_bench_cache_needs_a_warm_epoch():

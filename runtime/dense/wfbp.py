@@ -14,8 +14,8 @@ from .allreduce import _copy_back
 class WfbpSync(Strategy):
     """Buckets of about `fuse_bytes` (a large gradient alone), in reverse registration order (backward's).
 
-    A bucket is a contiguous range of a dtype's flat gradient buffer, so it is
-    reduced where backward wrote it. It starts, through the comm hook, when
+    The gradient buffers are laid out bucket by bucket (`layout`), so a bucket
+    is a contiguous range of its dtype's buffer, reduced where backward wrote it. It starts, through the comm hook, when
     all of its gradients exist; a progress thread drives the collectives
     while backward continues. Buckets are tagged by index, so ranks may start
     them in different orders (a branch taken on one rank only).
@@ -37,10 +37,15 @@ class WfbpSync(Strategy):
             buf = self.buffers.segments[idxs[0]][0]
             lo = min(self.buffers.segments[i][1] for i in idxs)
             hi = max(self.buffers.segments[i][2] for i in idxs)
+            assert hi - lo == sum(self.params[i].numel() for i in idxs), "buckets must be laid out contiguously"
             self.buckets.append(GradBucket(b, self.buffers.flats[buf][lo:hi], [self.params[i] for i in idxs],
                                            self.ring, b))
         self.left = [len(idxs) for idxs in self.bucket_params]
         self.futures: list = [None] * len(self.buckets)
+
+    @classmethod
+    def layout(cls, params, options) -> list[int]:
+        return [i for bucket in buckets(params, options.fuse_bytes) for i in bucket]
 
     def grad_ready(self, i: int) -> None:
         b = self.bucket_of[i]
@@ -95,22 +100,19 @@ class WfbpSync(Strategy):
 def buckets(params, fuse_bytes: int) -> list[list[int]]:
     """Parameter indices in buckets of about fuse_bytes (a large tensor alone), last parameters first.
 
-    A bucket holds consecutive parameters of one dtype, hence one contiguous
-    range of that dtype's flat buffer.
+    Small gradients (biases between large weights) gather in the open bucket
+    across large ones, as DDP's do; a bucket holds one dtype.
     """
     out, current, size = [], [], 0
     for i in reversed(range(len(params))):
         p = params[i]
         nbytes = p.numel() * p.element_size()
+        if nbytes >= fuse_bytes:
+            out.append([i])
+            continue
         if current and params[current[0]].dtype != p.dtype:
             out.append(current)
             current, size = [], 0
-        if nbytes >= fuse_bytes:
-            if current:
-                out.append(current)
-                current, size = [], 0
-            out.append([i])
-            continue
         current.append(i)
         size += nbytes
         if size >= fuse_bytes:
