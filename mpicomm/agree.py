@@ -62,6 +62,8 @@ def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
     """
     import torch
 
+    if comm.Get_size() == 1:
+        return  # nothing to move (and packing a large model would cost a copy of it)
     by_dtype: dict = {}
     for t in tensors:
         if t.numel():
