@@ -9,6 +9,8 @@ from mpi4py import MPI
 
 from .validate import CollectiveMismatchError
 
+DIRECT_BYTES = 1 << 18  # broadcast_tensors: tensors this large move in place, smaller ones packed
+
 
 def check_same_structure(comm: MPI.Comm, entries: list[str], what: str = "parameter") -> None:
     """Raise on every rank unless all ranks hold the same list of descriptions (e.g. 'fc1.weight (256, 784) float32').
@@ -54,25 +56,39 @@ def fail_together(comm: MPI.Comm, problem: str | None, error: type[Exception] = 
 
 
 def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
-    """Overwrite every rank's tensors (any layout) with root's: one native Bcast per dtype.
+    """Overwrite every rank's tensors (any layout) with root's, with native non-blocking broadcasts.
 
-    Start-up only, so simplicity wins over overlap: the tensors of a dtype are
-    packed into one buffer, which MPI moves with its own tree algorithm (a
-    call per tensor, each validated, took seconds on small models).
+    Start-up only, so simplicity wins over overlap with compute. Large tensors
+    go in place (through a contiguous copy if their layout is not the
+    default), each its own Ibcast, all in flight at once: packing them would
+    copy the whole model twice. The small ones are packed into one buffer
+    per dtype (a call per small tensor, each validated, took seconds on small
+    models). Which tensors go which way depends only on their sizes, which
+    the ranks have agreed on, never on a rank's memory layout.
     """
     import torch
 
     if comm.Get_size() == 1:
-        return  # nothing to move (and packing a large model would cost a copy of it)
-    by_dtype: dict = {}
+        return  # nothing to move
+    mine = comm.Get_rank() == root
+    direct, by_dtype = [], {}  # direct: (tensor, the buffer MPI fills)
     for t in tensors:
-        if t.numel():
+        if not t.numel():
+            continue
+        if t.numel() * t.element_size() >= DIRECT_BYTES:
+            direct.append((t, t.detach() if t.is_contiguous() else t.detach().contiguous()))
+        else:
             by_dtype.setdefault(t.dtype, []).append(t)
-    for dtype, group in by_dtype.items():
-        flat = torch.cat([t.detach().reshape(-1) for t in group]) if comm.Get_rank() == root else \
-            torch.empty(sum(t.numel() for t in group), dtype=dtype)
-        comm.Bcast([flat.view(torch.uint8).numpy(), MPI.BYTE], root=root)
-        if comm.Get_rank() != root:
-            with torch.no_grad():
+    packed = [(group, torch.cat([t.detach().reshape(-1) for t in group]) if mine else
+               torch.empty(sum(t.numel() for t in group), dtype=dtype)) for dtype, group in by_dtype.items()]
+    with torch.no_grad():
+        requests = [comm.Ibcast([buf.view(-1).view(torch.uint8).numpy(), MPI.BYTE], root=root)
+                    for buf in [b for _, b in direct] + [flat for _, flat in packed]]
+        MPI.Request.Waitall(requests)
+        if not mine:
+            for t, buf in direct:
+                if buf.data_ptr() != t.data_ptr():
+                    t.copy_(buf)
+            for group, flat in packed:
                 for t, part in zip(group, flat.split([t.numel() for t in group])):
                     t.copy_(part.view(t.shape))
