@@ -9,7 +9,9 @@ gradients' copies, p3's per-layer updates, the per-step agreement. Every
 round builds each configuration afresh, in a rotating order, and times
 --steps steps after --warmup; the table gives the median over rounds of each
 configuration's median step, the wrap (construction) time, and the overhead
-against plain torch. Writes JSON rows and a PNG.
+against plain torch. With more than one rank it also times the per-step
+agreement round (mpicomm.step_check) against a native Allreduce of the same
+vector. Writes JSON rows and a PNG.
 """
 
 from __future__ import annotations
@@ -17,19 +19,20 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
+from jobs.choices import MODELS
+from jobs.inputs import JobParser, at_least, comma_list, output_file, parse
 from jobs.report import run_metadata, save_figure, write_json
 
 CONFIGS = ("plain", "allreduce", "wfbp", "p3", "topk")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.bench_overhead", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--models", default="resnet50,transformer", help="runtime.models names (default resnet50,transformer)")
+    p = JobParser(prog="python -m jobs.bench_overhead", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--models", default="resnet50,transformer",
+                   help="runtime.models names (default resnet50,transformer)")
     p.add_argument("--strategies", default=",".join(CONFIGS[1:]), help="compared with plain torch")
     p.add_argument("--batch-size", type=int, default=8, help="samples per step (default 8)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per round (0: wrap time only)")
@@ -37,20 +40,17 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
-    args = p.parse_args(argv)
-    args.models = [m for m in args.models.split(",") if m]
-    args.configs = ["plain"] + [s for s in args.strategies.split(",") if s]
-    bad = [s for s in args.configs if s not in CONFIGS]
-    if bad:
-        p.error(f"--strategies: unknown {bad} (choose from {', '.join(CONFIGS[1:])})")
-    for name in ("batch_size", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.steps < 0 or args.warmup < 0:
-        p.error("--steps and --warmup must be >= 0")
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    args.models = comma_list("--models", args.models, MODELS)
+    args.configs = ["plain"] + comma_list("--strategies", args.strategies, CONFIGS[1:])
+    at_least(args, 1, "batch_size", "rounds")
+    at_least(args, 0, "steps", "warmup")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "plot")
 
 
 def measure(args, model_name, config, comm):
@@ -87,8 +87,35 @@ def measure(args, model_name, config, comm):
     return float(slowest[0]), float(slowest[1])
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def agreement_cost(comm, nbits: int = 160, calls: int = 500, rounds: int = 5) -> tuple[float, float]:
+    """Median seconds of one step-agreement round and of a native Allreduce of the same vector."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from mpicomm.step_check import StepCheck
+
+    check = StepCheck(comm, nbits=nbits)
+    used = np.ones(nbits, dtype=bool)
+    vec = np.zeros(8 + nbits, dtype=np.int64)
+    out = np.zeros_like(vec)
+    ours, native = [], []
+    for _ in range(rounds):  # interleaved, so that the machine's mood cannot decide the ratio
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            check.run(1, i, 12345, used)
+        ours.append((time.perf_counter() - t0) / calls)
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            comm.Allreduce(vec, out, op=MPI.MAX)
+        native.append((time.perf_counter() - t0) / calls)
+    check.free()
+    return statistics.median(ours), statistics.median(native)
+
+
+def main(argv=None, args=None) -> int:
+    args = args or parse_args(argv)
     import torch
     from mpi4py import MPI
 
@@ -109,9 +136,15 @@ def main(argv=None) -> int:
             rows.append(dict(model=model_name, strategy=config, ranks=comm.Get_size(), rounds=args.rounds,
                              wrap_s=wrap, step_s=step, overhead_s=step - plain))
     say("| model | strategy | ranks | wrap s | step ms | overhead vs plain ms |\n|---|---|---:|---:|---:|---:|")
-    for r in rows:
+    for r in (r for r in rows if "step_s" in r):
         say(f"| {r['model']} | {r['strategy']} | {r['ranks']} | {r['wrap_s']:.3f} | {r['step_s'] * 1e3:.1f} | "
             f"{r['overhead_s'] * 1e3:+.1f} |")
+    if comm.Get_size() > 1:
+        ours, native = agreement_cost(comm)
+        rows.append(dict(model="-", strategy="step agreement", ranks=comm.Get_size(), agreement_s=ours,
+                         native_allreduce_s=native))
+        say(f"step agreement: {ours * 1e6:.0f} us per round (a native Allreduce of the same vector: "
+            f"{native * 1e6:.0f} us)")
     if comm.Get_rank() == 0 and args.json:
         write_json(args.json, run_metadata("jobs.bench_overhead", argv), rows)
         if args.plot and args.steps:
@@ -124,6 +157,7 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "step_s" in r]
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.5), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -135,4 +169,7 @@ def plot(rows, path):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before torch and MPI start
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
+from jobs.choices import STRATEGIES
+from jobs.inputs import InputError, JobParser, at_least, output_file, parse, positive
 from jobs.report import run_metadata, save_figure, write_json
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jobs.soak", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--strategy", default="p3", choices=("allreduce", "wfbp", "p3", "topk", "hier-topk"))
+    p = JobParser(prog="python -m jobs.soak", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--strategy", default="p3", choices=STRATEGIES)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--every", type=int, default=100, help="steps between samples (default 100)")
     p.add_argument("--settle", type=int, default=100, help="steps before the baseline sample (default 100)")
@@ -33,17 +33,17 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
-    args = p.parse_args(argv)
-    for name in ("steps", "every", "batch_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    at_least(args, 1, "steps", "every", "batch_size")
     if not 0 <= args.settle < args.steps:
-        p.error("--settle must be in [0, --steps)")
-    if not args.max_growth > 0:
-        p.error("--max-growth must be > 0")
+        raise InputError("--settle", f"must be in [0, --steps), got {args.settle}")
+    positive(args, "max_growth")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    return args
+    output_file(args, "json", "plot")
 
 
 def rss_bytes() -> int:
@@ -58,8 +58,8 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(argv=None, args=None) -> int:
+    args = args or parse_args(argv)
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -128,4 +128,7 @@ def plot(samples, path, strategy):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before torch and MPI start
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

@@ -24,6 +24,8 @@ LOCAL = ["--local", "--hosts", "2", "--models", "mlp", "--batch-size", "8", "--b
 COLL = ["--sizes", "4K", "--iters", "1", "--ops", "allreduce"]
 MSTOPK = ["--sizes", "1000", "--densities", "0.1", "--repeats", "1"]
 PTO = ["--model", "mlp", "--repeats", "1", "--warmup", "0"]
+SOAK = ["--steps", "20", "--every", "10", "--settle", "0"]
+OVERHEAD = ["--models", "mlp", "--steps", "1", "--warmup", "0", "--rounds", "1"]
 
 # (id, job, arguments, the option the error must name, marks). Placeholders: {out} an empty output
 # directory, {dir} an existing empty directory inside it, {file} an existing file, {missing} a path that
@@ -95,6 +97,15 @@ CASES = [
     ("mstopk-iters-zero", "jobs.bench_mstopk", [*MSTOPK, "--iters", "0"], "--iters"),
     ("pto-model-unknown", "jobs.bench_pto", [*PTO, "--model", "alexnet"], "--model"),
     ("pto-plot-under-a-file", "jobs.bench_pto", [*PTO, "--plot", "{file}/p.png"], "--plot"),
+    ("soak-steps-zero", "jobs.soak", [*SOAK, "--steps", "0"], "--steps"),
+    ("soak-settle-beyond-steps", "jobs.soak", [*SOAK, "--settle", "20"], "--settle"),
+    ("soak-strategy-unknown", "jobs.soak", [*SOAK, "--strategy", "nope"], "--strategy"),
+    ("soak-mpiexec-json-is-a-directory", "jobs.soak", [*SOAK, "--json", "{dir}"], "--json", "mpiexec"),
+    ("overhead-model-unknown", "jobs.bench_overhead", [*OVERHEAD, "--models", "mlp,alexnet"], "--models"),
+    ("overhead-strategy-unknown", "jobs.bench_overhead", [*OVERHEAD, "--strategies", "ddp"], "--strategies"),
+    ("overhead-rounds-zero", "jobs.bench_overhead", [*OVERHEAD, "--rounds", "0"], "--rounds"),
+    ("overhead-mpiexec-plot-under-a-file", "jobs.bench_overhead", [*OVERHEAD, "--plot", "{file}/p.png"], "--plot",
+     "mpiexec"),
     ("convergence-strategy-unknown", "jobs.bench_convergence",
      ["--configs", "nope", "--seeds", "0", "--epochs", "1", "--max-steps", "1"], "--configs"),
     ("convergence-density-not-a-number", "jobs.bench_convergence", ["--configs", "topk:abc"], "--configs"),
