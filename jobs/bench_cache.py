@@ -24,8 +24,8 @@ import os
 import time
 
 from jobs.inputs import InputError, JobParser, at_least, existing_dir, output_dir, output_file, parse
-from jobs.outputs import write_together
-from jobs.report import run_metadata, save_figure, write_json
+from jobs.outputs import write_results
+from jobs.report import run_metadata, save_figure
 
 DEFAULT_SOURCE = "/tmp/mpitrain-fmnist-png"
 
@@ -144,12 +144,8 @@ def main(argv=None, args=None) -> int:
         f"warm epochs {summary['warm_vs_cold']:.1f}x epoch 1, {summary['warm_vs_raw_dataloader']:.1f}x the raw "
         f"DataLoader with {args.workers} worker(s)")
     cache.close()
-    if args.json:
-        meta = run_metadata("jobs.bench_cache", argv, ranks=P, source=args.source, **summary)
-        write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=rank == 0)
-    if args.plot:
-        write_together(comm, "--plot", args.plot, lambda: (plot(rows, args.plot), say(f"wrote {args.plot}")),
-                       here=rank == 0)
+    meta = run_metadata("jobs.bench_cache", argv, ranks=P, source=args.source, **summary)
+    write_results(comm, args, meta, rows, lambda path: plot(rows, path), say)
     return 0
 
 

@@ -19,8 +19,8 @@ import time
 import numpy as np
 
 from jobs.inputs import JobParser, at_least, comma_list, output_file, parse, positive
-from jobs.outputs import write_together
-from jobs.report import parse_size as _parse_size, run_metadata, save_figure, write_json
+from jobs.outputs import write_results
+from jobs.report import parse_size as _parse_size, run_metadata, save_figure
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 IMPLS = ("ring", "native", "gloo")
@@ -242,12 +242,8 @@ def main(argv=None, args=None) -> int:
     meta = run_metadata("jobs.bench_collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
                         ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=not args.no_validate,
                         network=network, link_bps=link_bps)
-    if args.json:
-        write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=rank == 0)
-    if args.plot:
-        title = f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}"
-        write_together(comm, "--plot", args.plot, lambda: (plot(rows, args.plot, title), say(f"wrote {args.plot}")),
-                       here=rank == 0)
+    title = f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}"
+    write_results(comm, args, meta, rows, lambda path: plot(rows, path, title), say)
     return 0
 
 

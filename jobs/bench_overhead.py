@@ -23,7 +23,8 @@ import time
 
 from jobs.choices import MODELS
 from jobs.inputs import JobParser, at_least, comma_list, output_file, parse
-from jobs.report import run_metadata, save_figure, write_json
+from jobs.outputs import write_results
+from jobs.report import run_metadata, save_figure
 
 CONFIGS = ("plain", "allreduce", "wfbp", "p3", "topk")
 
@@ -145,10 +146,9 @@ def main(argv=None, args=None) -> int:
                          native_allreduce_s=native))
         say(f"step agreement: {ours * 1e6:.0f} us per round (a native Allreduce of the same vector: "
             f"{native * 1e6:.0f} us)")
-    if comm.Get_rank() == 0 and args.json:
-        write_json(args.json, run_metadata("jobs.bench_overhead", argv), rows)
-        if args.plot and args.steps:
-            plot(rows, args.plot)
+    if not args.steps:
+        args.plot = None  # nothing timed to draw
+    write_results(comm, args, run_metadata("jobs.bench_overhead", argv), rows, lambda path: plot(rows, path), say)
     return 0
 
 

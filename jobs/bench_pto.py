@@ -20,8 +20,8 @@ import time
 
 from jobs.choices import MODELS
 from jobs.inputs import JobParser, at_least, comma_list, one_of, output_file, parse
-from jobs.outputs import write_together
-from jobs.report import run_metadata, save_figure, write_json
+from jobs.outputs import write_results
+from jobs.report import run_metadata, save_figure
 
 OPTIMIZERS = {
     "adam": ("Adam", dict(lr=1e-3)),
@@ -155,12 +155,8 @@ def main(argv=None, args=None) -> int:
     say(format_table(rows))
     meta = run_metadata("jobs.bench_pto", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(), ranks=P,
                         torch=torch.__version__, threads=1, repeats=args.repeats, warmup=args.warmup)
-    if args.json:
-        write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=rank == 0)
-    if args.plot:
-        title = f"PTO vs unsharded step, {args.model}, {P} ranks"
-        write_together(comm, "--plot", args.plot, lambda: (plot(rows, args.plot, title), say(f"wrote {args.plot}")),
-                       here=rank == 0)
+    title = f"PTO vs unsharded step, {args.model}, {P} ranks"
+    write_results(comm, args, meta, rows, lambda path: plot(rows, path, title), say)
     return 0
 
 

@@ -32,3 +32,14 @@ def write_together(comm, opt: str, path: str, write: Callable[[], object], here:
             problem = problem or str(exc)
     if problem is not None:
         sys.exit(WRITE_FAILED)
+
+
+def write_results(comm, args, meta: dict, rows: list, draw: Callable[[str], object], say=print) -> None:
+    """A benchmark's usual outputs from rank 0: rows and metadata to --json, draw(path) to --plot; fail together."""
+    from jobs.report import write_json
+
+    here = comm is None or comm.Get_rank() == 0
+    if args.json:
+        write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=here)
+    if args.plot:
+        write_together(comm, "--plot", args.plot, lambda: (draw(args.plot), say(f"wrote {args.plot}")), here=here)

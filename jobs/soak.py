@@ -19,7 +19,8 @@ import os
 
 from jobs.choices import STRATEGIES
 from jobs.inputs import InputError, JobParser, at_least, output_file, parse, positive
-from jobs.report import run_metadata, save_figure, write_json
+from jobs.outputs import write_results
+from jobs.report import run_metadata, save_figure
 
 
 def parse_args(argv=None):
@@ -105,11 +106,9 @@ def main(argv=None, args=None) -> int:
         print(f"\n{args.strategy}, {comm.Get_size()} ranks, {args.steps} steps: RSS {growth * 100:+.2f} % from step "
               f"{base['step']} (bound {args.max_growth * 100:g} %), threads {thread_growth:+d}, "
               f"requests {request_growth:+d}, {int(left[0])} left after close() -> {'ok' if ok else 'LEAK'}")
-        if args.json:
-            write_json(args.json, run_metadata("jobs.soak", argv, ranks=comm.Get_size()),
-                       [dict(s, strategy=args.strategy) for s in samples])
-            if args.plot:
-                plot(samples, args.plot, args.strategy)
+    write_results(comm, args, run_metadata("jobs.soak", argv, ranks=comm.Get_size()),
+                  [dict(s, strategy=args.strategy) for s in samples], lambda path: plot(samples, path, args.strategy),
+                  say=print if rank == 0 else (lambda *a, **k: None))
     return 0 if ok else 1
 
 
