@@ -17,8 +17,9 @@ class WfbpSync(Strategy):
     The gradient buffers are laid out bucket by bucket (`layout`), so a bucket
     is a contiguous range of its dtype's buffer, reduced where backward wrote
     it. It starts, through the comm hook, when all of its gradients exist; a
-    progress thread drives the collectives while backward continues. Buckets are tagged by index, so ranks may start
-    them in different orders (a branch taken on one rank only).
+    progress thread drives the collectives while backward continues. Buckets
+    are tagged by index, so ranks may start them in different orders (a
+    branch taken on one rank only).
     """
 
     name = "wfbp"
