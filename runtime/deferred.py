@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+
+_UNTIMED = contextlib.nullcontext()  # no timeline: nothing to record
 
 
 class DeferredUpdates:
@@ -30,15 +34,11 @@ class DeferredUpdates:
 
     def apply(self, indices=None) -> None:
         """Wait for these parameters' averaged gradients (all owed ones when None), then update them."""
-        owed = np.flatnonzero(self.owed) if indices is None else [i for i in indices if self.owed[i]]
-        owed = [int(i) for i in owed]
+        owed = np.flatnonzero(self.owed).tolist() if indices is None else [i for i in indices if self.owed[i]]
         if not owed:
             return
         tl = self.timeline
-        if tl:
-            with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]):
-                self.strategy.wait(owed)
-        else:
+        with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]) if tl else _UNTIMED:
             self.strategy.wait(owed)
         self.updater.step(owed, self.hyper)
         self.owed[owed] = False

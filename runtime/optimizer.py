@@ -222,11 +222,8 @@ class DistributedOptimizer:
         if not explicit:
             self._exchange(full=False)
         self._synchronized = False
-        try:
+        with self._failing():
             self._update(immediately=explicit)
-        except BaseException as exc:
-            self._fail(exc)
-            raise
         return None
 
     def synchronize(self) -> None:
@@ -245,11 +242,8 @@ class DistributedOptimizer:
         self._usable()
         if self._open and not self._synchronized:
             self._exchange(full=True)
-            try:
+            with self._failing():
                 self.strategy.wait(range(len(self.params)))
-            except BaseException as exc:
-                self._fail(exc)
-                raise
             self._synchronized = True
         else:
             self._flush()
@@ -276,22 +270,16 @@ class DistributedOptimizer:
         problem = self.strategy.local_problem()
         hyper = hyperparameters(self.optimizer)
         settings = describe_hyper(hyper) + [f"comm hook {self._comm_hook}"]
-        try:
+        with self._failing():
             self.check.start(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
                              describe=lambda: settings)
-        except BaseException as exc:
-            self._fail(exc)
-            raise
         self.steps += 1
         used = self._finish_round()
-        try:
+        with self._failing():
             for i in unsent:
                 self._sent[i] = True
                 self.strategy.grad_ready(i)
             self.strategy.finish(used, full)
-        except BaseException as exc:
-            self._fail(exc)
-            raise
         self.model_buffers.start()
         self._update_mask = used
         self._open = False
@@ -302,15 +290,11 @@ class DistributedOptimizer:
 
     def _finish_round(self):
         """The step's agreement: which parameters any rank used, or the error every rank raises."""
-        try:
-            return self.check.finish()
-        except ReportedProblem as exc:
-            error = self.strategy.problem_error(str(exc))
-            self._fail(error)
-            raise error from None
-        except BaseException as exc:
-            self._fail(exc)
-            raise
+        with self._failing():
+            try:
+                return self.check.finish()
+            except ReportedProblem as exc:
+                raise self.strategy.problem_error(str(exc)) from None
 
     def _update(self, immediately: bool) -> None:
         mask = self._update_mask
@@ -329,11 +313,8 @@ class DistributedOptimizer:
 
     def _apply(self, indices=None) -> None:
         """Deferred updates owed to these parameters (all when None): applied, or the optimizer fails."""
-        try:
+        with self._failing():
             self.deferred.apply(indices)
-        except BaseException as exc:
-            self._fail(exc)
-            raise
 
     # -- failure and the end -----------------------------------------------------
     def _usable(self) -> None:
@@ -342,6 +323,15 @@ class DistributedOptimizer:
                                f"{self.failed}); create a new one to continue") from self.failed
         if self._closed:
             raise RuntimeError("this DistributedOptimizer is closed")
+
+    @contextlib.contextmanager
+    def _failing(self):
+        """An exception inside fails this optimizer (the other ranks hear of it), then propagates."""
+        try:
+            yield
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def _fail(self, exc: BaseException) -> None:
         """Error path: tell the other ranks, cancel what is in flight, wait for nobody."""
