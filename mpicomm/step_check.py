@@ -151,6 +151,10 @@ class StepCheck:
     def pending(self) -> bool:
         return self._round is not None
 
+    def ready(self) -> bool:
+        """A round was started and can be finished without waiting (one MPI_Test; False when none is pending)."""
+        return self._round is not None and (self._request is None or bool(self._request.Test()))
+
     def finish(self, policy: StallPolicy | None = None) -> np.ndarray:
         """Complete the round start() began: the OR of `used`, or the same error on every rank."""
         action, step, settings, text, describe = self._round

@@ -1,0 +1,406 @@
+"""Pipeline: a sequential model cut into stages across MPI ranks, trained with 1F1B in one of four weight modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch import nn
+
+from mpicomm import Topology
+from mpicomm.agree import check_same_structure, fail_together
+from mpicomm.stall import StallPolicy
+from mpicomm.step_check import CLOSE, EXCHANGE, StepCheck, digest
+
+from . import partition, schedule
+from .placement import PLACEMENTS, PipelineLayout
+from .transport import StageLink, agree_boundaries, describe
+from .versions import MODES, SPECTRAIN_VARIANTS, WeightVersions, momentum_sgd_hyper, version_difference
+
+DATA_PARALLEL = ("allreduce", "wfbp")
+
+
+class PipelineError(RuntimeError):
+    """A pipeline that cannot be built or run as asked; raised on every rank."""
+
+
+class Pipeline:
+    """Train a sequential model split into stages over MPI ranks; call train_step on every rank.
+
+        pipe = Pipeline(nn.Sequential(...), lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+                        loss_fn=F.cross_entropy, stages=4, sample=x[:16], microbatches=8, mode="spectrain")
+        for x, y in batches:
+            loss = pipe.train_step(x, y)      # inputs used on the first stage, targets on the last
+        print(pipe.evaluate(test_x, test_y))  # {'loss', 'accuracy', 'count'} on every rank
+        pipe.close()
+
+    model: nn.Sequential, a list of modules, or an object with pipeline_layers(); every rank
+    builds the same one (same seed: checked) and keeps only its stage's layers in use.
+    optimizer_factory(params) -> torch optimizer for one stage's parameters.
+    balance: layers per stage; or stages=N with sample= (one micro-batch of inputs) to
+    partition by measured layer time (and bandwidth=bits/s for the activations' transfer).
+    microbatches: per train_step; the batch is cut into this many equal micro-batches.
+    mode: "flush" (synchronous: gradients of all micro-batches summed, one update per
+    step, equal to one process), "vanilla", "stash" (PipeDream) or "spectrain"
+    (asynchronous: one update per micro-batch, the pipeline never drained between steps);
+    spectrain_variant "paper" or "once" (runtime.pipeline.versions).
+    replicas: copies of each stage (world = stages x replicas) averaging their gradients
+    with `data_parallel` ("allreduce" or "wfbp") on a sub-communicator; placement:
+    "within-node" or "across-nodes" (runtime.pipeline.placement).
+    """
+
+    def __init__(self, model, optimizer_factory, *, loss_fn, stages: int | None = None, balance=None,
+                 microbatches: int = 4, mode: str = "flush", spectrain_variant: str = "paper", replicas: int = 1,
+                 placement: str = "within-node", data_parallel: str = "allreduce", sample=None,
+                 bandwidth: float | None = None, comm=None, topology: Topology | None = None, timeline=None,
+                 stall: StallPolicy | None = None, say=None, record_versions: bool = False):
+        self._own_topology = topology is None
+        self.topology = topology or (Topology(comm) if comm is not None else Topology())
+        world = self.topology.world
+        self.policy = stall or StallPolicy.from_env()
+        self.timeline, self.loss_fn, self.mode, self.microbatches = timeline, loss_fn, mode, microbatches
+        self.layout = self.check = self.link = self.dopt = None
+        try:
+            layers = self._check_arguments(world, model, stages, balance, microbatches, mode, spectrain_variant,
+                                           replicas, placement, data_parallel, sample)
+            n_stages = len(balance) if balance is not None else stages
+            settings = [f"mode={mode}", f"spectrain_variant={spectrain_variant}", f"stages={n_stages}",
+                        f"balance={'auto' if balance is None else list(balance)}", f"microbatches={microbatches}",
+                        f"replicas={replicas}", f"placement={placement}", f"data_parallel={data_parallel}",
+                        f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)}"]
+            check_same_structure(world, settings, "pipeline setting")
+            check_same_structure(world, _describe_layers(layers), "layer parameter")
+            _check_same_values(world, layers)
+            self.layout = PipelineLayout(self.topology, n_stages, replicas, placement)
+            self.stage, self.stages = self.layout.stage, n_stages
+            self.first, self.last = self.layout.first, self.layout.last
+            self.balance, self.plan = self._partition(world, layers, balance, n_stages, sample, bandwidth)
+            if say is not None:
+                say(self.plan)
+            a = sum(self.balance[:self.stage])
+            self.module = nn.Sequential(*layers[a:a + self.balance[self.stage]])
+            self.params = [p for p in self.module.parameters() if p.requires_grad]
+            self._build_optimizer(world, optimizer_factory, data_parallel)
+            self.in_flight = schedule.warmup(self.stage, self.stages) + 1
+            shifts = version_difference(self.stage, self.stages, spectrain_variant) if mode == "spectrain" else (0, 0)
+            self.version_log: list | None = [] if record_versions else None
+            self.versions = WeightVersions(self.params, mode, self.in_flight, self.optimizer, shifts,
+                                           once=spectrain_variant == "once", log=self.version_log)
+            self.shifts = shifts
+            self.check = StepCheck(world, 0, self.policy)
+        except BaseException:
+            self._release()
+            raise
+        self._settings = digest("\n".join(settings))
+        self._next = self._base = 0  # next micro-batch id; first one since the pipeline was last empty
+        self._inflight: dict[int, tuple] = {}
+        self.steps = 0
+        self._meta = None  # [(shape, dtype)] of each stage's output, agreed at the first step
+        self.failed: BaseException | None = None
+        self._closed = False
+
+    # -- set-up ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_arguments(world, model, stages, balance, microbatches, mode, variant, replicas, placement,
+                         data_parallel, sample):
+        """Local checks, then agreement: a rank with a bad argument stops every rank, each naming it."""
+        problem, layers = None, []
+        try:
+            layers = partition.as_layers(model)
+            if mode not in MODES:
+                raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            if variant not in SPECTRAIN_VARIANTS:
+                raise ValueError(f"spectrain_variant must be one of {SPECTRAIN_VARIANTS}, got {variant!r}")
+            if placement not in PLACEMENTS:
+                raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+            if data_parallel not in DATA_PARALLEL:
+                raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
+            for name, value in (("microbatches", microbatches), ("replicas", replicas)):
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if (stages is None) == (balance is None):
+                raise ValueError("give stages=N (automatic partition) or balance=[layers per stage], not both")
+            if balance is not None:
+                partition.check_stages(len(partition.check_balance(balance, len(layers))), len(layers))
+            else:
+                partition.check_stages(stages, len(layers))
+                if sample is None:
+                    raise ValueError("the automatic partition times each layer on a sample micro-batch: pass "
+                                     "sample=<inputs of one micro-batch>, or balance=[layers per stage]")
+        except (ValueError, TypeError) as exc:
+            problem = str(exc)
+        fail_together(world, problem, PipelineError)
+        return layers
+
+    def _partition(self, world, layers, balance, stages, sample, bandwidth):
+        """The balance (rank 0 times the layers and decides for everyone) and the plan's table."""
+        plan = np.zeros(stages, dtype=np.int64)
+        table, problem = "", None
+        if world.Get_rank() == 0:
+            try:
+                profile = partition.profile_layers(layers, sample) if sample is not None else None
+                chosen = balance if balance is not None else partition.best_balance(profile, stages, bandwidth)
+                plan[:] = chosen
+                table = partition.plan_table(profile, list(chosen), bandwidth) if profile else \
+                    f"balance {list(chosen)} (no sample given: layer times not measured)"
+            except Exception as exc:  # the user's layers failing on the sample
+                problem = f"partition: {type(exc).__name__}: {exc}"
+        fail_together(world, problem, PipelineError)
+        world.Bcast(plan, root=0)
+        return [int(b) for b in plan], table
+
+    def _build_optimizer(self, world, factory, data_parallel):
+        problem = None
+        try:
+            self.optimizer = factory(self.params) if self.params else None
+            if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer_factory must return a torch.optim.Optimizer, got "
+                                f"{type(self.optimizer).__name__}")
+            if self.mode == "spectrain" and self.optimizer is not None:
+                momentum_sgd_hyper(self.optimizer)
+        except (ValueError, TypeError) as exc:
+            problem = f"stage {self.stage}: {exc}"
+        fail_together(world, problem, PipelineError)
+        if self.optimizer is None:  # a stage of parameter-free layers: nothing to update
+            self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        if self.layout.replicas > 1 and self.params:
+            from runtime.optimizer import DistributedOptimizer
+
+            # Gradient accumulation over the step's micro-batches in flush mode: one average per step.
+            self.dopt = DistributedOptimizer(self.optimizer, self.module, data_parallel,
+                                             comm=self.layout.replica_group, stall=self.policy,
+                                             backward_passes_per_step=self.microbatches if self.mode == "flush"
+                                             else 1)
+
+    def _setup_link(self, first_input) -> None:
+        """First step: every boundary's shape and dtype agreed along the pipeline, buffers allocated."""
+        def produce(in_meta):
+            with torch.no_grad():
+                x = first_input if in_meta is None else torch.zeros(in_meta[0], dtype=in_meta[1])
+                return self.module(x)
+        self._input_meta = (tuple(first_input.shape), first_input.dtype) if self.first else None
+        self._meta = agree_boundaries(self.layout.pipeline, self.stage, produce)
+        in_meta = self._meta[self.stage - 1] if not self.first else None
+        self.link = StageLink(self.layout.pipeline, self.stage, in_meta, self._meta[self.stage], self.in_flight,
+                              interrupt=self._interrupt, policy=self.policy, timeline=self.timeline)
+        # A boundary carrying integers (token ids) has no gradient coming back.
+        self._grad_in = in_meta is not None and in_meta[1].is_floating_point
+        self._grad_out = not self.last and self._meta[self.stage][1].is_floating_point
+
+    # -- training ----------------------------------------------------------------------------
+    def train_step(self, inputs=None, targets=None) -> float | None:
+        """One step of `microbatches` micro-batches; the mean loss on the last stage, None elsewhere."""
+        self._usable()
+        try:
+            self._round(EXCHANGE)
+            xs = self._split(inputs, "inputs") if self.first else None
+            ys = self._split(targets, "targets") if self.last else None
+            if self.link is None:
+                self._setup_link(xs[0] if self.first else None)
+            elif self.first and (tuple(xs[0].shape), xs[0].dtype) != self._input_meta:
+                raise ValueError(f"inputs of micro-batch shape {describe(xs[0].shape, xs[0].dtype)}, but the "
+                                 f"pipeline was set up for {describe(*self._input_meta)} at its first step")
+            losses = []
+            first = self._next
+            ops = list(schedule.step_ops(self.stage, self.stages, first, self.microbatches, self._base))
+            if self.mode == "flush":
+                ops += schedule.drain_ops(self.stage, self.stages, first + self.microbatches, self._base)
+            for op, i in ops:
+                if op == schedule.FORWARD:
+                    k = i - first
+                    self._forward(i, xs[k] if xs else None, ys[k] if ys else None, losses)
+                else:
+                    self._backward(i)
+            self._next += self.microbatches
+            if self.mode == "flush":
+                self._base = self._next
+                self._update()
+            self.steps += 1
+            return float(np.mean(losses)) if self.last else None
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _split(self, batch, what: str) -> list[torch.Tensor]:
+        if isinstance(batch, (tuple, list)) and len(batch) == 1:
+            batch = batch[0]
+        if not isinstance(batch, torch.Tensor):
+            raise TypeError(f"{what} must be a tensor on stage {self.stage}, got {type(batch).__name__}")
+        if batch.shape[0] % self.microbatches:
+            raise ValueError(f"{what}: a batch of {batch.shape[0]} does not split into {self.microbatches} "
+                             "equal micro-batches")
+        return list(batch.split(batch.shape[0] // self.microbatches))
+
+    def _forward(self, i: int, x, target, losses) -> None:
+        if not self.first:
+            x = self.link.activation(i, more=True)
+            if self._grad_in and not x.requires_grad:
+                x.requires_grad_()
+        span = self.timeline.begin(f"F{i}", "forward", track="compute") if self.timeline else None
+        with self.versions.forward(i % self.in_flight, i):
+            out = self.module(x)
+        if self.last:
+            loss = self.loss_fn(out, target)
+            losses.append(float(loss.detach()))
+            out = loss / self.microbatches if self.mode == "flush" else loss
+        else:
+            self.link.send_activation(i, out)
+        if span is not None:
+            self.timeline.end(span)
+        self._inflight[i] = (x, out)
+
+    def _backward(self, i: int) -> None:
+        x, out = self._inflight.pop(i)
+        grad = self.link.gradient(i, more=True) if self._grad_out else None
+        span = self.timeline.begin(f"B{i}", "backward", track="compute") if self.timeline else None
+        with self.versions.backward(i % self.in_flight, i):
+            if out.requires_grad:
+                torch.autograd.backward(out, grad)
+        if span is not None:
+            self.timeline.end(span)
+        if self._grad_in:
+            self.link.send_gradient(i, x.grad if x.grad is not None else torch.zeros_like(x))
+            x.grad = None
+        if self.mode != "flush":
+            self._update()
+
+    def _update(self) -> None:
+        if self.dopt is not None:
+            self.dopt.step()
+            self.dopt.zero_grad()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=False)  # in place: no new gradient tensors every update
+        self.versions.updates += 1
+
+    def drain(self) -> None:
+        """Finish every backward still owed (asynchronous modes), so the weights are those of all steps so far."""
+        self._usable()
+        if self.link is None or self._base == self._next:
+            return
+        try:
+            for _, j in schedule.drain_ops(self.stage, self.stages, self._next, self._base):
+                self._backward(j)
+            self._base = self._next
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def evaluate(self, inputs=None, targets=None, batch_size: int = 256) -> dict:
+        """Loss and accuracy (argmax over the last dimension) of the current weights, on every rank of this pipeline."""
+        from .evaluation import evaluate
+
+        self.drain()
+        try:
+            return evaluate(self, inputs, targets, batch_size)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    # -- agreement, failure, end --------------------------------------------------------------
+    def _round(self, action: int) -> None:
+        if self.check.pending:
+            self.check.finish()
+        self.check.start(action, self.steps, self._settings)
+
+    def _interrupt(self) -> None:
+        """Called in every wait: another rank's failure, or an agreement round showing ranks out of step."""
+        self.check.interrupt()
+        if self.check.ready():
+            self.check.finish()
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Pipeline was closed")
+        if self.failed is not None:
+            raise RuntimeError(f"this Pipeline stopped after an error: {self.failed}")
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = exc
+            if self.check is not None:
+                self.check.notify_failure(f"{type(exc).__name__}: {exc}")
+            if self.dopt is not None:
+                self.dopt.abort(exc)
+            if self.link is not None:
+                self.link.cancel()
+
+    def stats(self) -> dict:
+        """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held."""
+        return dict(stage=self.stage, bytes_sent=self.link.bytes_sent if self.link else 0,
+                    messages_sent=self.link.messages_sent if self.link else 0, updates=self.versions.updates,
+                    weight_copy_bytes=self.versions.held_bytes(),
+                    parameter_bytes=sum(p.numel() * p.element_size() for p in self.params))
+
+    def state_dict(self) -> dict:
+        """This stage's weights and optimizer state (drain() first for a consistent asynchronous run)."""
+        return dict(stage=self.stage, stages=self.stages, balance=self.balance, mode=self.mode,
+                    module=self.module.state_dict(), optimizer=self.optimizer.state_dict())
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state.get("stage"), state.get("stages"), state.get("balance")) != (self.stage, self.stages, self.balance):
+            raise ValueError(f"state of stage {state.get('stage')} of {state.get('stages')} (balance "
+                             f"{state.get('balance')}) does not fit stage {self.stage} of {self.stages} "
+                             f"(balance {self.balance})")
+        self.module.load_state_dict(state["module"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def close(self) -> None:
+        """Drain, agree that every rank got here after as many steps, release everything (collective)."""
+        if self._closed:
+            return
+        try:
+            if self.failed is None:
+                self.drain()
+                if self.link is not None:
+                    self.link.flush_sends()
+                self._round(CLOSE)
+                self.check.finish()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        finally:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        if self.link is not None:
+            self.link.close() if self.failed is None else self.link.cancel()
+        if self.dopt is not None and self.failed is None:
+            self.dopt.close()
+        if self.check is not None and self.failed is None:
+            self.check.free()
+        if self.layout is not None and self.failed is None:
+            self.layout.free()
+        if self._own_topology and self.failed is None:
+            self.topology.free()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and self.failed is None:
+            self._fail(exc)
+        self.close()
+
+
+def _describe_layers(layers: list[nn.Module]) -> list[str]:
+    return [f"{i}:{type(m).__name__} {n} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+            for i, m in enumerate(layers) for n, p in m.named_parameters()] or ["(no parameters)"]
+
+
+def _check_same_values(comm: MPI.Comm, layers: list[nn.Module]) -> None:
+    """Every rank built the same initial weights (same seed): one float64 sum per parameter, compared."""
+    params = [(f"{i}:{n}", p) for i, m in enumerate(layers) for n, p in m.named_parameters()]
+    if not params:
+        return
+    mine = np.array([float(p.detach().double().sum()) for _, p in params])
+    everyone = np.empty((comm.Get_size(), len(params)))
+    comm.Allgather(mine, everyone)
+    same = np.isclose(everyone, everyone[0], rtol=1e-12, atol=0.0).all(axis=0)
+    if not same.all():
+        j = int(np.argmin(same))
+        raise PipelineError(f"ranks built different initial weights (layer parameter {params[j][0]}: "
+                            + ", ".join(f"rank {r}: sum {everyone[r, j]:.6g}" for r in range(comm.Get_size()))
+                            + "); build the model with the same seed on every rank")

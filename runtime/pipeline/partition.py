@@ -1,0 +1,147 @@
+"""Cutting a sequential model into stages: by an explicit balance, or by measured layer times (PipeDream's partitioner).
+
+The automatic plan times each layer's forward + backward on a sample
+micro-batch and notes its output size, then chooses the contiguous split
+into N stages that minimises the slowest stage, a stage costing its layers'
+compute plus sending its output activation forward and receiving its
+gradient back at the link bandwidth (PipeDream, Narayanan et al. 2019,
+section 3.1, without replication). Dynamic programming over (layers, stages):
+O(N L^2) for L layers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class PartitionError(ValueError):
+    """The model or the balance cannot be cut into the stages asked for."""
+
+
+def as_layers(model) -> list[nn.Module]:
+    """The chain of layers of an nn.Sequential (nested ones flattened), a list of modules, or `model.pipeline_layers()`."""
+    if hasattr(model, "pipeline_layers") and not isinstance(model, nn.Sequential):
+        model = model.pipeline_layers()
+    if isinstance(model, nn.Sequential):
+        out: list[nn.Module] = []
+        for child in model:
+            out += as_layers(child) if isinstance(child, nn.Sequential) else [child]
+        return out
+    if isinstance(model, (list, tuple)):
+        for i, layer in enumerate(model):
+            if not isinstance(layer, nn.Module):
+                raise PartitionError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
+        return [c for layer in model for c in (as_layers(layer) if isinstance(layer, nn.Sequential) else [layer])]
+    if isinstance(model, nn.Module):
+        raise PartitionError(f"{type(model).__name__} is not sequential: its forward() is not a chain of layers "
+                             "the pipeline can cut. Pass an nn.Sequential, a list of modules, or give the class a "
+                             "pipeline_layers() method returning the chain")
+    raise PartitionError(f"a pipeline takes an nn.Sequential or a list of modules, not a {type(model).__name__}")
+
+
+def check_balance(balance, layers: int) -> list[int]:
+    """An explicit balance: positive layer counts per stage, summing to the model's layers."""
+    if not isinstance(balance, (list, tuple)) or not balance or \
+            any(not isinstance(b, int) or isinstance(b, bool) for b in balance):
+        raise PartitionError(f"balance must be a list of layer counts per stage, got {balance!r}")
+    if any(b < 1 for b in balance):
+        raise PartitionError(f"every stage needs at least one layer, balance {list(balance)} has an empty stage")
+    if sum(balance) != layers:
+        raise PartitionError(f"balance {list(balance)} covers {sum(balance)} layers, the model has {layers}")
+    return list(balance)
+
+
+def check_stages(stages, layers: int) -> int:
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise PartitionError(f"stages must be an integer >= 1, got {stages!r}")
+    if stages > layers:
+        raise PartitionError(f"{stages} stages need at least {stages} layers; the model has {layers}")
+    return stages
+
+
+@dataclass
+class LayerProfile:
+    name: str
+    seconds: float  # forward + backward of one micro-batch
+    out_bytes: int  # its output activation (the gradient back is as large)
+    param_bytes: int
+    params: int
+
+
+def profile_layers(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[LayerProfile]:
+    """Median forward+backward time of each layer on `sample` (one micro-batch), with its output and parameter sizes."""
+    out = []
+    x = sample
+    for i, layer in enumerate(layers):
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up allocators and kernels
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t0 = time.perf_counter()
+            y = layer(inp)
+            if not isinstance(y, torch.Tensor):
+                raise PartitionError(f"layer {i} ({type(layer).__name__}) returns a {type(y).__name__}; "
+                                     "pipeline boundaries carry one tensor")
+            if y.requires_grad:
+                y.backward(torch.ones_like(y))
+            times.append(time.perf_counter() - t0)
+        layer.zero_grad(set_to_none=True)
+        params = sum(p.numel() for p in layer.parameters())
+        out.append(LayerProfile(f"{i}:{type(layer).__name__}", statistics.median(times[1:]),
+                                y.numel() * y.element_size(),
+                                sum(p.numel() * p.element_size() for p in layer.parameters()), params))
+        x = y.detach()
+    return out
+
+
+def best_balance(profile: list[LayerProfile], stages: int, bandwidth_bps: float | None = None) -> list[int]:
+    """The split minimising the slowest stage (compute + its boundary's transfer time); ties: earlier cuts."""
+    L = check_stages(stages, len(profile))  # stages
+    n = len(profile)  # layers
+    prefix = [0.0]
+    for p in profile:
+        prefix.append(prefix[-1] + p.seconds)
+
+    def cost(a: int, b: int) -> float:  # layers a..b-1 as one stage
+        t = prefix[b] - prefix[a]
+        if bandwidth_bps and b < n:  # activation out and its gradient back, one each way per micro-batch
+            t += 8 * profile[b - 1].out_bytes / bandwidth_bps
+        return t
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(L + 1)]  # best[s][b]: first b layers in s stages
+    cut = [[0] * (n + 1) for _ in range(L + 1)]
+    best[0][0] = 0.0
+    for s in range(1, L + 1):
+        for b in range(s, n + 1):
+            for a in range(s - 1, b):
+                c = max(best[s - 1][a], cost(a, b))
+                if c < best[s][b] - 1e-12:
+                    best[s][b], cut[s][b] = c, a
+    balance, b = [], n
+    for s in range(L, 0, -1):
+        a = cut[s][b]
+        balance.append(b - a)
+        b = a
+    return balance[::-1]
+
+
+def plan_table(profile: list[LayerProfile], balance: list[int], bandwidth_bps: float | None = None) -> str:
+    """The plan as a table: per stage its layers, parameters and predicted time per micro-batch."""
+    rows = ["| stage | layers | parameters | MB | compute ms | boundary KB | transfer ms |",
+            "|---:|---|---:|---:|---:|---:|---:|"]
+    a = 0
+    for k, count in enumerate(balance):
+        part = profile[a:a + count]
+        out = part[-1].out_bytes if a + count < len(profile) else 0
+        transfer = 8 * out / bandwidth_bps * 1e3 if bandwidth_bps and out else 0.0
+        names = part[0].name if count == 1 else f"{part[0].name} .. {part[-1].name}"
+        rows.append(f"| {k} | {names} | {sum(p.params for p in part):,} | "
+                    f"{sum(p.param_bytes for p in part) / 1e6:.1f} | {sum(p.seconds for p in part) * 1e3:.2f} | "
+                    f"{out / 1e3:.1f} | {transfer:.2f} |")
+        a += count
+    return "\n".join(rows)

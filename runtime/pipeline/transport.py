@@ -1,0 +1,189 @@
+"""Stage-to-stage transport: activations to the next stage, their gradients back, as Isend/Irecv on preallocated buffers.
+
+Each boundary carries one tensor of a shape and dtype agreed once at start
+(`agree_boundaries`), so messages are raw bytes with no header. Receives are
+posted ahead, into a ring of buffers as deep as the micro-batches the stage
+holds in flight, so data lands while the stage computes; sends leave at once
+and are completed lazily. Messages between two ranks with one tag arrive in
+the order sent (MPI's non-overtaking rule), which is the schedule's order,
+so a tag per direction is all the matching needed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpicomm.agree import fail_together
+from mpicomm.requests import RequestLog
+from mpicomm.stall import StallPolicy, wait_until
+from mpicomm.tags import check_tag
+
+TAG_ACTIVATION, TAG_GRADIENT, TAG_EVAL = 11, 12, 13
+_MAX_DIMS = 8
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+class PipelineShapeError(ValueError):
+    """A boundary between stages that cannot carry what the stages produce or expect."""
+
+
+def _bytes(t: torch.Tensor):
+    """An MPI byte buffer over a contiguous tensor of any dtype (numpy has no bfloat16: view it as bytes)."""
+    return [t.detach().view(-1).view(torch.uint8).numpy(), MPI.BYTE]
+
+
+def describe(shape, dtype) -> str:
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def agree_boundaries(comm: MPI.Comm, stage: int, produce) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Every stage's output shape and dtype, on every rank, stage by stage (start-up only).
+
+    produce(in_meta) is called on stage k's rank with stage k-1's output meta
+    (None on stage 0) and returns this stage's output tensor (a forward on
+    zeros). A stage that fails (its layers cannot take the previous stage's
+    output, or return something that is not one tensor) is named on every rank.
+    """
+    stages = comm.Get_size()
+    metas: list[tuple[tuple[int, ...], torch.dtype]] = []
+    row = np.zeros(2 + _MAX_DIMS, dtype=np.int64)
+    for k in range(stages):
+        problem = None
+        if k == stage:
+            try:
+                out = produce(metas[-1] if metas else None)
+                if not isinstance(out, torch.Tensor):
+                    raise PipelineShapeError(f"stage {k} returns a {type(out).__name__}; a boundary between stages "
+                                             "carries one tensor: wrap the layers so they return one")
+                if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
+                    raise PipelineShapeError(f"stage {k} returns {describe(out.shape, out.dtype)}: a boundary "
+                                             f"carries up to {_MAX_DIMS} dimensions of {_DTYPES}")
+                row[:] = 0
+                row[0], row[1] = _DTYPES.index(out.dtype), out.dim()
+                row[2:2 + out.dim()] = out.shape
+            except Exception as exc:  # any error in the user's layers: every rank must hear of it
+                problem = f"stage {k}: {type(exc).__name__}: {exc}"
+        fail_together(comm, problem, PipelineShapeError)
+        comm.Bcast(row, root=k)
+        metas.append((tuple(int(d) for d in row[2:2 + row[1]]), _DTYPES[int(row[0])]))
+    return metas
+
+
+class StageLink:
+    """One stage's messages: activations in from the previous stage and out to the next, gradients the other way."""
+
+    def __init__(self, comm: MPI.Comm, stage: int, in_meta, out_meta, in_flight: int,
+                 interrupt=None, policy: StallPolicy | None = None, timeline=None):
+        self.comm, self.stage = comm, stage
+        self.stages = comm.Get_size()
+        self.prev = stage - 1 if stage > 0 else None
+        self.next = stage + 1 if stage < self.stages - 1 else None
+        self.interrupt, self.policy, self.timeline = interrupt, policy or StallPolicy.from_env(), timeline
+        for tag in (TAG_ACTIVATION, TAG_GRADIENT, TAG_EVAL):
+            check_tag(comm, tag)
+        self.log = RequestLog()
+        self.bytes_sent = self.messages_sent = 0
+        # Inputs stay alive until their backward (they are autograd leaves): one buffer per micro-batch
+        # in flight, plus the one being received ahead.
+        self._acts = [torch.empty(in_meta[0], dtype=in_meta[1]) for _ in range(in_flight + 1)] \
+            if self.prev is not None else []
+        self._act_req: dict[int, MPI.Request] = {}
+        # A gradient is consumed by its backward at once: one in use, one arriving.
+        self._grads = [torch.empty(out_meta[0], dtype=out_meta[1]) for _ in range(2)] \
+            if self.next is not None else []
+        self._grad_req: dict[int, MPI.Request] = {}
+        self._sends: list[tuple[MPI.Request, torch.Tensor]] = []
+
+    # -- receives -----------------------------------------------------------------------
+    def _post(self, table, buffers, micro, source, tag):
+        if micro not in table:
+            buf = buffers[micro % len(buffers)]
+            table[micro] = self.log.irecv(self.comm, _bytes(buf), source, tag)
+
+    def expect(self, first_activation: int | None, first_gradient: int | None) -> None:
+        """Post the first receives of a run of micro-batches (after start-up or a drain)."""
+        if self.prev is not None and first_activation is not None:
+            self._post(self._act_req, self._acts, first_activation, self.prev, TAG_ACTIVATION)
+        if self.next is not None and first_gradient is not None:
+            self._post(self._grad_req, self._grads, first_gradient, self.next, TAG_GRADIENT)
+
+    def activation(self, micro: int, more: bool) -> torch.Tensor:
+        """Micro-batch `micro`'s input from the previous stage (posting the next receive if `more`)."""
+        self._post(self._act_req, self._acts, micro, self.prev, TAG_ACTIVATION)
+        self._wait(self._act_req.pop(micro), f"activation of micro-batch {micro} from stage {self.prev}")
+        if more:
+            self._post(self._act_req, self._acts, micro + 1, self.prev, TAG_ACTIVATION)
+        return self._acts[micro % len(self._acts)]
+
+    def gradient(self, micro: int, more: bool) -> torch.Tensor:
+        """The gradient of micro-batch `micro`'s output, from the next stage."""
+        self._post(self._grad_req, self._grads, micro, self.next, TAG_GRADIENT)
+        self._wait(self._grad_req.pop(micro), f"gradient of micro-batch {micro} from stage {self.next}")
+        if more:
+            self._post(self._grad_req, self._grads, micro + 1, self.next, TAG_GRADIENT)
+        return self._grads[micro % len(self._grads)]
+
+    # -- sends ---------------------------------------------------------------------------
+    def send_activation(self, micro: int, out: torch.Tensor) -> None:
+        self._send(out, self.next, TAG_ACTIVATION, micro)
+
+    def send_gradient(self, micro: int, grad: torch.Tensor) -> None:
+        self._send(grad, self.prev, TAG_GRADIENT, micro)
+
+    def _send(self, t: torch.Tensor, dest: int, tag: int, micro: int) -> None:
+        t = t.detach().contiguous()  # kept referenced below until MPI is done with it
+        req = self.log.isend(self.comm, _bytes(t), dest, tag)
+        self._sends.append((req, t))
+        self.bytes_sent += t.numel() * t.element_size()
+        self.messages_sent += 1
+        if self.timeline:
+            self.timeline.instant(f"send {'act' if tag == TAG_ACTIVATION else 'grad'} {micro}", "pipeline",
+                                  track="comm", bytes=t.numel() * t.element_size(), to=dest)
+        if len(self._sends) > 4:
+            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+
+    def flush_sends(self) -> None:
+        """Wait until every send has been delivered (before the buffers or the communicator go)."""
+        for req, _ in self._sends:
+            self._wait(req, "a send to a neighbouring stage to be received")
+        self._sends = []
+
+    # -- evaluation: variable batch sizes, same per-sample shape ----------------------------
+    def send_eval(self, out: torch.Tensor) -> MPI.Request:
+        out = out.detach().contiguous()
+        req = self.log.isend(self.comm, _bytes(out), self.next, TAG_EVAL)
+        self._sends.append((req, out))
+        return req
+
+    def recv_eval(self, shape, dtype) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype)
+        self._wait(self.log.irecv(self.comm, _bytes(buf), self.prev, TAG_EVAL), "an evaluation batch")
+        return buf
+
+    # -- waiting and failing ---------------------------------------------------------------
+    def _wait(self, req: MPI.Request, what: str) -> None:
+        if req.Test():
+            return
+        span = self.timeline.begin(f"wait {what.split(' of ')[0]}", "pipeline", track="comm") if self.timeline \
+            else None
+        wait_until(req.Test, what=f"stage {self.stage}: {what}", policy=self.policy, interrupt=self.interrupt,
+                   report=lambda: "the neighbouring stage has not sent it (is it still running?)")
+        if span is not None:
+            self.timeline.end(span)
+
+    def idle(self) -> bool:
+        return not self._act_req and not self._grad_req
+
+    def cancel(self) -> None:
+        """Error path: cancel the receives posted ahead, free the sends."""
+        self.log.cancel()
+        self._act_req, self._grad_req, self._sends = {}, {}, []
+
+    def close(self) -> None:
+        """Normal end: nothing may be pending but receives posted ahead for micro-batches that never came."""
+        self.flush_sends()
+        self.log.cancel()
+        self._act_req, self._grad_req = {}, {}

@@ -1,0 +1,208 @@
+"""Which weights a stage's forward and backward compute with: live (vanilla), stashed (PipeDream), predicted (SpecTrain).
+
+The stage's optimizer updates its parameters in place after every backward,
+while up to N - k micro-batches are between their forward and backward. A
+backward computes with the tensors its forward saved; autograd saves
+parameters by reference, so left alone it would see the updated values (and
+refuse them: the in-place update bumps their version counter). A
+saved-tensors hook decides instead, per mode, what a saved parameter (or a
+view of one, such as the transposed weight a Linear layer saves) is at
+backward time:
+
+- vanilla: the live parameter, whatever updates happened since the forward;
+- stash: a copy taken at the forward (PipeDream's weight stashing: one copy
+  of each saved parameter per micro-batch in flight, in a reused pool);
+- spectrain: no copy is kept. The forward computes with weights predicted
+  s_f updates ahead, Ŵ = W - s·lr·v (v: SGD's momentum buffer, so that s
+  updates of the momentum optimizer would move W by about s·lr·v), and the
+  backward with weights predicted s_b updates ahead of the live ones;
+- spectrain-once: the forward's prediction (s = N - k - 1) is kept, as a
+  stash, and reused by the backward.
+
+Gradients always land on the parameters themselves (autograd's leaves), so
+the optimizer and the data-parallel strategies see nothing unusual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MODES = ("flush", "vanilla", "stash", "spectrain")
+SPECTRAIN_VARIANTS = ("paper", "once")
+
+
+def version_difference(stage: int, stages: int, variant: str = "paper") -> tuple[int, int]:
+    """(s_forward, s_backward): how many updates ahead stage k of N predicts its weights.
+
+    SpecTrain (Chen et al. 2018, section 4 and its public code): a
+    micro-batch's forward at stage k runs ⌊k/2⌋ + N - k - 1 updates before the
+    weights its gradient will be applied to, its backward ⌊k/2⌋. "once": one
+    prediction, s = N - k - 1 (the updates the stage itself makes while the
+    micro-batch is in flight), shared by forward and backward.
+    """
+    if variant not in SPECTRAIN_VARIANTS:
+        raise ValueError(f"spectrain variant must be one of {SPECTRAIN_VARIANTS}, got {variant!r}")
+    if variant == "once":
+        return stages - stage - 1, stages - stage - 1
+    return stage // 2 + stages - stage - 1, stage // 2
+
+
+def momentum_sgd_hyper(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, with the reason, an optimizer SpecTrain cannot predict with."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(f"spectrain predicts weights from SGD's momentum buffer; {type(optimizer).__name__} "
+                         "has none: use torch.optim.SGD(..., momentum=0.9) or another mode")
+    for group in optimizer.param_groups:
+        if not group.get("momentum", 0) > 0:
+            raise ValueError("spectrain predicts weights from SGD's momentum buffer: give the optimizer "
+                             f"momentum > 0 (a param group has momentum={group.get('momentum')!r})")
+
+
+class WeightVersions:
+    """The weights one stage computes with, per mode; forward(slot) and backward(slot) wrap the stage's passes.
+
+    slot: the micro-batch's place in the stage's in-flight window (id mod in_flight).
+    log: a list to append what each pass used (tests), or None.
+    """
+
+    def __init__(self, params: list[torch.Tensor], mode: str, in_flight: int, optimizer: torch.optim.Optimizer,
+                 shifts: tuple[int, int] = (0, 0), once: bool = False, log: list | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.params, self.mode, self.optimizer, self.log = params, mode, optimizer, log
+        self.shifts, self.once = shifts, once
+        self.in_flight = in_flight
+        # Parameters are found by their storage: saved tensors are often views (weight.t()).
+        self._index = {}
+        for i, p in enumerate(params):
+            if p.untyped_storage().nbytes() != p.numel() * p.element_size():
+                raise ValueError(f"parameter #{i} {tuple(p.shape)} shares its storage with other tensors; "
+                                 "the pipeline's weight versions need each parameter in storage of its own")
+            self._index[p.untyped_storage().data_ptr()] = i
+        self._lr = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                self._lr[id(p)] = group
+        # The last stage (one micro-batch in flight) updates only after the backward: nothing to keep.
+        keeps = in_flight > 1 and (mode == "stash" or (mode == "spectrain" and once))
+        # Pool of copies: [slot][param] (allocated on first use: only parameters autograd saves).
+        self._stash: list[list[torch.Tensor | None]] = [[None] * len(params) for _ in range(in_flight)] \
+            if keeps else []
+        # spectrain: one buffer per parameter, holding the live weights during a predicted forward
+        # and the backward's prediction during a backward (never both at once).
+        self._spare: list[torch.Tensor | None] = [None] * len(params)
+        self._backward_views: list[torch.Tensor] | None = None
+        self.updates = 0  # optimizer steps so far (versions), counted by the engine
+
+    # -- what the engine calls ---------------------------------------------------------
+    def forward(self, slot: int, micro: int):
+        if self.mode == "flush":
+            return contextlib.nullcontext()
+        return self._forward(slot, micro)
+
+    def backward(self, slot: int, micro: int):
+        if self.mode == "flush":
+            return contextlib.nullcontext()
+        return self._backward(slot, micro)
+
+    def held_bytes(self) -> int:
+        """Bytes of weight copies this mode holds now (stash pool, spectrain's buffers)."""
+        tensors = [t for row in self._stash for t in row if t is not None] + [t for t in self._spare if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    # -- forward ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _forward(self, slot: int, micro: int):
+        predicted = self.mode == "spectrain" and self.shifts[0] > 0 and self._predict_into_params(self.shifts[0])
+        copied: dict[int, torch.Tensor] = {}
+        keep = self._stash[slot] if self._stash else None
+
+        def pack(t: torch.Tensor):
+            i = self._index.get(t.untyped_storage().data_ptr())
+            if i is None:
+                return t
+            if keep is not None and i not in copied:
+                if keep[i] is None:
+                    keep[i] = torch.empty_like(self.params[i], memory_format=torch.preserve_format)
+                keep[i].copy_(self.params[i].detach())
+                copied[i] = keep[i]
+            return (i, t.size(), t.stride(), t.storage_offset())
+
+        if self.log is not None:
+            self._record("F", micro, [p.detach().clone() for p in self.params],
+                         self._spare if predicted else self.params)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            if predicted:
+                for p, live in zip(self.params, self._spare):
+                    p.data.copy_(live)  # .data: the live weights come back without a version bump
+
+    def _predict_into_params(self, s: int) -> bool:
+        """Params become W - s·lr·v for the forward; the live W waits in the spare buffers. False if v is unset."""
+        state = self.optimizer.state
+        if not any("momentum_buffer" in state.get(p, {}) for p in self.params):
+            return False  # before the first update v = 0: the prediction is W itself
+        for i, p in enumerate(self.params):
+            if self._spare[i] is None:
+                self._spare[i] = torch.empty_like(p)
+            self._spare[i].copy_(p.detach())
+            v = state.get(p, {}).get("momentum_buffer")
+            if v is not None:
+                p.data.add_(v, alpha=-s * self._lr[id(p)]["lr"])
+        return True
+
+    # -- backward ---------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _backward(self, slot: int, micro: int):
+        if self._stash:
+            self._backward_views = self._stash[slot]
+        elif self.mode == "spectrain" and self.shifts[1] > 0:
+            self._backward_views = self._prediction(self.shifts[1])
+        else:
+            self._backward_views = None  # the live parameters
+        used: dict[int, torch.Tensor] = {}
+        self._used = used if self.log is not None else None
+        try:
+            yield
+        finally:
+            if self.log is not None:
+                self._record("B", micro, [used.get(i) for i in range(len(self.params))], self.params)
+            self._backward_views, self._used = None, None
+
+    def _prediction(self, s: int) -> list[torch.Tensor] | None:
+        state = self.optimizer.state
+        if not any("momentum_buffer" in state.get(p, {}) for p in self.params):
+            return None
+        out = []
+        for i, p in enumerate(self.params):
+            if self._spare[i] is None:
+                self._spare[i] = torch.empty_like(p)
+            v = state.get(p, {}).get("momentum_buffer")
+            if v is None:
+                self._spare[i].copy_(p.detach())
+            else:
+                torch.add(p.detach(), v, alpha=-s * self._lr[id(p)]["lr"], out=self._spare[i])
+            out.append(self._spare[i])
+        return out
+
+    def _unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        i, size, stride, offset = packed
+        views = self._backward_views
+        source = self.params[i].detach() if views is None or views[i] is None else views[i]
+        if self._used is not None:
+            self._used[i] = source.clone()
+        return source.as_strided(size, stride, offset)
+
+    def _record(self, op: str, micro: int, used: list, live: list) -> None:
+        state = self.optimizer.state
+        self.log.append(dict(op=op, micro=micro, updates=self.updates, used=used,
+                             live=[p.detach().clone() for p in live],
+                             velocity=[state.get(p, {}).get("momentum_buffer", torch.zeros_like(p)).clone()
+                                       for p in self.params],
+                             lr=[self._lr[id(p)]["lr"] for p in self.params]))
