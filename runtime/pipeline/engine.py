@@ -60,6 +60,8 @@ class Pipeline:
         self.policy = stall or StallPolicy.from_env()
         self.timeline, self.loss_fn, self.mode, self.microbatches = timeline, loss_fn, mode, microbatches
         self.layout = self.check = self.link = self.dopt = None
+        self.failed: BaseException | None = None
+        self._closed = False
         try:
             layers = self._check_arguments(world, model, stages, balance, microbatches, mode, spectrain_variant,
                                            replicas, placement, data_parallel, sample)
@@ -96,8 +98,6 @@ class Pipeline:
         self._inflight: dict[int, tuple] = {}
         self.steps = 0
         self._meta = None  # [(shape, dtype)] of each stage's output, agreed at the first step
-        self.failed: BaseException | None = None
-        self._closed = False
 
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
