@@ -126,6 +126,19 @@ CASES = [
     ("cluster-run-local-np-zero", "jobs.cluster", ["run", "--local", "-n", "0", "--", "true"], "--np"),
     ("topology-expect-nodes-zero", "jobs.topology", ["--expect-nodes", "0"], "--expect-nodes"),
     ("topology-json-is-a-directory", "jobs.topology", ["--json", "{dir}"], "--json"),
+    # jobs.pipeline_peer's defaults (mlp, 4 layers, batch 64, 8 micro-batches, 12 steps) end in seconds.
+    ("pipeline_peer-mpiexec-balance-not-summing", "jobs.pipeline_peer", ["--balance", "1,2"], "--balance", "mpiexec"),
+    ("pipeline_peer-balance-more-stages-than-ranks", "jobs.pipeline_peer", ["--balance", "2,2"], "--balance"),
+    ("pipeline_peer-mpiexec-balance-fewer-stages-than-ranks", "jobs.pipeline_peer", ["--balance", "4"], "--balance",
+     "mpiexec"),
+    ("pipeline_peer-balance-not-numbers", "jobs.pipeline_peer", ["--balance", "a,b"], "--balance"),
+    ("pipeline_peer-mpiexec-microbatches-not-dividing", "jobs.pipeline_peer", ["--microbatches", "3"],
+     "--microbatches", "mpiexec"),
+    ("pipeline_peer-mpiexec-1f1b-fewer-microbatches-than-stages", "jobs.pipeline_peer", ["--microbatches", "1"],
+     "--microbatches", "mpiexec"),
+    ("pipeline_peer-model-not-sequential", "jobs.pipeline_peer", ["--model", "resnet50"], "--model"),
+    ("pipeline_peer-schedule-unknown", "jobs.pipeline_peer", ["--schedule", "zb"], "--schedule"),
+    ("pipeline_peer-mpiexec-json-is-a-directory", "jobs.pipeline_peer", ["--json", "{dir}"], "--json", "mpiexec"),
 ]
 
 
