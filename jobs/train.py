@@ -5,6 +5,7 @@
     mpiexec -n 4 python -m jobs.train --checkpoint ckpt.pt --resume --timeline trace.json
     mpiexec -n 4 python -m jobs.train --strategy hier-topk --density 0.01 --pto
     mpiexec -n 4 python -m jobs.train --cache-dir /tmp/mpitrain-cache   # training data through datacache
+    mpiexec -n 4 python -m jobs.train --parallel pipeline --pipeline-mode spectrain --microbatches 8
 
 Every rank reads its share of each global batch (--batch-size per rank), so
 the run equals single-process SGD on batches of batch-size x ranks. Rank 0
@@ -19,9 +20,10 @@ import os
 import sys
 import time
 
+from jobs import train_pipeline
 from jobs.choices import MODELS, STRATEGIES
-from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, one_of, output_dir, output_file,
-                         parse)
+from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, launched_ranks, one_of, output_dir,
+                         output_file, parse)
 
 
 def parse_args(argv=None):
@@ -65,6 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="PATH", help="write per-epoch metrics here")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress (else a bar on a terminal, a line every ~10 %% of an epoch in a log file)")
+    train_pipeline.add_arguments(p)
     return parse(p, argv, check_args, mpi=True)
 
 
@@ -87,6 +90,7 @@ def check_args(args) -> None:
     output_dir(args, "cache_dir", writable=False)  # an unwritable cache falls back to the source
     output_file(args, "json")
     output_file(args, "checkpoint", "timeline", replaced=True)  # both written to a temp file, then renamed
+    train_pipeline.check_arguments(args, launched_ranks())
 
 
 def load_data(args, rank):
@@ -209,6 +213,10 @@ def main(argv=None, args=None) -> int:
         say(f"error: {exc}", file=sys.stderr)
         return 2
 
+    if args.parallel == "pipeline":
+        status = train_pipeline.run(args, (x, y, tx, ty), topo)
+        topo.free()
+        return status
     torch.manual_seed(args.seed)
     model = build_model(args.model, num_classes=10 if args.model != "transformer" else 1000,
                         **({"in_channels": 3} if args.model in ("vgg19", "resnet50") else {}))

@@ -52,7 +52,12 @@ def fail_together(comm: MPI.Comm, problem: str | None, error: type[Exception] = 
     if not flags.any():
         return
     problems = comm.allgather(problem)  # failure path only: pickling is fine
-    raise error("; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p is not None))
+    by_problem: dict[str, list[int]] = {}
+    for r, p in enumerate(problems):
+        if p is not None:
+            by_problem.setdefault(p, []).append(r)
+    # The same problem on many ranks is said once, after the ranks that have it.
+    raise error("; ".join(f"rank {', '.join(map(str, rs))}: {p}" for p, rs in by_problem.items()))
 
 
 def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:

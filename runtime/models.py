@@ -39,6 +39,10 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def pipeline_layers(self) -> nn.Sequential:
+        """The chain of layers forward() applies, for a pipeline to cut into stages."""
+        return self.net
+
 
 # ----------------------------------------------------------------------------- VGG-19
 
@@ -82,6 +86,10 @@ class VGG19(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
+
+    def pipeline_layers(self) -> nn.Sequential:
+        """The chain of layers forward() applies, for a pipeline to cut into stages."""
+        return nn.Sequential(*self.features, *self.classifier)
 
 
 # ----------------------------------------------------------------------------- ResNet-50

@@ -1,0 +1,215 @@
+"""jobs.train --parallel pipeline: the model cut into stages across ranks (runtime.pipeline), with the same outputs as data parallel."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+PIPELINE_MODES = ("flush", "vanilla", "stash", "spectrain")
+SEQUENTIAL_MODELS = ("mlp", "vgg19", "fc-heavy", "char-lstm")
+
+
+def add_arguments(p) -> None:
+    g = p.add_argument_group("pipeline (--parallel pipeline)")
+    g.add_argument("--parallel", choices=("data", "pipeline"), default="data",
+                   help="data: every rank holds the model (--strategy); pipeline: the model is cut into --stages")
+    g.add_argument("--pipeline-mode", choices=PIPELINE_MODES, default="flush",
+                   help="flush (synchronous), vanilla, stash (PipeDream) or spectrain (default flush)")
+    g.add_argument("--spectrain-variant", choices=("paper", "once"), default="paper")
+    g.add_argument("--stages", type=int, help="pipeline stages (default: ranks / --replicas)")
+    g.add_argument("--replicas", type=int, default=1, help="copies of each stage, averaging gradients (default 1)")
+    g.add_argument("--balance", help="layers per stage, e.g. 3,2,2,1 (default: measured automatic partition)")
+    g.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
+    g.add_argument("--placement", choices=("within-node", "across-nodes"), default="within-node")
+
+
+def check_arguments(args, launched: int) -> None:
+    """What can be known wrong before MPI starts (launched: ranks mpiexec started, 0 if unknown)."""
+    from jobs.inputs import InputError, at_least, comma_list
+
+    pipeline_only = ["--pipeline-mode", "--stages", "--replicas", "--balance", "--microbatches", "--placement"]
+    if args.parallel == "data":
+        used = [o for o in pipeline_only if getattr(args, o[2:].replace("-", "_")) not in
+                (None, 1, 4, "flush", "within-node")]
+        if used:
+            raise InputError(used[0], "needs --parallel pipeline")
+        return
+    if args.model not in SEQUENTIAL_MODELS:
+        raise InputError("--model", f"{args.model} is not sequential; a pipeline takes {', '.join(SEQUENTIAL_MODELS)}")
+    if args.strategy != "p3" and args.strategy not in ("allreduce", "wfbp"):
+        raise InputError("--strategy", "with --parallel pipeline, replicas average gradients with allreduce or wfbp")
+    if args.pto or args.cache_dir:
+        raise InputError("--pto" if args.pto else "--cache-dir", "is not available with --parallel pipeline")
+    at_least(args, 1, "replicas", "microbatches", "stages")
+    if args.balance:
+        args.balance = [int(b) for b in comma_list("--balance", args.balance)] if all(
+            b.strip().isdigit() for b in args.balance.split(",")) else None
+        if args.balance is None:
+            raise InputError("--balance", "must be positive layer counts, e.g. 3,2,2,1")
+        if args.stages and args.stages != len(args.balance):
+            raise InputError("--balance", f"has {len(args.balance)} stages, --stages says {args.stages}")
+    if args.batch_size % args.microbatches:
+        raise InputError("--microbatches", f"{args.microbatches} does not divide --batch-size {args.batch_size}")
+    if launched:
+        stages = args.stages or (len(args.balance) if args.balance else launched // args.replicas)
+        if stages < 1 or stages * args.replicas != launched:
+            raise InputError("--stages" if args.stages else "--replicas",
+                             f"{launched} ranks cannot run {stages} stages x {args.replicas} replicas")
+
+
+def layers_of(model):
+    """The chain a pipeline cuts: the model itself if sequential, else its pipeline_layers()."""
+    return model.pipeline_layers() if hasattr(model, "pipeline_layers") else model
+
+
+def run(args, data, topo) -> int:
+    """The training loop of jobs.train for --parallel pipeline; data = (x, y, test x, test y) as tuples of tensors."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from runtime.data import BatchPlan
+    from runtime.models import build_model, loss_fn
+    from runtime.pipeline import Pipeline
+
+    from jobs.outputs import write_together
+    from jobs.progress import epoch_progress
+
+    x, y, tx, ty = data
+    comm, rank, P = topo.world, topo.rank, topo.size
+    say = print if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, **({"num_classes": 10} if args.model != "char-lstm" else {}))
+    stages = len(args.balance) if args.balance else (args.stages or P // args.replicas)
+    micro = args.batch_size // args.microbatches
+    if args.optimizer == "adam":
+        def factory(ps): return torch.optim.Adam(ps, lr=args.lr)
+    else:
+        def factory(ps): return torch.optim.SGD(ps, lr=args.lr, momentum=args.momentum)
+    timeline = None
+    if args.timeline:
+        from runtime.trace import Timeline
+        timeline = Timeline(rank)
+    pipe = Pipeline(layers_of(model), factory, loss_fn=loss_fn(args.model), balance=args.balance,
+                    stages=None if args.balance else stages, sample=x[0][:micro], microbatches=args.microbatches,
+                    mode=args.pipeline_mode, spectrain_variant=args.spectrain_variant, replicas=args.replicas,
+                    placement=args.placement, data_parallel=args.strategy if args.strategy != "p3" else "allreduce",
+                    topology=topo, timeline=timeline, say=say)
+    start_epoch = resume(args, pipe, comm, say) if args.resume else 0
+    replica, R = pipe.layout.replica, args.replicas
+    plan = BatchPlan(len(x[0]), args.batch_size, R, replica, args.seed)
+    steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
+    shows = pipe.last and replica == 0  # the rank that has the loss shows progress
+    say(f"{args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), {args.data}, pipeline "
+        f"{args.pipeline_mode}: {stages} stages {pipe.balance} x {R} replicas, {args.microbatches} micro-batches "
+        f"of {micro}, {steps} steps/epoch", flush=True)
+    history = []
+    for epoch in range(start_epoch, args.epochs):
+        bar = epoch_progress(steps, f"epoch {epoch + 1}/{args.epochs}", args.batch_size * R) \
+            if shows and not args.no_progress else None
+        comm.Barrier()
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for idx in plan.epoch(epoch)[:steps]:
+            idx = torch.as_tensor(idx)
+            loss = pipe.train_step(x[0][idx] if pipe.first else None, y[idx] if pipe.last else None)
+            if loss is not None:
+                loss_sum += loss
+                if bar is not None:
+                    bar.update(loss)
+        pipe.drain()  # the epoch's weights are complete before they are scored and saved
+        comm.Barrier()
+        elapsed = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        # Loss: mean over the last stages' steps; accuracy: each replica scores 1/R of the test set.
+        share = np.array_split(np.arange(len(tx[0])), R)[replica]
+        scores = pipe.evaluate(tx[0][share] if pipe.first else None, ty[share] if pipe.last else None)
+        sums = np.array([loss_sum / max(1, steps) if pipe.last else 0.0,
+                         scores["accuracy"] * scores["count"] if pipe.first else 0.0,
+                         scores["count"] if pipe.first else 0.0])
+        comm.Allreduce(MPI.IN_PLACE, sums)
+        stats = pipe.stats()
+        sent = np.array([stats["bytes_sent"]], dtype=np.int64)
+        comm.Allreduce(MPI.IN_PLACE, sent)
+        row = dict(epoch=epoch + 1, loss=float(sums[0] / R), test_accuracy=float(sums[1] / max(1, sums[2])),
+                   samples_per_s=steps * args.batch_size * R / elapsed, seconds=elapsed,
+                   stage_bytes_sent=int(sent[0]))
+        history.append(row)
+        say(f"epoch {epoch + 1}: loss {row['loss']:.4f}  test accuracy {row['test_accuracy'] * 100:.2f} %  "
+            f"{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)", flush=True)
+        if args.checkpoint:
+            save(args, pipe, comm, epoch)
+    pipe.close()
+    if timeline is not None:
+        from runtime.trace.timeline import merge
+
+        part = f"{args.timeline}.rank{rank}.json"
+        write_together(comm, "--timeline", part, lambda: timeline.dump(part))
+
+        def merge_parts():
+            merge([f"{args.timeline}.rank{r}.json" for r in range(P)], args.timeline)
+            for r in range(P):
+                os.remove(f"{args.timeline}.rank{r}.json")
+            say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
+        write_together(comm, "--timeline", args.timeline, merge_parts, here=rank == 0)
+    if args.json:
+        def write_metrics():
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(dict(args=vars(args), ranks=P, parallel="pipeline", balance=pipe.balance, epochs=history),
+                          f, indent=1)
+        write_together(comm, "--json", args.json, write_metrics, here=rank == 0)
+    return 0
+
+
+def stage_file(path: str, stage: int, stages: int) -> str:
+    return f"{path}.stage{stage}-of-{stages}"
+
+
+def save(args, pipe, comm, epoch: int) -> None:
+    """Each stage's first replica writes its stage (atomically: temp file, then rename)."""
+    import torch
+
+    from jobs.outputs import write_together
+
+    path = stage_file(args.checkpoint, pipe.stage, pipe.stages)
+
+    def write():
+        tmp = path + ".tmp"
+        torch.save(dict(epoch=epoch, stage=pipe.state_dict(), args=vars(args)), tmp)
+        os.replace(tmp, path)
+    write_together(comm, "--checkpoint", path, write, here=pipe.layout.replica == 0)
+
+
+def resume(args, pipe, comm, say) -> int:
+    """The epoch to start from: every stage's file read if all exist (replicas read their stage's), else 0."""
+    import numpy as np
+    import torch
+
+    from mpicomm.agree import fail_together
+
+    path = stage_file(args.checkpoint, pipe.stage, pipe.stages)
+    have = np.array([os.path.exists(path)], dtype=np.int8)
+    everyone = np.empty(comm.Get_size(), dtype=np.int8)
+    comm.Allgather(have, everyone)
+    if not everyone.any():
+        say(f"no checkpoint at {args.checkpoint}.stage*: starting from scratch")
+        return 0
+    problem, epoch = None, 0
+    try:
+        if not have[0]:
+            raise FileNotFoundError(f"{path} is missing (other stages have theirs)")
+        saved = torch.load(path, weights_only=False)
+        pipe.load_state_dict(saved["stage"])
+        epoch = int(saved["epoch"]) + 1
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        problem = f"--resume: {exc}"
+    fail_together(comm, problem, ValueError)
+    epochs = comm.allgather(epoch)
+    if len(set(epochs)) > 1:
+        raise ValueError(f"--resume: stage checkpoints of different epochs: {epochs}")
+    say(f"resumed from {args.checkpoint}.stage* after epoch {epoch}")
+    return epoch
