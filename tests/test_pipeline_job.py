@@ -1,0 +1,100 @@
+"""jobs.train --parallel pipeline under mpiexec: metrics, trace, per-stage checkpoints and resume; a killed rank; bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT
+from mpicomm.launch import mpiexec
+
+QUICK = ["--model", "mlp", "--data", "synthetic", "--synthetic-samples", "512", "--batch-size", "32",
+         "--microbatches", "4", "--no-progress", "--parallel", "pipeline", "--lr", "0.01"]
+
+
+def train(*args, n=4, timeout=180):
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "jobs.train", *QUICK, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_trains_with_metrics_trace_and_checkpoints_and_resume_continues_exactly(tmp_path):
+    """flush is deterministic: 2 epochs straight equal 1 epoch, then --resume for the second."""
+    out, trace, straight, split = tmp_path / "m.json", tmp_path / "trace.json", tmp_path / "a", tmp_path / "b"
+    proc = train("--epochs", "2", "--json", str(out), "--timeline", str(trace), "--checkpoint", str(straight))
+    saved = json.loads(out.read_text())
+    rows = saved["epochs"]
+    assert saved["parallel"] == "pipeline" and sum(saved["balance"]) == 4 and len(saved["balance"]) == 4
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["loss"] < rows[0]["loss"]
+    assert all(0 <= r["test_accuracy"] <= 1 and r["samples_per_s"] > 0 and r["stage_bytes_sent"] > 0 for r in rows)
+    assert "| stage |" in proc.stdout  # the partition plan
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    spans = {(e["pid"], e["name"]) for e in events if e.get("ph") == "X"}
+    for stage in range(4):  # forward and backward of micro-batch 0 on every stage, in one trace
+        assert (stage, "F0") in spans and (stage, "B0") in spans, sorted(spans)[:10]
+
+    train("--epochs", "1", "--checkpoint", str(split))
+    proc = train("--epochs", "2", "--checkpoint", str(split), "--resume")
+    assert "resumed from" in proc.stdout and "epoch 2: loss" in proc.stdout and "epoch 1:" not in proc.stdout
+    for stage in range(4):
+        a = torch.load(f"{straight}.stage{stage}-of-4", weights_only=False)
+        b = torch.load(f"{split}.stage{stage}-of-4", weights_only=False)
+        assert a["epoch"] == b["epoch"] == 1
+        for k in a["stage"]["module"]:
+            assert torch.allclose(a["stage"]["module"][k], b["stage"]["module"][k], rtol=1e-6, atol=1e-7), k
+
+
+def test_two_stages_of_two_replicas(tmp_path):
+    out = tmp_path / "m.json"
+    train("--stages", "2", "--replicas", "2", "--strategy", "wfbp", "--pipeline-mode", "spectrain", "--epochs", "2",
+          "--json", str(out))
+    rows = json.loads(out.read_text())["epochs"]
+    assert rows[1]["loss"] < rows[0]["loss"]
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, torch, torch.nn as nn, torch.nn.functional as F
+    from mpi4py import MPI
+    from runtime.pipeline import Pipeline
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    pipe = Pipeline(model, lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9), loss_fn=F.mse_loss,
+                    balance=[1, 1, 1, 1], microbatches=4, mode="vanilla")
+    for step in range(1000):
+        if step == 3 and MPI.COMM_WORLD.Get_rank() == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        pipe.train_step(torch.randn(8, 16), torch.randn(8, 16))
+""")
+
+
+def test_a_rank_killed_mid_pipeline_ends_the_job_non_zero_within_30_s(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert elapsed < 30, f"took {elapsed:.0f} s"
+
+
+@pytest.mark.parametrize("args,option", [
+    (["--pipeline-mode", "stash"], "--pipeline-mode: needs --parallel pipeline"),
+    (["--parallel", "pipeline", "--model", "resnet50", "--data", "synthetic"], "--model: resnet50 is not sequential"),
+    (["--parallel", "pipeline", "--microbatches", "5"], "--microbatches: 5 does not divide --batch-size 64"),
+    (["--parallel", "pipeline", "--stages", "3"], "--stages: 1 ranks cannot run 3 stages x 1 replicas"),
+    (["--parallel", "pipeline", "--balance", "2,x"], "--balance: must be positive layer counts"),
+])
+def test_bad_pipeline_input_is_one_line_and_exit_2(args, option):
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {option}"), proc.stderr
