@@ -11,10 +11,10 @@ PYTEST_MPI := $(PY) -m mpi4py -m pytest -m mpi -p no:cacheprovider -q
 FAKE_HOSTS := -hosts n1:2,n2:2 -launcher ssh -launcher-exec mpicomm/launcher/fake-ssh
 STAMP := $(VENV)/.mpitrain-setup
 
-.PHONY: setup setup-system demo test test-serial test-mpi test-mpi-hosts test-mpi-emulated test-cluster test-slurm \
+.PHONY: setup setup-system setup-corpus demo test test-serial test-mpi test-mpi-hosts test-mpi-emulated test-cluster test-slurm \
 	bench-collectives clean
 
-setup: setup-system $(STAMP)
+setup: setup-system $(STAMP) setup-corpus
 
 # Debian packages, only when root (CI is root): Fashion-MNIST for the demo, and what the
 # emulated-cluster and SLURM tests need (without root those tests skip with a reason).
@@ -27,6 +27,15 @@ setup-system:
 	    dataset-fashion-mnist; fi
 	@test -f $(FASHION) || echo "note: Fashion-MNIST missing (as root: apt-get install dataset-fashion-mnist); the demo needs it"
 	@if [ "$$(id -u)" = 0 ] && [ ! -s /etc/munge/munge.key ]; then mungekey --create && chown munge:munge /etc/munge/munge.key; fi
+
+# The Jane Austen corpus of the char-LSTM (r-cran-janeaustenr, into ~/.cache/mpitrain or
+# $MPITRAIN_DATA_DIR): apt-get download needs apt lists, not root; when root and the lists lack
+# it, one apt-get update and a second try. Run as a file, not a module, so that no torch is
+# imported: well under a second when the corpus is already there.
+setup-corpus: $(STAMP)
+	@$(PY) -P datacache/austen.py >/dev/null 2>&1 \
+	  || { [ "$$(id -u)" = 0 ] && apt-get update -q >/dev/null; $(PY) -P datacache/austen.py >/dev/null; } \
+	  || echo "note: the Jane Austen corpus is missing (see the error above); tests/test_austen.py needs it"
 
 # torch first and pinned: this version is served as a local CPU build, any other spec pulls a
 # multi-GB CUDA build. Re-runs only when the package metadata changes.

@@ -21,7 +21,7 @@ import sys
 import time
 
 from jobs import train_pipeline
-from jobs.choices import MODELS, STRATEGIES
+from jobs.choices import MODELS, STRATEGIES, TOKEN_MODELS
 from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, launched_ranks, one_of, output_dir,
                          output_file, parse)
 
@@ -80,9 +80,9 @@ def check_args(args) -> None:
     fraction(args, "density")
     if args.resume and not args.checkpoint:
         raise InputError("--resume", "needs --checkpoint PATH")
-    if args.data == "fashion-mnist" and args.model == "transformer":
-        raise InputError("--data", "the transformer trains on synthetic sequences: use --data synthetic")
-    if args.cache_dir and (args.data != "fashion-mnist" or args.model == "transformer"):
+    if args.data == "fashion-mnist" and args.model in TOKEN_MODELS:
+        raise InputError("--data", f"{args.model} trains on synthetic sequences: use --data synthetic")
+    if args.cache_dir and (args.data != "fashion-mnist" or args.model in TOKEN_MODELS):
         raise InputError("--cache-dir", "serves image data: use it with --data fashion-mnist and an image model")
     if args.data_dir and not args.cache_dir:
         raise InputError("--data-dir", "needs --cache-dir")

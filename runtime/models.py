@@ -1,4 +1,4 @@
-"""The benchmark models (MLP, VGG-19, ResNet-50, Transformer NMT) with matching synthetic inputs and losses."""
+"""The benchmark models (MLP, fc-heavy, VGG-19, ResNet-50, Transformer NMT, char-LSTM), synthetic inputs, losses."""
 
 from __future__ import annotations
 
@@ -10,14 +10,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.data import PAD, synthetic_classification, synthetic_seq2seq
+from runtime.sequential_models import CHAR_VOCAB, CharLSTM, synthetic_text
 
-MODELS = ("mlp", "vgg19", "resnet50", "transformer")
+MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm")
+# Models whose output is [B, T, vocab] logits scored against [B, T] next tokens.
+TOKEN_MODELS = ("transformer", "char-lstm")
 
 # VGG configuration E: output channels of the 16 conv layers, "M" = 2x2 max-pool.
 VGG19_CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
                 512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
 RESNET50_BLOCKS = (3, 4, 6, 3)
 RESNET50_WIDTHS = (64, 128, 256, 512)  # bottleneck widths; block outputs are 4x these (256..2048)
+# About 208 M parameters, nearly all in three 8192x8192 layers: gradients too big to all-reduce
+# every step over slow links, the case for pipeline model parallelism.
+FC_HEAVY_HIDDEN = (8192,) * 4
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -215,6 +221,8 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
     vgg19: dropout=0.0, batch_norm=False. resnet50: none.
     transformer: vocab=1000, d_model=256, nhead=4, num_encoder_layers=3, num_decoder_layers=3,
     dim_feedforward=1024, dropout=0.0, max_len=512, tie_weights=True (num_classes, in_channels ignored).
+    fc-heavy: the MLP with hidden=FC_HEAVY_HIDDEN (override with hidden=), in_features=784.
+    char-lstm: vocab=CHAR_VOCAB, embed=64, hidden=512, layers=3 (num_classes, in_channels ignored).
     """
     if name == "mlp":
         return MLP(num_classes, **kw)
@@ -224,28 +232,38 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
         return ResNet50(num_classes, in_channels, **kw)
     if name == "transformer":
         return TransformerNMT(**kw)
+    if name == "fc-heavy":
+        return MLP(num_classes, **{"hidden": FC_HEAVY_HIDDEN, **kw})
+    if name == "char-lstm":
+        return CharLSTM(**kw)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 
 def input_shape(name: str, in_channels: int = 3) -> tuple[int, ...]:
-    """Per-sample input shape of an image model: (784,) for the MLP, (C, 32, 32) for the CNNs."""
-    if name == "mlp":
+    """Per-sample input shape of an image model: (784,) for the MLPs, (C, 32, 32) for the CNNs."""
+    if name in ("mlp", "fc-heavy"):
         return (784,)
     if name in ("vgg19", "resnet50"):
         return (in_channels, 32, 32)
-    raise ValueError(f"model {name!r} has no image input shape; image models are mlp, vgg19, resnet50")
+    raise ValueError(f"model {name!r} has no image input shape; image models are mlp, fc-heavy, vgg19, resnet50")
 
 
 def model_input(name: str, batch: int, seed: int = 0, num_classes: int = 10, in_channels: int = 3,
-                vocab: int = 1000, src_len: int = 16, tgt_len: int = 16) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+                vocab: int | None = None, src_len: int = 16, tgt_len: int = 16,
+                seq_len: int = 64) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """A synthetic batch (inputs, target) for model `name`; call it as loss_fn(name)(model(*inputs), target).
 
     Image models: inputs = (x,), target = class ids [batch]. Transformer: inputs = (src [batch,
-    src_len], tgt_in [batch, tgt_len]), target = next tokens [batch, tgt_len] (the reversal task).
+    src_len], tgt_in [batch, tgt_len]), target = next tokens [batch, tgt_len] (the reversal task;
+    vocab 1000 by default). char-lstm: inputs = (tokens [batch, seq_len],), target = next tokens
+    [batch, seq_len] (vocab CHAR_VOCAB by default).
     """
     if name == "transformer":
-        src, tgt = synthetic_seq2seq(batch, src_len, tgt_len, vocab, seed)
+        src, tgt = synthetic_seq2seq(batch, src_len, tgt_len, 1000 if vocab is None else vocab, seed)
         return (src, tgt[:, :-1]), tgt[:, 1:].contiguous()
+    if name == "char-lstm":
+        x, y = synthetic_text(batch, seq_len, CHAR_VOCAB if vocab is None else vocab, seed)
+        return (x,), y
     x, y = synthetic_classification(batch, input_shape(name, in_channels), num_classes, seed)
     return (x,), y
 
@@ -255,12 +273,13 @@ def _classification_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Te
 
 
 def _token_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    # Mean over every target token of the batch; PAD positions (if any) are not counted.
+    # Mean over every target token of the batch; PAD positions (if any) are not counted. For the
+    # char-LSTM id 0 is the unknown character: not scored either (a handful in the Austen corpus).
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1), ignore_index=PAD)
 
 
 def loss_fn(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Cross-entropy for model `name`: over classes, or over all target tokens for the transformer."""
+    """Cross-entropy for model `name`: over classes, or over all target tokens for TOKEN_MODELS."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
-    return _token_loss if name == "transformer" else _classification_loss
+    return _token_loss if name in TOKEN_MODELS else _classification_loss

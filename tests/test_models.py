@@ -20,7 +20,11 @@ PARAM_COUNTS = {
     "vgg19": 38_947_914,     # 20,024,384 conv + 18,923,530 classifier
     "resnet50": 23_520_842,
     "transformer": 6_043_624,  # tied: the 256,000-value output weight is the target embedding
+    "char-lstm": 5_442_209,  # 97*64 embedding, LSTMs 64->512, 512->512 x2, 512*97+97 head
 }
+# fc-heavy's 208 M parameters are too many to build here over and over: tests/test_sequential_models.py
+# counts them on the meta device and trains narrow copies.
+BUILT = tuple(name for name in MODELS if name != "fc-heavy")
 
 
 def build(name, seed=0, **kw):
@@ -28,7 +32,7 @@ def build(name, seed=0, **kw):
     return build_model(name, **kw)
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module", params=BUILT)
 def named_model(request):
     return request.param, build(request.param)
 
@@ -44,7 +48,7 @@ def test_forward_shapes_and_backward_reaches_every_parameter(named_model):
     model.zero_grad(set_to_none=True)
     inputs, target = model_input(name, 2, seed=1)
     out = model(*inputs)
-    expected = (2, 16, 1000) if name == "transformer" else (2, 10)
+    expected = {"transformer": (2, 16, 1000), "char-lstm": (2, 64, 97)}.get(name, (2, 10))
     assert out.shape == expected and out.dtype == torch.float32
     loss = loss_fn(name)(out, target)
     assert loss.dim() == 0 and torch.isfinite(loss)
@@ -78,7 +82,7 @@ def test_every_parameter_is_used_under_a_module_whose_pre_hook_fires(named_model
         assert "transformer.encoder.layers.0.self_attn.out_proj" not in fired
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", BUILT)
 def test_same_seed_same_parameters(name):
     a, b, c = build(name, seed=5), build(name, seed=5), build(name, seed=6)
     pa, pb, pc = (list(m.state_dict().items()) for m in (a, b, c))
