@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -98,3 +99,15 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(args, option):
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {option}"), proc.stderr
+
+
+def test_the_readme_pipeline_example_runs_and_learns(tmp_path):
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    section = readme[readme.index("## Pipeline model parallelism"):]
+    script = tmp_path / "example.py"
+    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    proc = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accuracies = [float(a) for a in re.findall(r"accuracy ([0-9.]+)", proc.stdout)]
+    assert len(accuracies) == 2 and accuracies[-1] > 0.8, proc.stdout
