@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from typing import Callable
 
@@ -43,3 +45,26 @@ def write_results(comm, args, meta: dict, rows: list, draw: Callable[[str], obje
         write_together(comm, "--json", args.json, lambda: write_json(args.json, meta, rows, say), here=here)
     if args.plot:
         write_together(comm, "--plot", args.plot, lambda: (draw(args.plot), say(f"wrote {args.plot}")), here=here)
+
+
+def write_training_outputs(comm, args, timeline, metrics: dict, say=print) -> None:
+    """A training job's --timeline (each rank's part, merged by rank 0) and --json (`metrics`, by rank 0)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if timeline is not None and args.timeline:
+        from runtime.trace.timeline import merge
+
+        parts = [f"{args.timeline}.rank{r}.json" for r in range(size)]
+        write_together(comm, "--timeline", parts[rank], lambda: timeline.dump(parts[rank]))
+
+        def merge_parts():
+            merge(parts, args.timeline)
+            for part in parts:
+                os.remove(part)
+            say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
+        write_together(comm, "--timeline", args.timeline, merge_parts, here=rank == 0)
+    if args.json:
+        def write_metrics():
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(metrics, f, indent=1)
+        write_together(comm, "--json", args.json, write_metrics, here=rank == 0)

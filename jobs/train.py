@@ -15,8 +15,6 @@ shows progress and prints per-epoch loss, test accuracy and samples/s.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
@@ -192,7 +190,7 @@ def main(argv=None, args=None) -> int:
     from runtime.data import BatchPlan
     from runtime.models import build_model, input_shape, loss_fn
 
-    from jobs.outputs import write_together
+    from jobs.outputs import write_training_outputs
     from jobs.progress import epoch_progress
 
     torch.set_num_threads(args.threads)
@@ -305,24 +303,7 @@ def main(argv=None, args=None) -> int:
     dopt.close()
     if cache is not None:
         cache.close()
-    if timeline is not None:
-        from runtime.trace.timeline import merge
-
-        part = f"{args.timeline}.rank{rank}.json"
-        write_together(comm, "--timeline", part, lambda: timeline.dump(part))
-
-        def merge_parts():
-            merge([f"{args.timeline}.rank{r}.json" for r in range(P)], args.timeline)
-            for r in range(P):
-                os.remove(f"{args.timeline}.rank{r}.json")
-            say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
-        write_together(comm, "--timeline", args.timeline, merge_parts, here=rank == 0)
-    if args.json:
-        def write_metrics():
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(dict(args=vars(args), ranks=P, epochs=history), f, indent=1)
-        write_together(comm, "--json", args.json, write_metrics, here=rank == 0)
+    write_training_outputs(comm, args, timeline, dict(args=vars(args), ranks=P, epochs=history), say)
     topo.free()
     return 0
 

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 PIPELINE_MODES = ("flush", "vanilla", "stash", "spectrain")
@@ -74,7 +72,7 @@ def run(args, data, topo) -> int:
     from runtime.models import build_model, loss_fn
     from runtime.pipeline import Pipeline
 
-    from jobs.outputs import write_together
+    from jobs.outputs import write_training_outputs
     from jobs.progress import epoch_progress
 
     x, y, tx, ty = data
@@ -143,25 +141,8 @@ def run(args, data, topo) -> int:
         if args.checkpoint:
             save(args, pipe, comm, epoch)
     pipe.close()
-    if timeline is not None:
-        from runtime.trace.timeline import merge
-
-        part = f"{args.timeline}.rank{rank}.json"
-        write_together(comm, "--timeline", part, lambda: timeline.dump(part))
-
-        def merge_parts():
-            merge([f"{args.timeline}.rank{r}.json" for r in range(P)], args.timeline)
-            for r in range(P):
-                os.remove(f"{args.timeline}.rank{r}.json")
-            say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
-        write_together(comm, "--timeline", args.timeline, merge_parts, here=rank == 0)
-    if args.json:
-        def write_metrics():
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(dict(args=vars(args), ranks=P, parallel="pipeline", balance=pipe.balance, epochs=history),
-                          f, indent=1)
-        write_together(comm, "--json", args.json, write_metrics, here=rank == 0)
+    write_training_outputs(comm, args, timeline, dict(args=vars(args), ranks=P, parallel="pipeline",
+                                                      balance=pipe.balance, epochs=history), say)
     return 0
 
 
