@@ -29,7 +29,8 @@ def parse_args(argv=None):
     p = JobParser(prog="python -m jobs.train", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--model", choices=MODELS, default="mlp")
-    p.add_argument("--data", choices=("fashion-mnist", "synthetic"), default="fashion-mnist")
+    p.add_argument("--data", choices=("fashion-mnist", "synthetic", "austen"), default="fashion-mnist",
+                   help="austen: Jane Austen's novels, characters (char-lstm; validation = the last 10 %%)")
     p.add_argument("--strategy", default="p3",
                    help="allreduce, wfbp, p3 (exact) or topk, hier-topk (sparsified; default p3)")
     p.add_argument("--density", type=float, default=0.01, help="topk/hier-topk: fraction sent (default 0.01)")
@@ -79,7 +80,10 @@ def check_args(args) -> None:
     if args.resume and not args.checkpoint:
         raise InputError("--resume", "needs --checkpoint PATH")
     if args.data == "fashion-mnist" and args.model in TOKEN_MODELS:
-        raise InputError("--data", f"{args.model} trains on synthetic sequences: use --data synthetic")
+        raise InputError("--data", f"{args.model} trains on sequences: use --data synthetic"
+                                   + (" or --data austen" if args.model == "char-lstm" else ""))
+    if args.data == "austen" and args.model != "char-lstm":
+        raise InputError("--data", "austen is a character corpus: use it with --model char-lstm")
     if args.cache_dir and (args.data != "fashion-mnist" or args.model in TOKEN_MODELS):
         raise InputError("--cache-dir", "serves image data: use it with --data fashion-mnist and an image model")
     if args.data_dir and not args.cache_dir:
@@ -99,6 +103,12 @@ def load_data(args, rank):
     from runtime import data as D
     from runtime.models import input_shape, model_input
 
+    if args.data == "austen":
+        from datacache.austen import CharCorpus, load_austen_text
+
+        corpus = CharCorpus(load_austen_text())
+        (x, y), (tx, ty) = corpus.tensors("train"), corpus.tensors("val")
+        return (x,), y, (tx,), ty
     if args.data == "synthetic":
         x, y = model_input(args.model, args.synthetic_samples, args.seed)
         tx, ty = model_input(args.model, max(256, args.synthetic_samples // 8), args.seed + 1)
@@ -184,6 +194,7 @@ def main(argv=None, args=None) -> int:
     import torch
     from mpi4py import MPI
 
+    from datacache.austen import CorpusFetchError
     from mpicomm import Topology
     from mpicomm.agree import fail_together
     from runtime import CheckpointError, DistributedOptimizer, load_checkpoint, save_checkpoint
@@ -202,7 +213,8 @@ def main(argv=None, args=None) -> int:
         x, y, tx, ty = load_data(args, rank)
         if args.cache_dir:
             cache = open_cache(args, rank, P)
-    except (OSError, ValueError) as exc:  # FileNotFoundError, a broken source, an unusable node-local cache
+    # FileNotFoundError, a broken source, an unusable node-local cache, a corpus apt cannot fetch
+    except (OSError, ValueError, CorpusFetchError) as exc:
         problem = str(exc)
     try:
         # Data problems can be local (a node's cache directory): stop every rank, not just this one.

@@ -94,6 +94,7 @@ def test_a_rank_killed_mid_pipeline_ends_the_job_non_zero_within_30_s(tmp_path):
     (["--parallel", "pipeline", "--microbatches", "5"], "--microbatches: 5 does not divide --batch-size 64"),
     (["--parallel", "pipeline", "--stages", "3"], "--stages: 1 ranks cannot run 3 stages x 1 replicas"),
     (["--parallel", "pipeline", "--balance", "2,x"], "--balance: must be positive layer counts"),
+    (["--data", "austen"], "--data: austen is a character corpus: use it with --model char-lstm"),
 ])
 def test_bad_pipeline_input_is_one_line_and_exit_2(args, option):
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *args], capture_output=True, text=True, cwd=ROOT,
