@@ -27,6 +27,7 @@ def train(*args, n=4, timeout=180):
     return proc
 
 
+@pytest.mark.timeout(400)  # three 4-rank jobs
 def test_trains_with_metrics_trace_and_checkpoints_and_resume_continues_exactly(tmp_path):
     """flush is deterministic: 2 epochs straight equal 1 epoch, then --resume for the second."""
     out, trace, straight, split = tmp_path / "m.json", tmp_path / "trace.json", tmp_path / "a", tmp_path / "b"
@@ -102,6 +103,7 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(args, option):
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {option}"), proc.stderr
 
 
+@pytest.mark.timeout(300)
 def test_the_readme_pipeline_example_runs_and_learns(tmp_path):
     readme = open(os.path.join(ROOT, "README.md")).read()
     section = readme[readme.index("## Pipeline model parallelism"):]
