@@ -26,6 +26,8 @@ MSTOPK = ["--sizes", "1000", "--densities", "0.1", "--repeats", "1"]
 PTO = ["--model", "mlp", "--repeats", "1", "--warmup", "0"]
 SOAK = ["--steps", "20", "--every", "10", "--settle", "0"]
 OVERHEAD = ["--models", "mlp", "--steps", "1", "--warmup", "0", "--rounds", "1"]
+PIPE = ["--local", "--hosts", "2", "--models", "mlp", "--batch-size", "8", "--microbatches", "2", "--rounds", "1",
+        "--iters", "1", "--warmup", "0"]
 
 # (id, job, arguments, the option the error must name, marks). Placeholders: {out} an empty output
 # directory, {dir} an existing empty directory inside it, {file} an existing file, {missing} a path that
@@ -139,6 +141,30 @@ CASES = [
     ("pipeline_peer-model-not-sequential", "jobs.pipeline_peer", ["--model", "resnet50"], "--model"),
     ("pipeline_peer-schedule-unknown", "jobs.pipeline_peer", ["--schedule", "zb"], "--schedule"),
     ("pipeline_peer-mpiexec-json-is-a-directory", "jobs.pipeline_peer", ["--json", "{dir}"], "--json", "mpiexec"),
+    ("bench_pipeline-local-contender-unknown", "jobs.bench_pipeline", [*PIPE, "--contenders", "flush,gpipe"],
+     "--contenders"),
+    ("bench_pipeline-bandwidth-unparseable", "jobs.bench_pipeline", ["--models", "mlp", "--bandwidths", "1gbit,junk"],
+     "--bandwidths", "cluster"),
+    ("bench_pipeline-local-with-bandwidths", "jobs.bench_pipeline", [*PIPE, "--bandwidths", "1gbit"], "--bandwidths"),
+    ("bench_pipeline-local-microbatches-not-dividing", "jobs.bench_pipeline", [*PIPE, "--microbatches", "3"],
+     "--microbatches"),
+    ("bench_pipeline-local-batch-not-dividing-ranks", "jobs.bench_pipeline",
+     [*PIPE, "--hosts", "3", "--contenders", "flush,allreduce", "--json", "{out}/b.json"], "--batch-size"),
+    ("bench_pipeline-local-1f1b-fewer-microbatches-than-hosts", "jobs.bench_pipeline",
+     [*PIPE, "--hosts", "4", "--contenders", "torch-1f1b"], "--microbatches"),
+    ("bench_pipeline-local-model-not-sequential", "jobs.bench_pipeline", [*PIPE, "--models", "mlp,resnet50"],
+     "--models"),
+    ("bench_pipeline-local-model-unknown", "jobs.bench_pipeline", [*PIPE, "--models", "alexnet"], "--models"),
+    ("bench_pipeline-local-hidden-not-mlp", "jobs.bench_pipeline", [*PIPE, "--models", "vgg19", "--hidden", "64"],
+     "--hidden"),
+    ("bench_pipeline-local-rounds-zero", "jobs.bench_pipeline", [*PIPE, "--rounds", "0"], "--rounds"),
+    ("bench_pipeline-hosts-zero", "jobs.bench_pipeline", ["--models", "mlp", "--hosts", "0"], "--hosts", "cluster"),
+    ("bench_pipeline-local-plot-under-a-file", "jobs.bench_pipeline", [*PIPE, "--plot", "{file}/p.png"], "--plot"),
+    ("bench_pipeline_worker-mpiexec-microbatches-not-dividing", "jobs.bench_pipeline_worker",
+     ["--model", "mlp", "--batch-size", "8", "--microbatches", "3", "--rounds", "1", "--iters", "1"],
+     "--microbatches", "mpiexec"),
+    ("bench_pipeline_worker-model-not-sequential", "jobs.bench_pipeline_worker", ["--model", "transformer"],
+     "--model"),
 ]
 
 

@@ -1,0 +1,52 @@
+"""jobs.bench_pipeline runs every contender side by side; writes its table, summary, JSON and plot (tiny, unshaped)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+CONTENDERS = ["flush", "vanilla", "stash", "spectrain", "allreduce", "wfbp", "p3", "ddp", "torch-1f1b"]
+
+
+def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
+    out = tmp_path / "bp.json"
+    cmd = [sys.executable, "-m", "jobs.bench_pipeline", "--local", "--hosts", "4", "--models", "mlp",
+           "--hidden", "64,64,64", "--batch-size", "32", "--microbatches", "4", "--rounds", "1", "--iters", "2",
+           "--warmup", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["contender"] for r in rows] == CONTENDERS
+    for r in rows:
+        assert r["model"] == "mlp" and r["ranks"] == 4 and r["batch"] == 32 and r["bandwidth"] == "local-unshaped"
+        assert r["samples_per_s"] > 0 and r["t_iter_s"] > 0 and r["bytes_per_step"] > 0, r
+        assert r["rounds"] == 1 and r["steps"] == 2 and r["rss_mb"] > 0
+    by = {r["contender"]: r for r in rows}
+    assert {by[c]["kind"] for c in CONTENDERS[:4]} == {"pipeline"} and by["torch-1f1b"]["kind"] == "peer"
+    # Pipelines: the engine's own count, the same activations and gradients whatever the weight mode.
+    assert {by[c]["bytes_measured"] for c in CONTENDERS[:4]} == {"engine count"}
+    assert len({by[c]["bytes_per_step"] for c in CONTENDERS[:4]}) == 1
+    # Data parallel: the ring allreduce's 2 (P - 1) / P x gradient bytes; the mlp 784-64-64-64-10 in float32.
+    params = 784 * 64 + 64 + 2 * (64 * 64 + 64) + 64 * 10 + 10
+    for c in ("allreduce", "wfbp", "p3", "ddp"):
+        assert by[c]["bytes_measured"] == "computed" and by[c]["bytes_per_step"] == 2 * 3 / 4 * 4 * params
+    # The same balance for every pipeline and torch's; micro-batches everywhere but data parallelism.
+    assert len({tuple(by[c]["balance"]) for c in [*CONTENDERS[:4], "torch-1f1b"]}) == 1
+    assert sum(by["flush"]["balance"]) == 8 and by["allreduce"]["microbatches"] is None
+    # Stash keeps weight versions, flush none; one update per micro-batch in the asynchronous modes.
+    assert by["flush"]["weight_copy_bytes"] == 0 and by["stash"]["weight_copy_bytes"] > 0
+    assert by["flush"]["updates_per_step"] == 1 and by["spectrain"]["updates_per_step"] == 4
+    summary = doc["meta"]["summary"]
+    assert len(summary) == 1 and summary[0]["async_over_dp"] > 0 and summary[0]["dp_over_pipeline_bytes"] > 1
+    assert "| mlp | torch-1f1b | local-unshaped |" in proc.stdout and "flush / torch-1f1b" in proc.stdout
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_worker_rejects_unknown_contender():
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench_pipeline_worker", "--contenders", "gpipe"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and "--contenders: unknown 'gpipe'" in proc.stderr
