@@ -215,3 +215,29 @@ def test_timeline_shows_forward_backward_and_sends(world):
     names = [e["name"] for e in tl.to_trace()["traceEvents"] if e.get("ph") in ("X", "i")]
     ok = "F0" in names and "B0" in names and (any(n.startswith("send act") for n in names) or pipe.last)
     assert_everywhere(world, ok, f"stage {pipe.stage} trace: {names[:12]}")
+
+
+def test_no_gradient_goes_back_to_stages_with_nothing_to_train(world):
+    needs_four(world)
+
+    def leading_free(seed=0):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Flatten(), nn.ReLU(), nn.Linear(12, 8), nn.Linear(8, 5))
+
+    steps = data(5, 8)
+    pipe = Pipeline(leading_free(), sgd, loss_fn=F.cross_entropy, balance=[1, 1, 1, 1], microbatches=2, mode="flush")
+    for parts in steps:
+        pipe.train_step(*parts[0])
+    ref = leading_free()
+    opt = sgd(ref.parameters())
+    for (x, y), in steps:
+        opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        opt.step()
+    err = max([(p - q).abs().max().item() for p, q in zip(pipe.module.parameters(), ref[pipe.stage].parameters())]
+              + [0.0])
+    sent = pipe.stats()["messages_sent"]
+    pipe.close()
+    # Stages 0-2 send one activation per micro-batch; stage 3 a gradient to stage 2 (which trains);
+    # stage 2 sends none back, as nothing before it trains.
+    assert_everywhere(world, err < 1e-5 and sent == 10, f"stage {pipe.stage}: error {err:.3g}, {sent} messages")

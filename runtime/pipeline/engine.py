@@ -81,6 +81,10 @@ class Pipeline:
                 say(self.plan)
             a = sum(self.balance[:self.stage])
             self.module = nn.Sequential(*layers[a:a + self.balance[self.stage]])
+            ends = np.cumsum([0] + self.balance)
+            # Gradients flow back across boundary k only if a stage before it has something to train.
+            self._trains_before = [any(p.requires_grad for layer in layers[:ends[k]] for p in layer.parameters())
+                                   for k in range(self.stages + 1)]
             self.params = [p for p in self.module.parameters() if p.requires_grad]
             self._build_optimizer(world, optimizer_factory, data_parallel)
             self.in_flight = schedule.warmup(self.stage, self.stages) + 1
@@ -183,9 +187,10 @@ class Pipeline:
         in_meta = self._meta[self.stage - 1] if not self.first else None
         self.link = StageLink(self.layout.pipeline, self.stage, in_meta, self._meta[self.stage], self.in_flight,
                               interrupt=self._interrupt, policy=self.policy, timeline=self.timeline)
-        # A boundary carrying integers (token ids) has no gradient coming back.
-        self._grad_in = in_meta is not None and in_meta[1].is_floating_point
-        self._grad_out = not self.last and self._meta[self.stage][1].is_floating_point
+        # No gradient crosses a boundary carrying integers (token ids), nor one with nothing to train before it.
+        self._grad_in = in_meta is not None and in_meta[1].is_floating_point and self._trains_before[self.stage]
+        self._grad_out = not self.last and self._meta[self.stage][1].is_floating_point and \
+            self._trains_before[self.stage + 1]
 
     # -- training ----------------------------------------------------------------------------
     def train_step(self, inputs=None, targets=None) -> float | None:
