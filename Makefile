@@ -56,8 +56,10 @@ demo: setup
 test: setup test-serial test-mpi test-mpi-hosts test-mpi-emulated
 	@echo "make test: all parts passed"
 
+# The serial part runs every job end to end (many 4-rank jobs): a longer outer limit, same role.
+SERIAL_TIMEOUT ?= 1800
 test-serial: setup
-	timeout $(MPI_TIMEOUT) $(PY) -m pytest -m "not mpi" -p no:cacheprovider -q
+	timeout $(SERIAL_TIMEOUT) $(PY) -m pytest -m "not mpi" -p no:cacheprovider -q --durations=15
 
 # One rank's failure aborts the whole job (python -m mpi4py), pytest-timeout bounds each test.
 test-mpi: setup

@@ -165,6 +165,12 @@ CASES = [
      "--microbatches", "mpiexec"),
     ("bench_pipeline_worker-model-not-sequential", "jobs.bench_pipeline_worker", ["--model", "transformer"],
      "--model"),
+    ("pipeline_accuracy-task-unknown", "jobs.bench_pipeline_accuracy", ["--tasks", "fc,resnet"], "--tasks"),
+    ("pipeline_accuracy-mpiexec-seeds-zero", "jobs.bench_pipeline_accuracy", ["--seeds", "0"], "--seeds", "mpiexec"),
+    # Good options on 2 ranks: a 4-stage pipeline needs 4.
+    ("pipeline_accuracy-mpiexec-2-ranks", "jobs.bench_pipeline_accuracy",
+     ["--tasks", "fc", "--seeds", "1", "--epochs", "1", "--train-samples", "512", "--json", "{out}/a.json"],
+     "needs 4 ranks", "mpiexec"),
 ]
 
 
