@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from jobs import bench_worker
 from jobs.choices import MODELS
-from jobs.inputs import InputError, JobParser, at_least, between, comma_list, output_file, parse, positive
+from jobs.inputs import JobParser, at_least, cluster_bench_outputs, comma_list, parse, positive
 from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
@@ -62,25 +61,7 @@ def check_args(args) -> None:
     bench_worker.check_settings(args)
     at_least(args, 1, "hosts", "ranks_per_host")
     positive(args, "timeout")
-    if args.plot is None and args.json:
-        args.plot = os.path.splitext(args.json)[0] + ".png"
-    output_file(args, "json", "plot")
-    if args.local:
-        if args.bandwidths is not None:
-            raise InputError("--bandwidths", "--local runs unshaped on this host, with no links to shape: "
-                                             "drop --bandwidths or --local")
-        return
-    # Last: the cluster's own limits, from mpicomm (which imports torch and starts MPI).
-    from mpicomm.emulation import EmulationError, parse_bandwidth
-    from mpicomm.emulation.netns import MAX_HOSTS
-
-    between(args, 1, MAX_HOSTS, "hosts")
-    args.bandwidths = comma_list("--bandwidths", args.bandwidths or DEFAULT_BANDWIDTHS)
-    for bw in args.bandwidths:
-        try:
-            parse_bandwidth(bw)
-        except EmulationError as exc:
-            raise InputError("--bandwidths", str(exc)) from None
+    cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
 
 
 def worker_cmd(args, model, label):

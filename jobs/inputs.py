@@ -203,3 +203,28 @@ def parse(parser: argparse.ArgumentParser, argv=None, check: Callable | None = N
     if rank == 0:
         print(f"error: {problem}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def cluster_bench_outputs(args, default_bandwidths: str) -> None:
+    """A cluster benchmark's --json/--plot (PNG beside the JSON by default) and --local/--bandwidths/--hosts.
+
+    Last in a check: the cluster's own limits come from mpicomm, which imports torch and starts MPI.
+    """
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    output_file(args, "json", "plot")
+    if args.local:
+        if args.bandwidths is not None:
+            raise InputError("--bandwidths", "--local runs unshaped on this host, with no links to shape: "
+                                             "drop --bandwidths or --local")
+        return
+    from mpicomm.emulation import EmulationError, parse_bandwidth
+    from mpicomm.emulation.netns import MAX_HOSTS
+
+    between(args, 1, MAX_HOSTS, "hosts")
+    args.bandwidths = comma_list("--bandwidths", args.bandwidths or default_bandwidths)
+    for bw in args.bandwidths:
+        try:
+            parse_bandwidth(bw)
+        except EmulationError as exc:
+            raise InputError("--bandwidths", str(exc)) from None
