@@ -115,4 +115,4 @@ def test_token_models_agree_with_jobs_choices_and_train_checks_the_data(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--model", "char-lstm"])
     assert exit_.value.code == 2
-    assert "--data: char-lstm trains on synthetic sequences" in capsys.readouterr().err
+    assert "--data: char-lstm trains on sequences: use --data synthetic or --data austen" in capsys.readouterr().err
