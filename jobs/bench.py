@@ -19,12 +19,13 @@ stack share few cores, no overlap can make a step shorter than that.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from jobs import bench_worker
+from jobs.cluster_sweep import sweep
 from jobs.choices import MODELS
-from jobs.inputs import JobParser, at_least, cluster_bench_outputs, comma_list, parse, positive
+from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
+                         parse, positive)
 from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
@@ -37,8 +38,6 @@ def parse_args(argv=None):
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", default="vgg19,resnet50,transformer")
     p.add_argument("--strategies", default="allreduce,wfbp,p3,ddp")
-    p.add_argument("--bandwidths", help=f"per-host link rates; none = unshaped (default {DEFAULT_BANDWIDTHS}; "
-                                        "not with --local)")
     p.add_argument("--hosts", type=int, default=4,
                    help="default 4; with --local, emulated nodes of --ranks-per-host ranks on this host")
     p.add_argument("--ranks-per-host", type=int, default=1)
@@ -49,10 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--slice-size", type=int, default=None)
-    p.add_argument("--local", action="store_true", help="no namespaces: run on this host, unshaped")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
     return parse(p, argv, check_args)
 
 
@@ -72,12 +68,6 @@ def worker_cmd(args, model, label):
     cmd += ["--slice-size", str(args.slice_size)] if args.slice_size else []
     # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
     return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local else [])
-
-
-def rows_from(proc) -> list[dict]:
-    if proc.returncode:
-        raise RuntimeError(f"worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
 
 
 def markdown(rows) -> str:
@@ -127,28 +117,9 @@ def plot(rows, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
-
-    rows = []
-    bandwidths = ["local-unshaped"] if args.local else args.bandwidths
-    try:
-        for bw in bandwidths:
-            label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
-            for model in args.models:
-                print(f"# {model} at {label} ...", flush=True)
-                if args.local:
-                    proc = run_local(worker_cmd(args, model, label), args.hosts * args.ranks_per_host,
-                                     args.timeout, capture=True)
-                else:
-                    with EmulatedCluster(args.hosts, bw, ranks_per_host=args.ranks_per_host) as cluster:
-                        proc = cluster.run(worker_cmd(args, model, label), timeout=args.timeout, capture=True)
-                new = rows_from(proc)
-                rows += new
-                print(markdown(new).split("\n", 2)[2], flush=True)
-    except (EmulationError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if not rows:
-            return 2
+    rows = sweep(args, lambda model, label: worker_cmd(args, model, label), markdown, args.ranks_per_host)
+    if rows is None:
+        return 2
     print("\n" + markdown(rows))
     if args.json:
         write_together(None, "--json", args.json, lambda: write_json(args.json, run_metadata("jobs.bench", argv), rows))

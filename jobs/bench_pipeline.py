@@ -29,12 +29,13 @@ only grows across the contenders of one process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from jobs import bench_pipeline_worker as worker
-from jobs.inputs import JobParser, at_least, cluster_bench_outputs, comma_list, parse, positive
+from jobs.cluster_sweep import sweep
+from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
+                         parse, positive)
 from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
@@ -50,8 +51,6 @@ def parse_args(argv=None):
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", default="fc-heavy,vgg19,char-lstm")
     p.add_argument("--contenders", default=",".join(worker.CONTENDERS))
-    p.add_argument("--bandwidths", help=f"per-host link rates; none = unshaped (default {DEFAULT_BANDWIDTHS}; "
-                                        "not with --local)")
     p.add_argument("--hosts", type=int, default=4, help="one rank, one pipeline stage each (default 4)")
     p.add_argument("--batch-size", type=int, default=64, help="global samples per step, every contender (default 64)")
     p.add_argument("--microbatches", type=int, default=8, help="per step, pipelines and torch-1f1b (default 8)")
@@ -60,10 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender per round (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", help=argparse.SUPPRESS)  # the mlp's widths, e.g. 64,64,64 (tests)
-    p.add_argument("--local", action="store_true", help="no namespaces: run on this host, unshaped")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run")
-    p.add_argument("--json", metavar="PATH")
-    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
     return parse(p, argv, check_args)
 
 
@@ -82,12 +78,6 @@ def worker_cmd(args, model, label):
            "--microbatches", str(args.microbatches), "--rounds", str(args.rounds), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--bandwidth", label, "--seed", str(args.seed)]
     return cmd + (["--hidden", ",".join(map(str, args.hidden))] if args.hidden else [])
-
-
-def rows_from(proc) -> list[dict]:
-    if proc.returncode:
-        raise RuntimeError(f"worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
 
 
 def mb(value, digits=2) -> str:
@@ -174,29 +164,11 @@ def plot(rows, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
-
-    rows = []
     load = os.getloadavg()
     print(f"# load average before: {load[0]:.2f} (other work on this machine skews the figures)", flush=True)
-    bandwidths = ["local-unshaped"] if args.local else args.bandwidths
-    try:
-        for bw in bandwidths:
-            label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
-            for model in args.models:
-                print(f"# {model} at {label} ...", flush=True)
-                if args.local:
-                    proc = run_local(worker_cmd(args, model, label), args.hosts, args.timeout, capture=True)
-                else:
-                    with EmulatedCluster(args.hosts, bw) as cluster:
-                        proc = cluster.run(worker_cmd(args, model, label), timeout=args.timeout, capture=True)
-                new = rows_from(proc)
-                rows += new
-                print(markdown(new).split("\n", 2)[2], flush=True)
-    except (EmulationError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if not rows:
-            return 2
+    rows = sweep(args, lambda model, label: worker_cmd(args, model, label), markdown)
+    if rows is None:
+        return 2
     summary = summarize(rows)
     print("\n" + markdown(rows) + "\n\n" + summary_markdown(summary))
     if args.json:

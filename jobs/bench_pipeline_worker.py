@@ -20,26 +20,19 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import time
 
-from jobs.choices import MODELS
+from jobs.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
+from jobs.cluster_sweep import print_row
 from jobs.inputs import InputError, JobParser, at_least, comma_list, launched_ranks, one_of, parse
 
-PIPELINE_MODES = ("flush", "vanilla", "stash", "spectrain")
 ASYNC_MODES = ("vanilla", "stash", "spectrain")
 DATA_PARALLEL = ("allreduce", "wfbp", "p3", "ddp")
 PEERS = ("torch-1f1b",)
 CONTENDERS = (*PIPELINE_MODES, *DATA_PARALLEL, *PEERS)
-# Models whose forward is a chain of layers a pipeline can cut (those runtime.models has).
-SEQUENTIAL = ("mlp", "vgg19", "fc-heavy", "char-lstm")
 LR, MOMENTUM = 0.01, 0.9
-
-
-def pipeline_models() -> list[str]:
-    return [m for m in SEQUENTIAL if m in MODELS]
 
 
 def kind(contender: str) -> str:
@@ -64,9 +57,9 @@ def parse_args(argv=None):
 def check_models(opt: str, models: list[str]) -> None:
     for m in models:
         one_of(opt, m, MODELS)
-        if m not in pipeline_models():
+        if m not in SEQUENTIAL_MODELS:
             raise InputError(opt, f"{m} is not a chain of layers a pipeline can cut "
-                                  f"(choose from {', '.join(pipeline_models())})")
+                                  f"(choose from {', '.join(SEQUENTIAL_MODELS)})")
 
 
 def check_args(args) -> None:
@@ -151,21 +144,11 @@ class Runner:
         self.torch.manual_seed(self.args.seed)
         return build_model(self.args.model, **({"hidden": self.args.hidden} if self.args.hidden else {}))
 
-    @staticmethod
-    def layers(model) -> list:
-        from torch import nn
-
-        from jobs.pipeline_peer import model_layers
-        from runtime.pipeline import as_layers
-
-        seq = isinstance(model, nn.Sequential) or hasattr(model, "pipeline_layers")
-        return as_layers(model) if seq else model_layers(model)
-
     def _balance(self) -> list[int]:
         """Rank 0 profiles the layers on one micro-batch and picks the split for everyone (PipeDream's DP)."""
         from mpicomm.agree import fail_together
         from mpicomm.emulation import EmulationError, parse_bandwidth
-        from runtime.pipeline import best_balance, plan_table, profile_layers
+        from runtime.pipeline import as_layers, best_balance, plan_table, profile_layers
 
         balance = problem = None
         if self.rank == 0:
@@ -175,7 +158,7 @@ class Runner:
                 bps = None
             try:  # a model of fewer layers than ranks, for one
                 micro = self.x[:self.args.batch_size // self.args.microbatches]
-                profile = profile_layers(self.layers(self.build()), micro)
+                profile = profile_layers(as_layers(self.build()), micro)
                 balance = best_balance(profile, self.P, bps)
                 print(plan_table(profile, balance, bps), flush=True)
             except ValueError as exc:
@@ -219,9 +202,9 @@ class Runner:
         return list(np.diff(ends, prepend=0.0)), *sent
 
     def pipeline(self, name: str) -> dict:
-        from runtime.pipeline import Pipeline
+        from runtime.pipeline import Pipeline, as_layers
 
-        pipe = Pipeline(self.layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
+        pipe = Pipeline(as_layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
                         loss_fn=self.loss, balance=self.balance, microbatches=self.args.microbatches, mode=name,
                         topology=self.topo)
         secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: None, pipe.drain,
@@ -261,10 +244,11 @@ class Runner:
         from torch import nn
 
         from jobs.pipeline_peer import run_peer
+        from runtime.pipeline import as_layers
 
         a, b = sum(self.balance[:self.rank]), sum(self.balance[:self.rank + 1])
         # Only this rank's stage is used: the other layers' weights need not stay in memory.
-        layers = [m if a <= i < b else nn.Identity() for i, m in enumerate(self.layers(self.build()))]
+        layers = [m if a <= i < b else nn.Identity() for i, m in enumerate(as_layers(self.build()))]
         layers[a] = nn.Sequential(Contiguous(), layers[a])
         layers[b - 1] = nn.Sequential(layers[b - 1], Contiguous())
         tx0 = self.tx_bytes() if self.iface else 0
@@ -338,7 +322,7 @@ def main(argv=None, args=None) -> int:
     for name in args.contenders:
         out = row(args, runner, name, results[name])
         if runner.rank == 0:
-            print("ROW " + json.dumps(out), flush=True)
+            print_row(out)
     if gloo:
         from mpicomm.torchdist import shutdown_gloo
 

@@ -16,11 +16,11 @@ over ranks, to peers on the same node and on other nodes.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 from jobs.choices import EXACT_STRATEGIES, MODELS, SPARSE_STRATEGIES as SPARSE
+from jobs.cluster_sweep import print_row
 from jobs.inputs import InputError, JobParser, at_least, comma_list, fraction, one_of, parse
 
 STRATEGIES = (*EXACT_STRATEGIES, "ddp", *SPARSE)
@@ -214,7 +214,7 @@ def main(argv=None, args=None) -> int:
         if name.removesuffix("+pto") in SPARSE:
             row["density"] = args.density
         if b.topo.rank == 0:
-            print("ROW " + json.dumps(row), flush=True)
+            print_row(row)
     if "ddp" in args.strategies:
         from mpicomm.torchdist import shutdown_gloo
 

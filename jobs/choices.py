@@ -8,3 +8,6 @@ TOKEN_MODELS = ("transformer", "char-lstm")
 EXACT_STRATEGIES = ("allreduce", "wfbp", "p3")
 SPARSE_STRATEGIES = ("topk", "hier-topk")
 STRATEGIES = EXACT_STRATEGIES + SPARSE_STRATEGIES
+# runtime.pipeline.MODES, and the models whose forward is a chain a pipeline can cut (pipeline_layers()).
+PIPELINE_MODES = ("flush", "vanilla", "stash", "spectrain")
+SEQUENTIAL_MODELS = ("mlp", "vgg19", "fc-heavy", "char-lstm")

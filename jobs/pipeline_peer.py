@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
 
 from jobs.choices import MODELS
+from jobs.cluster_sweep import print_row
 from jobs.inputs import InputError, JobParser, at_least, comma_list, launched_ranks, one_of, output_file, parse
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -23,12 +23,10 @@ def even_balance(n_layers: int, n_stages: int) -> list[int]:
 
 
 def model_layers(model) -> list:
-    """The model as a flat list of layers whose composition is its forward: mlp and vgg19 only."""
-    if hasattr(model, "net"):  # runtime.models.MLP
-        return list(model.net)
-    if hasattr(model, "features") and hasattr(model, "classifier"):  # runtime.models.VGG19
-        return [*model.features, *model.classifier]
-    raise ValueError(f"{type(model).__name__} is not a plain sequence of layers; the pipeline peer takes mlp or vgg19")
+    """The model as a flat list of layers whose composition is its forward (runtime.pipeline.as_layers)."""
+    from runtime.pipeline import as_layers
+
+    return as_layers(model)
 
 
 def run_peer(layers, balance: list[int], loss_fn, make_batch, *, microbatches: int, schedule: str = "1f1b",
@@ -217,7 +215,7 @@ def main(argv=None, args=None) -> int:
                    lr=args.lr, momentum=args.momentum, comm=comm)
     row = dict(model=args.model, **row)
     if comm.Get_rank() == 0:
-        print("ROW " + json.dumps(row), flush=True)
+        print_row(row)
     if args.json:
         write_together(comm, "--json", args.json, lambda: write_json(args.json, dict(job="pipeline_peer"), [row]),
                        here=comm.Get_rank() == 0)

@@ -5,34 +5,37 @@ from __future__ import annotations
 import os
 import time
 
-PIPELINE_MODES = ("flush", "vanilla", "stash", "spectrain")
-SEQUENTIAL_MODELS = ("mlp", "vgg19", "fc-heavy", "char-lstm")
+from jobs.choices import PIPELINE_MODES, SEQUENTIAL_MODELS
+
+# The pipeline's options and their defaults: given without --parallel pipeline, they are an error.
+PIPELINE_DEFAULTS = dict(pipeline_mode="flush", stages=None, replicas=1, balance=None, microbatches=4,
+                         placement="within-node")
 
 
 def add_arguments(p) -> None:
     g = p.add_argument_group("pipeline (--parallel pipeline)")
     g.add_argument("--parallel", choices=("data", "pipeline"), default="data",
                    help="data: every rank holds the model (--strategy); pipeline: the model is cut into --stages")
-    g.add_argument("--pipeline-mode", choices=PIPELINE_MODES, default="flush",
+    g.add_argument("--pipeline-mode", choices=PIPELINE_MODES, default=PIPELINE_DEFAULTS["pipeline_mode"],
                    help="flush (synchronous), vanilla, stash (PipeDream) or spectrain (default flush)")
     g.add_argument("--spectrain-variant", choices=("paper", "once"), default="paper")
     g.add_argument("--stages", type=int, help="pipeline stages (default: ranks / --replicas)")
-    g.add_argument("--replicas", type=int, default=1, help="copies of each stage, averaging gradients (default 1)")
+    g.add_argument("--replicas", type=int, default=PIPELINE_DEFAULTS["replicas"],
+                   help="copies of each stage, averaging gradients (default 1)")
     g.add_argument("--balance", help="layers per stage, e.g. 3,2,2,1 (default: measured automatic partition)")
-    g.add_argument("--microbatches", type=int, default=4, help="micro-batches per step (default 4)")
-    g.add_argument("--placement", choices=("within-node", "across-nodes"), default="within-node")
+    g.add_argument("--microbatches", type=int, default=PIPELINE_DEFAULTS["microbatches"],
+                   help="micro-batches per step (default 4)")
+    g.add_argument("--placement", choices=("within-node", "across-nodes"), default=PIPELINE_DEFAULTS["placement"])
 
 
 def check_arguments(args, launched: int) -> None:
     """What can be known wrong before MPI starts (launched: ranks mpiexec started, 0 if unknown)."""
-    from jobs.inputs import InputError, at_least, comma_list
+    from jobs.inputs import InputError, at_least
 
-    pipeline_only = ["--pipeline-mode", "--stages", "--replicas", "--balance", "--microbatches", "--placement"]
     if args.parallel == "data":
-        used = [o for o in pipeline_only if getattr(args, o[2:].replace("-", "_")) not in
-                (None, 1, 4, "flush", "within-node")]
-        if used:
-            raise InputError(used[0], "needs --parallel pipeline")
+        for name, default in PIPELINE_DEFAULTS.items():
+            if getattr(args, name) != default:
+                raise InputError("--" + name.replace("_", "-"), "needs --parallel pipeline")
         return
     if args.model not in SEQUENTIAL_MODELS:
         raise InputError("--model", f"{args.model} is not sequential; a pipeline takes {', '.join(SEQUENTIAL_MODELS)}")
@@ -42,10 +45,10 @@ def check_arguments(args, launched: int) -> None:
         raise InputError("--pto" if args.pto else "--cache-dir", "is not available with --parallel pipeline")
     at_least(args, 1, "replicas", "microbatches", "stages")
     if args.balance:
-        args.balance = [int(b) for b in comma_list("--balance", args.balance)] if all(
-            b.strip().isdigit() for b in args.balance.split(",")) else None
-        if args.balance is None:
+        parts = [b.strip() for b in args.balance.split(",")]
+        if not all(b.isdigit() and int(b) > 0 for b in parts):
             raise InputError("--balance", "must be positive layer counts, e.g. 3,2,2,1")
+        args.balance = [int(b) for b in parts]
         if args.stages and args.stages != len(args.balance):
             raise InputError("--balance", f"has {len(args.balance)} stages, --stages says {args.stages}")
     if args.batch_size % args.microbatches:
@@ -55,11 +58,6 @@ def check_arguments(args, launched: int) -> None:
         if stages < 1 or stages * args.replicas != launched:
             raise InputError("--stages" if args.stages else "--replicas",
                              f"{launched} ranks cannot run {stages} stages x {args.replicas} replicas")
-
-
-def layers_of(model):
-    """The chain a pipeline cuts: the model itself if sequential, else its pipeline_layers()."""
-    return model.pipeline_layers() if hasattr(model, "pipeline_layers") else model
 
 
 def run(args, data, topo) -> int:
@@ -90,7 +88,7 @@ def run(args, data, topo) -> int:
     if args.timeline:
         from runtime.trace import Timeline
         timeline = Timeline(rank)
-    pipe = Pipeline(layers_of(model), factory, loss_fn=loss_fn(args.model), balance=args.balance,
+    pipe = Pipeline(model, factory, loss_fn=loss_fn(args.model), balance=args.balance,
                     stages=None if args.balance else stages, sample=x[0][:micro], microbatches=args.microbatches,
                     mode=args.pipeline_mode, spectrain_variant=args.spectrain_variant, replicas=args.replicas,
                     placement=args.placement, data_parallel=args.strategy if args.strategy != "p3" else "allreduce",

@@ -92,7 +92,6 @@ class Pipeline:
             self.version_log: list | None = [] if record_versions else None
             self.versions = WeightVersions(self.params, mode, self.in_flight, self.optimizer, shifts,
                                            once=spectrain_variant == "once", log=self.version_log)
-            self.shifts = shifts
             self.check = StepCheck(world, 0, self.policy)
         except BaseException:
             self._release()
@@ -238,7 +237,7 @@ class Pipeline:
 
     def _forward(self, i: int, x, target, losses) -> None:
         if not self.first:
-            x = self.link.activation(i, more=True)
+            x = self.link.activation(i)
             if self._grad_in and not x.requires_grad:
                 x.requires_grad_()
         span = self.timeline.begin(f"F{i}", "forward", track="compute") if self.timeline else None
@@ -256,7 +255,7 @@ class Pipeline:
 
     def _backward(self, i: int) -> None:
         x, out = self._inflight.pop(i)
-        grad = self.link.gradient(i, more=True) if self._grad_out else None
+        grad = self.link.gradient(i) if self._grad_out else None
         span = self.timeline.begin(f"B{i}", "backward", track="compute") if self.timeline else None
         with self.versions.backward(i % self.in_flight, i):
             if out.requires_grad:

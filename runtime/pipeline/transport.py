@@ -103,28 +103,20 @@ class StageLink:
             buf = buffers[micro % len(buffers)]
             table[micro] = self.log.irecv(self.comm, _bytes(buf), source, tag)
 
-    def expect(self, first_activation: int | None, first_gradient: int | None) -> None:
-        """Post the first receives of a run of micro-batches (after start-up or a drain)."""
-        if self.prev is not None and first_activation is not None:
-            self._post(self._act_req, self._acts, first_activation, self.prev, TAG_ACTIVATION)
-        if self.next is not None and first_gradient is not None:
-            self._post(self._grad_req, self._grads, first_gradient, self.next, TAG_GRADIENT)
+    def _take(self, table, buffers, micro: int, source: int, tag: int, what: str) -> torch.Tensor:
+        """Micro-batch `micro`'s tensor from a neighbour; the receive of the next one is posted at once."""
+        self._post(table, buffers, micro, source, tag)
+        self._wait(table.pop(micro), f"{what} of micro-batch {micro} from stage {source}")
+        self._post(table, buffers, micro + 1, source, tag)  # another buffer: there are at least two
+        return buffers[micro % len(buffers)]
 
-    def activation(self, micro: int, more: bool) -> torch.Tensor:
-        """Micro-batch `micro`'s input from the previous stage (posting the next receive if `more`)."""
-        self._post(self._act_req, self._acts, micro, self.prev, TAG_ACTIVATION)
-        self._wait(self._act_req.pop(micro), f"activation of micro-batch {micro} from stage {self.prev}")
-        if more:
-            self._post(self._act_req, self._acts, micro + 1, self.prev, TAG_ACTIVATION)
-        return self._acts[micro % len(self._acts)]
+    def activation(self, micro: int) -> torch.Tensor:
+        """Micro-batch `micro`'s input, from the previous stage."""
+        return self._take(self._act_req, self._acts, micro, self.prev, TAG_ACTIVATION, "activation")
 
-    def gradient(self, micro: int, more: bool) -> torch.Tensor:
+    def gradient(self, micro: int) -> torch.Tensor:
         """The gradient of micro-batch `micro`'s output, from the next stage."""
-        self._post(self._grad_req, self._grads, micro, self.next, TAG_GRADIENT)
-        self._wait(self._grad_req.pop(micro), f"gradient of micro-batch {micro} from stage {self.next}")
-        if more:
-            self._post(self._grad_req, self._grads, micro + 1, self.next, TAG_GRADIENT)
-        return self._grads[micro % len(self._grads)]
+        return self._take(self._grad_req, self._grads, micro, self.next, TAG_GRADIENT, "gradient")
 
     # -- sends ---------------------------------------------------------------------------
     def send_activation(self, micro: int, out: torch.Tensor) -> None:
@@ -173,9 +165,6 @@ class StageLink:
                    report=lambda: "the neighbouring stage has not sent it (is it still running?)")
         if span is not None:
             self.timeline.end(span)
-
-    def idle(self) -> bool:
-        return not self._act_req and not self._grad_req
 
     def cancel(self) -> None:
         """Error path: cancel the receives posted ahead, free the sends."""

@@ -143,17 +143,27 @@ class WeightVersions:
 
     def _predict_into_params(self, s: int) -> bool:
         """Params become W - s·lr·v for the forward; the live W waits in the spare buffers. False if v is unset."""
-        state = self.optimizer.state
-        if not any("momentum_buffer" in state.get(p, {}) for p in self.params):
+        velocities = self._velocities()
+        if velocities is None:
             return False  # before the first update v = 0: the prediction is W itself
-        for i, p in enumerate(self.params):
-            if self._spare[i] is None:
-                self._spare[i] = torch.empty_like(p)
-            self._spare[i].copy_(p.detach())
-            v = state.get(p, {}).get("momentum_buffer")
+        for p, spare, v in zip(self.params, self._spares(), velocities):
+            spare.copy_(p.detach())
             if v is not None:
                 p.data.add_(v, alpha=-s * self._lr[id(p)]["lr"])
         return True
+
+    def _velocities(self) -> list | None:
+        """SGD's momentum buffer of each parameter (None where it has none yet); None before the first update."""
+        state = self.optimizer.state
+        velocities = [state.get(p, {}).get("momentum_buffer") for p in self.params]
+        return None if all(v is None for v in velocities) else velocities
+
+    def _spares(self) -> list[torch.Tensor]:
+        """One buffer per parameter, allocated on first use and kept (spectrain's only weight copy)."""
+        for i, p in enumerate(self.params):
+            if self._spare[i] is None:
+                self._spare[i] = torch.empty_like(p)
+        return self._spare
 
     # -- backward ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -174,19 +184,16 @@ class WeightVersions:
             self._backward_views, self._used = None, None
 
     def _prediction(self, s: int) -> list[torch.Tensor] | None:
-        state = self.optimizer.state
-        if not any("momentum_buffer" in state.get(p, {}) for p in self.params):
+        """W - s·lr·v in the spare buffers (None before the first update: the live W)."""
+        velocities = self._velocities()
+        if velocities is None:
             return None
-        out = []
-        for i, p in enumerate(self.params):
-            if self._spare[i] is None:
-                self._spare[i] = torch.empty_like(p)
-            v = state.get(p, {}).get("momentum_buffer")
+        out = self._spares()
+        for p, spare, v in zip(self.params, out, velocities):
             if v is None:
-                self._spare[i].copy_(p.detach())
+                spare.copy_(p.detach())
             else:
-                torch.add(p.detach(), v, alpha=-s * self._lr[id(p)]["lr"], out=self._spare[i])
-            out.append(self._spare[i])
+                torch.add(p.detach(), v, alpha=-s * self._lr[id(p)]["lr"], out=spare)
         return out
 
     def _unpack(self, packed):

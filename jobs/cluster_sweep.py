@@ -1,0 +1,50 @@
+"""A benchmark driver's loop: its MPI worker across an emulated cluster at each bandwidth (or on this host), ROW lines collected."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable
+
+
+def print_row(row: dict) -> None:
+    """One result, as the worker's rank 0 hands it to rows_from: a "ROW {json}" line."""
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def rows_from(proc) -> list[dict]:
+    """The worker's "ROW {json}" lines; a failed worker raises with the end of its stderr."""
+    if proc.returncode:
+        raise RuntimeError(f"worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+
+
+def sweep(args, command: Callable[[str, str], list[str]], show: Callable[[list[dict]], str],
+          ranks_per_host: int = 1) -> list[dict] | None:
+    """Rows of command(model, bandwidth label) for every --bandwidths x --models (--local: this host, unshaped).
+
+    A cluster is brought up per bandwidth and taken down after its models. The new rows are shown
+    (show(rows) is a markdown table) as they come. A failure ends the sweep with one `error:` line:
+    the rows so far are returned, or None when there are none.
+    """
+    from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
+
+    rows: list[dict] = []
+    try:
+        for bw in ["local-unshaped"] if args.local else args.bandwidths:
+            label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
+            for model in args.models:
+                print(f"# {model} at {label} ...", flush=True)
+                if args.local:
+                    proc = run_local(command(model, label), args.hosts * ranks_per_host, args.timeout, capture=True)
+                else:
+                    with EmulatedCluster(args.hosts, bw, ranks_per_host=ranks_per_host) as cluster:
+                        proc = cluster.run(command(model, label), timeout=args.timeout, capture=True)
+                new = rows_from(proc)
+                rows += new
+                print(show(new).split("\n", 2)[2], flush=True)
+    except (EmulationError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if not rows:
+            return None
+    return rows
