@@ -2,7 +2,7 @@
 
 # tests/test_job_inputs.py checks these against runtime.models.MODELS and runtime's strategy tables,
 # tests/test_sequential_models.py TOKEN_MODELS against runtime.models.TOKEN_MODELS.
-MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm")
+MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k")
 # Those that take token sequences, not images (runtime.models.TOKEN_MODELS).
 TOKEN_MODELS = ("transformer", "char-lstm")
 EXACT_STRATEGIES = ("allreduce", "wfbp", "p3")

@@ -12,7 +12,7 @@ from torch import nn
 from runtime.data import PAD, synthetic_classification, synthetic_seq2seq
 from runtime.sequential_models import CHAR_VOCAB, CharLSTM, synthetic_text
 
-MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm")
+MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k")
 # Models whose output is [B, T, vocab] logits scored against [B, T] next tokens.
 TOKEN_MODELS = ("transformer", "char-lstm")
 
@@ -24,6 +24,11 @@ RESNET50_WIDTHS = (64, 128, 256, 512)  # bottleneck widths; block outputs are 4x
 # About 208 M parameters, nearly all in three 8192x8192 layers: gradients too big to all-reduce
 # every step over slow links, the case for pipeline model parallelism.
 FC_HEAVY_HIDDEN = (8192,) * 4
+# VGG-19 with ImageNet-22K's 21,841-class head (about 128 M parameters, 89 M of them in the last
+# layer): Poseidon's hardest case for data parallelism, the case for sufficient-factor broadcasting.
+VGG19_22K_CLASSES = 21841
+# Classes of a model whose head is part of its definition (the others take num_classes).
+FIXED_CLASSES = {"vgg19-22k": VGG19_22K_CLASSES}
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -218,7 +223,8 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
     """Build a benchmark model by name (see MODELS); extra keywords go to its constructor.
 
     mlp: hidden=256 (int or list), in_features=784 (in_channels is ignored: input is 28x28 flat).
-    vgg19: dropout=0.0, batch_norm=False. resnet50: none.
+    vgg19: dropout=0.0, batch_norm=False; vgg19-22k: the same, 21,841 classes whatever num_classes says.
+    resnet50: none.
     transformer: vocab=1000, d_model=256, nhead=4, num_encoder_layers=3, num_decoder_layers=3,
     dim_feedforward=1024, dropout=0.0, max_len=512, tie_weights=True (num_classes, in_channels ignored).
     fc-heavy: the MLP with hidden=FC_HEAVY_HIDDEN (override with hidden=), in_features=784.
@@ -228,6 +234,8 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
         return MLP(num_classes, **kw)
     if name == "vgg19":
         return VGG19(num_classes, in_channels, **kw)
+    if name == "vgg19-22k":
+        return VGG19(VGG19_22K_CLASSES, in_channels, **kw)
     if name == "resnet50":
         return ResNet50(num_classes, in_channels, **kw)
     if name == "transformer":
@@ -243,12 +251,12 @@ def input_shape(name: str, in_channels: int = 3) -> tuple[int, ...]:
     """Per-sample input shape of an image model: (784,) for the MLPs, (C, 32, 32) for the CNNs."""
     if name in ("mlp", "fc-heavy"):
         return (784,)
-    if name in ("vgg19", "resnet50"):
+    if name in ("vgg19", "vgg19-22k", "resnet50"):
         return (in_channels, 32, 32)
-    raise ValueError(f"model {name!r} has no image input shape; image models are mlp, fc-heavy, vgg19, resnet50")
+    raise ValueError(f"model {name!r} has no image input shape; image models are mlp, fc-heavy, vgg19, vgg19-22k, resnet50")
 
 
-def model_input(name: str, batch: int, seed: int = 0, num_classes: int = 10, in_channels: int = 3,
+def model_input(name: str, batch: int, seed: int = 0, num_classes: int | None = None, in_channels: int = 3,
                 vocab: int | None = None, src_len: int = 16, tgt_len: int = 16,
                 seq_len: int = 64) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """A synthetic batch (inputs, target) for model `name`; call it as loss_fn(name)(model(*inputs), target).
@@ -264,7 +272,8 @@ def model_input(name: str, batch: int, seed: int = 0, num_classes: int = 10, in_
     if name == "char-lstm":
         x, y = synthetic_text(batch, seq_len, CHAR_VOCAB if vocab is None else vocab, seed)
         return (x,), y
-    x, y = synthetic_classification(batch, input_shape(name, in_channels), num_classes, seed)
+    classes = FIXED_CLASSES.get(name, 10 if num_classes is None else num_classes)
+    x, y = synthetic_classification(batch, input_shape(name, in_channels), classes, seed)
     return (x,), y
 
 

@@ -8,6 +8,9 @@ DEFAULT_FUSE_BYTES = 1 << 20  # wfbp: gradients share buckets of about this size
 DEFAULT_SLICE_SIZE = 262_144  # p3: elements per slice (1 MiB of float32); BENCHMARKS.md
 OPERATORS = ("mstopk", "exact")
 GRANULARITIES = ("model", "layer")
+HYBCOMM_DENSE = ("wfbp", "p3")  # what hybcomm sends the layers without sufficient factors through
+HYBCOMM_FORCE = ("auto", "sfb", "ps")
+DEFAULT_INTRA_BANDWIDTH = 40e9  # bit/s between ranks of one node (shared memory), the cost model's default
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -107,8 +110,54 @@ class TopkOptions(StrategyOptions):
         return "hier-topk" if self.hierarchical else "topk"
 
 
+@dataclass(frozen=True)
+class HybCommOptions(StrategyOptions):
+    """Poseidon's hybrid communication: each eligible Linear layer by sufficient factors or by the dense path.
+
+    dense: "wfbp" or "p3" for every other gradient; force: "auto" (the cost
+    model of runtime.hybrid.cost_model decides per layer and batch size),
+    "sfb" (every eligible Linear by factors) or "ps" (none: a Linear chosen
+    for PS goes through its own ring allreduce the moment its gradient is
+    ready); bandwidth: a node's link in bit/s (None: $MPITRAIN_LINK_BANDWIDTH
+    or 10 Gbit/s); intra_bandwidth: between ranks of one node; gflops: one
+    rank's GEMM rate for the factor products (None: measured when wrapping,
+    the slowest rank's). fuse_bytes (wfbp), slice_size and credit (p3) go to
+    the dense path.
+    """
+
+    dense: str = "wfbp"
+    force: str = "auto"
+    bandwidth: float | None = None
+    intra_bandwidth: float = DEFAULT_INTRA_BANDWIDTH
+    gflops: float | None = None
+    fuse_bytes: int = DEFAULT_FUSE_BYTES
+    slice_size: int = DEFAULT_SLICE_SIZE
+    credit: int = 8
+    name = "hybcomm"
+
+    def __post_init__(self):
+        if self.dense not in HYBCOMM_DENSE:
+            raise ValueError(f"dense must be one of {HYBCOMM_DENSE}, got {self.dense!r}")
+        if self.force not in HYBCOMM_FORCE:
+            raise ValueError(f"force must be one of {HYBCOMM_FORCE}, got {self.force!r}")
+        for rate in ("bandwidth", "intra_bandwidth", "gflops"):
+            value = getattr(self, rate)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or
+                                      not value > 0 or value == float("inf")):
+                raise ValueError(f"{rate} must be a positive finite number, got {value!r}")
+        _check_int("fuse_bytes", self.fuse_bytes, 1)
+        _check_int("slice_size", self.slice_size, 1)
+        _check_int("credit", self.credit, 1)
+
+    def dense_options(self) -> StrategyOptions:
+        """The options of the dense path's own strategy."""
+        if self.dense == "p3":
+            return P3Options(slice_size=self.slice_size, credit=self.credit)
+        return WfbpOptions(fuse_bytes=self.fuse_bytes)
+
+
 OPTIONS = {"allreduce": AllreduceOptions, "wfbp": WfbpOptions, "p3": P3Options, "topk": TopkOptions,
-           "hier-topk": lambda: TopkOptions(hierarchical=True)}
+           "hier-topk": lambda: TopkOptions(hierarchical=True), "hybcomm": HybCommOptions}
 
 
 def resolve(strategy) -> StrategyOptions:
@@ -118,4 +167,4 @@ def resolve(strategy) -> StrategyOptions:
     if isinstance(strategy, str) and strategy in OPTIONS:
         return OPTIONS[strategy]()
     raise ValueError(f"unknown strategy {strategy!r}: pass one of {', '.join(OPTIONS)} or an options object "
-                     "(AllreduceOptions, WfbpOptions, P3Options, TopkOptions)")
+                     "(AllreduceOptions, WfbpOptions, P3Options, TopkOptions, HybCommOptions)")
