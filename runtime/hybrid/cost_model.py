@@ -65,7 +65,7 @@ def sfb_numbers(M: int, N: int, K: int, P: int) -> float:
     Every rank's K rows of inputs u (M wide) and of output gradients δ (N wide); each link carries
     P-1 of the P blocks. The bias gradient Σ δ is rebuilt from the same δ rows.
     """
-    return (P - 1) * K * (M + N)
+    return float((P - 1) * K * (M + N))
 
 
 def _link_bps(P: int, ranks_per_node: int, links: Links) -> float | None:
@@ -197,7 +197,9 @@ def format_plan(costs: Iterable[LayerCost], *, dense_bytes: float | None = None)
     lines.append(f"FC layers: {t['fc_plan_bytes'] / 1e6:.2f} MB/step by the plan, "
                  f"{t['fc_all_ps_bytes'] / 1e6:.2f} MB/step all-PS")
     if dense_bytes is not None:
-        ratio = "" if t["ratio"] is None else f": hybcomm moves {t['ratio']:.2f}× fewer bytes than all-PS"
+        ratio = t["ratio"]
+        ratio = "" if ratio is None else f": hybcomm moves {ratio:.2f}× fewer bytes than all-PS" if ratio >= 1 \
+            else f": hybcomm moves {1 / ratio:.2f}× more bytes than all-PS"
         lines.append(f"with the other parameters ({dense_bytes / 1e6:.2f} MB/step dense): "
                      f"{t['plan_bytes'] / 1e6:.2f} MB/step by the plan, {t['all_ps_bytes'] / 1e6:.2f} MB/step "
                      f"all-PS{ratio}")
