@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from conftest import assert_everywhere
-from runtime import CollectiveMismatchError, DistributedOptimizer, HybCommOptions
+from runtime import CollectiveMismatchError, DistributedOptimizer, HybCommOptions, PeerFailedError
 
 pytestmark = pytest.mark.mpi
 
@@ -273,7 +273,8 @@ def test_ranks_planning_from_other_inputs_stop_together(world):
         dopt.strategy.links = dataclasses.replace(dopt.strategy.links, gflops=1.0)
     sl = slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)
     dopt.zero_grad()
-    with pytest.raises(CollectiveMismatchError, match="ranks would plan from different inputs.*rank 2"):
+    # Each rank finds the mismatch itself, or first hears of it from a rank that did: either way it is named.
+    with pytest.raises((CollectiveMismatchError, PeerFailedError), match="ranks would plan from different inputs.*rank 2"):
         nn.functional.cross_entropy(model(X[0][sl]), Y[0][sl]).backward()
         dopt.step()
     dopt.close()
