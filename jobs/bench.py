@@ -25,7 +25,7 @@ from jobs import bench_worker
 from jobs.cluster_sweep import sweep
 from jobs.choices import MODELS
 from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
-                         parse, positive)
+                         parse)
 from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
@@ -56,7 +56,6 @@ def check_args(args) -> None:
     args.models = comma_list("--models", args.models, MODELS)
     bench_worker.check_settings(args)
     at_least(args, 1, "hosts", "ranks_per_host")
-    positive(args, "timeout")
     cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
 
 

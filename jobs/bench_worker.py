@@ -71,6 +71,32 @@ def check_settings(args) -> list[str]:
     return strategies
 
 
+def slowest(comm, seconds: float) -> float:
+    """The most seconds any rank of `comm` took (collective)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    t = np.array([seconds])
+    comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+    return float(t[0])
+
+
+def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> list[float]:
+    """Per-batch seconds per step of `iters` steps and finish(), slowest rank, after `warmup` steps and finish()."""
+    for _ in range(warmup):
+        step()
+    finish()
+    per_batch = []
+    for _ in range(batches):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        finish()  # p3 owes the last update: count it in
+        per_batch.append(slowest(comm, time.perf_counter() - t0) / iters)
+    return per_batch
+
+
 class Bench:
     def __init__(self, args):
         import torch
@@ -87,26 +113,9 @@ class Bench:
         self.inputs, self.target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
         self.loss = loss_fn(args.model)
 
-    def slowest(self, seconds: float) -> float:
-        import numpy as np
-        t = np.array([seconds])
-        self.comm.Allreduce(self.MPI.IN_PLACE, t, op=self.MPI.MAX)
-        return float(t[0])
-
     def timed(self, step, finish=lambda: None):
         """Per-batch seconds per step, slowest rank, after warm-up."""
-        for _ in range(self.args.warmup):
-            step()
-        finish()
-        per_batch = []
-        for _ in range(self.args.batches):
-            self.comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(self.args.iters):
-                step()
-            finish()  # p3 owes the last update: count it in
-            per_batch.append(self.slowest(time.perf_counter() - t0) / self.args.iters)
-        return per_batch
+        return timed_batches(self.comm, step, finish, self.args.warmup, self.args.batches, self.args.iters)
 
     def train_step(self, model, opt):
         def step():
@@ -185,7 +194,7 @@ class Bench:
         for _ in range(n):
             fn()
         self.comm_cpu_s = (cpu_busy_s() - c0) / n
-        return self.slowest(time.perf_counter() - t0) / n
+        return slowest(self.comm, time.perf_counter() - t0) / n
 
 
 def main(argv=None, args=None) -> int:

@@ -20,12 +20,13 @@ def rows_from(proc) -> list[dict]:
 
 
 def sweep(args, command: Callable[[str, str], list[str]], show: Callable[[list[dict]], str],
-          ranks_per_host: int = 1) -> list[dict] | None:
+          ranks_per_host: int = 1, runs: list[tuple[str, int]] | None = None) -> list[dict] | None:
     """Rows of command(model, bandwidth label) for every --bandwidths x --models (--local: this host, unshaped).
 
-    A cluster is brought up per bandwidth and taken down after its models. The new rows are shown
-    (show(rows) is a markdown table) as they come. A failure ends the sweep with one `error:` line:
-    the rows so far are returned, or None when there are none.
+    A cluster of --hosts hosts is brought up per model and bandwidth and taken down after it; `runs`,
+    (name, hosts) pairs, replaces the models and --hosts: command(name, label) on that many hosts.
+    The new rows are shown (show(rows) is a markdown table) as they come. A failure ends the sweep
+    with one `error:` line: the rows so far are returned, or None when there are none.
     """
     from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
 
@@ -33,13 +34,13 @@ def sweep(args, command: Callable[[str, str], list[str]], show: Callable[[list[d
     try:
         for bw in ["local-unshaped"] if args.local else args.bandwidths:
             label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
-            for model in args.models:
-                print(f"# {model} at {label} ...", flush=True)
+            for name, hosts in runs or [(model, args.hosts) for model in args.models]:
+                print(f"# {name} at {label} ...", flush=True)
                 if args.local:
-                    proc = run_local(command(model, label), args.hosts * ranks_per_host, args.timeout, capture=True)
+                    proc = run_local(command(name, label), hosts * ranks_per_host, args.timeout, capture=True)
                 else:
-                    with EmulatedCluster(args.hosts, bw, ranks_per_host=ranks_per_host) as cluster:
-                        proc = cluster.run(command(model, label), timeout=args.timeout, capture=True)
+                    with EmulatedCluster(hosts, bw, ranks_per_host=ranks_per_host) as cluster:
+                        proc = cluster.run(command(name, label), timeout=args.timeout, capture=True)
                 new = rows_from(proc)
                 rows += new
                 print(show(new).split("\n", 2)[2], flush=True)
