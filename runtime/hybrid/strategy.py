@@ -41,13 +41,14 @@ class HybCommSync(Strategy):
 
     1. forward: each factor layer counts its rows and uses (`forwarded`);
     2. the step's first gradient posts the census (every rank's rows, uses
-       and plan fingerprint, runtime.hybrid.census);
-    3. as a layer's weight and bias gradients are ready, the plan for the
-       agreed rows (the most any rank has; cost_model.plan, recomputed only
-       when they change) says how it travels: SFB gathers every rank's input
-       and output-gradient rows and rebuilds the averaged gradient from them
-       (runtime.hybrid.factors); PS reduces the layer's gradient on a ring.
-       Both start at once and finish on the progress thread while backward
+       and a fingerprint of its cost-model inputs, runtime.hybrid.census),
+       completed on the progress thread; then the plan for the agreed rows
+       (the most any rank has; cost_model.plan, cached per rows) is made;
+    3. as a layer's weight and bias gradients are ready (or, if earlier, as
+       the plan is made) it is sent the way the plan says: SFB gathers every
+       rank's input and output-gradient rows and rebuilds the averaged
+       gradient from them (runtime.hybrid.factors); PS reduces the layer's
+       gradient on a ring. Both finish on the progress thread while backward
        goes on. A layer used twice in one forward pass goes PS (its factors
        would be twice as many), said once.
     """
