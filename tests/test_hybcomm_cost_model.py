@@ -135,8 +135,10 @@ def test_bad_values_are_refused():
 
 
 def test_measure_gflops_is_a_rate():
-    for rate in (measure_gflops(), measure_gflops(rows=8, size=128, repeats=1)):
+    for rate in (measure_gflops(), measure_gflops(rows=8, size=128, seconds=0.01)):
         assert 0 < rate < math.inf
+    with pytest.raises(ValueError, match="seconds must be positive"):
+        measure_gflops(seconds=0)
 
 
 def test_format_plan_lists_layers_and_totals():

@@ -150,25 +150,31 @@ def plan(layers: Iterable, rows: int | Mapping[str, int], P: int, ranks_per_node
     return out
 
 
-def measure_gflops(rows: int = 64, size: int = 1024, repeats: int = 3) -> float:
-    """This process's GFLOP/s on the rebuild's shape: torch.mm(d.t(), u), d and u (rows, size) float32.
+def measure_gflops(rows: int = 64, size: int = 1024, seconds: float = 0.2) -> float:
+    """This process's sustained GFLOP/s on the rebuild's shape: torch.mm(d.t(), u), d and u (rows, size) float32.
 
     2 × rows × size² flop per product (a transposed operand, a short inner dimension: slower than a
-    square GEMM); best of `repeats` after one warm-up.
+    square GEMM), repeated for `seconds` after one warm-up: the total over the time taken. Not the
+    best of a few products: ranks that share cores would each time a lucky burst while the others
+    wait, and price the rebuild several times too cheap (measured: 50 GFLOP/s priced, 8 at work).
+    The strategy measures on every rank at once, behind a barrier, and takes the slowest rank's.
     """
     import torch
 
-    for field, value in (("rows", rows), ("size", size), ("repeats", repeats)):
+    for field, value in (("rows", rows), ("size", size)):
         _check(field, value, 1)
+    if not seconds > 0:
+        raise ValueError(f"seconds must be positive, got {seconds!r}")
     gen = torch.Generator().manual_seed(0)
     d, u = torch.randn(rows, size, generator=gen), torch.randn(rows, size, generator=gen)
     torch.mm(d.t(), u)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
+    products, start = 0, time.perf_counter()
+    while True:
         torch.mm(d.t(), u)
-        best = min(best, time.perf_counter() - start)
-    return 2 * rows * size * size / max(best, 1e-9) / 1e9  # a timer tick of 0 would divide by zero
+        products += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2 * rows * size * size * products / elapsed / 1e9
 
 
 def totals(costs: Iterable[LayerCost], dense_bytes: float | None = None) -> dict:

@@ -134,6 +134,7 @@ class HybCommSync(Strategy):
         if o.gflops is not None or o.force != "auto" or not self.layers:
             gflops = float(o.gflops or math.inf)
         else:
+            self.ctx.topology.world.Barrier()  # every rank at work at once: the rate a step will see
             mine = np.array([cost_model.measure_gflops()])
             self.ctx.topology.world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MIN)
             gflops = float(mine[0])
