@@ -19,30 +19,35 @@ def rows_from(proc) -> list[dict]:
     return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
 
 
-def sweep(args, command: Callable[[str, str], list[str]], show: Callable[[list[dict]], str],
-          ranks_per_host: int = 1) -> list[dict] | None:
-    """Rows of command(model, bandwidth label) for every --bandwidths x --models (--local: this host, unshaped).
+def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[list[dict]], str],
+          ranks_per_host: int = 1, rank_counts: list[int] | None = None) -> list[dict] | None:
+    """Rows of command(model, bandwidth label, ranks) for every --bandwidths x rank count x --models.
 
-    A cluster is brought up per bandwidth and taken down after its models. The new rows are shown
-    (show(rows) is a markdown table) as they come. A failure ends the sweep with one `error:` line:
-    the rows so far are returned, or None when there are none.
+    rank_counts: the world sizes to run, n on ceil(n / ranks_per_host) hosts (default: --hosts x
+    ranks_per_host). A cluster is brought up per bandwidth, size and model, and taken down after it; a
+    single rank sends nothing and runs on this host, as does every run under --local (unshaped). The
+    new rows are shown (show(rows) is a markdown table) as they come. A failure ends the sweep with one
+    `error:` line: the rows so far are returned, or None when there are none.
     """
     from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
 
     rows: list[dict] = []
+    counts = rank_counts or [args.hosts * ranks_per_host]
     try:
         for bw in ["local-unshaped"] if args.local else args.bandwidths:
             label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
-            for model in args.models:
-                print(f"# {model} at {label} ...", flush=True)
-                if args.local:
-                    proc = run_local(command(model, label), args.hosts * ranks_per_host, args.timeout, capture=True)
-                else:
-                    with EmulatedCluster(args.hosts, bw, ranks_per_host=ranks_per_host) as cluster:
-                        proc = cluster.run(command(model, label), timeout=args.timeout, capture=True)
-                new = rows_from(proc)
-                rows += new
-                print(show(new).split("\n", 2)[2], flush=True)
+            for n in counts:
+                for model in args.models:
+                    print(f"# {model} at {label}" + (f" on {n} rank(s)" if rank_counts else "") + " ...", flush=True)
+                    cmd = command(model, label, n)
+                    if args.local or n == 1:
+                        proc = run_local(cmd, n, args.timeout, capture=True)
+                    else:
+                        with EmulatedCluster(-(-n // ranks_per_host), bw, ranks_per_host=ranks_per_host) as cluster:
+                            proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True)
+                    new = rows_from(proc)
+                    rows += new
+                    print(show(new).split("\n", 2)[2], flush=True)
     except (EmulationError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if not rows:
