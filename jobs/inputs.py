@@ -207,8 +207,8 @@ def parse(parser: argparse.ArgumentParser, argv=None, check: Callable | None = N
 
 def add_cluster_bench_arguments(p: argparse.ArgumentParser, default_bandwidths: str) -> None:
     """A cluster benchmark's --bandwidths, --local, --timeout, --json, --plot (checked by cluster_bench_outputs)."""
-    p.add_argument("--bandwidths", help=f"per-host link rates; none = unshaped (default {default_bandwidths}; "
-                                        "not with --local)")
+    p.add_argument("--bandwidths", "--bandwidth", help=f"per-host link rates; none = unshaped (default "
+                                                     f"{default_bandwidths}; not with --local)")
     p.add_argument("--local", action="store_true", help="no namespaces: run on this host, unshaped")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run")
     p.add_argument("--json", metavar="PATH")
