@@ -36,12 +36,16 @@ def run_metadata(job: str, argv=None, **extra) -> dict:
 
 
 def write_json(path: str, meta: dict, rows: list, say=print) -> None:
-    """{"meta": ..., "rows": [...]} to `path`; an interrupted run never leaves half a file.
+    """{"meta": ..., "rows": [...]} to `path`; an interrupted run never leaves half a file (write_document)."""
+    write_document(path, dict(meta=meta, rows=rows), say)
+
+
+def write_document(path: str, doc: dict, say=print) -> None:
+    """Any JSON document to `path`, through a temp file renamed over it: an interrupted run never leaves half a file.
 
     A path that exists and is not a regular file (/dev/stdout, a pipe) is written in place: renaming a
     temp file over it would replace the device.
     """
-    doc = dict(meta=meta, rows=rows)
     if os.path.exists(path) and not os.path.isfile(path):
         with open(path, "w") as f:
             json.dump(doc, f, indent=1)

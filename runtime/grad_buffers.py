@@ -98,6 +98,41 @@ class GradientBuffers:
     def numel(self) -> int:
         return sum(f.numel() for f in self.flats)
 
+    def subset(self, indices: list[int]) -> "GradientSubset":
+        """The gradients of these parameters, for a strategy that averages only them (hybcomm's dense path)."""
+        return GradientSubset(self, indices)
+
+
+class GradientSubset:
+    """Some parameters' gradients as a strategy sees GradientBuffers: flats and segments, renumbered.
+
+    The parameters must sit at the front of their dtype's buffer (the owning
+    strategy's layout puts them there), so each flat here is a prefix view of
+    the full buffer: the sub-strategy reduces them in place and never touches
+    the gradients that travel another way.
+    """
+
+    def __init__(self, full: GradientBuffers, indices: list[int]):
+        used = sorted({full.segments[i][0] for i in indices})
+        ends = {b: max(full.segments[i][2] for i in indices if full.segments[i][0] == b) for b in used}
+        for b in used:
+            members = [i for i in indices if full.segments[i][0] == b]
+            if sum(full.params[i].numel() for i in members) != ends[b]:
+                raise ValueError("a gradient subset must fill the front of its buffers (a layout problem)")
+        self.params = [full.params[i] for i in indices]
+        self.dtypes = [full.dtypes[b] for b in used]
+        self.flats = [full.flats[b][:ends[b]] for b in used]
+        self.segments = [(used.index(full.segments[i][0]),) + full.segments[i][1:] for i in indices]
+        self.views = [full.views[i] for i in indices]
+        self.flat_views = [full.flat_views[i] for i in indices]
+
+    def flat(self, i: int) -> torch.Tensor:
+        return self.flat_views[i]
+
+    @property
+    def numel(self) -> int:
+        return sum(f.numel() for f in self.flats)
+
 
 def memory_order(t: torch.Tensor) -> torch.Tensor:
     """A 1-D view of a dense tensor's elements in the order they sit in memory (its layout's flat form)."""

@@ -32,9 +32,9 @@ class DistributedOptimizer:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
         opt.close()
 
-    strategy: a name ("allreduce", "wfbp", "p3", "topk", "hier-topk") or an
-    options object (runtime.options: AllreduceOptions, WfbpOptions, P3Options,
-    TopkOptions). Wrapping is collective: every setting (strategy and its
+    strategy: a name ("allreduce", "wfbp", "p3", "topk", "hier-topk", "hybcomm")
+    or an options object (runtime.options: AllreduceOptions, WfbpOptions,
+    P3Options, TopkOptions, HybCommOptions). Wrapping is collective: every setting (strategy and its
     options, pto, backward_passes_per_step, buffers) and the model's structure
     are compared across ranks (an error names ranks and values), and rank 0's
     parameters, buffers and optimizer state are broadcast. Every step agrees
@@ -112,7 +112,7 @@ class DistributedOptimizer:
     def _build(self, cls, pto: bool) -> None:
         """Everything collective after the settings agreed: the same calls, in the same order, on every rank."""
         broadcast_from_root(self.comm, self.model, self.optimizer)
-        self.buffers = GradientBuffers(self.params, self.names, cls.layout(self.params, self.options))
+        self.buffers = GradientBuffers(self.params, self.names, cls.layout(self.params, self.options, self.model))
         self.updater = ParamUpdater(self.optimizer, self.params)
         self.pto = None
         if pto:  # first: a refusal (mixed dtypes, a parameter it cannot place) leaves nothing half-built
@@ -175,7 +175,8 @@ class DistributedOptimizer:
     def _send(self, i: int) -> None:
         self.buffers.attach(i)
         self._sent[i] = True
-        self.strategy.grad_ready(i)
+        with self._failing():  # raised inside backward: the other ranks must hear of it too
+            self.strategy.grad_ready(i)
 
     def _on_module_enter(self, params: list[int]) -> None:
         if self.failed is None:

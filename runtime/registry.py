@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from .dense import AllreduceSync, WfbpSync
+from .hybrid import HybCommSync
 from .p3 import P3Sync
 from .sparse import HierTopkSync, TopkSync
 
-STRATEGIES = {"allreduce": AllreduceSync, "wfbp": WfbpSync, "p3": P3Sync}
+STRATEGIES = {"allreduce": AllreduceSync, "wfbp": WfbpSync, "p3": P3Sync, "hybcomm": HybCommSync}
 SPARSE_STRATEGIES = {"topk": TopkSync, "hier-topk": HierTopkSync}
 ALL_STRATEGIES = {**STRATEGIES, **SPARSE_STRATEGIES}
 

@@ -48,8 +48,10 @@ class Strategy:
     - hooks: accepts a DDP-style communication hook (bucketed strategies: they
       call `self.hook(self.hook_state, bucket)`, which register_comm_hook sets);
     - capture: modules whose layer inputs and output gradients the strategy
-      needs (sufficient factors); the wrapper then calls `captured(k, input,
-      grad_output)` for capture[k] during backward.
+      needs (sufficient factors); the wrapper then calls `forwarded(k, input)`
+      as capture[k] runs in a training forward pass, `captured(k, input,
+      grad_output)` for it during backward, and `forward_started()` as each
+      training forward pass of the model begins.
     """
 
     name = "base"
@@ -67,7 +69,8 @@ class Strategy:
         self.capture: list[torch.nn.Module] = []
 
     @classmethod
-    def layout(cls, params: list[torch.nn.Parameter], options) -> list[int] | None:
+    def layout(cls, params: list[torch.nn.Parameter], options, model: torch.nn.Module | None = None) \
+            -> list[int] | None:
         """The order of the parameters inside the gradient buffers (None: the model's)."""
         return None
 
@@ -100,6 +103,12 @@ class Strategy:
     def grad_shard(self):
         """With ctx.shard_gradients: this rank's block of the flat averaged gradient."""
         return None
+
+    def forward_started(self) -> None:
+        """A training forward pass of the model begins (with capture only)."""
+
+    def forwarded(self, k: int, inputs: torch.Tensor) -> None:
+        """capture[k] ran in a training forward pass on `inputs` (its output will need a gradient)."""
 
     def captured(self, k: int, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
         """Factors of capture[k] for this step: its input rows and its output-gradient rows."""
@@ -139,7 +148,15 @@ def capture_hooks(strategy: Strategy) -> list:
         def keep(mod, args, output, k=k):
             if output.requires_grad:
                 rows = args[0].detach()
+                strategy.forwarded(k, rows)
                 output.register_hook(lambda grad, rows=rows: strategy.captured(k, rows, grad.detach()))
 
         handles.append(module.register_forward_hook(keep))
+    model = strategy.ctx.model
+    if strategy.capture and model is not None:
+        def started(mod, args):
+            if torch.is_grad_enabled():
+                strategy.forward_started()
+
+        handles.append(model.register_forward_pre_hook(started))
     return handles

@@ -21,6 +21,7 @@ PARAM_COUNTS = {
     "resnet50": 23_520_842,
     "transformer": 6_043_624,  # tied: the 256,000-value output weight is the target embedding
     "char-lstm": 5_442_209,  # 97*64 embedding, LSTMs 64->512, 512->512 x2, 512*97+97 head
+    "vgg19-22k": 128_391_521,  # 20,024,384 conv + 2,101,248 + 16,781,312 + 89,484,577 (4096 x 21,841 head)
 }
 # fc-heavy's 208 M parameters are too many to build here over and over: tests/test_sequential_models.py
 # counts them on the meta device and trains narrow copies.
@@ -48,7 +49,7 @@ def test_forward_shapes_and_backward_reaches_every_parameter(named_model):
     model.zero_grad(set_to_none=True)
     inputs, target = model_input(name, 2, seed=1)
     out = model(*inputs)
-    expected = {"transformer": (2, 16, 1000), "char-lstm": (2, 64, 97)}.get(name, (2, 10))
+    expected = {"transformer": (2, 16, 1000), "char-lstm": (2, 64, 97), "vgg19-22k": (2, 21841)}.get(name, (2, 10))
     assert out.shape == expected and out.dtype == torch.float32
     loss = loss_fn(name)(out, target)
     assert loss.dim() == 0 and torch.isfinite(loss)

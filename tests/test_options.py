@@ -10,8 +10,8 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from runtime import (DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE, AllreduceOptions, DistributedOptimizer, P3Options,
-                     StrategyOptions, TopkOptions, WfbpOptions)
+from runtime import (DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE, AllreduceOptions, DistributedOptimizer, HybCommOptions,
+                     P3Options, StrategyOptions, TopkOptions, WfbpOptions)
 from runtime.options import OPTIONS, resolve
 from runtime.registry import strategy_class
 
@@ -115,7 +115,7 @@ def test_resolve_passes_an_options_object_through():
 def test_resolve_refuses_anything_else_naming_it_and_the_choices(bad):
     """A misspelt name (or the options class instead of an instance) must not fall back to a default strategy."""
     with pytest.raises(ValueError, match=rf"unknown strategy {re.escape(repr(bad))}: pass one of allreduce, wfbp, "
-                                         r"p3, topk, hier-topk or an options object"):
+                                         r"p3, topk, hier-topk, hybcomm or an options object"):
         resolve(bad)
 
 
@@ -172,3 +172,23 @@ def test_the_null_communicator_does_fail_the_first_mpi_call():
     """The control for the test above: with good settings the wrapper reaches MPI and fails there."""
     with pytest.raises(MPI.Exception, match="communicator"):
         wrap("p3", MPI.COMM_NULL)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dense", "allreduce", r"dense must be one of \('wfbp', 'p3'\)"),
+    ("force", "SFB", r"force must be one of \('auto', 'sfb', 'ps'\)"),
+    ("bandwidth", 0, "bandwidth must be a positive finite number, got 0"),
+    ("bandwidth", float("inf"), "bandwidth must be a positive finite number, got inf"),
+    ("gflops", -1.0, "gflops must be a positive finite number"),
+    ("intra_bandwidth", True, "intra_bandwidth must be a positive finite number, got True"),
+    ("credit", 0, "credit must be an integer >= 1"),
+])
+def test_hybcomm_options_refuse_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        HybCommOptions(**{field: value})
+
+
+def test_hybcomm_options_hand_the_dense_path_its_own():
+    assert HybCommOptions(fuse_bytes=64).dense_options() == WfbpOptions(fuse_bytes=64)
+    assert HybCommOptions(dense="p3", slice_size=9, credit=2).dense_options() == P3Options(slice_size=9, credit=2)
+    assert resolve("hybcomm") == HybCommOptions()

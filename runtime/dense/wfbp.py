@@ -45,7 +45,7 @@ class WfbpSync(Strategy):
         self.futures: list = [None] * len(self.buckets)
 
     @classmethod
-    def layout(cls, params, options) -> list[int]:
+    def layout(cls, params, options, model=None) -> list[int]:
         return [i for bucket in buckets(params, options.fuse_bytes) for i in bucket]
 
     def grad_ready(self, i: int) -> None:

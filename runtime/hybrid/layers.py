@@ -44,7 +44,8 @@ def fc_layers(model: nn.Module) -> tuple[list[FCLayer], dict[str, str]]:
         if type(module).forward is not nn.Linear.forward or _used_by_parent(model, name):
             refused[name] = "its weight is used without calling the layer (MultiheadAttention's out_proj)"
         elif not module.weight.requires_grad:
-            refused[name] = "frozen weight"
+            if module.bias is not None and module.bias.requires_grad:
+                refused[name] = "frozen weight (its trainable bias alone has no factors)"
         elif owners.get(id(module.weight), 0) > 1 or \
                 (module.bias is not None and owners.get(id(module.bias), 0) > 1):
             refused[name] = "tied weight (shared with another module)"
