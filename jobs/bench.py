@@ -93,9 +93,15 @@ def markdown(rows) -> str:
             "| CPU bound s | inter-node MB/step | wire MB/step |\n"
             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | {r['ci']:.1f} | "
-            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {r['t_comm_s']:.3f} | {r['overlap_efficiency']:.2f} | "
-            f"{cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | {mb(r, 'wire_bytes_per_step')} |" for r in rows]
+            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {num(r['t_comm_s'], 3)} | "
+            f"{num(r['overlap_efficiency'], 2)} | {cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | "
+            f"{mb(r, 'wire_bytes_per_step')} |" for r in rows]
     return "\n".join([head, *body])
+
+
+def num(value: float | None, digits: int) -> str:
+    """A measured figure, or "-" where the worker could not measure it (hybcomm's T_comm and overlap)."""
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def mb(row, key: str) -> str:
@@ -117,7 +123,7 @@ def plans(rows) -> str:
 
 def cpu_bound(row) -> str:
     """Lowest T_iter the machine's cores allow: compute and communication CPU-seconds share them."""
-    if "compute_cpu_s" not in row:
+    if row.get("comm_cpu_s") is None:
         return "-"
     return f"{(row['compute_cpu_s'] + row['comm_cpu_s']) / row['cores']:.3f}"
 

@@ -18,7 +18,9 @@ step (wire_bytes_per_step, all hosts; wire_bytes_per_host_per_step); without
 one interface per host (locally) they are None. hybcomm runs with the cost
 model's choice per layer (its plan in the row), hybcomm-sfb and hybcomm-ps
 with every eligible layer forced one way; --bandwidth is the link rate the
-cost model assumes (unshaped: its default).
+cost model assumes (unshaped: its default). Their T_comm, overlap and
+communication CPU are None: the factors exist only inside a backward pass,
+so a synchronisation without one would time the dense part alone.
 """
 
 from __future__ import annotations
@@ -177,7 +179,7 @@ class Bench:
         steps = self.args.warmup + self.args.batches * self.args.iters
         return sum(per_batch) / self.args.batches, (cpu_busy_s() - c0) / steps
 
-    def strategy(self, name: str) -> tuple[list[float], float]:
+    def strategy(self, name: str) -> tuple[list[float], float | None]:
         """(per-batch step times, T_comm) of one strategy; sets self.traffic for sparse ones, self.plan for hybcomm."""
         torch = self.torch
         model = self.build()
@@ -200,15 +202,19 @@ class Bench:
             strategy = P3Options(slice_size=self.args.slice_size)
         if base in SPARSE:
             strategy = TopkOptions(density=self.args.density, hierarchical=base == "hier-topk")
-        if base == "hybcomm" or base in FORCED:
+        hybrid = base == "hybcomm" or base in FORCED
+        if hybrid:
             strategy = hybcomm_options(self.args, FORCED.get(base, "auto"))
         with DistributedOptimizer(opt, model, strategy, topology=self.topo, pto=name.endswith("+pto")) as dopt:
-            before = self._traffic(dopt)
+            before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things
             times = self.timed(self.train_step(model, dopt), dopt.synchronize)
             self.plan = plan_rows(dopt.strategy, PLAN_KEYS)
             if before is not None:
                 steps = self.args.warmup + self.args.batches * self.args.iters
                 self.traffic = {k: (v - before[k]) / steps for k, v in self._traffic(dopt).items()}
+            if hybrid:  # no T_comm (see the module's docstring)
+                self.comm_cpu_s = None
+                return times, None
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
 
@@ -219,10 +225,8 @@ class Bench:
         return times, comm_t
 
     def _traffic(self, dopt) -> dict | None:
-        """Bytes sent so far by every rank's sparse exchange, summed (None for dense strategies)."""
-        traffic = getattr(dopt.strategy, "traffic", None)
-        if traffic is None:
-            return None
+        """Bytes sent so far by every rank's sparse exchange, summed."""
+        traffic = dopt.strategy.traffic
         import numpy as np
         mine = np.array([traffic.intra, traffic.inter], dtype=np.int64)
         self.comm.Allreduce(self.MPI.IN_PLACE, mine)
@@ -257,7 +261,8 @@ def main(argv=None, args=None) -> int:
         t_iter = statistics.fmean(per_batch)
         row = dict(model=args.model, strategy=name, bandwidth=args.bandwidth, ranks=b.P,
                    batch_per_rank=args.batch_size, samples_per_s=mean, ci=ci, t_iter_s=t_iter,
-                   t_compute_s=t_compute, t_comm_s=t_comm, overlap_efficiency=max(t_compute, t_comm) / t_iter,
+                   t_compute_s=t_compute, t_comm_s=t_comm,
+                   overlap_efficiency=None if t_comm is None else max(t_compute, t_comm) / t_iter,
                    # Machine-wide CPU-seconds per step (rank 0's reading): with compute and communication
                    # sharing the cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
                    compute_cpu_s=compute_cpu, comm_cpu_s=b.comm_cpu_s, cores=os.cpu_count(),
