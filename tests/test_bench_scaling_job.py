@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
+@pytest.mark.timeout(300)  # two MPI jobs, 1 and 2 ranks
 def test_local_scaling_rows_efficiency_json_and_plot(tmp_path):
     out = tmp_path / "scaling.json"
     cmd = [sys.executable, "-m", "jobs.bench_scaling", "--local", "--models", "mlp", "--strategies", "allreduce,wfbp",
