@@ -51,6 +51,24 @@ def test_hybcomm_prints_its_plan_and_records_it(tmp_path):
     assert isinstance(doc["plan_version"], int) and len(doc["epochs"]) == 1
 
 
+def test_plan_watch_says_each_new_plan_once():
+    """As jobs.train's rank 0 calls it after every step: nothing before a plan or without one, each version once."""
+    from types import SimpleNamespace
+
+    from jobs.plans import PlanWatch
+
+    said = []
+    strategy = SimpleNamespace(plan=None, plan_version=0, plan_text=lambda: f"table {strategy.plan_version}")
+    watch = PlanWatch(strategy, lambda text, flush: said.append(text))
+    watch.check()
+    strategy.plan, strategy.plan_version = ["layer"], 1
+    watch.check(), watch.check()
+    strategy.plan_version = 2  # a new batch size: a new plan
+    watch.check()
+    PlanWatch(SimpleNamespace(), said.append).check()  # wfbp: no plan at all
+    assert said == ["hybcomm plan:\ntable 1", "hybcomm plan:\ntable 2"]
+
+
 @pytest.mark.parametrize("extra", [[], ["--pto", "--optimizer", "adam", "--lr", "0.01"]], ids=["p3", "pto-adam"])
 def test_resume_continues_exactly(tmp_path, extra):
     """Under --pto the optimizer state is sharded: the checkpoint gathers it, --resume shards it again."""
