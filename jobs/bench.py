@@ -31,7 +31,7 @@ from jobs import bench_worker
 from jobs.cluster_sweep import sweep
 from jobs.choices import MODELS
 from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
-                         parse, positive)
+                         parse)
 from jobs.outputs import write_together
 from jobs.plans import plan_markdown
 from jobs.report import run_metadata, save_figure, write_json
@@ -69,7 +69,6 @@ def check_worker_arguments(args) -> None:
     args.models = comma_list("--models", args.models, MODELS)
     bench_worker.check_settings(args)
     at_least(args, 1, "ranks_per_host")
-    positive(args, "timeout")
 
 
 def check_args(args) -> None:

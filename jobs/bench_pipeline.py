@@ -35,7 +35,7 @@ import sys
 from jobs import bench_pipeline_worker as worker
 from jobs.cluster_sweep import sweep
 from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
-                         parse, positive)
+                         parse)
 from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
@@ -68,7 +68,6 @@ def check_args(args) -> None:
     worker.check_models("--models", args.models)
     at_least(args, 1, "hosts")
     worker.check_settings(args, args.models, args.hosts)
-    positive(args, "timeout")
     cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
 
 

@@ -20,7 +20,7 @@ import sys
 
 from jobs import bench
 from jobs.cluster_sweep import sweep
-from jobs.inputs import InputError, JobParser, add_cluster_bench_arguments, cluster_bench_outputs, comma_list, parse
+from jobs.inputs import InputError, JobParser, add_cluster_bench_arguments, cluster_bench_outputs, int_list, parse
 from jobs.outputs import write_results
 from jobs.report import run_metadata, save_figure
 
@@ -52,9 +52,7 @@ def check_args(args) -> None:
 
 def check_ranks(text: str, per_host: int) -> list[int]:
     """--ranks: increasing counts >= 1, each 1 or a multiple of per_host (nodes must hold equally many ranks)."""
-    ranks = comma_list("--ranks", text, parse=int)
-    if min(ranks) < 1:
-        raise InputError("--ranks", f"rank counts must be >= 1, got {min(ranks)}")
+    ranks = int_list("--ranks", text, 1)
     if any(b <= a for a, b in zip(ranks, ranks[1:])):
         raise InputError("--ranks", f"must increase, got {','.join(map(str, ranks))}")
     uneven = [n for n in ranks if n > 1 and n % per_host]
@@ -113,8 +111,9 @@ def plot(rows, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    runs = [(model, n) for n in args.ranks for model in args.models]
     rows = sweep(args, lambda model, label, n: bench.worker_cmd(args, model, label, n), bench.markdown,
-                 args.ranks_per_host, args.ranks)
+                 args.ranks_per_host, runs)
     if rows is None:
         return 2
     add_scaling(rows)

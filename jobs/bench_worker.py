@@ -95,6 +95,32 @@ def hybcomm_options(args, force: str):
     return HybCommOptions(force=force, bandwidth=bps, **({"slice_size": args.slice_size} if args.slice_size else {}))
 
 
+def slowest(comm, seconds: float) -> float:
+    """The most seconds any rank of `comm` took (collective)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    t = np.array([seconds])
+    comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
+    return float(t[0])
+
+
+def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> list[float]:
+    """Per-batch seconds per step of `iters` steps and finish(), slowest rank, after `warmup` steps and finish()."""
+    for _ in range(warmup):
+        step()
+    finish()
+    per_batch = []
+    for _ in range(batches):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        finish()  # p3 owes the last update: count it in
+        per_batch.append(slowest(comm, time.perf_counter() - t0) / iters)
+    return per_batch
+
+
 class Bench:
     def __init__(self, args):
         import torch
@@ -113,27 +139,13 @@ class Bench:
         # Set by the emulated cluster, where each host is a namespace with this one interface.
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")
 
-    def slowest(self, seconds: float) -> float:
-        import numpy as np
-        t = np.array([seconds])
-        self.comm.Allreduce(self.MPI.IN_PLACE, t, op=self.MPI.MAX)
-        return float(t[0])
-
     def timed(self, step, finish=lambda: None):
-        """Per-batch seconds per step, slowest rank, after warm-up; sets self.wire (bytes sent per step) too."""
-        for _ in range(self.args.warmup):
-            step()
-        finish()
-        per_batch = []
+        """Per-batch seconds per step, slowest rank, after warm-up; sets self.wire (bytes sent per timed step) too."""
+        a = self.args
+        timed_batches(self.comm, step, finish, a.warmup, 0, a.iters)  # the warm-up alone
         self.comm.Barrier()
         tx0 = self.host_tx_bytes()
-        for _ in range(self.args.batches):
-            self.comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(self.args.iters):
-                step()
-            finish()  # p3 owes the last update: count it in
-            per_batch.append(self.slowest(time.perf_counter() - t0) / self.args.iters)
+        per_batch = timed_batches(self.comm, step, finish, 0, a.batches, a.iters)
         tx1 = self.host_tx_bytes()  # every step is over: each received all it waited for, so it was sent
         self.wire = self.wire_per_step(tx1 - tx0 if self.iface else None)
         return per_batch
@@ -240,7 +252,7 @@ class Bench:
         for _ in range(n):
             fn()
         self.comm_cpu_s = (cpu_busy_s() - c0) / n
-        return self.slowest(time.perf_counter() - t0) / n
+        return slowest(self.comm, time.perf_counter() - t0) / n
 
 
 def main(argv=None, args=None) -> int:

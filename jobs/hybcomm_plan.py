@@ -22,7 +22,7 @@ import sys
 from dataclasses import asdict
 
 from jobs.choices import HYBCOMM_FORCE as FORCE, MODELS
-from jobs.inputs import InputError, JobParser, at_least, one_of, output_file, parse
+from jobs.inputs import InputError, JobParser, at_least, link_rate, one_of, output_file, parse
 from jobs.report import run_metadata, write_document
 
 
@@ -50,21 +50,8 @@ def check_args(args) -> None:
     if args.gflops is not None and not 0 < args.gflops < math.inf:
         raise InputError("--gflops", f"must be a positive finite number, got {args.gflops}")
     output_file(args, "json")
-    args.inter_bps = _bandwidth("--bandwidth", args.bandwidth)
-    args.intra_bps = _bandwidth("--intra-bandwidth", args.intra_bandwidth)
-
-
-def _bandwidth(opt: str, text: str) -> int:
-    """bit/s; last in the check: mpicomm.emulation imports torch."""
-    from mpicomm.emulation import EmulationError, parse_bandwidth
-
-    try:
-        bps = parse_bandwidth(text)
-    except EmulationError as exc:
-        raise InputError(opt, str(exc)) from None
-    if bps is None:  # the cluster jobs' "unshaped": the cost model needs a rate
-        raise InputError(opt, f"{text!r}: give a rate (examples: 1gbit, 10gbit)")
-    return bps
+    args.inter_bps = link_rate("--bandwidth", args.bandwidth)  # last: imports torch
+    args.intra_bps = link_rate("--intra-bandwidth", args.intra_bandwidth)
 
 
 def count_rows(model, layers, inputs) -> tuple[dict[str, int], dict[str, int]]:

@@ -96,6 +96,30 @@ def comma_list(opt: str, text: str, allowed: Iterable | None = None,
     return out
 
 
+def int_list(opt: str, text: str, minimum: int) -> list[int]:
+    """'2,8,32' -> [2, 8, 32]: comma_list of whole numbers, each >= minimum."""
+    values = comma_list(opt, text, parse=int)
+    if min(values) < minimum:
+        raise InputError(opt, f"each must be >= {minimum}, got {min(values)}")
+    return values
+
+
+def link_rate(opt: str, text: str) -> int:
+    """A link rate in bit/s ('1gbit', '2.5gbit'), not the cluster jobs' "none": a cost model needs a number.
+
+    Last in a check: mpicomm.emulation imports torch.
+    """
+    from mpicomm.emulation import EmulationError, parse_bandwidth
+
+    try:
+        bps = parse_bandwidth(text)
+    except EmulationError as exc:
+        raise InputError(opt, str(exc)) from None
+    if bps is None:
+        raise InputError(opt, f"{text!r}: give a rate (examples: 1gbit, 10gbit)")
+    return bps
+
+
 def _creatable(opt: str, directory: str, target: str, writable: bool = True) -> None:
     """`directory` exists as a writable directory, or could be made: its nearest existing ancestor is one.
 
@@ -209,20 +233,31 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser, default_bandwidths: 
     """A cluster benchmark's --bandwidths, --local, --timeout, --json, --plot (checked by cluster_bench_outputs)."""
     p.add_argument("--bandwidths", "--bandwidth", help=f"per-host link rates; none = unshaped (default "
                                                      f"{default_bandwidths}; not with --local)")
+    add_run_arguments(p)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """A cluster benchmark's --local, --timeout, --json, --plot (checked by bench_outputs)."""
     p.add_argument("--local", action="store_true", help="no namespaces: run on this host, unshaped")
     p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
 
 
-def cluster_bench_outputs(args, default_bandwidths: str) -> None:
-    """A cluster benchmark's --json/--plot (PNG beside the JSON by default) and --local/--bandwidths/--hosts.
-
-    Last in a check: the cluster's own limits come from mpicomm, which imports torch and starts MPI.
-    """
+def bench_outputs(args) -> None:
+    """--timeout, and --json/--plot: writable, the PNG beside the JSON by default."""
+    positive(args, "timeout")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
     output_file(args, "json", "plot")
+
+
+def cluster_bench_outputs(args, default_bandwidths: str) -> None:
+    """A cluster benchmark's bench_outputs and --local/--bandwidths/--hosts.
+
+    Last in a check: the cluster's own limits come from mpicomm, which imports torch and starts MPI.
+    """
+    bench_outputs(args)
     if args.local:
         if args.bandwidths is not None:
             raise InputError("--bandwidths", "--local runs unshaped on this host, with no links to shape: "

@@ -21,8 +21,8 @@ import time
 
 from jobs import train_pipeline
 from jobs.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, STRATEGIES, TOKEN_MODELS
-from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, launched_ranks, one_of, option,
-                         output_dir, output_file, parse)
+from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, launched_ranks, link_rate, one_of,
+                         option, output_dir, output_file, parse)
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
@@ -122,14 +122,8 @@ def check_hybcomm(args) -> None:
         if getattr(args, name) is None:
             setattr(args, name, default)
     args.link_bandwidth_bps = None
-    if args.link_bandwidth is not None:
-        # mpicomm imports torch: only paid when the option is given.
-        from mpicomm.emulation import EmulationError, parse_bandwidth
-
-        try:
-            args.link_bandwidth_bps = parse_bandwidth(args.link_bandwidth)  # "none": the default rate
-        except EmulationError as exc:
-            raise InputError("--link-bandwidth", str(exc)) from None
+    if args.link_bandwidth is not None:  # link_rate imports torch (mpicomm): only paid when the option is given
+        args.link_bandwidth_bps = link_rate("--link-bandwidth", args.link_bandwidth)
 
 
 def load_data(args, rank):

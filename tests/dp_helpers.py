@@ -94,6 +94,29 @@ def train(world, strategy, make, path_of, X, Y, optimizer=sgd, steps=STEPS, **kw
     return [p.detach().clone() for p in model.parameters()]
 
 
+def ddp_parameters(world, make, X, Y, local_batch, loss=nn.functional.cross_entropy, steps=STEPS):
+    """torch DDP over gloo on the same ranks: momentum SGD (lr 0.05, 0.9) on each rank's share of X, Y."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mpicomm.torchdist import init_gloo, shutdown_gloo
+
+    r = world.Get_rank()
+    init_gloo(world)
+    try:
+        torch.manual_seed(7)
+        model = make()
+        ddp = DDP(model, find_unused_parameters=True)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+        for step in range(steps):
+            sl = slice(r * local_batch, (r + 1) * local_batch)
+            opt.zero_grad()
+            loss(ddp(X[step][sl]), Y[step][sl]).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        shutdown_gloo(world)
+
+
 def close(a, b, rtol=1e-5, atol=1e-6):
     return all(torch.allclose(x, y, rtol=rtol, atol=atol) for x, y in zip(a, b))
 

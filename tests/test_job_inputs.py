@@ -190,6 +190,13 @@ CASES = [
      "--microbatches", "mpiexec"),
     ("bench_pipeline_worker-model-not-sequential", "jobs.bench_pipeline_worker", ["--model", "transformer"],
      "--model"),
+    ("hybcomm_choice-local-layers-out-of-range", "jobs.bench_hybcomm_choice",
+     ["--local", "--model", "mlp", "--ranks", "2", "--layers", "0,2", "--json", "{out}/c.json"], "--layers"),
+    ("hybcomm_choice-bandwidth-unshaped", "jobs.bench_hybcomm_choice", ["--model", "mlp", "--bandwidth", "none"],
+     "--bandwidth", "cluster"),
+    ("hybcomm_choice_worker-mpiexec-layers-out-of-range", "jobs.bench_hybcomm_choice_worker",
+     ["--model", "mlp", "--layers", "5", "--batch-sizes", "2", "--rounds", "1", "--iters", "1"], "--layers",
+     "mpiexec"),
     ("pipeline_accuracy-task-unknown", "jobs.bench_pipeline_accuracy", ["--tasks", "fc,resnet"], "--tasks"),
     ("pipeline_accuracy-mpiexec-seeds-zero", "jobs.bench_pipeline_accuracy", ["--seeds", "0"], "--seeds", "mpiexec"),
     # Good options on 2 ranks: a 4-stage pipeline needs 4.

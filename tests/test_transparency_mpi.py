@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from conftest import assert_everywhere
-from dp_helpers import wrap
+from dp_helpers import ddp_parameters, wrap
 from runtime import STRATEGIES, DistributedOptimizer
 
 pytestmark = pytest.mark.mpi
@@ -124,26 +124,8 @@ def test_p3_waits_for_weights_read_by_a_parent_module(world):
 
 
 def test_equals_torch_ddp_over_gloo(world):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from mpicomm.torchdist import init_gloo, shutdown_gloo
-
     X, Y = data(world.Get_size())
-    r = world.Get_rank()
-    init_gloo(world)
-    try:
-        torch.manual_seed(7)
-        model = Edgy()
-        ddp = DDP(model, find_unused_parameters=True)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
-        for step in range(STEPS):
-            x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-        ddp_params = [p.detach().clone() for p in model.parameters()]
-    finally:
-        shutdown_gloo(world)
+    ddp_params = ddp_parameters(world, Edgy, X, Y, LOCAL_BATCH)
     for strategy in STRATEGIES:
         assert_everywhere(world, close(train(strategy, world, X, Y), ddp_params), f"{strategy} vs DDP")
 

@@ -68,6 +68,11 @@ def sfb_numbers(M: int, N: int, K: int, P: int) -> float:
     return float((P - 1) * K * (M + N))
 
 
+def rebuild_flop(M: int, N: int, K: int, P: int, bias: bool = True) -> int:
+    """The SFB rebuild's flop on every rank: W_grad = δ_allᵀ u_all over P·K rows (2·P·K·M·N), and Σ δ (P·K·N)."""
+    return 2 * P * K * M * N + P * K * N * bool(bias)
+
+
 def _link_bps(P: int, ranks_per_node: int, links: Links) -> float | None:
     """The slowest link type on the ring, in bit/s (None: one rank, no link).
 
@@ -111,9 +116,8 @@ def layer_cost(name: str, M: int, N: int, K: int, P: int, ranks_per_node: int, l
     if bps is None:
         ps_s = sfb_s = 0.0
     else:
-        rebuild_flop = 2 * P * K * M * N + P * K * N * bias
         ps_s = ps_bytes * 8 / bps
-        sfb_s = sfb_bytes * 8 / bps + rebuild_flop / (links.gflops * 1e9)
+        sfb_s = sfb_bytes * 8 / bps + rebuild_flop(M, N, K, P, bias) / (links.gflops * 1e9)
     if reason is not None:
         choice = "ps"
     elif force != "auto":
