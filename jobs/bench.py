@@ -1,19 +1,25 @@
-"""Benchmark: allreduce vs wfbp vs p3 vs torch DDP, training throughput across link bandwidths.
+"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training throughput across link bandwidths.
 
     python -m jobs.bench --json results/bench.json                       # as root: emulated cluster
     python -m jobs.bench --models vgg19 --bandwidths 1gbit,2.5gbit,none --hosts 4
     python -m jobs.bench --local --models mlp                            # no root: this host, unshaped
     python -m jobs.bench --models vgg19 --bandwidths 1gbit --hosts 2 --ranks-per-host 2 \
         --strategies allreduce,topk,hier-topk --density 0.001             # sparse strategies, 2 nodes
+    python -m jobs.bench --models vgg19-22k --bandwidths 1gbit,10gbit \
+        --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps                  # Poseidon's choice vs forced
 
 For every bandwidth an emulated cluster of --hosts hosts (--ranks-per-host each) is
 brought up, jobs.bench_worker runs every model and strategy across it, and
 the cluster is taken down again. Prints a markdown table, writes JSON rows
 (model, strategy, bandwidth, ranks, samples_per_s, ci, t_iter_s,
-t_compute_s, t_comm_s, overlap_efficiency, compute_cpu_s, comm_cpu_s) and a
+t_compute_s, t_comm_s, overlap_efficiency, compute_cpu_s, comm_cpu_s,
+wire_bytes_per_step, wire_bytes_per_host_per_step; hybcomm's rows: plan) and a
 PNG of samples/s vs bandwidth. "CPU bound" is (compute + communication
 CPU-seconds per step) / cores: on a machine where ranks and the network
-stack share few cores, no overlap can make a step shorter than that.
+stack share few cores, no overlap can make a step shorter than that. "wire
+MB/step" is what the hosts' interfaces sent per step, all hosts together (the
+emulated cluster only). hybcomm's plan (sufficient factors or PS per layer)
+is printed under the table once per model and bandwidth.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from jobs.choices import MODELS
 from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
                          parse)
 from jobs.outputs import write_together
+from jobs.plans import plan_markdown
 from jobs.report import run_metadata, save_figure, write_json
 
 DEFAULT_BANDWIDTHS = "0.5gbit,1gbit,2.5gbit,10gbit,none"
@@ -36,57 +43,86 @@ def parse_args(argv=None):
     """The checked command line: everything the worker would refuse is refused here, before a cluster is up."""
     p = JobParser(prog="python -m jobs.bench", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--models", default="vgg19,resnet50,transformer")
-    p.add_argument("--strategies", default="allreduce,wfbp,p3,ddp")
+    add_worker_arguments(p, "vgg19,resnet50,transformer", "allreduce,wfbp,p3,ddp", batch_size=16)
     p.add_argument("--hosts", type=int, default=4,
                    help="default 4; with --local, emulated nodes of --ranks-per-host ranks on this host")
-    p.add_argument("--ranks-per-host", type=int, default=1)
-    p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
-    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step (default 16)")
-    p.add_argument("--batches", type=int, default=5)
-    p.add_argument("--iters", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--slice-size", type=int, default=None)
     add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
     return parse(p, argv, check_args)
 
 
-def check_args(args) -> None:
+def add_worker_arguments(p, models: str, strategies: str, batch_size: int) -> None:
+    """What a driver of jobs.bench_worker hands it (jobs.bench, jobs.bench_scaling); check_worker_arguments checks."""
+    p.add_argument("--models", default=models, help=f"default {models}")
+    p.add_argument("--strategies", default=strategies, help=f"default {strategies}")
+    p.add_argument("--ranks-per-host", type=int, default=1)
+    p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--batch-size", type=int, default=batch_size,
+                   help=f"samples per rank per step (default {batch_size})")
+    p.add_argument("--batches", type=int, default=5)
+    p.add_argument("--iters", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--slice-size", type=int, default=None)
+
+
+def check_worker_arguments(args) -> None:
     args.models = comma_list("--models", args.models, MODELS)
     bench_worker.check_settings(args)
-    at_least(args, 1, "hosts", "ranks_per_host")
+    at_least(args, 1, "ranks_per_host")
+
+
+def check_args(args) -> None:
+    check_worker_arguments(args)
+    at_least(args, 1, "hosts")
     cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
 
 
-def worker_cmd(args, model, label):
+def worker_cmd(args, model, label, ranks):
     cmd = [sys.executable, "-m", "jobs.bench_worker", "--model", model, "--strategies", args.strategies,
            "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
            "--optimizer", args.optimizer]
     cmd += ["--slice-size", str(args.slice_size)] if args.slice_size else []
     # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
-    return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local else [])
+    return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local and ranks > 1 else [])
 
 
 def markdown(rows) -> str:
     head = ("| model | strategy | bandwidth | samples/s | ±95 % | T_iter s | T_compute s | T_comm s | overlap "
-            "| CPU bound s | inter-node MB/step |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| CPU bound s | inter-node MB/step | wire MB/step |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | {r['ci']:.1f} | "
-            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {r['t_comm_s']:.3f} | {r['overlap_efficiency']:.2f} | "
-            f"{cpu_bound(r)} | {inter_mb(r)} |" for r in rows]
+            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {num(r['t_comm_s'], 3)} | "
+            f"{num(r['overlap_efficiency'], 2)} | {cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | "
+            f"{mb(r, 'wire_bytes_per_step')} |" for r in rows]
     return "\n".join([head, *body])
 
 
-def inter_mb(row) -> str:
-    """Bytes the sparse exchange sent across nodes per step, all ranks together (sparse strategies only)."""
-    b = row.get("inter_node_bytes_per_step")
+def num(value: float | None, digits: int) -> str:
+    """A measured figure, or "-" where the worker could not measure it (hybcomm's T_comm and overlap)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def mb(row, key: str) -> str:
+    """A bytes-per-step column in MB; "-" where the row has none (inter-node: sparse only; wire: emulated hosts)."""
+    b = row.get(key)
     return "-" if b is None else f"{b / 1e6:.2f}"
+
+
+def plans(rows) -> str:
+    """hybcomm's plan once per model and bandwidth: the cost model's own (hybcomm) if it ran, else a forced one."""
+    chosen: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["model"], r["bandwidth"])
+        if r.get("plan") is not None and (key not in chosen or r["strategy"] == "hybcomm"):
+            chosen[key] = r
+    return "\n\n".join(f"hybcomm plan, {model} at {bw} ({r['strategy']}):\n{plan_markdown(r['plan'])}"
+                       for (model, bw), r in chosen.items())
 
 
 def cpu_bound(row) -> str:
     """Lowest T_iter the machine's cores allow: compute and communication CPU-seconds share them."""
-    if "compute_cpu_s" not in row:
+    if row.get("comm_cpu_s") is None:
         return "-"
     return f"{(row['compute_cpu_s'] + row['comm_cpu_s']) / row['cores']:.3f}"
 
@@ -116,10 +152,13 @@ def plot(rows, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = sweep(args, lambda model, label: worker_cmd(args, model, label), markdown, args.ranks_per_host)
+    rows = sweep(args, lambda model, label, ranks: worker_cmd(args, model, label, ranks), markdown,
+                 args.ranks_per_host)
     if rows is None:
         return 2
     print("\n" + markdown(rows))
+    if plans(rows):
+        print("\n" + plans(rows))
     if args.json:
         write_together(None, "--json", args.json, lambda: write_json(args.json, run_metadata("jobs.bench", argv), rows))
     if args.plot and rows:

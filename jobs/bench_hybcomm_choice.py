@@ -174,8 +174,9 @@ def plot(rows, path):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    runs = [(f"{P} ranks", P // args.ranks_per_host) for P in args.ranks]
-    rows = sweep(args, lambda name, label: worker_cmd(args, label), markdown, args.ranks_per_host, runs)
+    runs = [(args.model, P) for P in args.ranks]
+    rows = sweep(args, lambda _model, label, _ranks: worker_cmd(args, label), markdown, args.ranks_per_host,
+                 runs)
     if rows is None:
         return 2
     summary = summarize(rows)

@@ -165,7 +165,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     load = os.getloadavg()
     print(f"# load average before: {load[0]:.2f} (other work on this machine skews the figures)", flush=True)
-    rows = sweep(args, lambda model, label: worker_cmd(args, model, label), markdown)
+    rows = sweep(args, lambda model, label, _ranks: worker_cmd(args, model, label), markdown)
     if rows is None:
         return 2
     summary = summarize(rows)

@@ -2,6 +2,7 @@
 
     mpiexec -n 4 python -m jobs.bench_worker --model vgg19 --strategies allreduce,wfbp,p3,ddp
     mpiexec -n 4 python -m jobs.bench_worker --strategies allreduce,topk,hier-topk,allreduce+pto --density 0.001
+    mpiexec -n 4 python -m jobs.bench_worker --model vgg19-22k --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps
 
 Rank 0 prints one JSON line per strategy (prefixed "ROW ") with samples/s
 (mean and 95 % CI over timed batches, Horovod's synthetic-benchmark protocol),
@@ -11,7 +12,15 @@ overlap efficiency max(T_compute, T_comm) / T_iter, and the machine's busy
 CPU-seconds per step of compute alone and of communication alone. A "+pto"
 suffix runs a strategy with PTO (sharded optimizer update + allgather).
 Sparse strategies also report the bytes their exchange sent per step, summed
-over ranks, to peers on the same node and on other nodes.
+over ranks, to peers on the same node and on other nodes. On the emulated
+cluster every strategy reports the bytes its hosts' interfaces sent per timed
+step (wire_bytes_per_step, all hosts; wire_bytes_per_host_per_step); without
+one interface per host (locally) they are None. hybcomm runs with the cost
+model's choice per layer (its plan in the row), hybcomm-sfb and hybcomm-ps
+with every eligible layer forced one way; --bandwidth is the link rate the
+cost model assumes (unshaped: its default). Their T_comm, overlap and
+communication CPU are None: the factors exist only inside a backward pass,
+so a synchronisation without one would time the dense part alone.
 """
 
 from __future__ import annotations
@@ -22,8 +31,11 @@ import time
 from jobs.choices import EXACT_STRATEGIES, MODELS, SPARSE_STRATEGIES as SPARSE
 from jobs.cluster_sweep import print_row
 from jobs.inputs import InputError, JobParser, at_least, comma_list, fraction, one_of, parse
+from jobs.plans import PLAN_KEYS, plan_rows
 
-STRATEGIES = (*EXACT_STRATEGIES, "ddp", *SPARSE)
+# hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
+FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
+STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "ddp", *SPARSE)
 
 
 def cpu_busy_s() -> float:
@@ -71,6 +83,18 @@ def check_settings(args) -> list[str]:
     return strategies
 
 
+def hybcomm_options(args, force: str):
+    """hybcomm's options: the cost model is told the rate of the links it runs on (the --bandwidth label)."""
+    from mpicomm.emulation import EmulationError, parse_bandwidth
+    from runtime.options import HybCommOptions
+
+    try:
+        bps = parse_bandwidth(args.bandwidth)  # unshaped: None, the cost model's default
+    except EmulationError:  # a label such as local-unshaped
+        bps = None
+    return HybCommOptions(force=force, bandwidth=bps, **({"slice_size": args.slice_size} if args.slice_size else {}))
+
+
 def slowest(comm, seconds: float) -> float:
     """The most seconds any rank of `comm` took (collective)."""
     import numpy as np
@@ -112,10 +136,39 @@ class Bench:
         self.build = lambda: (torch.manual_seed(args.seed), build_model(args.model))[1]
         self.inputs, self.target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
         self.loss = loss_fn(args.model)
+        # Set by the emulated cluster, where each host is a namespace with this one interface.
+        self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")
 
     def timed(self, step, finish=lambda: None):
-        """Per-batch seconds per step, slowest rank, after warm-up."""
-        return timed_batches(self.comm, step, finish, self.args.warmup, self.args.batches, self.args.iters)
+        """Per-batch seconds per step, slowest rank, after warm-up; sets self.wire (bytes sent per timed step) too."""
+        a = self.args
+        timed_batches(self.comm, step, finish, a.warmup, 0, a.iters)  # the warm-up alone
+        self.comm.Barrier()
+        tx0 = self.host_tx_bytes()
+        per_batch = timed_batches(self.comm, step, finish, 0, a.batches, a.iters)
+        tx1 = self.host_tx_bytes()  # every step is over: each received all it waited for, so it was sent
+        self.wire = self.wire_per_step(tx1 - tx0 if self.iface else None)
+        return per_batch
+
+    def host_tx_bytes(self) -> int:
+        """Bytes this host's interface has sent, read by the host's first rank (its ranks share it), else 0."""
+        if not self.iface or self.topo.local_rank != 0:
+            return 0
+        with open(f"/sys/class/net/{self.iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+
+    def wire_per_step(self, sent: int | None) -> dict:
+        """Bytes on the wire per timed step, all hosts and per host; None without an interface per host.
+
+        The per-batch barrier and slowest-rank allreduce add a few hundred bytes per batch.
+        """
+        if sent is None:
+            return dict(wire_bytes_per_step=None, wire_bytes_per_host_per_step=None)
+        import numpy as np
+        total = np.array([sent], dtype=np.int64)
+        self.comm.Allreduce(self.MPI.IN_PLACE, total)
+        per_step = int(total[0]) / (self.args.batches * self.args.iters)
+        return dict(wire_bytes_per_step=per_step, wire_bytes_per_host_per_step=per_step / self.topo.num_nodes)
 
     def train_step(self, model, opt):
         def step():
@@ -138,12 +191,12 @@ class Bench:
         steps = self.args.warmup + self.args.batches * self.args.iters
         return sum(per_batch) / self.args.batches, (cpu_busy_s() - c0) / steps
 
-    def strategy(self, name: str) -> tuple[list[float], float]:
-        """(per-batch step times, T_comm) of one strategy; sets self.traffic for sparse ones."""
+    def strategy(self, name: str) -> tuple[list[float], float | None]:
+        """(per-batch step times, T_comm) of one strategy; sets self.traffic for sparse ones, self.plan for hybcomm."""
         torch = self.torch
         model = self.build()
         opt = self.optimizer(model)
-        self.traffic = {}
+        self.traffic, self.plan = {}, None
         if name == "ddp":
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -161,12 +214,19 @@ class Bench:
             strategy = P3Options(slice_size=self.args.slice_size)
         if base in SPARSE:
             strategy = TopkOptions(density=self.args.density, hierarchical=base == "hier-topk")
+        hybrid = base == "hybcomm" or base in FORCED
+        if hybrid:
+            strategy = hybcomm_options(self.args, FORCED.get(base, "auto"))
         with DistributedOptimizer(opt, model, strategy, topology=self.topo, pto=name.endswith("+pto")) as dopt:
-            before = self._traffic(dopt)
+            before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things
             times = self.timed(self.train_step(model, dopt), dopt.synchronize)
+            self.plan = plan_rows(dopt.strategy, PLAN_KEYS)
             if before is not None:
                 steps = self.args.warmup + self.args.batches * self.args.iters
                 self.traffic = {k: (v - before[k]) / steps for k, v in self._traffic(dopt).items()}
+            if hybrid:  # no T_comm (see the module's docstring)
+                self.comm_cpu_s = None
+                return times, None
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
 
@@ -177,10 +237,8 @@ class Bench:
         return times, comm_t
 
     def _traffic(self, dopt) -> dict | None:
-        """Bytes sent so far by every rank's sparse exchange, summed (None for dense strategies)."""
-        traffic = getattr(dopt.strategy, "traffic", None)
-        if traffic is None:
-            return None
+        """Bytes sent so far by every rank's sparse exchange, summed."""
+        traffic = dopt.strategy.traffic
         import numpy as np
         mine = np.array([traffic.intra, traffic.inter], dtype=np.int64)
         self.comm.Allreduce(self.MPI.IN_PLACE, mine)
@@ -215,13 +273,16 @@ def main(argv=None, args=None) -> int:
         t_iter = statistics.fmean(per_batch)
         row = dict(model=args.model, strategy=name, bandwidth=args.bandwidth, ranks=b.P,
                    batch_per_rank=args.batch_size, samples_per_s=mean, ci=ci, t_iter_s=t_iter,
-                   t_compute_s=t_compute, t_comm_s=t_comm, overlap_efficiency=max(t_compute, t_comm) / t_iter,
+                   t_compute_s=t_compute, t_comm_s=t_comm,
+                   overlap_efficiency=None if t_comm is None else max(t_compute, t_comm) / t_iter,
                    # Machine-wide CPU-seconds per step (rank 0's reading): with compute and communication
                    # sharing the cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
                    compute_cpu_s=compute_cpu, comm_cpu_s=b.comm_cpu_s, cores=os.cpu_count(),
-                   nodes=b.topo.num_nodes, optimizer=args.optimizer, **b.traffic)
+                   nodes=b.topo.num_nodes, optimizer=args.optimizer, **b.wire, **b.traffic)
         if name.removesuffix("+pto") in SPARSE:
             row["density"] = args.density
+        if b.plan is not None:
+            row["plan"] = b.plan
         if b.topo.rank == 0:
             print_row(row)
     if "ddp" in args.strategies:

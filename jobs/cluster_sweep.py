@@ -19,14 +19,15 @@ def rows_from(proc) -> list[dict]:
     return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
 
 
-def sweep(args, command: Callable[[str, str], list[str]], show: Callable[[list[dict]], str],
+def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[list[dict]], str],
           ranks_per_host: int = 1, runs: list[tuple[str, int]] | None = None) -> list[dict] | None:
-    """Rows of command(model, bandwidth label) for every --bandwidths x --models (--local: this host, unshaped).
+    """Rows of command(name, bandwidth label, ranks) for every --bandwidths x run (--local: this host, unshaped).
 
-    A cluster of --hosts hosts is brought up per model and bandwidth and taken down after it; `runs`,
-    (name, hosts) pairs, replaces the models and --hosts: command(name, label) on that many hosts.
-    The new rows are shown (show(rows) is a markdown table) as they come. A failure ends the sweep
-    with one `error:` line: the rows so far are returned, or None when there are none.
+    runs: (name, ranks) pairs; by default (model, --hosts x ranks_per_host) for every --models. A run
+    of n ranks gets a cluster of ceil(n / ranks_per_host) hosts, brought up for it and taken down
+    after; a single rank sends nothing and runs on this host. The new rows are shown (show(rows) is a
+    markdown table) as they come. A failure ends the sweep with one `error:` line: the rows so far are
+    returned, or None when there are none.
     """
     from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
 
@@ -34,13 +35,14 @@ def sweep(args, command: Callable[[str, str], list[str]], show: Callable[[list[d
     try:
         for bw in ["local-unshaped"] if args.local else args.bandwidths:
             label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
-            for name, hosts in runs or [(model, args.hosts) for model in args.models]:
-                print(f"# {name} at {label} ...", flush=True)
-                if args.local:
-                    proc = run_local(command(name, label), hosts * ranks_per_host, args.timeout, capture=True)
+            for name, n in runs or [(model, args.hosts * ranks_per_host) for model in args.models]:
+                print(f"# {name} at {label}, {n} rank{'s' * (n > 1)} ...", flush=True)
+                cmd = command(name, label, n)
+                if args.local or n == 1:
+                    proc = run_local(cmd, n, args.timeout, capture=True)
                 else:
-                    with EmulatedCluster(hosts, bw, ranks_per_host=ranks_per_host) as cluster:
-                        proc = cluster.run(command(name, label), timeout=args.timeout, capture=True)
+                    with EmulatedCluster(-(-n // ranks_per_host), bw, ranks_per_host=ranks_per_host) as cluster:
+                        proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True)
                 new = rows_from(proc)
                 rows += new
                 print(show(new).split("\n", 2)[2], flush=True)

@@ -21,11 +21,9 @@ import math
 import sys
 from dataclasses import asdict
 
-from jobs.choices import MODELS
+from jobs.choices import HYBCOMM_FORCE as FORCE, MODELS
 from jobs.inputs import InputError, JobParser, at_least, link_rate, one_of, output_file, parse
 from jobs.report import run_metadata, write_document
-
-FORCE = ("auto", "sfb", "ps")  # runtime.hybrid.cost_model.FORCE, without importing runtime to check a command line
 
 
 def parse_args(argv=None):

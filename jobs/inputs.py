@@ -231,8 +231,8 @@ def parse(parser: argparse.ArgumentParser, argv=None, check: Callable | None = N
 
 def add_cluster_bench_arguments(p: argparse.ArgumentParser, default_bandwidths: str) -> None:
     """A cluster benchmark's --bandwidths, --local, --timeout, --json, --plot (checked by cluster_bench_outputs)."""
-    p.add_argument("--bandwidths", help=f"per-host link rates; none = unshaped (default {default_bandwidths}; "
-                                        "not with --local)")
+    p.add_argument("--bandwidths", "--bandwidth", help=f"per-host link rates; none = unshaped (default "
+                                                     f"{default_bandwidths}; not with --local)")
     add_run_arguments(p)
 
 

@@ -4,6 +4,7 @@
     mpiexec -n 4 python -m jobs.train --model vgg19 --data synthetic --strategy wfbp --max-steps 20
     mpiexec -n 4 python -m jobs.train --checkpoint ckpt.pt --resume --timeline trace.json
     mpiexec -n 4 python -m jobs.train --strategy hier-topk --density 0.01 --pto
+    mpiexec -n 4 python -m jobs.train --model vgg19-22k --data synthetic --strategy hybcomm --link-bandwidth 1gbit
     mpiexec -n 4 python -m jobs.train --cache-dir /tmp/mpitrain-cache   # training data through datacache
     mpiexec -n 4 python -m jobs.train --parallel pipeline --pipeline-mode spectrain --microbatches 8
 
@@ -19,9 +20,12 @@ import sys
 import time
 
 from jobs import train_pipeline
-from jobs.choices import MODELS, STRATEGIES, TOKEN_MODELS
-from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, launched_ranks, one_of, output_dir,
-                         output_file, parse)
+from jobs.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, STRATEGIES, TOKEN_MODELS
+from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, launched_ranks, link_rate, one_of,
+                         option, output_dir, output_file, parse)
+
+# hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
+HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
 
 
 def parse_args(argv=None):
@@ -32,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--data", choices=("fashion-mnist", "synthetic", "austen"), default="fashion-mnist",
                    help="austen: Jane Austen's novels, characters (char-lstm; validation = the last 10 %%)")
     p.add_argument("--strategy", default="p3",
-                   help="allreduce, wfbp, p3 (exact) or topk, hier-topk (sparsified; default p3)")
+                   help="allreduce, wfbp, p3, hybcomm (exact) or topk, hier-topk (sparsified; default p3)")
     p.add_argument("--density", type=float, default=0.01, help="topk/hier-topk: fraction sent (default 0.01)")
     p.add_argument("--no-error-feedback", action="store_true", help="topk/hier-topk: drop what is not sent")
     p.add_argument("--dense-warmup-steps", type=int, default=0, help="topk/hier-topk: dense steps first")
@@ -42,6 +46,14 @@ def parse_args(argv=None):
                    help="select top-k over the flattened model or per layer (default model)")
     p.add_argument("--topk-operator", choices=("mstopk", "exact"), default="mstopk",
                    help="approximate MSTopK or exact torch.topk (default mstopk)")
+    p.add_argument("--hybcomm-dense", choices=HYBCOMM_DENSE,
+                   help="hybcomm: the path of the gradients not sent as sufficient factors (default wfbp)")
+    p.add_argument("--hybcomm-force", choices=HYBCOMM_FORCE,
+                   help="hybcomm: auto (the cost model picks per layer), or sfb/ps for every eligible layer "
+                        "(default auto)")
+    p.add_argument("--link-bandwidth", metavar="RATE",
+                   help="hybcomm: a node's link for the cost model, e.g. 1gbit (default $MPITRAIN_LINK_BANDWIDTH "
+                        "or 10gbit)")
     p.add_argument("--pto", action="store_true",
                    help="each rank updates 1/P of the parameters, then allgather (optimizer state sharded)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd (with --momentum)")
@@ -82,17 +94,36 @@ def check_args(args) -> None:
     if args.data == "fashion-mnist" and args.model in TOKEN_MODELS:
         raise InputError("--data", f"{args.model} trains on sequences: use --data synthetic"
                                    + (" or --data austen" if args.model == "char-lstm" else ""))
+    if args.data == "fashion-mnist" and args.model in FIXED_CLASSES:
+        raise InputError("--data", f"{args.model} has {FIXED_CLASSES[args.model]:,} classes, Fashion-MNIST 10: "
+                                   "use --data synthetic")
     if args.data == "austen" and args.model != "char-lstm":
         raise InputError("--data", "austen is a character corpus: use it with --model char-lstm")
     if args.cache_dir and (args.data != "fashion-mnist" or args.model in TOKEN_MODELS):
         raise InputError("--cache-dir", "serves image data: use it with --data fashion-mnist and an image model")
     if args.data_dir and not args.cache_dir:
         raise InputError("--data-dir", "needs --cache-dir")
+    check_hybcomm(args)
     existing_dir(args, "data_dir")
     output_dir(args, "cache_dir", writable=False)  # an unwritable cache falls back to the source
     output_file(args, "json")
     output_file(args, "checkpoint", "timeline", replaced=True)  # both written to a temp file, then renamed
     train_pipeline.check_arguments(args, launched_ranks())
+
+
+def check_hybcomm(args) -> None:
+    """hybcomm's options: refused with another strategy, else defaulted; --link-bandwidth also as link_bandwidth_bps."""
+    if args.strategy != "hybcomm":
+        for name in HYBCOMM_DEFAULTS:
+            if getattr(args, name) is not None:
+                raise InputError(option(name), "needs --strategy hybcomm")
+        return
+    for name, default in HYBCOMM_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    args.link_bandwidth_bps = None
+    if args.link_bandwidth is not None:  # link_rate imports torch (mpicomm): only paid when the option is given
+        args.link_bandwidth_bps = link_rate("--link-bandwidth", args.link_bandwidth)
 
 
 def load_data(args, rank):
@@ -177,7 +208,11 @@ def evaluate(model, x, y, comm, batch=512):
 def strategy_options(args):
     """The --strategy and its options as a runtime options object."""
     from runtime import P3Options, TopkOptions
+    from runtime.options import HybCommOptions
 
+    if args.strategy == "hybcomm":
+        return HybCommOptions(dense=args.hybcomm_dense, force=args.hybcomm_force, bandwidth=args.link_bandwidth_bps,
+                              credit=args.credit, **({"slice_size": args.slice_size} if args.slice_size else {}))
     if args.strategy == "p3":
         return P3Options(credit=args.credit, **({"slice_size": args.slice_size} if args.slice_size else {}))
     if args.strategy in ("topk", "hier-topk"):
@@ -199,9 +234,10 @@ def main(argv=None, args=None) -> int:
     from mpicomm.agree import fail_together
     from runtime import CheckpointError, DistributedOptimizer, load_checkpoint, save_checkpoint
     from runtime.data import BatchPlan
-    from runtime.models import build_model, input_shape, loss_fn
+    from runtime.models import FIXED_CLASSES as CLASSES, build_model, input_shape, loss_fn
 
     from jobs.outputs import write_training_outputs
+    from jobs.plans import PlanWatch, plan_rows
     from jobs.progress import epoch_progress
 
     torch.set_num_threads(args.threads)
@@ -228,7 +264,8 @@ def main(argv=None, args=None) -> int:
         topo.free()
         return status
     torch.manual_seed(args.seed)
-    model = build_model(args.model, num_classes=10 if args.model != "transformer" else 1000,
+    classes = CLASSES.get(args.model, 1000 if args.model == "transformer" else 10)  # as the data's (model_input)
+    model = build_model(args.model, num_classes=classes,
                         **({"in_channels": 3} if args.model in ("vgg19", "resnet50") else {}))
     if args.optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -262,6 +299,7 @@ def main(argv=None, args=None) -> int:
         f"strategy {args.strategy}{' + pto' if args.pto else ''}, {P} ranks x batch {args.batch_size}, "
         f"{steps} steps/epoch")
     history = []
+    plan_watch = PlanWatch(dopt.strategy, say) if rank == 0 else None  # hybcomm's plan, whenever it changes
     for epoch in range(start_epoch, args.epochs):
         bar = None
         if rank == 0 and not args.no_progress:
@@ -279,6 +317,8 @@ def main(argv=None, args=None) -> int:
             except FloatingPointError as exc:  # raised on every rank together (NonFiniteGradientError)
                 say(f"\nerror: step {step + 1} of epoch {epoch + 1}: {exc}", file=sys.stderr, flush=True)
                 return 3
+            if plan_watch is not None:
+                plan_watch.check()
             loss_value = loss.detach().item()
             loss_sum += loss_value
             if bar is not None:
@@ -312,10 +352,14 @@ def main(argv=None, args=None) -> int:
                 say(f"error: --checkpoint: {exc}", file=sys.stderr)
                 dopt.close()
                 return 1
+    plan = plan_rows(dopt.strategy)  # None but under hybcomm
+    metrics = dict(args=vars(args), ranks=P, epochs=history)
+    if plan is not None:
+        metrics.update(plan=plan, plan_version=dopt.strategy.plan_version)
     dopt.close()
     if cache is not None:
         cache.close()
-    write_training_outputs(comm, args, timeline, dict(args=vars(args), ranks=P, epochs=history), say)
+    write_training_outputs(comm, args, timeline, metrics, say)
     topo.free()
     return 0
 

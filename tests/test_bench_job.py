@@ -3,27 +3,38 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 from conftest import ROOT
+from mpicomm.launch import mpiexec
 
 
 def test_local_bench_rows_table_and_plot(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench", "--local", "--hosts", "2", "--models", "mlp", "--batch-size", "8",
-           "--batches", "2", "--iters", "1", "--warmup", "1", "--json", str(out)]
+           "--batches", "2", "--iters", "1", "--warmup", "1", "--json", str(out),
+           "--strategies", "allreduce,wfbp,p3,ddp,hybcomm-sfb"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [r["strategy"] for r in rows] == ["allreduce", "wfbp", "p3", "ddp"]
+    assert [r["strategy"] for r in rows] == ["allreduce", "wfbp", "p3", "ddp", "hybcomm-sfb"]
+    hybrid = rows.pop()
+    # Its factors exist only inside a backward pass: no T_comm of its own, and the table says so.
+    assert hybrid["t_comm_s"] is None and hybrid["overlap_efficiency"] is None and hybrid["samples_per_s"] > 0
+    assert "| mlp | hybcomm-sfb | local-unshaped |" in proc.stdout
+    plan = proc.stdout[proc.stdout.index("hybcomm plan, mlp at local-unshaped (hybcomm-sfb):"):]
+    assert "| net.1 | 784 | 256 | 8 | sfb | forced |" in plan and "| net.3 | 256 | 10 | 8 | sfb | forced |" in plan
     keys = {"model", "strategy", "bandwidth", "ranks", "samples_per_s", "ci", "t_iter_s", "t_compute_s", "t_comm_s"}
     for r in rows:
         assert keys <= set(r) and r["ranks"] == 2 and r["bandwidth"] == "local-unshaped"
         assert r["nodes"] == 2  # --local honours --hosts: one emulated node per host
         assert r["samples_per_s"] > 0 and r["t_iter_s"] > 0 and r["t_comm_s"] > 0
         assert abs(r["overlap_efficiency"] - max(r["t_compute_s"], r["t_comm_s"]) / r["t_iter_s"]) < 1e-9
-    assert "| mlp | p3 | local-unshaped |" in proc.stdout
+        # No interface per host here: nothing to count, and nothing made up.
+        assert r["wire_bytes_per_step"] is None and r["wire_bytes_per_host_per_step"] is None
+    assert "| mlp | p3 | local-unshaped |" in proc.stdout and "| wire MB/step |" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -31,3 +42,31 @@ def test_worker_rejects_unknown_strategy():
     proc = subprocess.run([sys.executable, "-m", "jobs.bench_worker", "--strategies", "p4"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and "--strategies: unknown 'p4'" in proc.stderr
+
+
+def test_worker_counts_wire_bytes_per_host_and_reports_hybcomms_plan():
+    """Two emulated nodes told to count loopback (real traffic: gloo's TCP): both node leaders read the one counter.
+
+    DDP's ring sends at least the gradient per step; hybcomm rows carry their plan, a forced one forced.
+    """
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_worker", "--model", "mlp", "--batch-size", "8",
+           "--batches", "2", "--iters", "1", "--warmup", "1", "--ranks-per-node", "1", "--bandwidth", "1gbit",
+           "--strategies", "ddp,hybcomm,hybcomm-ps"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=dict(os.environ, MPITRAIN_CLUSTER_IFACE="lo"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["strategy"]: r for r in (json.loads(line[4:]) for line in proc.stdout.splitlines()
+                                       if line.startswith("ROW "))}
+    assert list(rows) == ["ddp", "hybcomm", "hybcomm-ps"]
+    grad_bytes = (784 * 256 + 256 + 256 * 10 + 10) * 4
+    for r in rows.values():
+        assert r["nodes"] == 2 and r["wire_bytes_per_step"] == 2 * r["wire_bytes_per_host_per_step"]
+    assert rows["ddp"]["wire_bytes_per_step"] >= grad_bytes and "plan" not in rows["ddp"]
+    assert rows["ddp"]["t_comm_s"] > 0 and rows["hybcomm"]["t_comm_s"] is None
+    layers = {("net.1", 784, 256), ("net.3", 256, 10)}  # the mlp's Linear layers: in, out features
+    for name, forced in (("hybcomm", None), ("hybcomm-ps", "ps")):
+        plan = rows[name]["plan"]
+        assert {(p["name"], p["M"], p["N"]) for p in plan} == layers
+        assert all(set(p) == {"name", "M", "N", "K", "choice", "reason"} and p["choice"] in ("sfb", "ps")
+                   and p["K"] == 8 for p in plan)  # K: rows per rank, the batch
+        assert forced is None or {p["choice"] for p in plan} == {forced}

@@ -26,6 +26,8 @@ MSTOPK = ["--sizes", "1000", "--densities", "0.1", "--repeats", "1"]
 PTO = ["--model", "mlp", "--repeats", "1", "--warmup", "0"]
 SOAK = ["--steps", "20", "--every", "10", "--settle", "0"]
 OVERHEAD = ["--models", "mlp", "--steps", "1", "--warmup", "0", "--rounds", "1"]
+SCALING = ["--local", "--models", "mlp", "--strategies", "allreduce", "--batch-size", "8", "--batches", "2",
+           "--iters", "1", "--warmup", "1"]
 PIPE = ["--local", "--hosts", "2", "--models", "mlp", "--batch-size", "8", "--microbatches", "2", "--rounds", "1",
         "--iters", "1", "--warmup", "0"]
 
@@ -58,6 +60,18 @@ CASES = [
     ("train-momentum-negative", "jobs.train", [*TRAIN, "--momentum", "-1"], "--momentum"),
     ("train-seed-negative", "jobs.train", [*TRAIN, "--seed", "-1"], "--seed"),
     ("train-model-unknown", "jobs.train", [*TRAIN, "--model", "alexnet"], "--model"),
+    ("train-22k-classes-on-fashion-mnist", "jobs.train", [*TRAIN, "--model", "vgg19-22k", "--data", "fashion-mnist"],
+     "--data"),
+    ("train-hybcomm-force-with-wfbp", "jobs.train", [*TRAIN, "--strategy", "wfbp", "--hybcomm-force", "sfb"],
+     "--hybcomm-force"),
+    ("train-hybcomm-dense-with-default-strategy", "jobs.train", [*TRAIN, "--hybcomm-dense", "wfbp"],
+     "--hybcomm-dense"),
+    ("train-link-bandwidth-with-allreduce", "jobs.train", [*TRAIN, "--strategy", "allreduce", "--link-bandwidth",
+                                                           "1gbit"], "--link-bandwidth"),
+    ("train-hybcomm-dense-unknown", "jobs.train", [*TRAIN, "--strategy", "hybcomm", "--hybcomm-dense", "allreduce"],
+     "--hybcomm-dense"),
+    ("train-hybcomm-force-unknown", "jobs.train", [*TRAIN, "--strategy", "hybcomm", "--hybcomm-force", "topk"],
+     "--hybcomm-force"),
     ("train-data-dir-missing", "jobs.train", [*CACHED, "--cache-dir", "{out}/cache", "--data-dir", "{missing}"],
      "--data-dir"),
     ("train-cache-dir-is-a-file", "jobs.train", [*CACHED, "--cache-dir", "{file}", "--data-dir", "{png}"],
@@ -69,6 +83,8 @@ CASES = [
     ("worker-slice-size-negative", "jobs.bench_worker", [*WORKER, "--strategies", "p3", "--slice-size", "-4"],
      "--slice-size"),
     ("worker-iters-zero", "jobs.bench_worker", [*WORKER, "--iters", "0"], "--iters"),
+    ("worker-hybcomm-variant-unknown", "jobs.bench_worker", [*WORKER, "--strategies", "wfbp,hybcomm-p3"],
+     "--strategies"),
     ("bench-local-strategy-unknown", "jobs.bench", [*LOCAL, "--strategies", "p4", "--json", "{out}/b.json"],
      "--strategies"),
     ("bench-local-model-unknown", "jobs.bench", [*LOCAL, "--models", "alexnet"], "--models"),
@@ -83,6 +99,15 @@ CASES = [
      "--strategies", "cluster"),
     ("bench-slice-size-negative", "jobs.bench", ["--models", "mlp", "--bandwidths", "1gbit", "--slice-size", "-1"],
      "--slice-size", "cluster"),
+    ("scaling-local-ranks-not-increasing", "jobs.bench_scaling", [*SCALING, "--ranks", "1,4,2"], "--ranks"),
+    ("scaling-local-ranks-empty", "jobs.bench_scaling", [*SCALING, "--ranks", ","], "--ranks"),
+    ("scaling-local-ranks-zero", "jobs.bench_scaling", [*SCALING, "--ranks", "0,1"], "--ranks"),
+    ("scaling-local-ranks-not-filling-hosts", "jobs.bench_scaling", [*SCALING, "--ranks", "1,2,3",
+                                                                     "--ranks-per-host", "2"], "--ranks"),
+    ("scaling-local-with-bandwidth", "jobs.bench_scaling", [*SCALING, "--ranks", "1,2", "--bandwidth", "1gbit"],
+     "--bandwidths"),
+    ("scaling-local-strategy-unknown", "jobs.bench_scaling", [*SCALING, "--strategies", "hybcomm-auto"],
+     "--strategies"),
     ("collectives-json-is-a-directory", "jobs.bench_collectives", [*COLL, "--json", "{dir}"], "--json"),
     ("collectives-plot-under-a-file", "jobs.bench_collectives", [*COLL, "--plot", "{file}/p.png"], "--plot"),
     ("collectives-link-gbps-negative", "jobs.bench_collectives", [*COLL, "--link-gbps", "-1"], "--link-gbps"),
@@ -241,7 +266,63 @@ def test_the_jobs_names_are_runtimes():
     """jobs.choices lets the jobs check names before runtime (and MPI) is imported: it must not drift."""
     from jobs import choices
     from runtime import SPARSE_STRATEGIES, STRATEGIES
-    from runtime.models import MODELS
+    from runtime.models import FIXED_CLASSES, MODELS
+    from runtime.options import HYBCOMM_DENSE, HYBCOMM_FORCE
 
-    assert choices.MODELS == tuple(MODELS)
+    assert choices.MODELS == tuple(MODELS) and choices.FIXED_CLASSES == FIXED_CLASSES
     assert choices.EXACT_STRATEGIES == tuple(STRATEGIES) and choices.SPARSE_STRATEGIES == tuple(SPARSE_STRATEGIES)
+    assert (choices.HYBCOMM_DENSE, choices.HYBCOMM_FORCE) == (HYBCOMM_DENSE, HYBCOMM_FORCE)
+
+
+def test_train_hands_hybcomm_its_options():
+    """--hybcomm-dense, --hybcomm-force, --link-bandwidth (and the dense path's --slice-size, --credit) reach
+    HybCommOptions."""
+    from jobs import train
+
+    opts = train.strategy_options(train.parse_args([*TRAIN, "--strategy", "hybcomm", "--hybcomm-dense", "p3",
+                                                    "--hybcomm-force", "sfb", "--link-bandwidth", "2.5gbit",
+                                                    "--slice-size", "1000", "--credit", "3"]))
+    assert (opts.name, opts.dense, opts.force, opts.bandwidth, opts.slice_size, opts.credit) == \
+        ("hybcomm", "p3", "sfb", 2_500_000_000, 1000, 3)
+    args = train.parse_args([*TRAIN, "--strategy", "hybcomm"])
+    opts = train.strategy_options(args)
+    assert (opts.dense, opts.force, opts.bandwidth) == ("wfbp", "auto", None)  # None: the cost model's default
+    assert (args.hybcomm_dense, args.hybcomm_force) == ("wfbp", "auto")  # what the JSON's args say
+    assert train.parse_args([*TRAIN, "--model", "vgg19-22k"]).model == "vgg19-22k"  # synthetic data: fine
+
+
+def test_bench_worker_takes_hybcomm_and_its_forced_variants():
+    from jobs import bench_worker
+
+    args = bench_worker.parse_args([*WORKER, "--strategies", "hybcomm,hybcomm-sfb,hybcomm-ps+pto,ddp",
+                                    "--bandwidth", "1gbit"])
+    assert args.strategies == ["hybcomm", "hybcomm-sfb", "hybcomm-ps+pto", "ddp"]
+    opts = bench_worker.hybcomm_options(args, "ps")
+    assert (opts.name, opts.force, opts.bandwidth) == ("hybcomm", "ps", 1_000_000_000)
+    for label in ("unshaped", "local-unshaped"):  # no link rate to tell the cost model
+        args.bandwidth = label
+        assert bench_worker.hybcomm_options(args, "auto").bandwidth is None
+
+
+def test_bench_scaling_takes_a_bandwidth_and_rank_counts():
+    from jobs import bench_scaling
+
+    args = bench_scaling.parse_args(["--models", "vgg19-22k", "--ranks", "1,2,4,8", "--bandwidth", "10gbit",
+                                     "--strategies", "wfbp,p3,hybcomm,ddp"])
+    assert (args.ranks, args.bandwidths, args.batch_size, args.local) == ([1, 2, 4, 8], ["10gbit"], 8, False)
+    args = bench_scaling.parse_args([*SCALING, "--ranks", "1,2,6", "--ranks-per-host", "2"])
+    assert args.ranks == [1, 2, 6]  # one rank alone needs no full host
+
+
+@pytest.mark.parametrize("job,args,message", [
+    ("train", [*TRAIN, "--strategy", "hybcomm", "--link-bandwidth", "fast"], "--link-bandwidth: cannot parse"),
+    ("bench_scaling", ["--models", "mlp", "--ranks", "1,2,128"], "--ranks: 128 ranks need more than 64 hosts"),
+], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts"])
+def test_checks_that_need_mpicomm(capsys, job, args, message):
+    """In this process, which has imported mpicomm (torch) already: a job pays that only when the option is given."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"jobs.{job}").parse_args(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("error: ") and message in err and len(err.splitlines()) == 1

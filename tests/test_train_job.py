@@ -28,11 +28,45 @@ def train(tmp_path, *args, n=2, timeout=180):
 def test_trains_and_reports_every_epoch(tmp_path, strategy):
     out = tmp_path / "m.json"
     proc = train(tmp_path, "--strategy", *strategy.split(), "--epochs", "2", "--json", str(out), "--density", "0.1")
-    rows = json.loads(out.read_text())["epochs"]
+    doc = json.loads(out.read_text())
+    rows = doc["epochs"]
+    assert "plan" not in doc and "hybcomm plan:" not in proc.stdout  # hybcomm's alone
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[1]["loss"] < rows[0]["loss"]  # the synthetic classes are learnable
     assert all(r["test_targets"] == 256 and 0 <= r["test_accuracy"] <= 1 and r["samples_per_s"] > 0 for r in rows)
     assert "epoch 2: loss" in proc.stdout
+
+
+def test_hybcomm_prints_its_plan_and_records_it(tmp_path):
+    """4 ranks: rank 0 prints the plan after the first step (the batch never changes: once) and --json holds it."""
+    out = tmp_path / "m.json"
+    proc = train(tmp_path, "--strategy", "hybcomm", "--hybcomm-force", "sfb", "--link-bandwidth", "1gbit",
+                 "--epochs", "1", "--max-steps", "3", "--json", str(out), n=4)
+    doc = json.loads(out.read_text())
+    assert proc.stdout.count("hybcomm plan:") == 1 and "epoch 1: loss" in proc.stdout
+    assert (doc["args"]["hybcomm_force"], doc["args"]["link_bandwidth_bps"]) == ("sfb", 1_000_000_000)
+    plan = doc["plan"]
+    assert {(p["name"], p["M"], p["N"], p["choice"]) for p in plan} == {("net.1", 784, 256, "sfb"),
+                                                                       ("net.3", 256, 10, "sfb")}
+    assert isinstance(doc["plan_version"], int) and len(doc["epochs"]) == 1
+
+
+def test_plan_watch_says_each_new_plan_once():
+    """As jobs.train's rank 0 calls it after every step: nothing before a plan or without one, each version once."""
+    from types import SimpleNamespace
+
+    from jobs.plans import PlanWatch
+
+    said = []
+    strategy = SimpleNamespace(plan=None, plan_version=0, plan_text=lambda: f"table {strategy.plan_version}")
+    watch = PlanWatch(strategy, lambda text, flush: said.append(text))
+    watch.check()
+    strategy.plan, strategy.plan_version = ["layer"], 1
+    watch.check(), watch.check()
+    strategy.plan_version = 2  # a new batch size: a new plan
+    watch.check()
+    PlanWatch(SimpleNamespace(), said.append).check()  # wfbp: no plan at all
+    assert said == ["hybcomm plan:\ntable 1", "hybcomm plan:\ntable 2"]
 
 
 @pytest.mark.parametrize("extra", [[], ["--pto", "--optimizer", "adam", "--lr", "0.01"]], ids=["p3", "pto-adam"])
