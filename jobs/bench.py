@@ -1,4 +1,4 @@
-"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training throughput across link bandwidths.
+r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training throughput across link bandwidths.
 
     python -m jobs.bench --json results/bench.json                       # as root: emulated cluster
     python -m jobs.bench --models vgg19 --bandwidths 1gbit,2.5gbit,none --hosts 4

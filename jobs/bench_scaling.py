@@ -1,4 +1,4 @@
-"""Benchmark: the scaling curve, each strategy's samples/s on 1, 2, 4, 8 ... ranks over emulated links.
+r"""Benchmark: the scaling curve, each strategy's samples/s on 1, 2, 4, 8 ... ranks over emulated links.
 
     python -m jobs.bench_scaling --models vgg19-22k --strategies wfbp,p3,hybcomm,ddp --ranks 1,2,4,8 \
         --ranks-per-host 1 --bandwidth 10gbit --batch-size 8 --json results/scaling.json   # as root
