@@ -261,3 +261,27 @@ def test_ranks_planning_from_other_inputs_stop_together(world):
         nn.functional.cross_entropy(model(X[0][sl]), Y[0][sl]).backward()
         dopt.step()
     dopt.close()
+
+
+def test_a_rank_without_backward_in_a_step_does_not_hang(world):
+    """Rank 1 skips forward and backward in step 1 (its census comes only from step()): every rank goes on."""
+    X, Y = data(world.Get_size(), steps=3)
+    torch.manual_seed(7)
+    model = Mixed()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    r = world.Get_rank()
+    sl = slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)
+    with DistributedOptimizer(opt, model, HybCommOptions(force="sfb"), comm=world) as dopt:
+        for step in range(3):
+            dopt.zero_grad()
+            if not (step == 1 and r == 1):
+                nn.functional.cross_entropy(model(X[step][sl]), Y[step][sl]).backward()
+            dopt.step()
+        assert {c.name: c.K for c in dopt.strategy.plan}["wide"] == LOCAL_BATCH
+    params = [p.detach().clone() for p in model.parameters()]
+    assert_everywhere(world, close(params, _from(world, params)), "ranks drifted apart")
+
+
+def _from(world, params, root=0):
+    """Rank `root`'s copy of these tensors."""
+    return [torch.from_numpy(world.bcast(p.numpy(), root=root)) for p in params]

@@ -21,7 +21,7 @@ PARAM_COUNTS = {
     "resnet50": 23_520_842,
     "transformer": 6_043_624,  # tied: the 256,000-value output weight is the target embedding
     "char-lstm": 5_442_209,  # 97*64 embedding, LSTMs 64->512, 512->512 x2, 512*97+97 head
-    "vgg19-22k": 128_391_521,  # 20,024,384 conv + 2,101,248 + 16,781,312 + 89,484,577 (4096 x 21,841 head)
+    "vgg19-22k": 128_389_521,  # 20,024,384 conv + 2,101,248 + 16,781,312 + 89,482,577 (4096 x 21,841 head)
 }
 # fc-heavy's 208 M parameters are too many to build here over and over: tests/test_sequential_models.py
 # counts them on the meta device and trains narrow copies.
