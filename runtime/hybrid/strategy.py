@@ -24,6 +24,7 @@ from .factors import FactorExchange, HandlesTask
 from .layers import fc_layers
 
 DEFAULT_BANDWIDTH = 10e9  # bit/s of a node's link when neither the options nor $MPITRAIN_LINK_BANDWIDTH say
+PLANS_KEPT = 64  # plans cached by their rows per layer
 
 
 def _dense_class(name: str):
@@ -276,6 +277,8 @@ class HybCommSync(Strategy):
             plan = cost_model.plan(self.layers, rows, self.size, max(len(n) for n in topo.nodes), self.links,
                                    itemsize=self.layers[0].module.weight.element_size() if self.layers else 4,
                                    force=self.ctx.options.force, ps_only=twice)
+            if len(self._plans) >= PLANS_KEPT:  # rows that change every step (sequences): keep the newest
+                del self._plans[next(iter(self._plans))]
             self._plans[key] = plan
         if plan is not self.plan:
             self.plan = plan
