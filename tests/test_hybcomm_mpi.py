@@ -92,6 +92,13 @@ def train(options, world, X, Y, make=Mixed, pto=False, sizes=None):
     return [p.detach().clone() for p in model.parameters()], plan
 
 
+def mixed_and_sgd(make=Mixed):
+    """The model under test (seeded) and momentum SGD over its trainable parameters."""
+    torch.manual_seed(7)
+    model = make()
+    return model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+
+
 def reference(world, X, Y, make=Mixed, sizes=None):
     """One process on the whole batch, with the loss scaled as P ranks averaging their local sums."""
     P = world.Get_size()
@@ -187,9 +194,7 @@ def test_an_empty_rank_and_changing_batch_sizes(world):
     assert_everywhere(world, close(got, reference(world, X, Y, sizes=sizes)), "a rank with batch 0")
     assert {c.name: c.K for c in plan}["wide"] == LOCAL_BATCH
 
-    torch.manual_seed(7)
-    model = Mixed()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    model, opt = mixed_and_sgd()
     versions, ks, plans = [], [], []
     with DistributedOptimizer(opt, model, HybCommOptions(**FAST_LINK), comm=world) as dopt:
         for batch in (6, 6, 2, 2, 6):
@@ -206,9 +211,7 @@ def test_an_empty_rank_and_changing_batch_sizes(world):
 def test_gradient_accumulation_concatenates_factors(world):
     """Two backward passes per step (half the local batch each): the factors of both are summed."""
     X, Y = data(world.Get_size())
-    torch.manual_seed(7)
-    model = Mixed()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    model, opt = mixed_and_sgd()
     r, half = world.Get_rank(), LOCAL_BATCH // 2
     with DistributedOptimizer(opt, model, HybCommOptions(force="sfb"), comm=world,
                               backward_passes_per_step=2) as dopt:
@@ -246,9 +249,7 @@ def test_ranks_with_other_link_bandwidths_are_named(world, monkeypatch):
 def test_ranks_planning_from_other_inputs_stop_together(world):
     """A rank whose cost-model inputs changed after wrapping: every rank raises before any layer is sent."""
     X, Y = data(world.Get_size(), steps=2)
-    torch.manual_seed(7)
-    model = Mixed()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    model, opt = mixed_and_sgd()
     r = world.Get_rank()
     dopt = DistributedOptimizer(opt, model, HybCommOptions(**FAST_LINK), comm=world)
     if r == 2:
@@ -266,9 +267,7 @@ def test_ranks_planning_from_other_inputs_stop_together(world):
 def test_a_rank_without_backward_in_a_step_does_not_hang(world):
     """Rank 1 skips forward and backward in step 1 (its census comes only from step()): every rank goes on."""
     X, Y = data(world.Get_size(), steps=3)
-    torch.manual_seed(7)
-    model = Mixed()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    model, opt = mixed_and_sgd()
     r = world.Get_rank()
     sl = slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)
     with DistributedOptimizer(opt, model, HybCommOptions(force="sfb"), comm=world) as dopt:
