@@ -145,5 +145,32 @@ class HandleTask(Task):
             self.on_done(self.handle)
         return True
 
+    def cancel(self) -> None:
+        self.handle.cancel()
+
     def __repr__(self) -> str:
         return f"HandleTask({self.handle!r})"
+
+
+class HandlesTask(Task):
+    """Several handles on the progress thread; `on_done()` once all have completed."""
+
+    __slots__ = ("handles", "on_done")
+
+    def __init__(self, handles, on_done):
+        self.handles, self.on_done = handles, on_done
+
+    def poll(self) -> bool:
+        if not all([h.test() for h in self.handles]):
+            return False
+        for h in self.handles:
+            h.wait()  # re-raises a failed collective's error
+        self.on_done()
+        return True
+
+    def cancel(self) -> None:
+        for h in self.handles:
+            h.cancel()
+
+    def __repr__(self) -> str:
+        return f"HandlesTask({self.handles!r})"

@@ -6,7 +6,6 @@ import torch
 
 from mpicomm.buffers import offsets
 from mpicomm.ring import IN_PLACE
-from mpicomm.progress import Task
 
 
 class FactorExchange:
@@ -76,27 +75,3 @@ class FactorExchange:
         if grad_bias is not None:
             torch.sum(d, dim=0, out=grad_bias)
             grad_bias.div_(size)
-
-
-class HandlesTask(Task):
-    """Several handles on the progress thread; `on_done()` once all have completed."""
-
-    __slots__ = ("handles", "on_done")
-
-    def __init__(self, handles, on_done):
-        self.handles, self.on_done = handles, on_done
-
-    def poll(self) -> bool:
-        if not all([h.test() for h in self.handles]):
-            return False
-        for h in self.handles:
-            h.wait()  # re-raises a failed collective's error
-        self.on_done()
-        return True
-
-    def cancel(self) -> None:
-        for h in self.handles:
-            h.cancel()
-
-    def __repr__(self) -> str:
-        return f"HandlesTask({self.handles!r})"

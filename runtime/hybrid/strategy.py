@@ -14,13 +14,13 @@ from mpi4py import MPI
 
 from mpicomm import Ring
 from mpicomm.agree import check_same_structure
-from mpicomm.progress import HandleTask, ProgressThread
+from mpicomm.progress import HandlesTask, HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
 from ..strategy import Strategy, StrategyContext
 from . import cost_model
 from .census import Census, CensusTask
-from .factors import FactorExchange, HandlesTask
+from .factors import FactorExchange
 from .layers import fc_layers
 
 DEFAULT_BANDWIDTH = 10e9  # bit/s of a node's link when neither the options nor $MPITRAIN_LINK_BANDWIDTH say
@@ -314,8 +314,7 @@ class HybCommSync(Strategy):
             self.progress.abort()
         for fut in getattr(self, "futures", []):
             if fut is not None:
-                task = fut.task
-                (task.cancel() if isinstance(task, HandlesTask) else task.handle.cancel())
+                fut.task.cancel()  # HandleTask or HandlesTask: their collectives are dropped
         if getattr(self, "census", None) is not None:
             self.census.cancel()
         self.futures = [None] * len(self.layers)
