@@ -66,7 +66,8 @@ def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
     Start-up only, so simplicity wins over overlap with compute. Large tensors
     go in place (through a contiguous copy if their layout is not the
     default), each its own Ibcast, all in flight at once: packing them would
-    copy the whole model twice. The small ones are packed into one buffer
+    copy the whole model twice. A tensor on a GPU moves through a host copy
+    (start-up only: no pinned staging needed here). The small ones are packed into one buffer
     per dtype (a call per small tensor, each validated, took seconds on small
     models). Which tensors go which way depends only on their sizes, which
     the ranks have agreed on, never on a rank's memory layout.
@@ -81,10 +82,11 @@ def broadcast_tensors(comm: MPI.Comm, tensors, root: int = 0) -> None:
         if not t.numel():
             continue
         if t.numel() * t.element_size() >= DIRECT_BYTES:
-            direct.append((t, t.detach() if t.is_contiguous() else t.detach().contiguous()))
+            on_host = t.device.type == "cpu"
+            direct.append((t, t.detach() if on_host and t.is_contiguous() else t.detach().cpu().contiguous()))
         else:
             by_dtype.setdefault(t.dtype, []).append(t)
-    packed = [(group, torch.cat([t.detach().reshape(-1) for t in group]) if mine else
+    packed = [(group, torch.cat([t.detach().reshape(-1).cpu() for t in group]) if mine else
                torch.empty(sum(t.numel() for t in group), dtype=dtype)) for dtype, group in by_dtype.items()]
     with torch.no_grad():
         requests = [comm.Ibcast([buf.view(-1).view(torch.uint8).numpy(), MPI.BYTE], root=root)

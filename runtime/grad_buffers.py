@@ -32,15 +32,26 @@ class GradientBuffers:
     .grad to None, or replaced it) is copied in once and the view re-attached.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], names: list[str], order: list[int] | None = None):
-        """order: the parameters' order inside the buffers (default: theirs), e.g. a strategy's buckets."""
+    def __init__(self, params: list[torch.nn.Parameter], names: list[str], order: list[int] | None = None,
+                 staged: bool = False):
+        """order: the parameters' order inside the buffers (default: theirs), e.g. a strategy's buckets.
+
+        staged: the gradients (p.grad, `grads`, `device_flats`) live on the
+        parameters' device and the strategies work on a host mirror of the
+        same layout (`flats`, `views`, `flat(i)`), pinned when the device is a
+        GPU; runtime.device.staging moves data between the two. Without it
+        both names are the same memory.
+        """
         self.params = params
         for p, name in zip(params, names):
             if not dense_layout(p):
                 raise ValueError(f"parameter {name} {tuple(p.shape)} with strides {p.stride()} has gaps or overlaps "
                                  "in memory: make it contiguous (or channels_last) before wrapping")
-            if p.device.type != "cpu":
-                raise ValueError(f"parameter {name} is on {p.device}: only CPU parameters are supported")
+        self.device = params[0].device if params else torch.device("cpu")
+        if not staged and self.device.type != "cpu":
+            raise ValueError(f"parameter {names[0]} is on {self.device}: a GPU model's gradients need a staged "
+                             "GradientBuffers (DistributedOptimizer builds one)")
+        self.staged = staged
         self.dtypes: list[torch.dtype] = list(dict.fromkeys(p.dtype for p in params))
         sizes = [0] * len(self.dtypes)
         self.segments: list[tuple[int, int, int]] = [(0, 0, 0)] * len(params)  # param -> (buffer, start, stop)
@@ -49,23 +60,31 @@ class GradientBuffers:
             b = self.dtypes.index(p.dtype)
             self.segments[i] = (b, sizes[b], sizes[b] + p.numel())
             sizes[b] += p.numel()
-        self.flats = [torch.zeros(n, dtype=d) for n, d in zip(sizes, self.dtypes)]
-        self.views = [self.flats[b].as_strided(p.shape, p.stride(), a) for p, (b, a, _) in zip(params, self.segments)]
+        self.device_flats = [torch.zeros(n, dtype=d, device=self.device) for n, d in zip(sizes, self.dtypes)]
+        pin = staged and self.device.type == "cuda"  # DMA straight from the GPU, and copies that do not block
+        self.flats = [torch.zeros(n, dtype=d, pin_memory=pin) for n, d in zip(sizes, self.dtypes)] \
+            if staged else self.device_flats
+        self.grads = self._shaped(self.device_flats)  # what p.grad is
+        self.views = self._shaped(self.flats) if staged else self.grads  # the same, as the strategies see it
         self.flat_views = [self.flats[b][a:z] for b, a, z in self.segments]
+        self.device_flat_views = [self.device_flats[b][a:z] for b, a, z in self.segments]
         with torch.no_grad():
             for i, p in enumerate(params):
                 if p.grad is not None:
-                    self.views[i].copy_(p.grad)
-                p.grad = self.views[i]
+                    self.grads[i].copy_(p.grad)
+                p.grad = self.grads[i]
+
+    def _shaped(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [flats[b].as_strided(p.shape, p.stride(), a) for p, (b, a, _) in zip(self.params, self.segments)]
 
     def holds(self, i: int) -> bool:
         """Whether parameter i's .grad is None or its view here (not a tensor the user assigned)."""
         g = self.params[i].grad
-        return g is None or (g.data_ptr() == self.views[i].data_ptr() and g.stride() == self.views[i].stride())
+        return g is None or (g.data_ptr() == self.grads[i].data_ptr() and g.stride() == self.grads[i].stride())
 
     def attach(self, i: int) -> torch.Tensor:
         """Make sure parameter i's gradient is in its view (copying it there if autograd put it elsewhere)."""
-        p, view = self.params[i], self.views[i]
+        p, view = self.params[i], self.grads[i]
         g = p.grad
         if g is None:
             view.zero_()
@@ -79,16 +98,16 @@ class GradientBuffers:
     def zero(self, indices=None) -> None:
         """Zero these parameters' gradients in place (all when None), keeping the views attached."""
         if indices is None:
-            for flat in self.flats:
+            for flat in self.device_flats:
                 flat.zero_()
-            for p, view in zip(self.params, self.views):
+            for p, view in zip(self.params, self.grads):
                 if p.grad is not view:
                     p.grad = view
             return
         for i in indices:
-            self.flat_views[i].zero_()
-            if self.params[i].grad is not self.views[i]:
-                self.params[i].grad = self.views[i]
+            self.device_flat_views[i].zero_()
+            if self.params[i].grad is not self.grads[i]:
+                self.params[i].grad = self.grads[i]
 
     def flat(self, i: int) -> torch.Tensor:
         """Parameter i's gradient as a 1-D slice of its buffer (memory order)."""
@@ -125,6 +144,7 @@ class GradientSubset:
         self.segments = [(used.index(full.segments[i][0]),) + full.segments[i][1:] for i in indices]
         self.views = [full.views[i] for i in indices]
         self.flat_views = [full.flat_views[i] for i in indices]
+        self.staged, self.device = full.staged, full.device
 
     def flat(self, i: int) -> torch.Tensor:
         return self.flat_views[i]

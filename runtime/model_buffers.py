@@ -45,7 +45,7 @@ class BufferSync:
         self.finish()
         with torch.no_grad():
             for b, v in zip(self.buffers, self._views):
-                v[:] = b.detach().reshape(-1).double().numpy()
+                v[:] = b.detach().reshape(-1).double().cpu().numpy()  # a GPU buffer: one host copy
         if self.mode == "average":
             self._request = self.comm.Iallreduce(MPI.IN_PLACE, self.staging)
         else:
