@@ -20,8 +20,9 @@ class DeferredUpdates:
     only once applied.
     """
 
-    def __init__(self, strategy, updater, buffers, timeline=None):
-        self.strategy, self.updater, self.buffers, self.timeline = strategy, updater, buffers, timeline
+    def __init__(self, wait, updater, buffers, timeline=None):
+        """wait(indices): the averaged gradients of these parameters are in .grad once it returns."""
+        self.wait, self.updater, self.buffers, self.timeline = wait, updater, buffers, timeline
         self.owed = np.zeros(len(buffers.params), dtype=bool)
         self.hyper: list | None = None
         self._zero_requested = False
@@ -39,7 +40,7 @@ class DeferredUpdates:
             return
         tl = self.timeline
         with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]) if tl else _UNTIMED:
-            self.strategy.wait(owed)
+            self.wait(owed)
         self.updater.step(owed, self.hyper)
         self.owed[owed] = False
         if self._zero_requested:

@@ -36,11 +36,12 @@ class GradientBuffers:
                  staged: bool = False):
         """order: the parameters' order inside the buffers (default: theirs), e.g. a strategy's buckets.
 
-        staged: the gradients (p.grad, `grads`, `device_flats`) live on the
-        parameters' device and the strategies work on a host mirror of the
-        same layout (`flats`, `views`, `flat(i)`), pinned when the device is a
-        GPU; runtime.device.staging moves data between the two. Without it
-        both names are the same memory.
+        The gradients (p.grad, `grads`, `device_flats`) live on the parameters'
+        device. staged: the strategies work on a host mirror of the same
+        layout (`flats`, `views`, `flat(i)`), pinned when the device is a GPU;
+        runtime.device.staging moves data between the two. Without it both
+        names are the same memory (a CPU model, or a strategy that works on
+        the GPU itself: on_device).
         """
         self.params = params
         for p, name in zip(params, names):
@@ -48,9 +49,6 @@ class GradientBuffers:
                 raise ValueError(f"parameter {name} {tuple(p.shape)} with strides {p.stride()} has gaps or overlaps "
                                  "in memory: make it contiguous (or channels_last) before wrapping")
         self.device = params[0].device if params else torch.device("cpu")
-        if not staged and self.device.type != "cpu":
-            raise ValueError(f"parameter {names[0]} is on {self.device}: a GPU model's gradients need a staged "
-                             "GradientBuffers (DistributedOptimizer builds one)")
         self.staged = staged
         self.dtypes: list[torch.dtype] = list(dict.fromkeys(p.dtype for p in params))
         sizes = [0] * len(self.dtypes)

@@ -13,6 +13,7 @@ from mpicomm.step_check import CLOSE, EXCHANGE, ReportedProblem, StepCheck, dige
 
 from . import checkpoint
 from .deferred import DeferredUpdates
+from .device import GradientStaging, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
 from .model_buffers import MODES as BUFFER_MODES
 from .model_buffers import BufferSync
@@ -55,6 +56,14 @@ class DistributedOptimizer:
     Gradients live in flat per-dtype buffers that .grad views (zero_grad()
     zeroes them in place rather than setting None). Parameters no rank
     produced a gradient for in a step are not updated, as with one process.
+
+    A model on a GPU (model.cuda() before wrapping; one device per rank,
+    ranks may share a GPU) trains unchanged: each gradient is copied to
+    pinned host memory on a side CUDA stream as backward finalises it, MPI
+    averages it there while the GPU goes on, and the average returns on that
+    stream before the update uses it (runtime.device.staging; `transport`
+    says which path runs). The sparse strategies select on the GPU instead
+    and move only (index, value) pairs.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
@@ -81,8 +90,11 @@ class DistributedOptimizer:
         self.names = [n for n, _ in named]
         self.bpps, self.pto_enabled, self.buffer_mode = backward_passes_per_step, bool(pto), buffers
         try:
+            self.device = model_device(self.names, self.params)
+            self.staged = staging_wanted(self.device) and not cls.on_device
             settings = [f"strategy {self.options.describe()}", f"pto={self.pto_enabled}",
-                        f"backward_passes_per_step={self.bpps}", f"buffers={self.buffer_mode}"]
+                        f"backward_passes_per_step={self.bpps}", f"buffers={self.buffer_mode}",
+                        f"device {self.device.type}, staged={self.staged}"]
             check_settings(self.comm, settings, model, optimizer)
             self._build(cls, pto)
         except BaseException:
@@ -93,7 +105,7 @@ class DistributedOptimizer:
         self._used = np.zeros(n, dtype=bool)  # this rank produced a gradient this step
         self._passes = [0] * n  # backward passes that reached each parameter this step
         self._sent = [False] * n
-        self.deferred = DeferredUpdates(self.strategy, self.updater, self.buffers, timeline)
+        self.deferred = DeferredUpdates(self._wait, self.updater, self.buffers, timeline)
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync = False
@@ -112,7 +124,8 @@ class DistributedOptimizer:
     def _build(self, cls, pto: bool) -> None:
         """Everything collective after the settings agreed: the same calls, in the same order, on every rank."""
         broadcast_from_root(self.comm, self.model, self.optimizer)
-        self.buffers = GradientBuffers(self.params, self.names, cls.layout(self.params, self.options, self.model))
+        self.buffers = GradientBuffers(self.params, self.names, cls.layout(self.params, self.options, self.model),
+                                       staged=self.staged)
         self.updater = ParamUpdater(self.optimizer, self.params)
         self.pto = None
         if pto:  # first: a refusal (mixed dtypes, a parameter it cannot place) leaves nothing half-built
@@ -128,6 +141,8 @@ class DistributedOptimizer:
                               self.policy, shard_gradients=pto and cls.can_shard_gradients,
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
+        self.staging = GradientStaging(self.buffers, self._deliver, self.check.interrupt) if self.staged else None
+        self.transport = describe_transport(self.device, self.staged, cls.on_device)
         self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy,
                                         self.check.interrupt)
 
@@ -175,8 +190,20 @@ class DistributedOptimizer:
     def _send(self, i: int) -> None:
         self.buffers.attach(i)
         self._sent[i] = True
+        if self.staging is not None:
+            self.staging.to_host(i)  # delivers once the host copy is complete
+        else:
+            self._deliver(i)
+
+    def _deliver(self, i: int) -> None:
         with self._failing():  # raised inside backward: the other ranks must hear of it too
             self.strategy.grad_ready(i)
+
+    def _wait(self, indices) -> None:
+        """The averaged gradients of these parameters are in .grad once this returns (on the GPU: queued)."""
+        self.strategy.wait(indices)
+        if self.staging is not None:
+            self.staging.to_device(indices)
 
     def _on_module_enter(self, params: list[int]) -> None:
         if self.failed is None:
@@ -244,7 +271,7 @@ class DistributedOptimizer:
         if self._open and not self._synchronized:
             self._exchange(full=True)
             with self._failing():
-                self.strategy.wait(range(len(self.params)))
+                self._wait(range(len(self.params)))
             self._synchronized = True
         else:
             self._flush()
@@ -256,6 +283,9 @@ class DistributedOptimizer:
     # -- one step ------------------------------------------------------------
     def _exchange(self, full: bool) -> None:
         """Agree with every rank, hand over the gradients backward did not produce, start the averaging."""
+        if self.staging is not None:
+            with self._failing():  # the staging thread is the strategy's only caller until it is idle
+                self.staging.drain()
         self._apply()  # parameters this step's forward and backward skipped
         if self.gate is not None and self.gate.gate is None:
             # The first forward pass is over: gates and priorities are known from now on.
@@ -278,8 +308,9 @@ class DistributedOptimizer:
         used = self._finish_round()
         with self._failing():
             for i in unsent:
-                self._sent[i] = True
-                self.strategy.grad_ready(i)
+                self._send(i)
+            if self.staging is not None:
+                self.staging.drain()  # every gradient handed over, in hook order, before finish()
             self.strategy.finish(used, full)
         self.model_buffers.start()
         self._update_mask = used
@@ -306,7 +337,7 @@ class DistributedOptimizer:
         if self.strategy.deferred and not immediately and self.pto is None:
             self.deferred.owe(mask, self._hyper)
             return
-        self.strategy.wait(range(len(self.params)))
+        self._wait(range(len(self.params)))
         if self.pto is not None:
             self.pto.step(self.strategy.grad_shard, skip=np.flatnonzero(~mask).tolist())
         else:
@@ -380,6 +411,8 @@ class DistributedOptimizer:
         for h in (self._forward_hook, self._state_hook):
             if h is not None:
                 h.remove()
+        if self.staging is not None:
+            self.staging.close()
         if self.failed is None:
             self.strategy.close()
             if self.pto is not None:
@@ -417,3 +450,15 @@ class DistributedOptimizer:
         self._usable()
         self._flush()
         checkpoint.load_optimizer_state(self, state)
+
+
+def describe_transport(device, staged: bool, on_device: bool) -> str:
+    """How gradients reach MPI, for job headers and timelines."""
+    if device.type == "cpu" and not staged:
+        return "host memory"
+    from mpicomm.cuda_support import describe_cuda_support
+
+    where = "through pinned host memory on a side stream" if device.type == "cuda" else "through a host mirror"
+    if on_device:
+        return f"selection on {device.type}, (index, value) pairs {where} (MPI {describe_cuda_support()})"
+    return f"staged {where} (MPI {describe_cuda_support()})"

@@ -23,7 +23,7 @@ class ShardedUpdate:
         pto.consolidate_into(optimizer); torch.save(optimizer.state_dict(), ...)   # checkpoint
         optimizer.load_state_dict(...); pto.load_from(optimizer)                   # resume
 
-    `params` (same order and shapes on every rank, one dtype, CPU) are viewed
+    `params` (same order and shapes on every rank, one dtype) are viewed
     as one flat vector of n elements, each parameter in its memory order (as
     the gradient buffers lay it out); rank r owns elements [`shard`[0],
     `shard`[1]), block r of `block_counts(n, P)`, so a shard may cut through
@@ -48,6 +48,11 @@ class ShardedUpdate:
     truth: parameters changed between steps (loaded weights, in-place edits)
     are re-read into the shard; see `refresh` for the writes that cannot be
     noticed.
+
+    The shard, its optimizer state and the allgather live in host memory
+    whatever the parameters' device: MPI works on the host, and a GPU model
+    reads its shard from, and gets its parameters back to, the GPU with one
+    copy each (state tensors loaded from a GPU optimizer are moved to the host).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], comm):
@@ -61,9 +66,6 @@ class ShardedUpdate:
         if len(dtypes) != 1:
             raise TypeError(f"ShardedUpdate needs parameters of one dtype, got {', '.join(dtypes)} "
                             "(use one ShardedUpdate per dtype)")
-        devices = sorted({str(p.device) for p in self.params if p.device.type != "cpu"})
-        if devices:
-            raise ValueError(f"ShardedUpdate works on CPU tensors only, got parameters on {', '.join(devices)}")
         self.dtype = self.params[0].dtype
         self.numels = [p.numel() for p in self.params]
         self.offsets = list(accumulate(self.numels, initial=0))
@@ -273,9 +275,9 @@ class ShardedUpdate:
                 if k in elementwise[group_of[i]]:
                     if not torch.is_tensor(v) or v.numel() != self.numels[i]:
                         raise ValueError(f"parameter #{i}: state {k!r} is not a tensor of {self.numels[i]} elements")
-                    piece[k] = memory_order(_like(v, self.params[i]))[a:z].clone()
+                    piece[k] = memory_order(_like(v, self.params[i]))[a:z].to("cpu", copy=True)
                 else:
-                    piece[k] = v.clone() if torch.is_tensor(v) else copy.deepcopy(v)
+                    piece[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
             self._opt.state[leaf] = piece
 
     def _elementwise_keys(self, group) -> set:

@@ -60,6 +60,7 @@ class Strategy:
     hooks = False
     can_shard_gradients = False  # with PTO, may leave only this rank's averaged shard (grad_shard)
     progress_thread = False  # a thread of its own drives MPI: the wrapper's waits only watch
+    on_device = False  # works on the GPU gradients itself (buffers.device_flats); else the wrapper stages them
     problem_error = RuntimeError  # what every rank raises when a rank reports a local_problem()
 
     def __init__(self, ctx: StrategyContext):

@@ -1,0 +1,41 @@
+"""Which device a rank's model sits on, and the errors for models that sit on several."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STAGING_ENV = "MPITRAIN_STAGING"  # "force": a CPU model goes through the staged path too (tests without a GPU)
+SUPPORTED = ("cpu", "cuda")
+
+
+def model_device(names: list[str], params: list[torch.Tensor]) -> torch.device:
+    """The one device every trainable parameter is on; a clear error naming the first one that is not.
+
+    A model split across CPU and GPU, or across two GPUs within one rank,
+    would need a transfer per boundary that data parallelism does not make:
+    the pipeline engine (runtime.pipeline) is the way to split a model.
+    """
+    if not params:
+        return torch.device("cpu")
+    first = params[0].device
+    for name, p in zip(names, params):
+        if p.device.type not in SUPPORTED:
+            raise ValueError(f"parameter {name} is on {p.device}: DistributedOptimizer trains models on "
+                             f"{' or '.join(SUPPORTED)} (move the model there with model.to(device))")
+        if p.device != first:
+            raise ValueError(f"parameter {name} is on {p.device} but {names[0]} is on {first}: the model must sit "
+                             "on one device per rank (model.to(device)); to split a model across devices use "
+                             "the pipeline engine (runtime.pipeline)")
+    if first.type == "cuda" and not torch.cuda.is_available():  # pragma: no cover - a tensor on CUDA implies it
+        raise RuntimeError(f"parameter {names[0]} is on {first} but torch reports no CUDA device")
+    return first
+
+
+def staging_wanted(device: torch.device) -> bool:
+    """GPU gradients always go through host staging; MPITRAIN_STAGING=force stages a CPU model as well."""
+    value = os.environ.get(STAGING_ENV, "").strip().lower()
+    if value not in ("", "auto", "force"):
+        raise ValueError(f"{STAGING_ENV} must be 'auto' or 'force', got {value!r}")
+    return device.type != "cpu" or value == "force"

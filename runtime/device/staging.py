@@ -1,0 +1,146 @@
+"""Gradients between a GPU and the pinned host mirror that MPI works on, on a side stream, without device syncs."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from mpicomm.progress import require_thread_multiple
+
+from ..grad_buffers import GradientBuffers
+
+
+def coalesce(segments: list[tuple[int, int, int]], indices) -> list[tuple[int, int, int]]:
+    """(buffer, start, stop) ranges covering these parameters' segments, adjacent ones merged: fewer copies."""
+    ranges: list[list[int]] = []
+    for b, a, z in sorted(segments[i] for i in indices):
+        if a == z:
+            continue
+        if ranges and ranges[-1][0] == b and ranges[-1][2] == a:
+            ranges[-1][2] = z
+        else:
+            ranges.append([b, a, z])
+    return [tuple(r) for r in ranges]
+
+
+class GradientStaging:
+    """Device -> host as each gradient is final, host -> device once its average is back.
+
+    On a GPU: when backward finalises parameter i, an event is recorded on
+    the stream that produced the gradient, a side stream waits for it and
+    copies the gradient into the pinned mirror (non-blocking), and a staging
+    thread waits for that copy alone before handing i to the strategy (which
+    then starts MPI on host memory): the GPU goes on computing earlier
+    layers meanwhile, and nothing synchronises the whole device. After
+    `strategy.wait(indices)` the averaged values go back on the side stream
+    and the current stream waits on an event, so the optimizer's update, or
+    the layer's next forward pass (p3), runs after them on the GPU, without
+    the CPU waiting. Events are made once per parameter and reused.
+
+    On a CPU model under MPITRAIN_STAGING=force the same bookkeeping runs
+    with synchronous copies and no thread: how CI checks it without a GPU.
+    """
+
+    def __init__(self, buffers: GradientBuffers, deliver: Callable[[int], None],
+                 interrupt: Callable[[], None] = lambda: None):
+        if not buffers.staged:
+            raise ValueError("GradientStaging needs GradientBuffers built with staged=True (a host mirror)")
+        self.buffers, self.deliver, self.interrupt = buffers, deliver, interrupt
+        self.device = buffers.device
+        self.cuda = self.device.type == "cuda"
+        self.copies_to_host = self.copies_to_device = 0  # per-range copies issued (reported, tested)
+        self.error: BaseException | None = None
+        # Whose average is still in the mirror only: each goes back once per step, so that what the
+        # user does to .grad after synchronize() (clipping) is not overwritten by step()'s wait.
+        self.outstanding = [False] * len(buffers.params)
+        if not self.cuda:
+            return
+        # The staging thread hands gradients to the strategy, which starts MPI from it.
+        require_thread_multiple()
+        n = len(buffers.params)
+        self.stream = torch.cuda.Stream(self.device)
+        self.produced = [torch.cuda.Event() for _ in range(n)]  # gradient i final on its compute stream
+        self.copied = [torch.cuda.Event() for _ in range(n)]  # its host copy complete
+        self.returned = torch.cuda.Event()  # the last averaged values are back on the device
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="mpitrain-staging", daemon=True)
+        self._thread.start()
+
+    # -- device -> host ------------------------------------------------------
+    def to_host(self, i: int) -> None:
+        """Parameter i's gradient is final on the device: copy it to the mirror, then deliver(i)."""
+        host, dev = self.buffers.flat_views[i], self.buffers.device_flat_views[i]
+        self.copies_to_host += 1
+        self.outstanding[i] = True
+        if not self.cuda:
+            host.copy_(dev)
+            self.deliver(i)
+            return
+        # The hook runs on the thread and stream that produced the gradient (autograd's device thread).
+        self.produced[i].record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self.produced[i])
+        with torch.cuda.stream(self.stream):
+            host.copy_(dev, non_blocking=True)
+            self.copied[i].record(self.stream)
+        with self._idle:
+            self._pending += 1
+        self._queue.put(i)
+
+    def _run(self) -> None:
+        while True:
+            i = self._queue.get()
+            if i is None:
+                return
+            try:
+                self.copied[i].synchronize()  # this copy only (releases the GIL), never the device
+                if self.error is None:
+                    self.deliver(i)
+            except BaseException as exc:  # raised on the main thread by drain()
+                self.error = self.error or exc
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def drain(self) -> None:
+        """Block until every copied gradient has been delivered (in hook order); re-raise a delivery's error."""
+        if self.cuda:
+            with self._idle:
+                while self._pending:
+                    self._idle.wait(0.05)
+                    if self._pending:
+                        self.interrupt()  # another rank failed: stop waiting
+        if self.error is not None:
+            raise self.error
+
+    # -- host -> device ------------------------------------------------------
+    def to_device(self, indices) -> None:
+        """The strategy averaged these parameters' gradients in the mirror: put them back in p.grad."""
+        b = self.buffers
+        indices = [i for i in indices if self.outstanding[i]]
+        for i in indices:
+            self.outstanding[i] = False
+        ranges = coalesce(b.segments, indices)
+        self.copies_to_device += len(ranges)
+        if not self.cuda:
+            for k, a, z in ranges:
+                b.device_flats[k][a:z].copy_(b.flats[k][a:z])
+            return
+        if not ranges:
+            return
+        with torch.cuda.stream(self.stream):
+            for k, a, z in ranges:
+                b.device_flats[k][a:z].copy_(b.flats[k][a:z], non_blocking=True)
+            self.returned.record(self.stream)
+        # The update (or the next forward pass) queues behind the copies; the CPU does not wait.
+        torch.cuda.current_stream(self.device).wait_event(self.returned)
+
+    def close(self) -> None:
+        if self.cuda and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=10)

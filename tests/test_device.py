@@ -1,0 +1,120 @@
+"""Device placement checks, the staging bookkeeping and the MPI library's CUDA query (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from mpicomm.cuda_support import describe_cuda_support, mpi_cuda_aware
+from runtime import DistributedOptimizer
+from runtime.device import STAGING_ENV, GradientStaging, model_device, staging_wanted
+from runtime.device.staging import coalesce
+from runtime.grad_buffers import GradientBuffers
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+
+
+def named(model):
+    pairs = [(n, p) for n, p in model.named_parameters()]
+    return [n for n, _ in pairs], [p for _, p in pairs]
+
+
+def test_one_device_is_found():
+    assert model_device(*named(nn.Linear(2, 2))) == torch.device("cpu")
+    assert model_device([], []) == torch.device("cpu")
+
+
+def test_a_model_split_across_devices_names_the_parameter():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[1].to("meta")
+    with pytest.raises(ValueError, match=r"parameter 1.weight is on meta"):
+        model_device(*named(model))
+
+
+def test_optimizer_refuses_a_split_model_before_any_collective():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model[0].bias = nn.Parameter(torch.zeros(2, device="meta"))
+    with pytest.raises(ValueError, match=r"parameter 0.bias is on meta"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "wfbp")
+
+
+def test_staging_setting(monkeypatch):
+    assert not staging_wanted(torch.device("cpu"))
+    assert staging_wanted(torch.device("cuda", 0))
+    monkeypatch.setenv(STAGING_ENV, "force")
+    assert staging_wanted(torch.device("cpu"))
+    monkeypatch.setenv(STAGING_ENV, "sometimes")
+    with pytest.raises(ValueError, match="MPITRAIN_STAGING must be 'auto' or 'force', got 'sometimes'"):
+        staging_wanted(torch.device("cpu"))
+
+
+def test_coalesce_merges_neighbours_only():
+    segments = [(0, 0, 4), (0, 4, 6), (1, 0, 3), (0, 9, 12), (0, 6, 6)]
+    assert coalesce(segments, [0, 1, 2, 3, 4]) == [(0, 0, 6), (0, 9, 12), (1, 0, 3)]
+    assert coalesce(segments, [3, 0]) == [(0, 0, 4), (0, 9, 12)]
+    assert coalesce(segments, []) == []
+
+
+def test_cpu_staging_copies_out_delivers_and_returns_once():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    names, params = named(model)
+    buffers = GradientBuffers(params, names, staged=True)
+    assert buffers.flats[0].data_ptr() != buffers.device_flats[0].data_ptr()
+    delivered = []
+    staging = GradientStaging(buffers, lambda i: delivered.append((i, buffers.flat(i).clone())))
+    model(torch.randn(5, 3)).sum().backward()
+    for i in reversed(range(len(params))):
+        staging.to_host(i)
+    assert [i for i, _ in delivered] == [3, 2, 1, 0]
+    assert all(torch.equal(g, params[i].grad.reshape(-1)) for i, g in delivered)
+    for i in range(len(params)):
+        buffers.flat(i).fill_(float(i))  # what a strategy's average leaves in the mirror
+    staging.to_device([0, 1])
+    assert staging.copies_to_device == 1  # two neighbours, one copy
+    assert torch.equal(params[1].grad, torch.ones(4)) and not torch.equal(params[2].grad, torch.full((4, 4), 2.0))
+    params[0].grad.zero_()
+    staging.to_device(range(len(params)))  # 0 and 1 went back already: only 2 and 3 now
+    assert float(params[0].grad.abs().sum()) == 0 and torch.equal(params[3].grad, torch.full((2,), 3.0))
+    staging.drain()
+    staging.close()
+
+
+def test_unstaged_buffers_are_one_memory():
+    names, params = named(nn.Linear(3, 2))
+    buffers = GradientBuffers(params, names)
+    assert buffers.flats is buffers.device_flats and buffers.views is buffers.grads
+    with pytest.raises(ValueError, match="staged=True"):
+        GradientStaging(buffers, print)
+
+
+def test_the_mpi_library_answers_the_cuda_query():
+    aware = mpi_cuda_aware()
+    assert aware in (True, False, None)
+    assert describe_cuda_support() in ("CUDA-aware", "not CUDA-aware", "CUDA-awareness unknown (no MPIX query)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_staging_delivers_in_hook_order_and_returns_on_the_stream():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)).cuda()
+    names, params = named(model)
+    buffers = GradientBuffers(params, names, staged=True)
+    assert buffers.flats[0].is_pinned() and buffers.device_flats[0].is_cuda
+    delivered = []
+    staging = GradientStaging(buffers, lambda i: delivered.append((i, buffers.flat(i).clone())))
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: staging.to_host(i)) for i, p in enumerate(params)]
+    model(torch.randn(64, 256, device="cuda")).square().sum().backward()
+    staging.drain()
+    assert [i for i, _ in delivered] == [3, 2, 1, 0]
+    assert all(torch.equal(g, params[i].grad.reshape(-1).cpu()) for i, g in delivered)
+    for i in range(len(params)):
+        buffers.flat(i).fill_(float(i + 1))
+    staging.to_device(range(len(params)))
+    # The current stream waits on the copies' event: work queued now sees the returned values.
+    total = sum(float(p.grad.sum()) for p in params)
+    assert total == sum((i + 1) * p.numel() for i, p in enumerate(params))
+    for h in hooks:
+        h.remove()
+    staging.close()

@@ -1,0 +1,90 @@
+"""The staged gradient path (GPU models) on CPU under MPITRAIN_STAGING=force: every strategy stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import assert_everywhere
+from dp_helpers import wrap
+from runtime import STRATEGIES, DistributedOptimizer
+from runtime.device import STAGING_ENV
+from test_transparency_mpi import LOCAL_BATCH, Attention, Edgy, close, data, train
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setenv(STAGING_ENV, "force")
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_staged_equals_single_process(world, forced, strategy):
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    assert_everywhere(world, close(train(strategy, world, X, Y), reference), f"staged {strategy} differs")
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "p3"])
+def test_staged_with_pto_and_adam(world, forced, strategy):
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y, adam=True)
+    got = train(strategy, world, X, Y, adam=True, pto=True)
+    assert_everywhere(world, close(got, reference), f"staged {strategy} + pto differs")
+
+
+def test_staged_p3_gates_weights_read_by_a_parent(world, forced):
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y, make=Attention)
+    assert_everywhere(world, close(train("p3", world, X, Y, 5, make=Attention), reference), "attention")
+
+
+def test_every_gradient_goes_out_and_back_once_per_step(world, forced):
+    torch.manual_seed(0)
+    model = Edgy()
+    n = sum(p.requires_grad for p in model.parameters())
+    X, Y = data(world.Get_size())
+    r = world.Get_rank()
+    with wrap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05), model, "wfbp") as dopt:
+        for step in range(3):
+            dopt.zero_grad()
+            x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+            nn.functional.cross_entropy(model(x), y).backward()
+            dopt.synchronize()
+            averaged = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+            for p in model.parameters():  # what the user does between synchronize() and step() stays
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+            before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+            dopt.step()
+        staging = dopt.staging
+        ok = (staging is not None and staging.copies_to_host == 3 * n and "staged" in dopt.transport
+              and dopt.buffers.flats[0].data_ptr() != dopt.buffers.device_flats[0].data_ptr())
+        # The last step's update used the halved average: p_new = p - lr * g / 2.
+        after = [p.detach() for p in model.parameters() if p.requires_grad]
+        ok = ok and all(torch.allclose(a, b - 0.05 * g * 0.5, atol=1e-7) for a, b, g in zip(after, before, averaged))
+    assert_everywhere(world, ok, "staging copies or post-synchronize edits wrong")
+
+
+def test_ranks_staging_differently_are_named(world, monkeypatch):
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    from mpicomm import CollectiveMismatchError
+
+    if world.Get_rank() == 1:
+        monkeypatch.setenv(STAGING_ENV, "force")
+    model = nn.Linear(3, 2)
+    with pytest.raises(CollectiveMismatchError, match=r"rank 1: device cpu, staged=True"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "wfbp")
+
+
+def test_unstaged_cpu_model_shares_its_memory(world):
+    model = nn.Linear(3, 2)
+    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "allreduce") as dopt:
+        ok = dopt.staging is None and dopt.transport == "host memory" and \
+            dopt.buffers.flats[0].data_ptr() == dopt.buffers.device_flats[0].data_ptr()
+    assert_everywhere(world, ok, "a CPU model must not be staged by default")
+
+
