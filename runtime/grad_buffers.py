@@ -60,8 +60,14 @@ class GradientBuffers:
             sizes[b] += p.numel()
         self.device_flats = [torch.zeros(n, dtype=d, device=self.device) for n, d in zip(sizes, self.dtypes)]
         pin = staged and self.device.type == "cuda"  # DMA straight from the GPU, and copies that do not block
-        self.flats = [torch.zeros(n, dtype=d, pin_memory=pin) for n, d in zip(sizes, self.dtypes)] \
-            if staged else self.device_flats
+        try:
+            self.flats = [torch.zeros(n, dtype=d, pin_memory=pin) for n, d in zip(sizes, self.dtypes)] \
+                if staged else self.device_flats
+        except RuntimeError as exc:  # MPI cannot read GPU memory here, so without this mirror nothing moves
+            total = sum(n * torch.empty(0, dtype=d).element_size() for n, d in zip(sizes, self.dtypes))
+            raise RuntimeError(f"cannot allocate {total / 2**20:.1f} MiB of pinned host memory to stage the "
+                               f"gradients of {names[0]} and {len(names) - 1} more parameters on {self.device} "
+                               f"(raise the locked-memory limit, ulimit -l): {exc}") from exc
         self.grads = self._shaped(self.device_flats)  # what p.grad is
         self.views = self._shaped(self.flats) if staged else self.grads  # the same, as the strategies see it
         self.flat_views = [self.flats[b][a:z] for b, a, z in self.segments]

@@ -141,8 +141,11 @@ class DistributedOptimizer:
                               self.policy, shard_gradients=pto and cls.can_shard_gradients,
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
-        self.staging = GradientStaging(self.buffers, self._deliver, self.check.interrupt) if self.staged else None
+        self.staging = GradientStaging(self.buffers, self._deliver, self.check.interrupt, self.timeline) \
+            if self.staged else None
         self.transport = describe_transport(self.device, self.staged, cls.on_device)
+        if self.timeline:
+            self.timeline.instant("gradient transport", "setup", transport=self.transport)
         self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy,
                                         self.check.interrupt)
 

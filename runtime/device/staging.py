@@ -45,10 +45,10 @@ class GradientStaging:
     """
 
     def __init__(self, buffers: GradientBuffers, deliver: Callable[[int], None],
-                 interrupt: Callable[[], None] = lambda: None):
+                 interrupt: Callable[[], None] = lambda: None, timeline=None):
         if not buffers.staged:
             raise ValueError("GradientStaging needs GradientBuffers built with staged=True (a host mirror)")
-        self.buffers, self.deliver, self.interrupt = buffers, deliver, interrupt
+        self.buffers, self.deliver, self.interrupt, self.timeline = buffers, deliver, interrupt, timeline
         self.device = buffers.device
         self.cuda = self.device.type == "cuda"
         self.copies_to_host = self.copies_to_device = 0  # per-range copies issued (reported, tested)
@@ -98,6 +98,8 @@ class GradientStaging:
                 return
             try:
                 self.copied[i].synchronize()  # this copy only (releases the GIL), never the device
+                if self.timeline:
+                    self.timeline.instant(f"on host #{i}", "staging", track="staging")
                 if self.error is None:
                     self.deliver(i)
             except BaseException as exc:  # raised on the main thread by drain()
@@ -127,6 +129,9 @@ class GradientStaging:
             self.outstanding[i] = False
         ranges = coalesce(b.segments, indices)
         self.copies_to_device += len(ranges)
+        if self.timeline and ranges:
+            self.timeline.instant(f"back to {self.device.type}: {len(indices)} params", "staging", track="staging",
+                                  ranges=len(ranges))
         if not self.cuda:
             for k, a, z in ranges:
                 b.device_flats[k][a:z].copy_(b.flats[k][a:z])
