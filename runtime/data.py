@@ -188,6 +188,11 @@ class DeviceFeed:
         return tuple(self._send((len(idx), *t.shape[1:]), t.dtype,
                                 lambda buf, t=t: torch.index_select(t, 0, idx, out=buf)) for t in tensors)
 
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """The staging buffers held now, every shape."""
+        return [slot[0] for pool in self._pools.values() for slot in pool]
+
     def _send(self, shape, dtype, fill) -> torch.Tensor:
         slot = self._slot(tuple(shape), dtype)
         fill(slot[0])
