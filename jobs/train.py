@@ -237,12 +237,11 @@ def main(argv=None, args=None) -> int:
     from mpicomm import Topology
     from mpicomm.agree import fail_together
     from runtime import CheckpointError, DistributedOptimizer, load_checkpoint, save_checkpoint
-    from runtime.data import BatchPlan
+    from runtime.data import BatchPlan, DeviceFeed
     from runtime.models import FIXED_CLASSES as CLASSES, build_model, input_shape, loss_fn
 
     from jobs.devices import LossValues, describe, header_line, rank_device
     from jobs.outputs import write_training_outputs
-    from runtime.data import DeviceFeed
     from jobs.plans import PlanWatch, plan_rows
     from jobs.progress import epoch_progress
 
