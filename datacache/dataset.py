@@ -24,6 +24,10 @@ class CachedDataset(Dataset):
     everything this worker serves after it. A worker cannot invalidate the
     shard for the main process: `SampleCache.batches` does, and rebuilds it,
     when it reads the damage itself.
+
+    For a GPU, batches are best handed over pinned and non-blocking: a
+    DataLoader with pin_memory=True, then `.to(device, non_blocking=True)`,
+    or (as jobs.train does with `SampleCache.batches`) runtime.data.DeviceFeed.
     """
 
     def __init__(self, cache: SampleCache):

@@ -7,6 +7,8 @@ r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training through
         --strategies allreduce,topk,hier-topk --density 0.001             # sparse strategies, 2 nodes
     python -m jobs.bench --models vgg19-22k --bandwidths 1gbit,10gbit \
         --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps                  # Poseidon's choice vs forced
+    python -m jobs.bench --device cuda --models vgg19,resnet50 --hosts 2 --ranks-per-host 2 \
+        --bandwidths 1gbit,10gbit,none                                    # on GPUs (ranks may share one)
 
 For every bandwidth an emulated cluster of --hosts hosts (--ranks-per-host each) is
 brought up, jobs.bench_worker runs every model and strategy across it, and
@@ -19,7 +21,10 @@ CPU-seconds per step) / cores: on a machine where ranks and the network
 stack share few cores, no overlap can make a step shorter than that. "wire
 MB/step" is what the hosts' interfaces sent per step, all hosts together (the
 emulated cluster only). hybcomm's plan (sufficient factors or PS per layer)
-is printed under the table once per model and bandwidth.
+is printed under the table once per model and bandwidth. With --device cuda
+the ranks train on GPUs (local rank % GPUs); rows carry device, device_name,
+cuda and transport (how gradients reach the network), and the table's
+title line names the device.
 """
 
 from __future__ import annotations
@@ -30,8 +35,8 @@ import sys
 from jobs import bench_worker
 from jobs.cluster_sweep import sweep
 from jobs.choices import MODELS
-from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
-                         parse)
+from jobs.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least, check_device,
+                         cluster_bench_outputs, comma_list, parse)
 from jobs.outputs import write_together
 from jobs.plans import plan_markdown
 from jobs.report import run_metadata, save_figure, write_json
@@ -63,12 +68,15 @@ def add_worker_arguments(p, models: str, strategies: str, batch_size: int) -> No
     p.add_argument("--iters", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--slice-size", type=int, default=None)
+    add_device_argument(p)
 
 
 def check_worker_arguments(args) -> None:
+    """What the worker would refuse; --device last (cuda imports torch)."""
     args.models = comma_list("--models", args.models, MODELS)
     bench_worker.check_settings(args)
     at_least(args, 1, "ranks_per_host")
+    check_device(args)
 
 
 def check_args(args) -> None:
@@ -81,7 +89,7 @@ def worker_cmd(args, model, label, ranks):
     cmd = [sys.executable, "-m", "jobs.bench_worker", "--model", model, "--strategies", args.strategies,
            "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
-           "--optimizer", args.optimizer]
+           "--optimizer", args.optimizer, "--device", args.device]
     cmd += ["--slice-size", str(args.slice_size)] if args.slice_size else []
     # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
     return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local and ranks > 1 else [])
@@ -96,6 +104,13 @@ def markdown(rows) -> str:
             f"{num(r['overlap_efficiency'], 2)} | {cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | "
             f"{mb(r, 'wire_bytes_per_step')} |" for r in rows]
     return "\n".join([head, *body])
+
+
+def device_title(rows) -> str:
+    """`devices: cuda (NVIDIA H100 80GB HBM3), CUDA 12.8`: what the rows ran on (the workers report it)."""
+    seen = dict.fromkeys(r["device"] + (f" ({r['device_name']}), CUDA {r['cuda']}" if r["device"] == "cuda" else "")
+                         for r in rows)
+    return f"devices: {'; '.join(seen) or 'unknown'}"
 
 
 def num(value: float | None, digits: int) -> str:
@@ -156,7 +171,7 @@ def main(argv=None) -> int:
                  args.ranks_per_host)
     if rows is None:
         return 2
-    print("\n" + markdown(rows))
+    print("\n" + device_title(rows) + "\n" + markdown(rows))
     if plans(rows):
         print("\n" + plans(rows))
     if args.json:

@@ -3,6 +3,7 @@
     mpiexec -n 4 python -m jobs.bench_worker --model vgg19 --strategies allreduce,wfbp,p3,ddp
     mpiexec -n 4 python -m jobs.bench_worker --strategies allreduce,topk,hier-topk,allreduce+pto --density 0.001
     mpiexec -n 4 python -m jobs.bench_worker --model vgg19-22k --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps
+    mpiexec -n 4 python -m jobs.bench_worker --device cuda --model resnet50 --strategies allreduce,wfbp,p3,ddp
 
 Rank 0 prints one JSON line per strategy (prefixed "ROW ") with samples/s
 (mean and 95 % CI over timed batches, Horovod's synthetic-benchmark protocol),
@@ -21,6 +22,11 @@ with every eligible layer forced one way; --bandwidth is the link rate the
 cost model assumes (unshaped: its default). Their T_comm, overlap and
 communication CPU are None: the factors exist only inside a backward pass,
 so a synchronisation without one would time the dense part alone.
+With --device cuda every rank trains on GPU local_rank % GPUs (ranks may
+share one), the synthetic batch stays there, ddp is torch DDP on the GPU over
+gloo (NCCL refuses several ranks on one GPU), and the clock is read after
+the GPU has finished each timed batch. Rows carry the device and torch's
+CUDA version.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import time
 
 from jobs.choices import EXACT_STRATEGIES, MODELS, SPARSE_STRATEGIES as SPARSE
 from jobs.cluster_sweep import print_row
-from jobs.inputs import InputError, JobParser, at_least, comma_list, fraction, one_of, parse
+from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list, fraction,
+                         one_of, parse)
 from jobs.plans import PLAN_KEYS, plan_rows
 
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
@@ -60,6 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", default="unshaped", help="label written into the rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks-per-node", type=int, help="emulate nodes of this many consecutive ranks")
+    add_device_argument(p)
     return parse(p, argv, check_args, mpi=True)
 
 
@@ -68,6 +76,7 @@ def check_args(args) -> None:
     args.strategies = check_settings(args)
     at_least(args, 0, "seed")
     at_least(args, 1, "ranks_per_node")
+    check_device(args)
 
 
 def check_settings(args) -> list[str]:
@@ -106,7 +115,10 @@ def slowest(comm, seconds: float) -> float:
 
 
 def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> list[float]:
-    """Per-batch seconds per step of `iters` steps and finish(), slowest rank, after `warmup` steps and finish()."""
+    """Per-batch seconds per step of `iters` steps and finish(), slowest rank, after `warmup` steps and finish().
+
+    On a GPU `finish` must also wait for the device: the clock is read once its work is done.
+    """
     for _ in range(warmup):
         step()
     finish()
@@ -126,6 +138,7 @@ class Bench:
         import torch
         from mpi4py import MPI
 
+        from jobs.devices import describe, rank_device
         from mpicomm import Topology
         from runtime.models import build_model, loss_fn, model_input
 
@@ -133,8 +146,14 @@ class Bench:
         self.args, self.MPI, self.torch = args, MPI, torch
         self.topo = Topology(ranks_per_node=args.ranks_per_node)
         self.comm, self.P = self.topo.world, self.topo.size
-        self.build = lambda: (torch.manual_seed(args.seed), build_model(args.model))[1]
-        self.inputs, self.target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
+        self.device = dev = rank_device(args.device, self.topo)
+        self.device_info = describe(dev, self.comm)  # collective; the transport is each contender's
+        # Every timed batch ends with the GPU idle, so that the clock measures its work (not its queueing).
+        self.sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+        self.build = lambda: (torch.manual_seed(args.seed), build_model(args.model).to(dev))[1]
+        # Horovod's synthetic protocol: one batch, made once, already where the model is.
+        inputs, target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
+        self.inputs, self.target = tuple(t.to(dev) for t in inputs), target.to(dev)
         self.loss = loss_fn(args.model)
         # Set by the emulated cluster, where each host is a namespace with this one interface.
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")
@@ -142,10 +161,14 @@ class Bench:
     def timed(self, step, finish=lambda: None):
         """Per-batch seconds per step, slowest rank, after warm-up; sets self.wire (bytes sent per timed step) too."""
         a = self.args
-        timed_batches(self.comm, step, finish, a.warmup, 0, a.iters)  # the warm-up alone
+
+        def done():
+            finish()
+            self.sync()
+        timed_batches(self.comm, step, done, a.warmup, 0, a.iters)  # the warm-up alone
         self.comm.Barrier()
         tx0 = self.host_tx_bytes()
-        per_batch = timed_batches(self.comm, step, finish, 0, a.batches, a.iters)
+        per_batch = timed_batches(self.comm, step, done, 0, a.batches, a.iters)
         tx1 = self.host_tx_bytes()  # every step is over: each received all it waited for, so it was sent
         self.wire = self.wire_per_step(tx1 - tx0 if self.iface else None)
         return per_batch
@@ -196,14 +219,17 @@ class Bench:
         torch = self.torch
         model = self.build()
         opt = self.optimizer(model)
-        self.traffic, self.plan = {}, None
+        self.traffic, self.plan, self.transport = {}, None, None
         if name == "ddp":
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            ddp = DDP(model)
+            # gloo all-reduces CUDA tensors itself (through host memory); device_ids: the module's one GPU.
+            cuda = self.device.type == "cuda"
+            ddp = DDP(model, device_ids=[self.device.index]) if cuda else DDP(model)
+            self.transport = "torch DDP, gloo" + (" (CUDA tensors)" if cuda else "")
             times = self.timed(self.train_step(ddp, opt))
-            flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+            flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=self.device)
             comm_t = self._time_comm(lambda: dist.all_reduce(flat))
             return times, comm_t
         from runtime import DistributedOptimizer, P3Options, TopkOptions
@@ -218,6 +244,7 @@ class Bench:
         if hybrid:
             strategy = hybcomm_options(self.args, FORCED.get(base, "auto"))
         with DistributedOptimizer(opt, model, strategy, topology=self.topo, pto=name.endswith("+pto")) as dopt:
+            self.transport = getattr(dopt, "transport", self.device_info["transport"])
             before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things
             times = self.timed(self.train_step(model, dopt), dopt.synchronize)
             self.plan = plan_rows(dopt.strategy, PLAN_KEYS)
@@ -246,11 +273,13 @@ class Bench:
 
     def _time_comm(self, fn) -> float:
         fn()
+        self.sync()
         self.comm.Barrier()
         t0, c0 = time.perf_counter(), cpu_busy_s()
         n = max(1, self.args.iters)
         for _ in range(n):
             fn()
+        self.sync()
         self.comm_cpu_s = (cpu_busy_s() - c0) / n
         return slowest(self.comm, time.perf_counter() - t0) / n
 
@@ -296,7 +325,9 @@ def main(argv=None, args=None) -> int:
                    # Machine-wide CPU-seconds per step (rank 0's reading): with compute and communication
                    # sharing the cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
                    compute_cpu_s=compute_cpu, comm_cpu_s=b.comm_cpu_s, cores=os.cpu_count(),
-                   nodes=b.topo.num_nodes, optimizer=args.optimizer, **b.wire, **b.traffic)
+                   nodes=b.topo.num_nodes, optimizer=args.optimizer, device=b.device_info["type"],
+                   device_name=b.device_info["name"], cuda=b.device_info["cuda"], transport=b.transport,
+                   **b.wire, **b.traffic)
         if name.removesuffix("+pto") in SPARSE:
             row["density"] = args.density
         if b.plan is not None:

@@ -185,6 +185,31 @@ def launched_ranks() -> int:
     return 1
 
 
+DEVICES = ("cpu", "cuda")
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    """--device cpu|cuda, checked by check_device."""
+    p.add_argument("--device", choices=DEVICES, default="cpu",
+                   help="where each rank trains: cpu, or cuda (rank i on GPU local_rank %% GPUs; ranks may share "
+                        "one; default cpu)")
+
+
+def check_device(args) -> None:
+    """--device cuda needs a GPU torch can see: one line naming the torch build, not a traceback at model.to().
+
+    Last in a check: it imports torch, paid only when cuda is asked.
+    """
+    if args.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else \
+            f"built for CUDA {torch.version.cuda}; check the driver and CUDA_VISIBLE_DEVICES"
+        raise InputError("--device", f"cuda asked, but torch {torch.__version__} sees no CUDA device ({build})")
+
+
 def _agree(problem: str | None) -> tuple[str | None, int]:
     """(the problem of any rank, or None; this rank): every rank checked, all must stop if one found a problem.
 

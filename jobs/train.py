@@ -7,10 +7,13 @@
     mpiexec -n 4 python -m jobs.train --model vgg19-22k --data synthetic --strategy hybcomm --link-bandwidth 1gbit
     mpiexec -n 4 python -m jobs.train --cache-dir /tmp/mpitrain-cache   # training data through datacache
     mpiexec -n 4 python -m jobs.train --parallel pipeline --pipeline-mode spectrain --microbatches 8
+    mpiexec -n 4 python -m jobs.train --device cuda --model resnet50 --data synthetic --strategy wfbp
 
 Every rank reads its share of each global batch (--batch-size per rank), so
 the run equals single-process SGD on batches of batch-size x ranks. Rank 0
 shows progress and prints per-epoch loss, test accuracy and samples/s.
+With --device cuda each rank trains on GPU local_rank % GPUs (ranks may
+share one); batches reach it through pinned buffers, non-blocking.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ import time
 
 from jobs import train_pipeline
 from jobs.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, STRATEGIES, TOKEN_MODELS
-from jobs.inputs import (InputError, JobParser, at_least, existing_dir, fraction, launched_ranks, link_rate, one_of,
-                         option, output_dir, output_file, parse)
+from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, existing_dir, fraction,
+                         launched_ranks, link_rate, one_of, option, output_dir, output_file, parse)
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
@@ -67,6 +70,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic-samples", type=int, default=4096, help="size of the synthetic training set")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    add_device_argument(p)
     p.add_argument("--cache-dir", help="read training samples through datacache (node-local HDF5 + memory)")
     p.add_argument("--data-dir", help="with --cache-dir: the training source (image folder, labels.csv folder "
                                       "or IDX dir; default Fashion-MNIST's IDX train split)")
@@ -109,6 +113,7 @@ def check_args(args) -> None:
     output_file(args, "json")
     output_file(args, "checkpoint", "timeline", replaced=True)  # both written to a temp file, then renamed
     train_pipeline.check_arguments(args, launched_ranks())
+    check_device(args)  # imports torch when cuda is asked: last
 
 
 def check_hybcomm(args) -> None:
@@ -165,42 +170,41 @@ def open_cache(args, rank, ranks):
                        log=lambda text: print(text, file=sys.stderr, flush=True))
 
 
-def train_batches(args, epoch, steps, x, y, plan, cache, shape):
-    """This epoch's (inputs, target) batches: from the in-memory arrays, or read ahead through the cache."""
-    import torch
-
+def train_batches(args, epoch, steps, x, y, plan, cache, shape, feed):
+    """This epoch's (inputs, target) batches on the training device: from the in-memory arrays, or read ahead
+    through the cache; `feed` (runtime.data.DeviceFeed) hands them over (pinned, non-blocking on a GPU)."""
     from runtime.data import fit_to_shape
 
     if cache is None:
         for idx in plan.epoch(epoch)[:steps]:
-            idx = torch.as_tensor(idx)
-            yield tuple(t[idx] for t in x), y[idx]
+            *inputs, target = feed.take((*x, y), idx)
+            yield tuple(inputs), target
         return
     # Leaving early (--max-steps, an error) closes the read-ahead thread.
     with cache.batches(epoch, args.batch_size, args.prefetch, shuffle_seed=args.seed) as ahead:
         for _, (xb, yb) in zip(range(steps), ahead):
-            yield (fit_to_shape(xb, shape),), yb
+            xb, yb = feed((fit_to_shape(xb, shape), yb))
+            yield (xb,), yb
 
 
-def evaluate(model, x, y, comm, batch=512):
+def evaluate(model, x, y, comm, feed, batch=512):
     """(accuracy, targets scored) over the test set, each rank scoring a 1/P share (tokens for the transformer)."""
     import numpy as np
     import torch
 
     P, r = comm.Get_size(), comm.Get_rank()
     idx = np.array_split(np.arange(len(x[0])), P)[r]
-    correct = total = 0
+    correct = torch.zeros((), dtype=torch.int64, device=feed.device)  # summed where computed: no wait per batch
+    total = 0
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for a in range(0, len(idx), batch):
-            sl = idx[a:a + batch]
-            out = model(*(t[sl] for t in x))
-            pred = out.argmax(-1)
-            correct += int((pred == y[sl]).sum())
-            total += int(y[sl].numel())
+            *inputs, target = feed.take((*x, y), idx[a:a + batch])
+            correct += (model(*inputs).argmax(-1) == target).sum()
+            total += target.numel()
     model.train(was_training)
-    counts = np.array([correct, total], dtype=np.int64)
+    counts = np.array([int(correct), total], dtype=np.int64)
     comm.Allreduce(np.copy(counts), counts)
     return counts[0] / max(1, counts[1]), int(counts[1])
 
@@ -233,9 +237,10 @@ def main(argv=None, args=None) -> int:
     from mpicomm import Topology
     from mpicomm.agree import fail_together
     from runtime import CheckpointError, DistributedOptimizer, load_checkpoint, save_checkpoint
-    from runtime.data import BatchPlan
+    from runtime.data import BatchPlan, DeviceFeed
     from runtime.models import FIXED_CLASSES as CLASSES, build_model, input_shape, loss_fn
 
+    from jobs.devices import LossValues, describe, header_line, rank_device
     from jobs.outputs import write_training_outputs
     from jobs.plans import PlanWatch, plan_rows
     from jobs.progress import epoch_progress
@@ -263,10 +268,11 @@ def main(argv=None, args=None) -> int:
         status = train_pipeline.run(args, (x, y, tx, ty), topo)
         topo.free()
         return status
+    device = rank_device(args.device, topo)
     torch.manual_seed(args.seed)
     classes = CLASSES.get(args.model, 1000 if args.model == "transformer" else 10)  # as the data's (model_input)
     model = build_model(args.model, num_classes=classes,
-                        **({"in_channels": 3} if args.model in ("vgg19", "resnet50") else {}))
+                        **({"in_channels": 3} if args.model in ("vgg19", "resnet50") else {})).to(device)
     if args.optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     else:
@@ -295,9 +301,12 @@ def main(argv=None, args=None) -> int:
     full = cache.steps(args.batch_size) if cache else len(plan)
     steps = min(full, args.max_steps) if args.max_steps else full
     shape = input_shape(args.model) if cache else None
+    device_info = describe(device, comm, dopt)  # collective
+    feed, loss_reader = DeviceFeed(device), LossValues(device)
     say(f"{args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), {args.data}, "
         f"strategy {args.strategy}{' + pto' if args.pto else ''}, {P} ranks x batch {args.batch_size}, "
         f"{steps} steps/epoch")
+    say(header_line(device_info))
     history = []
     plan_watch = PlanWatch(dopt.strategy, say) if rank == 0 else None  # hybcomm's plan, whenever it changes
     for epoch in range(start_epoch, args.epochs):
@@ -308,9 +317,10 @@ def main(argv=None, args=None) -> int:
         t0 = time.perf_counter()
         loss_sum = 0.0
         waited, fetched = (cache.stats.wait_s, cache.stats.fetch_s) if cache else (0.0, 0.0)
-        for step, (inputs, target) in enumerate(train_batches(args, epoch, steps, x, y, plan, cache, shape)):
+        for step, (inputs, target) in enumerate(train_batches(args, epoch, steps, x, y, plan, cache, shape, feed)):
             dopt.zero_grad()
             loss = criterion(model(*inputs), target)
+            loss_value = loss_reader.push(loss)  # on a GPU the previous step's: read without waiting for this one
             loss.backward()
             try:
                 dopt.step()
@@ -319,18 +329,25 @@ def main(argv=None, args=None) -> int:
                 return 3
             if plan_watch is not None:
                 plan_watch.check()
-            loss_value = loss.detach().item()
+            if loss_value is not None:
+                loss_sum += loss_value
+                if bar is not None:
+                    bar.update(loss_value)
+        loss_value = loss_reader.flush()  # the last step's, on a GPU
+        if loss_value is not None:
             loss_sum += loss_value
             if bar is not None:
                 bar.update(loss_value)
         dopt.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the epoch's kernels are over before it is timed (once per epoch)
         comm.Barrier()
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
         losses = np.array([loss_sum / max(1, steps)])
         comm.Allreduce(MPI.IN_PLACE, losses)
-        acc, scored = evaluate(model, tx, ty, comm)
+        acc, scored = evaluate(model, tx, ty, comm, feed)
         row = dict(epoch=epoch + 1, loss=float(losses[0] / P), test_accuracy=acc, test_targets=scored,
                    samples_per_s=steps * args.batch_size * P / elapsed, seconds=elapsed)
         if cache:
@@ -353,7 +370,7 @@ def main(argv=None, args=None) -> int:
                 dopt.close()
                 return 1
     plan = plan_rows(dopt.strategy)  # None but under hybcomm
-    metrics = dict(args=vars(args), ranks=P, epochs=history)
+    metrics = dict(args=vars(args), ranks=P, device=device_info, epochs=history)
     if plan is not None:
         metrics.update(plan=plan, plan_version=dopt.strategy.plan_version)
     dopt.close()

@@ -7,6 +7,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from conftest import ROOT
 from mpicomm.launch import mpiexec
 
@@ -30,11 +33,13 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     for r in rows:
         assert keys <= set(r) and r["ranks"] == 2 and r["bandwidth"] == "local-unshaped"
         assert r["nodes"] == 2  # --local honours --hosts: one emulated node per host
+        assert r["device"] == "cpu" and r["transport"]  # --device's default, forwarded to the worker
         assert r["samples_per_s"] > 0 and r["t_iter_s"] > 0 and r["t_comm_s"] > 0
         assert abs(r["overlap_efficiency"] - max(r["t_compute_s"], r["t_comm_s"]) / r["t_iter_s"]) < 1e-9
         # No interface per host here: nothing to count, and nothing made up.
         assert r["wire_bytes_per_step"] is None and r["wire_bytes_per_host_per_step"] is None
     assert "| mlp | p3 | local-unshaped |" in proc.stdout and "| wire MB/step |" in proc.stdout
+    assert "\ndevices: cpu\n" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -70,3 +75,21 @@ def test_worker_counts_wire_bytes_per_host_and_reports_hybcomms_plan():
         assert all(set(p) == {"name", "M", "N", "K", "choice", "reason"} and p["choice"] in ("sfb", "ps")
                    and p["K"] == 8 for p in plan)  # K: rows per rank, the batch
         assert forced is None or {p["choice"] for p in plan} == {forced}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+@pytest.mark.timeout(600)
+def test_local_bench_on_cuda_runs_vgg19_and_resnet50_with_every_contender(tmp_path):
+    """--device cuda reaches the worker: VGG-19 and ResNet-50 train on the GPU, DDP over gloo with CUDA tensors."""
+    out = tmp_path / "bench.json"
+    strategies = ["allreduce", "wfbp", "p3", "ddp"]
+    cmd = [sys.executable, "-m", "jobs.bench", "--local", "--hosts", "2", "--device", "cuda", "--models",
+           "vgg19,resnet50", "--batch-size", "4", "--batches", "2", "--iters", "1", "--warmup", "1",
+           "--strategies", ",".join(strategies), "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["strategy"]) for r in rows] == [(m, s) for m in ("vgg19", "resnet50") for s in strategies]
+    assert all(r["device"] == "cuda" and r["cuda"] == torch.version.cuda and r["samples_per_s"] > 0 for r in rows)
+    assert "devices: cuda (" in proc.stdout

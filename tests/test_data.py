@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.data import (BOS, FASHION_MEAN, FASHION_STD, FIRST_TOKEN, BatchPlan, synthetic_classification,
-                          synthetic_seq2seq, to_tensor)
+from runtime.data import (BOS, FASHION_MEAN, FASHION_STD, FIRST_TOKEN, BatchPlan, DeviceFeed,
+                          synthetic_classification, synthetic_seq2seq, to_tensor)
 
 
 # ----------------------------------------------------------------------------- preprocessing
@@ -139,3 +139,66 @@ def test_plan_errors(args, match):
 def test_negative_seed_is_rejected_clearly():
     with pytest.raises(ValueError, match="seed \\+ epoch must be >= 0"):
         BatchPlan(10, 2, 1, 0, seed=-3).epoch(1)
+
+
+# ----------------------------------------------------------------------------- DeviceFeed
+
+def _batch(seed, n=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 4, generator=g), torch.randint(0, 9, (n,), generator=g)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["plain", "staged"])
+def test_device_feed_returns_the_batch_on_the_cpu(staged):
+    feed = DeviceFeed("cpu", staged=staged)
+    x, y = _batch(0)
+    got = feed((x, y))
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, (x, y)))
+    idx = np.array([5, 0, 3])
+    got = feed.take((x, y), idx)
+    assert torch.equal(got[0], x[idx]) and torch.equal(got[1], y[idx]) and got[1].dtype == torch.int64
+
+
+def test_device_feed_staged_reuses_its_buffers_and_hands_out_copies():
+    feed = DeviceFeed("cpu", staged=True)
+    outs, wants = [], []
+    for step in range(10):
+        x, y = _batch(step)
+        outs.append(feed((x, y)))
+        wants.append((x.clone(), y.clone()))
+        x.zero_()  # the caller may reuse its tensor at once: the feed copied it
+    assert all(torch.equal(o[0], w[0]) and torch.equal(o[1], w[1]) for o, w in zip(outs, wants))
+    assert len(feed.buffers) == 2  # one per tensor, reused every step (a CPU copy is over when it returns)
+    assert all(not any(o.data_ptr() == b.data_ptr() for b in feed.buffers) for out in outs for o in out)
+
+
+def test_device_feed_keeps_a_buffer_per_shape_up_to_a_limit():
+    feed = DeviceFeed("cpu", staged=True)
+    x, y = _batch(1, n=40)
+    for n in range(1, DeviceFeed.MAX_SHAPES + 4):  # short batches (a cache that skipped samples)
+        got = feed.take((x, y), np.arange(n))
+        assert torch.equal(got[0], x[:n]) and torch.equal(got[1], y[:n])
+    assert len(feed.buffers) <= 2 * DeviceFeed.MAX_SHAPES
+    with pytest.raises(ValueError, match="max_buffers must be >= 1"):
+        DeviceFeed("cpu", max_buffers=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+def test_device_feed_on_cuda_is_pinned_and_non_blocking():
+    feed = DeviceFeed("cuda")
+    assert feed.staged and feed.pinned
+    first = [_batch(step, n=256) for step in range(3)]  # fewer than max_buffers: no buffer waited for
+    # Keep the GPU busy so that the copies queue behind the sleep: the feed must return before they run.
+    torch.cuda._sleep(200_000_000)
+    outs = [feed(b) for b in first]
+    assert not any(slot[1].query() for pool in feed._pools.values() for slot in pool), "a copy was waited for"
+    # More batches than buffers: the oldest are refilled only once their copies are over.
+    more = [_batch(step, n=256) for step in range(3, 15)]
+    outs += [feed(b) for b in more]
+    assert all(b.is_pinned() for b in feed.buffers) and len(feed.buffers) <= 2 * feed.max_buffers
+    torch.cuda.synchronize()
+    for (x, y), (gx, gy) in zip(first + more, outs):
+        assert gx.is_cuda and gy.is_cuda and torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y)
+    got = feed.take(first[0], torch.tensor([3, 1]))
+    assert torch.equal(got[0].cpu(), first[0][0][[3, 1]]) and torch.equal(got[1].cpu(), first[0][1][[3, 1]])

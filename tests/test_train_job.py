@@ -196,3 +196,56 @@ def test_ranks_that_disagree_about_an_input_all_stop(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == ["error: --data-dir: data does not exist (rank 1)"]
+
+
+
+NO_CUDA = "checks what a machine without a CUDA device says"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+
+
+def test_device_cpu_is_the_default_and_is_reported(tmp_path):
+    """The header line and the JSON name the device, torch, CUDA and how gradients reach MPI."""
+    out = tmp_path / "m.json"
+    proc = train(tmp_path, "--strategy", "wfbp", "--epochs", "1", "--max-steps", "2", "--json", str(out))
+    device = json.loads(out.read_text())["device"]
+    assert device["type"] == "cpu" and len(device["rank_devices"]) == 2
+    assert all(d.endswith("/cpu") for d in device["rank_devices"])
+    assert device["torch"] == torch.__version__ and device["transport"]
+    header = next(line for line in proc.stdout.splitlines() if line.startswith("device "))
+    assert f"torch {torch.__version__}" in header and "gradient transport: " in header
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("job", ["jobs.train", "jobs.bench_worker"])
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(job):
+    """Both ranks check; rank 0 alone says so, naming the torch build: no traceback, no hang."""
+    cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", "2", sys.executable, "-m", job, "--device", "cuda"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: --device: cuda asked, but torch {torch.__version__} sees no CUDA device ("), proc.stderr
+
+
+def test_device_must_be_cpu_or_cuda():
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, "--device", "gpu"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: --device: invalid choice: 'gpu' (choose from 'cpu', 'cuda')"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+def test_device_cuda_trains_four_ranks_on_the_gpu(tmp_path, strategy):
+    """4 ranks on however many GPUs (sharing them): the JSON says cuda and the loss falls."""
+    out = tmp_path / "m.json"
+    proc = train(tmp_path, "--device", "cuda", "--strategy", strategy, "--epochs", "2", "--json", str(out), n=4,
+                 timeout=300)
+    doc = json.loads(out.read_text())
+    assert doc["device"]["type"] == "cuda" and doc["device"]["cuda"] == torch.version.cuda
+    assert all(d.split("/", 1)[1].startswith("cuda:") for d in doc["device"]["rank_devices"])
+    assert doc["device"]["transport"] and "gradient transport: " in proc.stdout
+    rows = doc["epochs"]
+    assert rows[1]["loss"] < rows[0]["loss"] and all(0 <= r["test_accuracy"] <= 1 for r in rows)

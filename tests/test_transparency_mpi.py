@@ -58,10 +58,14 @@ def data(world_size):
     return torch.randn(STEPS, n, 11, generator=g), torch.randint(0, 5, (STEPS, n), generator=g)
 
 
-def train(strategy, world, X, Y, slice_size=7, make=Edgy, adam=False, **kw):
-    """Train 20 SGD+momentum (or Adam) steps; strategy None is the single-process reference on the full batch."""
+def train(strategy, world, X, Y, slice_size=7, make=Edgy, adam=False, device="cpu", **kw):
+    """Train 20 SGD+momentum (or Adam) steps; strategy None is the single-process reference on the full batch.
+
+    device: where the model and batches are (the parameters come back on the CPU).
+    """
     torch.manual_seed(7)
-    model = make()
+    model = make().to(device)
+    X, Y = X.to(device), Y.to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trainable, lr=0.01) if adam else torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
     r, P = world.Get_rank(), world.Get_size()
@@ -75,7 +79,7 @@ def train(strategy, world, X, Y, slice_size=7, make=Edgy, adam=False, **kw):
         dopt.step()
     if strategy:
         dopt.close()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def close(a, b, rtol=1e-5):
