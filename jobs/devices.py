@@ -19,23 +19,14 @@ def rank_device(name: str, topo) -> torch.device:
     return torch.device("cuda", index)
 
 
-def mpi_cuda_aware() -> bool | None:
-    """mpicomm.cuda_support.mpi_cuda_aware() where this tree has it, else None (unknown)."""
-    try:
-        from mpicomm import cuda_support
-    except ImportError:
-        return None
-    query = getattr(cuda_support, "mpi_cuda_aware", None)
-    return None if query is None else query()
-
-
 def describe(device: torch.device, comm, dopt=None) -> dict:
     """Collective over `comm`: the run's device, every rank's, torch, CUDA and how gradients reach MPI.
 
-    `transport` is the DistributedOptimizer's own description where it has one (plain host memory
-    on a CPU run otherwise; None when a GPU run's optimizer does not say).
+    `transport` is the DistributedOptimizer's own description (without one: host memory on a CPU, else None).
     """
     from mpi4py import MPI
+
+    from mpicomm.cuda_support import mpi_cuda_aware
 
     info = dict(type=device.type, device=str(device),
                 name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -43,7 +34,7 @@ def describe(device: torch.device, comm, dopt=None) -> dict:
                 rank_devices=comm.allgather(f"{MPI.Get_processor_name()}/{device}"),
                 torch=torch.__version__, cuda=torch.version.cuda,
                 mpi_cuda_aware=mpi_cuda_aware(),
-                transport=getattr(dopt, "transport", "host memory" if device.type == "cpu" else None))
+                transport=dopt.transport if dopt is not None else ("host memory" if device.type == "cpu" else None))
     return info
 
 
