@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -14,10 +16,29 @@ from mpicomm.step_check import CLOSE, EXCHANGE, StepCheck, digest
 
 from . import partition, schedule
 from .placement import PLACEMENTS, PipelineLayout
+from .staging import StagedLink
 from .transport import StageLink, agree_boundaries, describe
 from .versions import MODES, SPECTRAIN_VARIANTS, WeightVersions, momentum_sgd_hyper, version_difference
 
 DATA_PARALLEL = ("allreduce", "wfbp")
+DEVICES = ("cpu", "cuda")
+
+
+def stage_device(device, local_rank: int) -> torch.device:
+    """The device a rank's stage runs on: cpu, or its GPU (local rank mod the GPUs it sees: ranks may share one)."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}") from None
+    if d.type not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__})")
+    index = d.index if d.index is not None else local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 class PipelineError(RuntimeError):
@@ -47,13 +68,19 @@ class Pipeline:
     replicas: copies of each stage (world = stages x replicas) averaging their gradients
     with `data_parallel` ("allreduce" or "wfbp") on a sub-communicator; placement:
     "within-node" or "across-nodes" (runtime.pipeline.placement).
+    device: "cpu", or "cuda": each rank's stage on GPU local_rank mod the GPUs it sees
+    (ranks may share one; "cuda:N" pins it), inputs and targets moved there, boundary
+    tensors crossing through pinned host buffers (runtime.pipeline.staging).
+    staging: True forces that host-staged transport on the CPU too (tests; also
+    MPITRAIN_STAGING=force); None: staged on a GPU only.
     """
 
     def __init__(self, model, optimizer_factory, *, loss_fn, stages: int | None = None, balance=None,
                  microbatches: int = 4, mode: str = "flush", spectrain_variant: str = "paper", replicas: int = 1,
                  placement: str = "within-node", data_parallel: str = "allreduce", sample=None,
                  bandwidth: float | None = None, comm=None, topology: Topology | None = None, timeline=None,
-                 stall: StallPolicy | None = None, say=None, record_versions: bool = False):
+                 stall: StallPolicy | None = None, say=None, record_versions: bool = False, device="cpu",
+                 staging: bool | None = None):
         self._own_topology = topology is None
         self.topology = topology or (Topology(comm) if comm is not None else Topology())
         world = self.topology.world
@@ -63,13 +90,17 @@ class Pipeline:
         self.failed: BaseException | None = None
         self._closed = False
         try:
-            layers = self._check_arguments(world, model, stages, balance, microbatches, mode, spectrain_variant,
-                                           replicas, placement, data_parallel, sample)
+            layers, self.device = self._check_arguments(world, model, stages, balance, microbatches, mode,
+                                                        spectrain_variant, replicas, placement, data_parallel,
+                                                        sample, device, self.topology.local_rank)
+            self.staged = self.device.type != "cpu" or bool(staging) or \
+                (staging is None and os.environ.get("MPITRAIN_STAGING") == "force")
             n_stages = len(balance) if balance is not None else stages
             settings = [f"mode={mode}", f"spectrain_variant={spectrain_variant}", f"stages={n_stages}",
                         f"balance={'auto' if balance is None else list(balance)}", f"microbatches={microbatches}",
                         f"replicas={replicas}", f"placement={placement}", f"data_parallel={data_parallel}",
-                        f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)}"]
+                        f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)}",
+                        f"device={self.device.type}"]
             check_same_structure(world, settings, "pipeline setting")
             check_same_structure(world, _describe_layers(layers), "layer parameter")
             _check_same_values(world, layers)
@@ -80,7 +111,8 @@ class Pipeline:
             if say is not None:
                 say(self.plan)
             a = sum(self.balance[:self.stage])
-            self.module = nn.Sequential(*layers[a:a + self.balance[self.stage]])
+            # Only this stage's layers go to the device; the caller's model keeps the others where they were.
+            self.module = nn.Sequential(*layers[a:a + self.balance[self.stage]]).to(self.device)
             ends = np.cumsum([0] + self.balance)
             # Gradients flow back across boundary k only if a stage before it has something to train.
             self._trains_before = [any(p.requires_grad for layer in layers[:ends[k]] for p in layer.parameters())
@@ -105,9 +137,9 @@ class Pipeline:
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
     def _check_arguments(world, model, stages, balance, microbatches, mode, variant, replicas, placement,
-                         data_parallel, sample):
+                         data_parallel, sample, device, local_rank):
         """Local checks, then agreement: a rank with a bad argument stops every rank, each naming it."""
-        problem, layers = None, []
+        problem, layers, where = None, [], None
         try:
             layers = partition.as_layers(model)
             if mode not in MODES:
@@ -130,10 +162,11 @@ class Pipeline:
                 if sample is None:
                     raise ValueError("the automatic partition times each layer on a sample micro-batch: pass "
                                      "sample=<inputs of one micro-batch>, or balance=[layers per stage]")
+            where = stage_device(device, local_rank)
         except (ValueError, TypeError) as exc:
             problem = str(exc)
         fail_together(world, problem, PipelineError)
-        return layers
+        return layers, where
 
     def _partition(self, world, layers, balance, stages, sample, bandwidth):
         """The balance (rank 0 times the layers and decides for everyone) and the plan's table."""
@@ -141,7 +174,8 @@ class Pipeline:
         table, problem = "", None
         if world.Get_rank() == 0:
             try:
-                profile = partition.profile_layers(layers, sample) if sample is not None else None
+                profile = partition.profile_layers(layers, sample, device=self.device) if sample is not None \
+                    else None
                 chosen = balance if balance is not None else partition.best_balance(profile, stages, bandwidth)
                 plan[:] = chosen
                 table = partition.plan_table(profile, list(chosen), bandwidth) if profile else \
@@ -179,13 +213,15 @@ class Pipeline:
         """First step: every boundary's shape and dtype agreed along the pipeline, buffers allocated."""
         def produce(in_meta):
             with torch.no_grad():
-                x = first_input if in_meta is None else torch.zeros(in_meta[0], dtype=in_meta[1])
+                x = first_input if in_meta is None else torch.zeros(in_meta[0], dtype=in_meta[1], device=self.device)
                 return self.module(x)
         self._input_meta = (tuple(first_input.shape), first_input.dtype) if self.first else None
-        self._meta = agree_boundaries(self.layout.pipeline, self.stage, produce)
+        self._meta = agree_boundaries(self.layout.pipeline, self.stage, produce, self.device.type)
         in_meta = self._meta[self.stage - 1] if not self.first else None
-        self.link = StageLink(self.layout.pipeline, self.stage, in_meta, self._meta[self.stage], self.in_flight,
-                              interrupt=self._interrupt, policy=self.policy, timeline=self.timeline)
+        kind = dict(device=self.device) if self.staged else {}
+        self.link = (StagedLink if self.staged else StageLink)(
+            self.layout.pipeline, self.stage, in_meta, self._meta[self.stage], self.in_flight,
+            interrupt=self._interrupt, policy=self.policy, timeline=self.timeline, **kind)
         # No gradient crosses a boundary carrying integers (token ids), nor one with nothing to train before it.
         self._grad_in = in_meta is not None and in_meta[1].is_floating_point and self._trains_before[self.stage]
         self._grad_out = not self.last and self._meta[self.stage][1].is_floating_point and \
@@ -215,12 +251,14 @@ class Pipeline:
                     self._forward(i, xs[k] if xs else None, ys[k] if ys else None, losses)
                 else:
                     self._backward(i)
+            self.link.post_sends()
             self._next += self.microbatches
             if self.mode == "flush":
                 self._base = self._next
                 self._update()
             self.steps += 1
-            return float(np.mean(losses)) if self.last else None
+            # The step's one host synchronisation on a GPU, on the last stage only: the mean loss.
+            return float(torch.stack(losses).double().mean()) if self.last else None
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -233,6 +271,7 @@ class Pipeline:
         if batch.shape[0] % self.microbatches:
             raise ValueError(f"{what}: a batch of {batch.shape[0]} does not split into {self.microbatches} "
                              "equal micro-batches")
+        batch = batch.to(self.device, non_blocking=True)  # one copy per step; none on the CPU
         return list(batch.split(batch.shape[0] // self.microbatches))
 
     def _forward(self, i: int, x, target, losses) -> None:
@@ -245,7 +284,7 @@ class Pipeline:
             out = self.module(x)
         if self.last:
             loss = self.loss_fn(out, target)
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
             out = loss / self.microbatches if self.mode == "flush" else loss
         else:
             self.link.send_activation(i, out)
@@ -265,6 +304,7 @@ class Pipeline:
         if self._grad_in:
             self.link.send_gradient(i, x.grad if x.grad is not None else torch.zeros_like(x))
             x.grad = None
+        self.link.release(i)
         if self.mode != "flush":
             self._update()
 
@@ -285,6 +325,7 @@ class Pipeline:
         try:
             for _, j in schedule.drain_ops(self.stage, self.stages, self._next, self._base):
                 self._backward(j)
+            self.link.post_sends()
             self._base = self._next
         except BaseException as exc:
             self._fail(exc)
@@ -332,7 +373,7 @@ class Pipeline:
 
     def stats(self) -> dict:
         """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held."""
-        return dict(stage=self.stage, bytes_sent=self.link.bytes_sent if self.link else 0,
+        return dict(stage=self.stage, device=str(self.device), bytes_sent=self.link.bytes_sent if self.link else 0,
                     messages_sent=self.link.messages_sent if self.link else 0, updates=self.versions.updates,
                     weight_copy_bytes=self.versions.held_bytes(),
                     parameter_bytes=sum(p.numel() * p.element_size() for p in self.params))

@@ -11,6 +11,7 @@ O(N L^2) for L layers.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass
@@ -73,14 +74,25 @@ class LayerProfile:
     params: int
 
 
-def profile_layers(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 3) -> list[LayerProfile]:
-    """Median forward+backward time of each layer on `sample` (one micro-batch), with its output and parameter sizes."""
+def profile_layers(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 3,
+                   device=None) -> list[LayerProfile]:
+    """Median forward+backward time of each layer on `sample` (one micro-batch), with its output and parameter sizes.
+
+    device: where to time them (default: the sample's). On a GPU each layer is timed on a copy
+    there (the caller's layers stay where they are), with the device synchronised around the timed
+    region: kernels run asynchronously, so the host's clock alone would time their launch.
+    """
+    device = torch.device(device) if device is not None else sample.device
+    cuda = device.type == "cuda"
     out = []
-    x = sample
-    for i, layer in enumerate(layers):
+    x = sample.to(device)
+    for i, original in enumerate(layers):
+        layer = copy.deepcopy(original).to(device) if cuda else original
         times = []
         for _ in range(repeats + 1):  # the first run warms up allocators and kernels
             inp = x.detach().requires_grad_(x.is_floating_point())
+            if cuda:
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             y = layer(inp)
             if not isinstance(y, torch.Tensor):
@@ -88,6 +100,8 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, repeats: int =
                                      "pipeline boundaries carry one tensor")
             if y.requires_grad:
                 y.backward(torch.ones_like(y))
+            if cuda:
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
         layer.zero_grad(set_to_none=True)
         params = sum(p.numel() for p in layer.parameters())
@@ -95,6 +109,7 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, repeats: int =
                                 y.numel() * y.element_size(),
                                 sum(p.numel() * p.element_size() for p in layer.parameters()), params))
         x = y.detach()
+        del layer  # a GPU copy: freed before the next layer's
     return out
 
 

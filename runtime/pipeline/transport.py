@@ -7,6 +7,9 @@ holds in flight, so data lands while the stage computes; sends leave at once
 and are completed lazily. Messages between two ranks with one tag arrive in
 the order sent (MPI's non-overtaking rule), which is the schedule's order,
 so a tag per direction is all the matching needed.
+
+This link sends and receives CPU tensors in place. Stages on a GPU use
+runtime.pipeline.staging.StagedLink, which crosses through host buffers.
 """
 
 from __future__ import annotations
@@ -30,8 +33,14 @@ class PipelineShapeError(ValueError):
     """A boundary between stages that cannot carry what the stages produce or expect."""
 
 
+DEVICE_TYPES = ("cpu", "cuda")
+
+
 def _bytes(t: torch.Tensor):
     """An MPI byte buffer over a contiguous tensor of any dtype (numpy has no bfloat16: view it as bytes)."""
+    if t.device.type != "cpu":  # MPI reads host memory: a GPU tensor must be staged (StagedLink)
+        raise PipelineShapeError(f"a {t.device} tensor cannot be sent as it is: stages on a GPU cross through "
+                                 "host buffers (runtime.pipeline.staging.StagedLink)")
     return [t.detach().view(-1).view(torch.uint8).numpy(), MPI.BYTE]
 
 
@@ -39,17 +48,19 @@ def describe(shape, dtype) -> str:
     return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
 
-def agree_boundaries(comm: MPI.Comm, stage: int, produce) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """Every stage's output shape and dtype, on every rank, stage by stage (start-up only).
+def agree_boundaries(comm: MPI.Comm, stage: int, produce, device_type: str = "cpu") -> list[tuple]:
+    """Every stage's output (shape, dtype, device type), on every rank, stage by stage (start-up only).
 
     produce(in_meta) is called on stage k's rank with stage k-1's output meta
     (None on stage 0) and returns this stage's output tensor (a forward on
     zeros). A stage that fails (its layers cannot take the previous stage's
-    output, or return something that is not one tensor) is named on every rank.
+    output, return something that is not one tensor, or return it on another
+    device than the stage's `device_type`), and stages on different device
+    types, are named on every rank.
     """
     stages = comm.Get_size()
-    metas: list[tuple[tuple[int, ...], torch.dtype]] = []
-    row = np.zeros(2 + _MAX_DIMS, dtype=np.int64)
+    metas: list[tuple] = []
+    row = np.zeros(3 + _MAX_DIMS, dtype=np.int64)
     for k in range(stages):
         problem = None
         if k == stage:
@@ -61,14 +72,21 @@ def agree_boundaries(comm: MPI.Comm, stage: int, produce) -> list[tuple[tuple[in
                 if out.dim() > _MAX_DIMS or out.dtype not in _DTYPES:
                     raise PipelineShapeError(f"stage {k} returns {describe(out.shape, out.dtype)}: a boundary "
                                              f"carries up to {_MAX_DIMS} dimensions of {_DTYPES}")
+                if out.device.type != device_type:
+                    raise PipelineShapeError(f"stage {k} runs on {device_type} but its layers return a tensor on "
+                                             f"{out.device}: keep the stage's output on the stage's device")
                 row[:] = 0
-                row[0], row[1] = _DTYPES.index(out.dtype), out.dim()
-                row[2:2 + out.dim()] = out.shape
+                row[0], row[1], row[2] = _DTYPES.index(out.dtype), out.dim(), DEVICE_TYPES.index(device_type)
+                row[3:3 + out.dim()] = out.shape
             except Exception as exc:  # any error in the user's layers: every rank must hear of it
                 problem = f"stage {k}: {type(exc).__name__}: {exc}"
         fail_together(comm, problem, PipelineShapeError)
         comm.Bcast(row, root=k)
-        metas.append((tuple(int(d) for d in row[2:2 + row[1]]), _DTYPES[int(row[0])]))
+        metas.append((tuple(int(d) for d in row[3:3 + row[1]]), _DTYPES[int(row[0])], DEVICE_TYPES[int(row[2])]))
+    kinds = {m[2] for m in metas}
+    if len(kinds) > 1:  # the same on every rank: all raise together
+        raise PipelineShapeError("stages on different device types: " + ", ".join(
+            f"stage {k} on {m[2]}" for k, m in enumerate(metas)) + "; give every rank the same device")
     return metas
 
 
@@ -88,14 +106,16 @@ class StageLink:
         self.bytes_sent = self.messages_sent = 0
         # Inputs stay alive until their backward (they are autograd leaves): one buffer per micro-batch
         # in flight, plus the one being received ahead.
-        self._acts = [torch.empty(in_meta[0], dtype=in_meta[1]) for _ in range(in_flight + 1)] \
-            if self.prev is not None else []
+        self._acts = [self._buffer(in_meta) for _ in range(in_flight + 1)] if self.prev is not None else []
         self._act_req: dict[int, MPI.Request] = {}
         # A gradient is consumed by its backward at once: one in use, one arriving.
-        self._grads = [torch.empty(out_meta[0], dtype=out_meta[1]) for _ in range(2)] \
-            if self.next is not None else []
+        self._grads = [self._buffer(out_meta) for _ in range(2)] if self.next is not None else []
         self._grad_req: dict[int, MPI.Request] = {}
         self._sends: list[tuple[MPI.Request, torch.Tensor]] = []
+
+    def _buffer(self, meta) -> torch.Tensor:
+        """A receive buffer of a boundary's (shape, dtype): where MPI writes."""
+        return torch.empty(meta[0], dtype=meta[1])
 
     # -- receives -----------------------------------------------------------------------
     def _post(self, table, buffers, micro, source, tag):
@@ -137,6 +157,12 @@ class StageLink:
         if len(self._sends) > 4:
             self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
+    def release(self, micro: int) -> None:
+        """The stage is done with micro-batch `micro`'s received tensors (its backward is queued): nothing to do here."""
+
+    def post_sends(self) -> None:
+        """Every send handed to MPI (a step's end): here they all are already."""
+
     def flush_sends(self) -> None:
         """Wait until every send has been delivered (before the buffers or the communicator go)."""
         for req, _ in self._sends:
@@ -156,12 +182,19 @@ class StageLink:
         return buf
 
     # -- waiting and failing ---------------------------------------------------------------
+    def _poll(self) -> None:
+        """Called in every wait: work that moves on without this rank's compute (StagedLink: staged sends)."""
+
     def _wait(self, req: MPI.Request, what: str) -> None:
         if req.Test():
             return
         span = self.timeline.begin(f"wait {what.split(' of ')[0]}", "pipeline", track="comm") if self.timeline \
             else None
-        wait_until(req.Test, what=f"stage {self.stage}: {what}", policy=self.policy, interrupt=self.interrupt,
+
+        def done() -> bool:
+            self._poll()
+            return req.Test()
+        wait_until(done, what=f"stage {self.stage}: {what}", policy=self.policy, interrupt=self.interrupt,
                    report=lambda: "the neighbouring stage has not sent it (is it still running?)")
         if span is not None:
             self.timeline.end(span)

@@ -20,7 +20,9 @@ backward time:
   stash, and reused by the backward.
 
 Gradients always land on the parameters themselves (autograd's leaves), so
-the optimizer and the data-parallel strategies see nothing unusual.
+the optimizer and the data-parallel strategies see nothing unusual. Every
+copy (stash pool, spectrain's buffers) is made like its parameter, on the
+stage's device: a GPU stage keeps its weight versions on the GPU.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ class WeightVersions:
         self.params, self.mode, self.optimizer, self.log = params, mode, optimizer, log
         self.shifts, self.once = shifts, once
         self.in_flight = in_flight
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(f"a stage's parameters are on {sorted(map(str, devices))}: put the stage on one device")
+        self.device = devices.pop() if devices else torch.device("cpu")  # where every weight copy is made
         # Parameters are found by their storage: saved tensors are often views (weight.t()).
         self._index = {}
         for i, p in enumerate(params):
