@@ -3,6 +3,7 @@
     python -m jobs.bench_pipeline --json results/pipeline.json                 # as root: emulated cluster
     python -m jobs.bench_pipeline --models fc-heavy --bandwidths 1gbit --rounds 3 --iters 5
     python -m jobs.bench_pipeline --local --models mlp --rounds 1             # no root: this host, unshaped
+    python -m jobs.bench_pipeline --local --device cuda --models fc-heavy,vgg19  # ranks on GPUs (may share one)
 
 For every bandwidth an emulated cluster of --hosts hosts (one rank each: one pipeline
 stage per host) is brought up and jobs.bench_pipeline_worker runs every model across
@@ -50,7 +51,9 @@ def parse_args(argv=None):
     p = JobParser(prog="python -m jobs.bench_pipeline", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", default="fc-heavy,vgg19,char-lstm")
-    p.add_argument("--contenders", default=",".join(worker.CONTENDERS))
+    p.add_argument("--contenders", help=f"default {','.join(worker.CONTENDERS)} (without torch-1f1b with --device "
+                                        "cuda)")
+    worker.add_device_option(p)
     p.add_argument("--hosts", type=int, default=4, help="one rank, one pipeline stage each (default 4)")
     p.add_argument("--batch-size", type=int, default=64, help="global samples per step, every contender (default 64)")
     p.add_argument("--microbatches", type=int, default=8, help="per step, pipelines and torch-1f1b (default 8)")
@@ -75,7 +78,7 @@ def worker_cmd(args, model, label):
     cmd = [sys.executable, "-m", "jobs.bench_pipeline_worker", "--model", model,
            "--contenders", ",".join(args.contenders), "--batch-size", str(args.batch_size),
            "--microbatches", str(args.microbatches), "--rounds", str(args.rounds), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--bandwidth", label, "--seed", str(args.seed)]
+           "--warmup", str(args.warmup), "--bandwidth", label, "--seed", str(args.seed), "--device", args.device]
     return cmd + (["--hidden", ",".join(map(str, args.hidden))] if args.hidden else [])
 
 

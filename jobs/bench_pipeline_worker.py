@@ -1,6 +1,7 @@
 """The MPI side of jobs.bench_pipeline: pipeline modes vs data parallelism vs torch's pipelining, on one model.
 
     mpiexec -n 4 python -m jobs.bench_pipeline_worker --model vgg19 --batch-size 64 --microbatches 8
+    mpiexec -n 4 python -m jobs.bench_pipeline_worker --model vgg19 --device cuda   # ranks on GPUs (may share one)
 
 Every contender trains the same model (same seed) on the same global batch per step: the
 pipeline modes (runtime.pipeline, one stage per rank), the data-parallel strategies
@@ -13,7 +14,8 @@ destroyed: one alive at a time. A step's time ends when the last rank finished i
 barrier inside the timed steps; the async modes' final drain() and the strategies'
 synchronize() count in the last step (torch-1f1b times its own steps, a barrier before
 each). Rank 0 prints a "ROW {json}" per contender; jobs.bench_pipeline says what the
-columns measure.
+columns measure. --device cuda: every contender's model on the rank's GPU (local rank
+mod the GPUs it sees); torch-1f1b (gloo, CPU tensors) is left out of the default contenders.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from jobs.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.cluster_sweep import print_row
 from jobs.inputs import InputError, JobParser, at_least, comma_list, launched_ranks, one_of, parse
+from jobs.train_pipeline import add_device_option, check_device
 
 ASYNC_MODES = ("vanilla", "stash", "spectrain")
 DATA_PARALLEL = ("allreduce", "wfbp", "p3", "ddp")
@@ -42,7 +45,8 @@ def kind(contender: str) -> str:
 def parse_args(argv=None):
     p = JobParser(prog="python -m jobs.bench_pipeline_worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="vgg19")
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contenders", help=f"default {','.join(CONTENDERS)} (without torch-1f1b with --device cuda)")
+    add_device_option(p)
     p.add_argument("--batch-size", type=int, default=64, help="global samples per step, for every contender")
     p.add_argument("--microbatches", type=int, default=8, help="per step, pipelines and torch-1f1b alike")
     p.add_argument("--rounds", type=int, default=3)
@@ -69,7 +73,11 @@ def check_args(args) -> None:
 
 def check_settings(args, models: list[str], ranks: int) -> None:
     """What jobs.bench_pipeline hands the worker, under the same option names; `ranks`: one stage per rank."""
+    if args.contenders is None:
+        args.contenders = ",".join(c for c in CONTENDERS if args.device == "cpu" or c not in PEERS)
     args.contenders = comma_list("--contenders", args.contenders, CONTENDERS)
+    if args.device == "cuda" and "torch-1f1b" in args.contenders:
+        raise InputError("--contenders", "torch-1f1b sends CPU tensors over gloo: leave it out with --device cuda")
     at_least(args, 1, "batch_size", "microbatches", "rounds", "iters")
     at_least(args, 0, "warmup", "seed")
     if args.batch_size % args.microbatches:
@@ -86,6 +94,7 @@ def check_settings(args, models: list[str], ranks: int) -> None:
         args.hidden = comma_list("--hidden", args.hidden, parse=int)
         if min(args.hidden) < 1:
             raise InputError("--hidden", f"widths must be >= 1, got {args.hidden}")
+    check_device(args)  # last: it imports torch
 
 
 def memory_mb() -> tuple[float, float]:
@@ -127,14 +136,20 @@ class Runner:
 
         from mpicomm import Topology
         from runtime.models import loss_fn, model_input
+        from runtime.pipeline.engine import stage_device
 
         torch.set_num_threads(1)  # the ranks share the cores, as in jobs.bench_worker
         self.args, self.torch, self.MPI = args, torch, MPI
         self.topo = Topology()
         self.comm, self.P, self.rank = self.topo.world, self.topo.size, self.topo.rank
+        self.device = stage_device(args.device, self.topo.local_rank)
         self.loss = loss_fn(args.model)
+        # The batches live where the models do: no copy inside the timed steps.
         (self.x,), self.y = model_input(args.model, args.batch_size, args.seed)  # global batch, every rank
+        self.x, self.y = self.x.to(self.device), self.y.to(self.device)
         self.dp_inputs, self.dp_target = model_input(args.model, args.batch_size // self.P, args.seed + 1 + self.rank)
+        self.dp_inputs = tuple(t.to(self.device) for t in self.dp_inputs)
+        self.dp_target = self.dp_target.to(self.device)
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")  # set by the emulated cluster: alone in a namespace
         self.balance = self._balance()
 
@@ -158,7 +173,7 @@ class Runner:
                 bps = None
             try:  # a model of fewer layers than ranks, for one
                 micro = self.x[:self.args.batch_size // self.args.microbatches]
-                profile = profile_layers(as_layers(self.build()), micro)
+                profile = profile_layers(as_layers(self.build()), micro, device=self.device)
                 balance = best_balance(profile, self.P, bps)
                 print(plan_table(profile, balance, bps), flush=True)
             except ValueError as exc:
@@ -196,6 +211,8 @@ class Runner:
             if k == a.iters - 1:
                 sent = count() if steady else None
                 finish()  # the async modes' owed backward passes, p3's owed update
+                if self.device.type == "cuda":  # the GPU's queued work counts too (kernels run asynchronously)
+                    self.torch.cuda.synchronize(self.device)
             ends[k] = time.perf_counter() - t0
         sent = sent or count()
         self.comm.Allreduce(self.MPI.IN_PLACE, ends, op=self.MPI.MAX)
@@ -206,7 +223,7 @@ class Runner:
 
         pipe = Pipeline(as_layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
                         loss_fn=self.loss, balance=self.balance, microbatches=self.args.microbatches, mode=name,
-                        topology=self.topo)
+                        topology=self.topo, device=self.device)
         secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: None, pipe.drain,
                                       lambda: pipe.stats()["bytes_sent"], steady=name in ASYNC_MODES)
         st, mem = pipe.stats(), memory_mb()
@@ -215,7 +232,7 @@ class Runner:
                     parameter_bytes=st["parameter_bytes"], updates_per_step=st["updates"] / pipe.steps)
 
     def data_parallel(self, name: str) -> dict:
-        model = self.build()
+        model = self.build().to(self.device)
         opt = self.torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
@@ -228,7 +245,8 @@ class Runner:
         if name == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            secs, tx, _ = self.timed(steps(DDP(model), opt), lambda: None, lambda: None)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            secs, tx, _ = self.timed(steps(DDP(model, device_ids=ids), opt), lambda: None, lambda: None)
             mem = memory_mb()
         else:
             from runtime import DistributedOptimizer
@@ -286,7 +304,8 @@ def row(args, runner, name: str, rounds: list[dict]) -> dict:
     key = "tx" if measured else "engine"
     avg = lambda k: statistics.fmean(r[k] for r in rounds)  # noqa: E731
     most = lambda k: max((r[k] for r in rounds if k in r), default=None)  # noqa: E731
-    out = dict(model=args.model, contender=name, kind=kind(name), bandwidth=args.bandwidth, ranks=runner.P,
+    out = dict(model=args.model, contender=name, kind=kind(name), bandwidth=args.bandwidth, device=args.device,
+               ranks=runner.P,
                batch=args.batch_size, microbatches=None if kind(name) == "data-parallel" else args.microbatches,
                samples_per_s=mean, ci=1.96 * sd / n ** 0.5 if n > 1 else 0.0, rounds=len(rounds), steps=n,
                t_iter_s=statistics.fmean(r["t_iter"] for r in rounds),

@@ -7,6 +7,8 @@ import time
 
 from jobs.choices import PIPELINE_MODES, SEQUENTIAL_MODELS
 
+DEVICES = ("cpu", "cuda")
+
 # The pipeline's options and their defaults: given without --parallel pipeline, they are an error.
 PIPELINE_DEFAULTS = dict(pipeline_mode="flush", stages=None, replicas=1, balance=None, microbatches=4,
                          placement="within-node")
@@ -26,6 +28,32 @@ def add_arguments(p) -> None:
     g.add_argument("--microbatches", type=int, default=PIPELINE_DEFAULTS["microbatches"],
                    help="micro-batches per step (default 4)")
     g.add_argument("--placement", choices=("within-node", "across-nodes"), default=PIPELINE_DEFAULTS["placement"])
+    add_device_option(p)
+
+
+def add_device_option(p) -> None:
+    """--device cpu|cuda: one option for every path of a job, added by whichever part of it comes first."""
+    import argparse
+
+    try:
+        p.add_argument("--device", choices=DEVICES, default="cpu",
+                       help="cpu, or cuda: each rank on GPU (local rank mod the GPUs it sees; ranks may share one) "
+                            "(default cpu)")
+    except argparse.ArgumentError:  # the job defines it already (jobs.train's data-parallel path): one option
+        pass
+
+
+def check_device(args) -> None:
+    """--device cuda where torch sees no CUDA device: one line, before MPI starts (imports torch only then)."""
+    if getattr(args, "device", "cpu") != "cuda":
+        return
+    import torch
+
+    from jobs.inputs import InputError
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no device or driver"
+        raise InputError("--device", f"cuda, but torch sees no CUDA device (torch {torch.__version__}: {build})")
 
 
 def check_arguments(args, launched: int) -> None:
@@ -53,6 +81,7 @@ def check_arguments(args, launched: int) -> None:
             raise InputError("--balance", f"has {len(args.balance)} stages, --stages says {args.stages}")
     if args.batch_size % args.microbatches:
         raise InputError("--microbatches", f"{args.microbatches} does not divide --batch-size {args.batch_size}")
+    check_device(args)
     if launched:
         stages = args.stages or (len(args.balance) if args.balance else launched // args.replicas)
         if stages < 1 or stages * args.replicas != launched:
@@ -92,7 +121,7 @@ def run(args, data, topo) -> int:
                     stages=None if args.balance else stages, sample=x[0][:micro], microbatches=args.microbatches,
                     mode=args.pipeline_mode, spectrain_variant=args.spectrain_variant, replicas=args.replicas,
                     placement=args.placement, data_parallel=args.strategy if args.strategy != "p3" else "allreduce",
-                    topology=topo, timeline=timeline, say=say)
+                    topology=topo, timeline=timeline, say=say, device=args.device)
     start_epoch = resume(args, pipe, comm, say) if args.resume else 0
     replica, R = pipe.layout.replica, args.replicas
     plan = BatchPlan(len(x[0]), args.batch_size, R, replica, args.seed)
@@ -100,7 +129,7 @@ def run(args, data, topo) -> int:
     shows = pipe.last and replica == 0  # the rank that has the loss shows progress
     say(f"{args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f} M params), {args.data}, pipeline "
         f"{args.pipeline_mode}: {stages} stages {pipe.balance} x {R} replicas, {args.microbatches} micro-batches "
-        f"of {micro}, {steps} steps/epoch", flush=True)
+        f"of {micro}, {steps} steps/epoch, on {args.device}", flush=True)
     history = []
     for epoch in range(start_epoch, args.epochs):
         bar = epoch_progress(steps, f"epoch {epoch + 1}/{args.epochs}", args.batch_size * R) \
@@ -181,7 +210,7 @@ def resume(args, pipe, comm, say) -> int:
     try:
         if not have[0]:
             raise FileNotFoundError(f"{path} is missing (other stages have theirs)")
-        saved = torch.load(path, weights_only=False)
+        saved = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict moves it to the stage
         pipe.load_state_dict(saved["stage"])
         epoch = int(saved["epoch"]) + 1
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
