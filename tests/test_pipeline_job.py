@@ -128,3 +128,27 @@ def test_the_readme_pipeline_example_runs_and_learns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     accuracies = [float(a) for a in re.findall(r"accuracy ([0-9.]+)", proc.stdout)]
     assert len(accuracies) == 2 and accuracies[-1] > 0.8, proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine where torch sees no CUDA device")
+@pytest.mark.parametrize("job,args", [
+    ("jobs.train", ["--parallel", "pipeline", "--device", "cuda"]),
+    ("jobs.bench_pipeline_worker", ["--model", "mlp", "--device", "cuda"]),
+    ("jobs.bench_pipeline", ["--local", "--models", "mlp", "--device", "cuda"]),
+])
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(job, args):
+    proc = subprocess.run([sys.executable, "-m", job, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: --device: cuda, but torch sees no CUDA device"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_device_cuda_leaves_torch_1f1b_out_of_the_benchmark_or_refuses_it():
+    from jobs import bench_pipeline_worker as worker
+
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench_pipeline_worker", "--model", "mlp", "--device", "cuda",
+                           "--contenders", "flush,torch-1f1b"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --contenders: torch-1f1b sends CPU tensors"), \
+        proc.stderr
+    args = worker.parse_args(["--model", "mlp"])
+    assert "torch-1f1b" in args.contenders and args.device == "cpu"

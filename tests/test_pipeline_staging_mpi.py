@@ -1,0 +1,149 @@
+"""Pipeline stages through the host-staged transport on 4 ranks: forced on the CPU here, on CUDA stages on a GPU box."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import assert_everywhere
+from test_agreement_mpi import raised_everywhere
+from test_pipeline_mpi import build, data, reference, sgd, stage_error, sub_world
+from runtime.pipeline import Pipeline
+from runtime.pipeline.staging import StagedLink
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+GPU = [pytest.mark.gpu, needs_cuda]
+
+
+def needs_four(world):
+    if world.Get_size() != 4:
+        pytest.skip("4 stages")
+
+
+def flush_against_one_process(world, stages, replicas, balance, **kw) -> tuple[bool, str]:
+    """20 flush steps on stages x replicas ranks against one process: (every check passed here, what was seen)."""
+    comm = sub_world(world, stages * replicas)
+    ok, seen = True, "not in the run"
+    if comm is not None:
+        from mpicomm import Topology
+
+        steps = data(20, 8, replicas)
+        topo = Topology(comm, ranks_per_node=1 if comm.Get_size() == 3 else None)
+        pipe = Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=balance, microbatches=4, mode="flush",
+                        replicas=replicas, topology=topo, **kw)
+        for parts in steps:
+            x, y = parts[pipe.layout.replica]
+            pipe.train_step(x, y)
+        err = stage_error(pipe, reference(steps))
+        link = pipe.link
+        # Staged: MPI reads and writes host buffers of their own, the stage computes on device buffers.
+        hosts = {t.data_ptr() for t in link._acts + link._grads}
+        devices = {t.data_ptr() for box in link._in.values() for t in box.device}
+        on = {p.device.type for p in pipe.params}
+        ok = isinstance(link, StagedLink) and not hosts & devices and err < 1e-5 and not link._staging
+        seen = f"error {err:.3g}, link {type(link).__name__}, parameters on {on}, {link.host_buffers} host buffers"
+        pipe.close()
+        topo.free()
+        comm.Free()
+    return ok, seen
+
+
+@pytest.mark.parametrize("stages,replicas,balance", [(2, 1, [4, 3]), (4, 1, [2, 2, 2, 1]), (2, 2, [3, 4])])
+def test_staged_flush_equals_one_process_after_20_steps(world, stages, replicas, balance):
+    if world.Get_size() < stages * replicas:
+        pytest.skip(f"needs {stages * replicas} ranks")
+    ok, seen = flush_against_one_process(world, stages, replicas, balance, staging=True)
+    assert_everywhere(world, ok, f"staged flush {stages}x{replicas}: {seen}")
+
+
+def run(world, mode, device="cpu", staging=None, steps=4):
+    """A 4-stage run of `mode`; (the stage's parameters after a drain, its stats, evaluation, held weight copies)."""
+    pipe = Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=[2, 2, 2, 1], microbatches=4, mode=mode,
+                    device=device, staging=staging)
+    for parts in data(steps, 8):
+        pipe.train_step(*parts[0])
+    (x, y), = data(1, 40, seed=7)[0]
+    scores = pipe.evaluate(x, y, batch_size=16)  # 16, 16 and 8: a batch of another size at the end
+    held = [t.device.type for row in pipe.versions._stash for t in row if t is not None] + \
+        [t.device.type for t in pipe.versions._spare if t is not None]
+    params = [p.detach().cpu().clone() for p in pipe.params]
+    stats = pipe.stats()
+    pipe.close()
+    return params, stats, scores, held
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "stash", "spectrain"])
+def test_staged_asynchronous_modes_equal_the_unstaged_ones_bit_for_bit(world, mode):
+    """The same schedule, weights and messages: staging on the CPU only adds exact copies."""
+    needs_four(world)
+    plain, plain_stats, plain_scores, _ = run(world, mode)
+    staged, stats, scores, _ = run(world, mode, staging=True)
+    same = all(torch.equal(a, b) for a, b in zip(plain, staged))
+    counts = (stats["bytes_sent"], stats["messages_sent"]) == (plain_stats["bytes_sent"], plain_stats["messages_sent"])
+    assert_everywhere(world, same and counts and scores == plain_scores,
+                      f"stage {stats['stage']}: weights equal {same}, counts {stats} vs {plain_stats}, "
+                      f"evaluation {scores} vs {plain_scores}")
+
+
+def test_the_staging_environment_variable_forces_it(world, monkeypatch):
+    needs_four(world)
+    monkeypatch.setenv("MPITRAIN_STAGING", "force")
+    pipe = Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=[2, 2, 2, 1], microbatches=2)
+    pipe.train_step(*data(1, 8)[0][0])
+    kind = type(pipe.link).__name__
+    pipe.close()
+    assert_everywhere(world, kind == "StagedLink", f"link {kind}")
+
+
+class ToMeta(nn.Module):
+    def forward(self, x):
+        return x.to("meta")
+
+
+def test_a_stage_whose_output_leaves_its_device_is_named_on_every_rank(world):
+    needs_four(world)
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(nn.Linear(12, 8), ToMeta(), nn.Linear(8, 8), nn.Linear(8, 5)), sgd,
+                    loss_fn=F.cross_entropy, balance=[1, 1, 1, 1], microbatches=2, staging=True)
+    raised_everywhere(world, lambda: pipe.train_step(*data(1, 8)[0][0]), "PipelineShapeError",
+                      "stage 1 runs on cpu but its layers return a tensor on meta")
+    pipe.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine where torch sees no CUDA device")
+def test_device_cuda_without_a_gpu_stops_every_rank_with_the_reason(world):
+    raised_everywhere(world, lambda: Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=[7], device="cuda"),
+                      "PipelineError", "device='cuda', but torch sees no CUDA device")
+
+
+# -- on a GPU box: 4 ranks sharing one GPU (or one each) ---------------------------------------------
+
+@pytest.mark.parametrize("stages,replicas,balance", [(4, 1, [2, 2, 2, 1]), (2, 1, [4, 3])])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_flush_equals_one_process_after_20_steps(world, stages, replicas, balance):
+    if world.Get_size() < stages * replicas:
+        pytest.skip(f"needs {stages * replicas} ranks")
+    ok, seen = flush_against_one_process(world, stages, replicas, balance, device="cuda")
+    assert_everywhere(world, ok and "cuda" in seen, f"cuda flush {stages}x{replicas}: {seen}")
+
+
+@pytest.mark.parametrize("mode", ["stash", "spectrain"])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_asynchronous_modes_follow_the_cpu_run_and_keep_weight_versions_on_the_gpu(world, mode):
+    needs_four(world)
+    cpu, _, cpu_scores, _ = run(world, mode)
+    gpu, stats, scores, held = run(world, mode, device="cuda")
+    err = max([(a - b).abs().max().item() for a, b in zip(cpu, gpu)] + [0.0])
+    on_gpu = stats["device"].startswith("cuda") and all(d == "cuda" for d in held)
+    close = abs(scores["loss"] - cpu_scores["loss"]) < 1e-4 and scores["count"] == cpu_scores["count"]
+    # The last stage (one micro-batch in flight) keeps no copies; the others do in these modes.
+    keeps = bool(held) or stats["stage"] == 3
+    assert_everywhere(world, err < 1e-4 and on_gpu and close and keeps,
+                      f"stage {stats['stage']}: max difference {err:.3g} from the CPU run, {stats['device']}, "
+                      f"weight copies on {held}, evaluation {scores} vs {cpu_scores}")
