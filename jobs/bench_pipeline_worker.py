@@ -136,7 +136,7 @@ class Runner:
 
         from mpicomm import Topology
         from runtime.models import loss_fn, model_input
-        from runtime.pipeline.engine import stage_device
+        from runtime.pipeline.staging import stage_device
 
         torch.set_num_threads(1)  # the ranks share the cores, as in jobs.bench_worker
         self.args, self.torch, self.MPI = args, torch, MPI

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from runtime.pipeline import profile_layers
-from runtime.pipeline.engine import stage_device
+from runtime.pipeline.staging import stage_device
 from runtime.pipeline.staging import DONE, Copier
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")

@@ -16,29 +16,11 @@ from mpicomm.step_check import CLOSE, EXCHANGE, StepCheck, digest
 
 from . import partition, schedule
 from .placement import PLACEMENTS, PipelineLayout
-from .staging import StagedLink
+from .staging import StagedLink, stage_device
 from .transport import StageLink, agree_boundaries, describe
 from .versions import MODES, SPECTRAIN_VARIANTS, WeightVersions, momentum_sgd_hyper, version_difference
 
 DATA_PARALLEL = ("allreduce", "wfbp")
-DEVICES = ("cpu", "cuda")
-
-
-def stage_device(device, local_rank: int) -> torch.device:
-    """The device a rank's stage runs on: cpu, or its GPU (local rank mod the GPUs it sees: ranks may share one)."""
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}") from None
-    if d.type not in DEVICES:
-        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
-    if d.type == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__})")
-    index = d.index if d.index is not None else local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 class PipelineError(RuntimeError):

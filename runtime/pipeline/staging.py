@@ -24,6 +24,26 @@ import torch
 from .transport import TAG_ACTIVATION, TAG_GRADIENT, PipelineShapeError, StageLink, _bytes, describe
 
 
+DEVICES = ("cpu", "cuda")
+
+
+def stage_device(device, local_rank: int) -> torch.device:
+    """The device a rank's stage runs on: cpu, or its GPU (local rank mod the GPUs it sees: ranks may share one)."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}") from None
+    if d.type not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if d.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}, but torch sees no CUDA device (torch {torch.__version__})")
+    index = d.index if d.index is not None else local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 class _Done:
     """A CPU copy's stand-in for a CUDA event: the copy was synchronous, so the event is always complete."""
 
@@ -163,7 +183,7 @@ class StagedLink(StageLink):
         return box.device[s]
 
     def release(self, micro: int) -> None:
-        """Mark, on the compute stream, that micro-batch `micro`'s device buffers may be overwritten once it gets there."""
+        """Mark on the compute stream: micro-batch `micro`'s device buffers may be overwritten once it gets here."""
         for box in self._in.values():
             self.inbound.mark(box.free[micro % len(box.host)])
 

@@ -158,7 +158,7 @@ class StageLink:
             self._sends = [(r, b) for r, b in self._sends if not r.Test()]
 
     def release(self, micro: int) -> None:
-        """The stage is done with micro-batch `micro`'s received tensors (its backward is queued): nothing to do here."""
+        """The stage is done with micro-batch `micro`'s received tensors (its backward is queued): nothing to do."""
 
     def post_sends(self) -> None:
         """Every send handed to MPI (a step's end): here they all are already."""
