@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from conftest import assert_everywhere
 from test_agreement_mpi import raised_everywhere
-from test_pipeline_mpi import build, data, reference, sgd, stage_error, sub_world
+from test_pipeline_mpi import build, data, reference, sgd, sub_world
 from runtime.pipeline import Pipeline
 from runtime.pipeline.staging import StagedLink
 
@@ -22,6 +22,14 @@ GPU = [pytest.mark.gpu, needs_cuda]
 def needs_four(world):
     if world.Get_size() != 4:
         pytest.skip("4 stages")
+
+
+def stage_error(pipe, ref) -> float:
+    """Largest difference between this stage's parameters (wherever they are) and the reference's."""
+    a = sum(pipe.balance[:pipe.stage])
+    theirs = nn.Sequential(*list(ref)[a:a + pipe.balance[pipe.stage]]).parameters()
+    return max([(p.detach().cpu() - q.detach()).abs().max().item() for p, q in zip(pipe.module.parameters(), theirs)]
+               + [0.0])
 
 
 def flush_against_one_process(world, stages, replicas, balance, **kw) -> tuple[bool, str]:
