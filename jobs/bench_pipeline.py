@@ -35,8 +35,8 @@ import sys
 
 from jobs import bench_pipeline_worker as worker
 from jobs.cluster_sweep import sweep
-from jobs.inputs import (JobParser, add_cluster_bench_arguments, at_least, cluster_bench_outputs, comma_list,
-                         parse)
+from jobs.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least,
+                         cluster_bench_outputs, comma_list, parse)
 from jobs.outputs import write_together
 from jobs.report import run_metadata, save_figure, write_json
 
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--models", default="fc-heavy,vgg19,char-lstm")
     p.add_argument("--contenders", help=f"default {','.join(worker.CONTENDERS)} (without torch-1f1b with --device "
                                         "cuda)")
-    worker.add_device_option(p)
+    add_device_argument(p)
     p.add_argument("--hosts", type=int, default=4, help="one rank, one pipeline stage each (default 4)")
     p.add_argument("--batch-size", type=int, default=64, help="global samples per step, every contender (default 64)")
     p.add_argument("--microbatches", type=int, default=8, help="per step, pipelines and torch-1f1b (default 8)")

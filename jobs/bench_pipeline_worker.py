@@ -28,8 +28,8 @@ import time
 
 from jobs.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.cluster_sweep import print_row
-from jobs.inputs import InputError, JobParser, at_least, comma_list, launched_ranks, one_of, parse
-from jobs.train_pipeline import add_device_option, check_device
+from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list,
+                         launched_ranks, one_of, parse)
 
 ASYNC_MODES = ("vanilla", "stash", "spectrain")
 DATA_PARALLEL = ("allreduce", "wfbp", "p3", "ddp")
@@ -46,7 +46,7 @@ def parse_args(argv=None):
     p = JobParser(prog="python -m jobs.bench_pipeline_worker", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="vgg19")
     p.add_argument("--contenders", help=f"default {','.join(CONTENDERS)} (without torch-1f1b with --device cuda)")
-    add_device_option(p)
+    add_device_argument(p)
     p.add_argument("--batch-size", type=int, default=64, help="global samples per step, for every contender")
     p.add_argument("--microbatches", type=int, default=8, help="per step, pipelines and torch-1f1b alike")
     p.add_argument("--rounds", type=int, default=3)

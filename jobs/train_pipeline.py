@@ -7,8 +7,6 @@ import time
 
 from jobs.choices import PIPELINE_MODES, SEQUENTIAL_MODELS
 
-DEVICES = ("cpu", "cuda")
-
 # The pipeline's options and their defaults: given without --parallel pipeline, they are an error.
 PIPELINE_DEFAULTS = dict(pipeline_mode="flush", stages=None, replicas=1, balance=None, microbatches=4,
                          placement="within-node")
@@ -28,32 +26,6 @@ def add_arguments(p) -> None:
     g.add_argument("--microbatches", type=int, default=PIPELINE_DEFAULTS["microbatches"],
                    help="micro-batches per step (default 4)")
     g.add_argument("--placement", choices=("within-node", "across-nodes"), default=PIPELINE_DEFAULTS["placement"])
-    add_device_option(p)
-
-
-def add_device_option(p) -> None:
-    """--device cpu|cuda: one option for every path of a job, added by whichever part of it comes first."""
-    import argparse
-
-    try:
-        p.add_argument("--device", choices=DEVICES, default="cpu",
-                       help="cpu, or cuda: each rank on GPU (local rank mod the GPUs it sees; ranks may share one) "
-                            "(default cpu)")
-    except argparse.ArgumentError:  # the job defines it already (jobs.train's data-parallel path): one option
-        pass
-
-
-def check_device(args) -> None:
-    """--device cuda where torch sees no CUDA device: one line, before MPI starts (imports torch only then)."""
-    if getattr(args, "device", "cpu") != "cuda":
-        return
-    import torch
-
-    from jobs.inputs import InputError
-
-    if not torch.cuda.is_available():
-        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no device or driver"
-        raise InputError("--device", f"cuda, but torch sees no CUDA device (torch {torch.__version__}: {build})")
 
 
 def check_arguments(args, launched: int) -> None:
@@ -81,7 +53,6 @@ def check_arguments(args, launched: int) -> None:
             raise InputError("--balance", f"has {len(args.balance)} stages, --stages says {args.stages}")
     if args.batch_size % args.microbatches:
         raise InputError("--microbatches", f"{args.microbatches} does not divide --batch-size {args.batch_size}")
-    check_device(args)
     if launched:
         stages = args.stages or (len(args.balance) if args.balance else launched // args.replicas)
         if stages < 1 or stages * args.replicas != launched:

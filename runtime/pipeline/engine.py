@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import torch
@@ -13,6 +12,7 @@ from mpicomm import Topology
 from mpicomm.agree import check_same_structure, fail_together
 from mpicomm.stall import StallPolicy
 from mpicomm.step_check import CLOSE, EXCHANGE, StepCheck, digest
+from runtime.device import staging_wanted
 
 from . import partition, schedule
 from .placement import PLACEMENTS, PipelineLayout
@@ -72,11 +72,9 @@ class Pipeline:
         self.failed: BaseException | None = None
         self._closed = False
         try:
-            layers, self.device = self._check_arguments(world, model, stages, balance, microbatches, mode,
-                                                        spectrain_variant, replicas, placement, data_parallel,
-                                                        sample, device, self.topology.local_rank)
-            self.staged = self.device.type != "cpu" or bool(staging) or \
-                (staging is None and os.environ.get("MPITRAIN_STAGING") == "force")
+            layers, self.device, self.staged = self._check_arguments(
+                world, model, stages, balance, microbatches, mode, spectrain_variant, replicas, placement,
+                data_parallel, sample, device, staging, self.topology.local_rank)
             n_stages = len(balance) if balance is not None else stages
             settings = [f"mode={mode}", f"spectrain_variant={spectrain_variant}", f"stages={n_stages}",
                         f"balance={'auto' if balance is None else list(balance)}", f"microbatches={microbatches}",
@@ -119,9 +117,9 @@ class Pipeline:
     # -- set-up ---------------------------------------------------------------------------
     @staticmethod
     def _check_arguments(world, model, stages, balance, microbatches, mode, variant, replicas, placement,
-                         data_parallel, sample, device, local_rank):
+                         data_parallel, sample, device, staging, local_rank):
         """Local checks, then agreement: a rank with a bad argument stops every rank, each naming it."""
-        problem, layers, where = None, [], None
+        problem, layers, where, staged = None, [], None, False
         try:
             layers = partition.as_layers(model)
             if mode not in MODES:
@@ -145,10 +143,11 @@ class Pipeline:
                     raise ValueError("the automatic partition times each layer on a sample micro-batch: pass "
                                      "sample=<inputs of one micro-batch>, or balance=[layers per stage]")
             where = stage_device(device, local_rank)
+            staged = bool(staging) or staging_wanted(where)  # a GPU stage always is; MPITRAIN_STAGING=force
         except (ValueError, TypeError) as exc:
             problem = str(exc)
         fail_together(world, problem, PipelineError)
-        return layers, where
+        return layers, where, staged
 
     def _partition(self, world, layers, balance, stages, sample, bandwidth):
         """The balance (rank 0 times the layers and decides for everyone) and the plan's table."""
