@@ -13,7 +13,7 @@ from mpicomm.step_check import CLOSE, EXCHANGE, ReportedProblem, StepCheck, dige
 
 from . import checkpoint
 from .deferred import DeferredUpdates
-from .device import GradientStaging, model_device, staging_wanted
+from .device import GradientStaging, describe_transport, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
 from .model_buffers import MODES as BUFFER_MODES
 from .model_buffers import BufferSync
@@ -454,14 +454,3 @@ class DistributedOptimizer:
         self._flush()
         checkpoint.load_optimizer_state(self, state)
 
-
-def describe_transport(device, staged: bool, on_device: bool) -> str:
-    """How gradients reach MPI, for job headers and timelines."""
-    if device.type == "cpu" and not staged:
-        return "host memory"
-    from mpicomm.cuda_support import describe_cuda_support
-
-    where = "through pinned host memory on a side stream" if device.type == "cuda" else "through a host mirror"
-    if on_device:
-        return f"selection on {device.type}, (index, value) pairs {where} (MPI {describe_cuda_support()})"
-    return f"staged {where} (MPI {describe_cuda_support()})"

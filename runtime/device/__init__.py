@@ -1,6 +1,6 @@
 """Models on GPUs: one device per rank, gradients staged through pinned host memory for MPI."""
 
-from .placement import STAGING_ENV, model_device, staging_wanted
+from .placement import STAGING_ENV, describe_transport, model_device, staging_wanted
 from .staging import GradientStaging
 
-__all__ = ["GradientStaging", "STAGING_ENV", "model_device", "staging_wanted"]
+__all__ = ["GradientStaging", "STAGING_ENV", "describe_transport", "model_device", "staging_wanted"]

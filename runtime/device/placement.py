@@ -1,10 +1,12 @@
-"""Which device a rank's model sits on, and the errors for models that sit on several."""
+"""Which device a rank's model sits on (errors for models on several), whether it is staged, and how that reads."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+from mpicomm.cuda_support import describe_cuda_support
 
 STAGING_ENV = "MPITRAIN_STAGING"  # "force": a CPU model goes through the staged path too (tests without a GPU)
 SUPPORTED = ("cpu", "cuda")
@@ -39,3 +41,13 @@ def staging_wanted(device: torch.device) -> bool:
     if value not in ("", "auto", "force"):
         raise ValueError(f"{STAGING_ENV} must be 'auto' or 'force', got {value!r}")
     return device.type != "cpu" or value == "force"
+
+
+def describe_transport(device, staged: bool, on_device: bool) -> str:
+    """How gradients reach MPI, for job headers and timelines."""
+    if device.type == "cpu" and not staged:
+        return "host memory"
+    where = "through pinned host memory on a side stream" if device.type == "cuda" else "through a host mirror"
+    if on_device:
+        return f"selection on {device.type}, (index, value) pairs {where} (MPI {describe_cuda_support()})"
+    return f"staged {where} (MPI {describe_cuda_support()})"
