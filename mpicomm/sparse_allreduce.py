@@ -133,12 +133,15 @@ class SparseAllreduce:
         return handle.wait()
 
     def __call__(self, x: torch.Tensor, select: Select, out: torch.Tensor | None = None,
-                 k_of: Callable[[int], int] | None = None) -> torch.Tensor:
+                 k_of: Callable[[int], int] | None = None, host: torch.Tensor | None = None) -> torch.Tensor:
         """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard.
 
         out: where the sum goes (may be x itself: x is not read after the selection).
         k_of(n): how many entries `select` keeps of n; with it the hierarchical
         exchange knows every shard's selection size without exchanging sizes.
+        host: staged only, a host tensor like x (pinned for CUDA) that the
+        hierarchical exchange may overwrite with x's dense copy instead of a
+        buffer of its own (the strategies pass their unused host mirror).
         """
         if x.dim() != 1 or not x.is_contiguous():
             raise ValueError("sparse allreduce takes a contiguous 1-D tensor")
@@ -153,8 +156,9 @@ class SparseAllreduce:
         if self.staged or x.device.type != "cpu":
             self._settle()
             self._pin = x.device.type == "cuda"
-            run = self._hierarchical_staged if self.hierarchical else self._flat_staged
-            return run(x, select, out, k_of)
+            if self.hierarchical:
+                return self._hierarchical_staged(x, select, out, k_of, host)
+            return self._flat_staged(x, select, out)
         return self._hierarchical(x, select, out, k_of) if self.hierarchical else self._flat(x, select, out)
 
     def _pack(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -252,21 +256,24 @@ class SparseAllreduce:
         self.applied = _scatter_add(out, pairs, blocks, out.dtype)
         return out
 
-    def _flat_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of=None) -> torch.Tensor:
+    def _flat_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor) -> torch.Tensor:
         mine = self._to_host("mine", *_select(select, x))
         gathered = self._run(self.world.allgather(mine, self._stage("gathered", mine.numel() * self.size,
                                                                     torch.uint8)))
         self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
         return self._add_on_device(out, gathered, [mine.numel()] * self.size)
 
-    def _hierarchical_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of) -> torch.Tensor:
+    def _hierarchical_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of,
+                             host: torch.Tensor | None) -> torch.Tensor:
         node, cross = self.node, self.cross
         L, j = node.size, node.rank
         counts = block_counts(x.numel(), L)
         lo = offsets(counts)[j]
         if L > 1:
             # The node's dense reduce-scatter runs on the host: the whole x crosses once, the shard comes back.
-            dense = self._stage("dense", x.numel(), x.dtype).copy_(x)
+            if host is None or host.shape != x.shape or host.dtype != x.dtype or host.device.type != "cpu":
+                host = self._stage("dense", x.numel(), x.dtype)
+            dense = host.copy_(x)
             shard_host = self._stage("shard", counts[j], x.dtype)
             self._run(node.reduce_scatter(dense, shard_host))
             self.traffic.add((x.numel() - counts[j]) * x.element_size(), False)

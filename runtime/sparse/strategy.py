@@ -106,9 +106,10 @@ class TopkSync(Strategy):
         for b, flat in enumerate(self.buffers.device_flats):
             # What gets exchanged: the gradients, or under momentum correction this rank's velocity.
             local = flat if self.velocity is None else self.velocity[b].mul_(self.momentum).add_(flat)
+            # Staged, the host mirror of this buffer is free for MPI's dense work (on_device: nobody copies it).
+            mirror = self.buffers.flats[b] if self.staged else None
             if self.schedule.dense(step):
-                # Staged, the dense warm-up goes through the host mirror: MPI reads host memory.
-                host = self.buffers.flats[b] if self.staged else flat
+                host = flat if mirror is None else mirror
                 if local is not host:
                     host.copy_(local)
                 self._handles = [self.dense.allreduce(host, tag=b)]
@@ -118,7 +119,7 @@ class TopkSync(Strategy):
                 flat.div_(self.size)
             elif self.granularity == "model":
                 self.sparse(local, lambda x, b=b: self.ef.select(("model", b), x, density), out=flat,
-                            k_of=lambda n: k_for_density(n, density))
+                            k_of=lambda n: k_for_density(n, density), host=mirror)
                 self._mask(self.velocity and self.velocity[b], density)
                 flat.div_(self.size)
             else:
@@ -127,7 +128,8 @@ class TopkSync(Strategy):
                         continue
                     g = flat[a:z]
                     self.sparse(local[a:z], lambda x, i=i: self.ef.select(i, x, density), out=g,
-                                k_of=lambda n: k_for_density(n, density))
+                                k_of=lambda n: k_for_density(n, density),
+                                host=mirror[a:z] if mirror is not None else None)
                     self._mask(self.velocity and self.velocity[b][a:z], density)
                     g.div_(self.size)
         self._handles = []
