@@ -12,7 +12,8 @@ MIN_SAMPLE_HITS = 32   # below this (k < 256) the estimate is too loose: torch.t
 SAMPLE_MARGIN = 4.0    # standard deviations of slack on each side of the sample's estimate
 FALLBACK_MARGIN = 12.0  # the third probe's slack, where a 4-sigma end failed (rare)
 SAMPLE_CAP = 8         # the sample is at most n/8 elements: more costs what the passes it saves cost
-CHUNK = 1 << 23        # elements per compaction chunk: bounds its int64 scratch at 3 x 64 MiB
+CHUNK = 1 << 23        # elements per compaction chunk: bounds its int64 scratch at 4 x 64 MiB
+DUMP = 4096            # slots that elements left out are scattered to, spread so their writes do not queue
 
 
 class _Workspace:
@@ -30,10 +31,13 @@ class _Workspace:
             buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
         return buf[:n]
 
-    def arange(self, n: int) -> torch.Tensor:
-        buf = self.bufs.get("arange")
+    def arange(self, n: int, modulo: int | None = None) -> torch.Tensor:
+        """0, 1, ..., n-1 (or those modulo `modulo`), computed once."""
+        name = "arange" if modulo is None else f"arange%{modulo}"
+        buf = self.bufs.get(name)
         if buf is None or buf.numel() < n:
-            buf = self.bufs["arange"] = torch.arange(n, dtype=torch.int64, device=self.device)
+            buf = torch.arange(n, dtype=torch.int64, device=self.device)
+            self.bufs[name] = buf if modulo is None else buf.remainder_(modulo)
         return buf[:n]
 
 
@@ -142,10 +146,12 @@ class DeviceMSTopK:
     # -- exactly k out ------------------------------------------------------------------
     def _compact(self, ws: _Workspace, a: torch.Tensor, k: int, lo: torch.Tensor, hi: torch.Tensor):
         """Positions of everything >= hi (at most k), then the band's first ones, in a k-long index buffer."""
-        out = ws.get("idx_slots", k + 1, torch.int64)  # slot k takes every element that is not kept
-        last = torch.full((), -1, dtype=torch.int64, device=a.device)  # the last slot filled so far
+        # Slots [0, DUMP) take the elements left out (element i to slot i % DUMP: one slot for all of them
+        # would queue 10^8 writes to one address on a GPU); the k kept go to [DUMP, DUMP + k).
+        out = ws.get("idx_slots", DUMP + k, torch.int64)
+        last = torch.full((), DUMP - 1, dtype=torch.int64, device=a.device)  # the last slot filled so far
         last = self._scatter_pass(ws, a, k, out, last, lambda seg, mask, tmp: torch.ge(seg, hi, out=mask))
-        last.clamp_(max=k - 1)  # more than k above hi (ties at the top): the band adds nothing
+        last.clamp_(max=DUMP + k - 1)  # more than k above hi (ties at the top): the band adds nothing
 
         def band(seg, mask, tmp):
             # Neither below lo nor at/above hi, so a NaN is in the band: k stays reachable whatever x holds.
@@ -153,11 +159,11 @@ class DeviceMSTopK:
             mask.logical_or_(torch.ge(seg, hi, out=tmp)).logical_not_()
 
         self._scatter_pass(ws, a, k, out, last, band)
-        return out[:k]
+        return out[DUMP:]
 
     def _scatter_pass(self, ws: _Workspace, a: torch.Tensor, k: int, out: torch.Tensor, last: torch.Tensor,
                       select) -> torch.Tensor:
-        """Scatter the indices of a's selected elements to slots last+1, last+2, ... below k; the new last."""
+        """Scatter the indices of a's selected elements to slots last+1, last+2, ... below DUMP + k; the new last."""
         n = a.numel()
         size = min(n, CHUNK)
         for start in range(0, n, size):
@@ -168,8 +174,8 @@ class DeviceMSTopK:
             slot = torch.cumsum(mask, 0, dtype=torch.int64, out=ws.get("chunk_slot", L, torch.int64))
             slot.add_(last)  # cumsum - 1 + the slots already filled
             last = slot[-1].clone()
-            drop = torch.lt(slot, k, out=tmp).logical_and_(mask).logical_not_()
-            slot.masked_fill_(drop, k)
+            drop = torch.lt(slot, DUMP + k, out=tmp).logical_and_(mask).logical_not_()
+            torch.where(drop, ws.arange(L, DUMP), slot, out=slot)
             src = torch.add(ws.arange(L), start, out=ws.get("chunk_src", L, torch.int64))
             out.scatter_(0, slot, src)
         return last
