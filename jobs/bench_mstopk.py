@@ -189,8 +189,8 @@ def main(argv=None) -> int:
             x.pow_(3)
         for density in args.densities:
             k = k_for_density(d, density)
-            fns = {impl: (lambda: exact_topk(x, k)) if impl == "torch.topk" else (lambda op=ops[impl]: op(x, k))
-                   for impl in impls}
+            fns = {impl: (lambda x=x, k=k: exact_topk(x, k)) if impl == "torch.topk"
+                   else (lambda op=ops[impl], x=x, k=k: op(x, k)) for impl in impls}
             if cuda:
                 timed = time_cuda_interleaved(fns, args.repeats, torch)
             else:
