@@ -16,6 +16,15 @@ go round the world ring. Hierarchical (for slow links between nodes):
      all of them, in the same order.
 Only step 3 crosses nodes, carrying k/L entries per rank instead of flat's k
 per rank through every ring hop.
+
+Staged (a GPU model; `staged=True`, or any x off the CPU): x and out live on
+the device and MPI works on host memory. The selection runs on the device
+and only its packed (index, value) pairs cross to the host (one copy into a
+pinned buffer that grows to the largest k seen); the exchange runs on the
+host as above, and one copy takes every rank's pairs back to the device,
+where they are summed into `out`. The hierarchical exchange must first bring
+the dense x to the host for the node reduce-scatter (MPI here is not
+CUDA-aware) and takes its shard back for the selection.
 """
 
 from __future__ import annotations
@@ -79,8 +88,8 @@ class SparseAllreduce:
     """
 
     def __init__(self, topology: Topology, *, hierarchical: bool, validate: bool | None = None,
-                 policy: StallPolicy | None = None, interrupt=None):
-        self.hierarchical = hierarchical
+                 policy: StallPolicy | None = None, interrupt=None, staged: bool = False):
+        self.hierarchical, self.staged = hierarchical, staged
         self.policy, self.interrupt, self.rank = policy, interrupt, topology.rank
         self.size = topology.size
         if hierarchical:
@@ -95,6 +104,9 @@ class SparseAllreduce:
         self.applied = torch.empty(0, dtype=torch.int64)  # indices the last result may be nonzero at
         self._scratch: dict = {}
         self._handles: list = []
+        self._staging: dict = {}  # grow-only host (pinned for CUDA) and device buffers of the staged path
+        self._pin = False  # host staging buffers are pinned when the device is a GPU
+        self._copied = None  # CUDA event after the last copy out of the host buffers (they are reused)
 
     def _buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._scratch.get((name, dtype))
@@ -121,12 +133,15 @@ class SparseAllreduce:
         return handle.wait()
 
     def __call__(self, x: torch.Tensor, select: Select, out: torch.Tensor | None = None,
-                 k_of: Callable[[int], int] | None = None) -> torch.Tensor:
+                 k_of: Callable[[int], int] | None = None, host: torch.Tensor | None = None) -> torch.Tensor:
         """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard.
 
         out: where the sum goes (may be x itself: x is not read after the selection).
         k_of(n): how many entries `select` keeps of n; with it the hierarchical
         exchange knows every shard's selection size without exchanging sizes.
+        host: staged only, a host tensor like x (pinned for CUDA) that the
+        hierarchical exchange may overwrite with x's dense copy instead of a
+        buffer of its own (the strategies pass their unused host mirror).
         """
         if x.dim() != 1 or not x.is_contiguous():
             raise ValueError("sparse allreduce takes a contiguous 1-D tensor")
@@ -135,7 +150,15 @@ class SparseAllreduce:
             raise ValueError(f"{x.numel()} elements do not fit int32 indices: sparsify per layer "
                              "(granularity='layer') or in float64")
         if out is None:
-            out = self._buffer("out", x.numel(), x.dtype)
+            out = self._buffer("out", x.numel(), x.dtype) if x.device.type == "cpu" else torch.empty_like(x)
+        if out.device != x.device:
+            raise ValueError(f"out is on {out.device} but x on {x.device}")
+        if self.staged or x.device.type != "cpu":
+            self._settle()
+            self._pin = x.device.type == "cuda"
+            if self.hierarchical:
+                return self._hierarchical_staged(x, select, out, k_of, host)
+            return self._flat_staged(x, select, out)
         return self._hierarchical(x, select, out, k_of) if self.hierarchical else self._flat(x, select, out)
 
     def _pack(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -196,10 +219,95 @@ class SparseAllreduce:
         return out
 
 
+    # -- staged: x and out on a device, MPI on host memory ----------------------------------
+    def _stage(self, name: str, n: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """A grow-only buffer of at least n: on `device`, or on the host (None; pinned beside a CUDA device)."""
+        key = (name, dtype, device)
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < n:
+            if device is not None:
+                buf = torch.empty(n, dtype=dtype, device=device)
+            else:
+                buf = torch.empty(n, dtype=dtype, pin_memory=self._pin)
+            self._staging[key] = buf
+        return buf[:n]
+
+    def _settle(self) -> None:
+        """Before the host buffers are written again: the last asynchronous copy out of them has finished."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+
+    def _to_host(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Pack the selection on its device, then one copy to the host (it waits for the selection)."""
+        device = values.device
+        nbytes = 2 * values.numel() * values.element_size()
+        packed = pack(values, indices, self._stage(name, nbytes, torch.uint8, device))
+        return self._stage(name, nbytes, torch.uint8).copy_(packed)
+
+    def _add_on_device(self, out: torch.Tensor, gathered: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """One copy of every rank's pairs to out's device, summed there in rank order (as `_scatter_add`)."""
+        pairs = self._stage("pairs", gathered.numel(), torch.uint8, out.device)
+        pairs.copy_(gathered, non_blocking=True)  # from pinned memory: queued, the host goes on
+        if out.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        out.zero_()
+        self.applied = _scatter_add(out, pairs, blocks, out.dtype)
+        return out
+
+    def _flat_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor) -> torch.Tensor:
+        mine = self._to_host("mine", *_select(select, x))
+        gathered = self._run(self.world.allgather(mine, self._stage("gathered", mine.numel() * self.size,
+                                                                    torch.uint8)))
+        self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
+        return self._add_on_device(out, gathered, [mine.numel()] * self.size)
+
+    def _hierarchical_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of,
+                             host: torch.Tensor | None) -> torch.Tensor:
+        node, cross = self.node, self.cross
+        L, j = node.size, node.rank
+        counts = block_counts(x.numel(), L)
+        lo = offsets(counts)[j]
+        if L > 1:
+            # The node's dense reduce-scatter runs on the host: the whole x crosses once, the shard comes back.
+            if host is None or host.shape != x.shape or host.dtype != x.dtype or host.device.type != "cpu":
+                host = self._stage("dense", x.numel(), x.dtype)
+            dense = host.copy_(x)
+            shard_host = self._stage("shard", counts[j], x.dtype)
+            self._run(node.reduce_scatter(dense, shard_host))
+            self.traffic.add((x.numel() - counts[j]) * x.element_size(), False)
+            shard = self._stage("shard", counts[j], x.dtype, x.device).copy_(shard_host)
+        else:
+            shard = x
+        values, indices = _select(select, shard)
+        mine = self._to_host("mine", values, indices + lo)
+        if cross.size > 1:
+            gathered = self._run(cross.allgather(mine, self._stage("gathered", mine.numel() * cross.size,
+                                                                   torch.uint8)))
+            self.traffic.add(mine.numel() * (cross.size - 1), True)
+        else:
+            gathered = mine
+        width = 2 * x.element_size()
+        if L > 1:
+            if k_of is not None:
+                sizes = [width * (k_of(c) if c else 0) * cross.size for c in counts]
+            else:
+                table = self._buffer("sizes", L, torch.int64)
+                sizes = self._run(node.allgather(torch.tensor([gathered.numel()]), table)).tolist()
+            everything = self._run(node.allgatherv(gathered, self._stage("node", sum(sizes), torch.uint8),
+                                                   counts=sizes))
+            self.traffic.add(sum(sizes) - sizes[(j + 1) % L], False)
+        else:
+            sizes, everything = [gathered.numel()], gathered
+        blocks = [size // cross.size for size in sizes for _ in range(cross.size)]
+        return self._add_on_device(out, everything, blocks)
+
+
 def _select(select: Select, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The caller's selection, except that an empty vector (a small tensor's empty shard) selects nothing."""
     if x.numel() == 0:
-        return x, torch.empty(0, dtype=torch.int64)
+        return x, torch.empty(0, dtype=torch.int64, device=x.device)
     return select(x)
 
 
@@ -217,4 +325,4 @@ def _scatter_add(out: torch.Tensor, gathered: torch.Tensor, blocks: list[int], d
             out.index_put_((idx,), vals, accumulate=True)
             touched.append(idx)
         start += size
-    return torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64)
+    return torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64, device=out.device)

@@ -6,6 +6,9 @@ import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from conftest import ROOT
 
 
@@ -17,11 +20,12 @@ def test_bench_mstopk_rows_table_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["impl"] for r in rows] == ["mstopk-sampled", "mstopk-bisection", "torch.topk"]
-    keys = {"d", "density", "k", "impl", "median_s", "min_s", "speedup_vs_topk", "count", "mass_ratio"}
+    keys = {"d", "density", "k", "impl", "median_s", "min_s", "max_s", "speedup_vs_topk", "count", "exactly_k",
+            "mass_ratio"}
     for r in rows:
         assert keys <= set(r) and r["d"] == 100_000 and r["density"] == 0.01 and r["k"] == 1000
-        assert r["count"] == r["k"] and r["mass_ratio"] >= 0.99
-        assert 0 < r["min_s"] <= r["median_s"] and r["speedup_vs_topk"] > 0
+        assert r["count"] == r["k"] and r["exactly_k"] and r["mass_ratio"] >= 0.99
+        assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["speedup_vs_topk"] > 0
     assert rows[-1]["speedup_vs_topk"] == 1.0 and rows[-1]["mass_ratio"] == 1.0
     assert "| 100,000 | 0.01 | 1,000 | torch.topk |" in proc.stdout
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -31,3 +35,28 @@ def test_bench_mstopk_rejects_bad_density():
     proc = subprocess.run([sys.executable, "-m", "jobs.bench_mstopk", "--densities", "0.01,2"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and "--densities: must be in (0, 1], got 2.0" in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error torch gives without a CUDA device")
+def test_bench_mstopk_cuda_without_a_gpu_is_one_clear_line():
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench_mstopk", "--device", "cuda"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"error: --device: cuda, but torch {torch.__version__} sees no "
+                                                "CUDA device"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+def test_bench_mstopk_on_cuda(tmp_path):
+    out = tmp_path / "mstopk-cuda.json"
+    cmd = [sys.executable, "-m", "jobs.bench_mstopk", "--device", "cuda", "--sizes", "1M", "--densities", "0.001,0.01",
+           "--repeats", "3", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["device"] == torch.cuda.get_device_name() and doc["meta"]["torch"] == torch.__version__
+    assert [r["impl"] for r in doc["rows"]] == ["mstopk", "torch.topk"] * 2
+    for r in doc["rows"]:
+        assert r["exactly_k"] and r["mass_ratio"] >= 0.99 and 0 < r["min_s"] <= r["median_s"] <= r["max_s"]
+    assert (tmp_path / "mstopk-cuda.png").read_bytes()[:4] == b"\x89PNG"

@@ -63,6 +63,8 @@ class ErrorFeedback:
         acc = self.residuals.get(key)
         if acc is None or acc.shape != x.shape or acc.dtype != x.dtype:
             acc = self.residuals[key] = torch.zeros_like(x)
+        elif acc.device != x.device:  # loaded from a checkpoint (CPU): it lives beside the gradients from now
+            acc = self.residuals[key] = acc.to(x.device)
         acc.add_(x)
         values, indices = self.topk(acc, k)
         values = values.clone()  # may be a view into the accumulator, which is cleared next
@@ -73,7 +75,8 @@ class ErrorFeedback:
         return self.residuals.get(key)
 
     def state_dict(self) -> dict:
-        return {k: v.clone() for k, v in self.residuals.items()}
+        """The residuals as CPU tensors (copies), wherever they live."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.residuals.items()}
 
     def load_state_dict(self, state: dict) -> None:
         self.residuals = {k: v.clone() for k, v in state.items()}

@@ -7,6 +7,8 @@ import math
 import numpy as np
 import torch
 
+from .mstopk_device import DeviceMSTopK
+
 DEFAULT_ITERS = 30     # threshold probes per call; past the first few they run on a small working set
 SAMPLE_HITS = 256      # sample size n*256/k: about 256 sampled elements fall above the k-th largest
 MIN_SAMPLE_HITS = 32   # below this many the estimate is too loose to be worth a sample
@@ -37,8 +39,6 @@ def _check(x: torch.Tensor, k: int) -> None:
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise ValueError(f"top-k needs a floating-point tensor, got dtype {x.dtype}")
-    if x.device.type != "cpu":
-        raise ValueError(f"top-k runs on CPU tensors, got device {x.device}")
     if x.numel() == 0:
         raise ValueError("cannot select top-k from an empty tensor")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
@@ -99,6 +99,11 @@ class MSTopK:
     The estimate only seeds the search; counts stay exact, so a bad sample
     costs time, not correctness. Work buffers are cached per (numel, dtype):
     about 5 bytes per float32 element; clear_cache() drops them.
+
+    This NumPy search is for CPU tensors. A tensor on another device (CUDA)
+    goes to `device_op`, a DeviceMSTopK (runtime.sparse.mstopk_device): the
+    same idea in plain torch with no host synchronisation; its results are
+    views of its buffers, valid until its next call for that dtype and device.
     """
 
     def __init__(self, iters: int = DEFAULT_ITERS, *, sampled: bool = True,
@@ -109,12 +114,16 @@ class MSTopK:
         self.iters, self.sampled, self.index_dtype = iters, sampled, index_dtype
         self._gen = torch.Generator().manual_seed(seed)
         self._cache: dict[tuple[int, torch.dtype], _Workspace] = {}
+        self.device_op = DeviceMSTopK(index_dtype=index_dtype, seed=seed)
 
     def clear_cache(self) -> None:
         self._cache.clear()
+        self.device_op.clear_cache()
 
     def __call__(self, x: torch.Tensor, k: int):
         _check(x, k)
+        if x.device.type != "cpu":
+            return self.device_op(x, k)
         flat = x.detach().reshape(-1)
         n = flat.numel()
         if k == n:

@@ -39,12 +39,20 @@ class TopkSync(Strategy):
     keeps moving them, where torch's SGD would skip them.
 
     State (`state_dict`): the step counter (warm-up and ramp), and per rank the
-    residuals and velocities.
+    residuals and velocities (saved as CPU tensors).
+
+    on_device: the strategy works on the gradients where they live
+    (`buffers.device_flats`): with a GPU model the selection, the residuals
+    and the velocity stay on the GPU, and only the (index, value) pairs cross
+    to the host for the exchange and back (see SparseAllreduce, staged). The
+    averaged gradient is in `device_flats` when finish() returns (queued on
+    the current stream, ahead of the optimizer's update).
     """
 
     name = "topk"
     hierarchical = False
     exact = False
+    on_device = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -56,11 +64,12 @@ class TopkSync(Strategy):
         self.schedule = DensitySchedule(o.density, o.warmup_steps, o.ramp_steps)
         self.granularity = o.granularity
         self.ef = ErrorFeedback(MSTopK() if o.operator == "mstopk" else exact_topk, enabled=o.error_feedback)
+        self.staged = bool(getattr(self.buffers, "staged", False))
         self.sparse = SparseAllreduce(ctx.topology, hierarchical=self.hierarchical, validate=False,
-                                      policy=ctx.policy, interrupt=ctx.interrupt)
+                                      policy=ctx.policy, interrupt=ctx.interrupt, staged=self.staged)
         self.dense = Ring(ctx.topology.world, validate=False)
         self.momentum, self.masking = ctx.momentum, o.momentum_masking
-        self.velocity = [torch.zeros_like(f) for f in self.buffers.flats] if self.momentum else None
+        self.velocity = [torch.zeros_like(f) for f in self.buffers.device_flats] if self.momentum else None
         self.steps = 0
         self._handles: list = []
 
@@ -73,11 +82,13 @@ class TopkSync(Strategy):
         """This rank's reason to stop the step (NaN/Inf in a gradient), shared through the step agreement."""
         # A NaN or Inf anywhere makes the sum non-finite: one pass instead of isfinite().all(), which
         # cost 0.5 s per step on VGG-19 here. Only then is the layer looked for (a sum that
-        # overflowed from finite values finds none and passes).
-        if all(math.isfinite(float(f.sum())) for f in self.buffers.flats):
+        # overflowed from finite values finds none and passes). The sums add up on the gradients'
+        # device: one value read back, one synchronisation with a GPU.
+        flats = self.buffers.device_flats
+        if not flats or math.isfinite(float(sum(f.sum().double() for f in flats))):
             return None
         for i, name in enumerate(self.ctx.names):
-            if not bool(torch.isfinite(self.buffers.flat(i)).all()):
+            if not bool(torch.isfinite(self.buffers.device_flat_views[i]).all()):
                 return f"non-finite gradient (NaN or Inf) in {name}"
         return None
 
@@ -92,18 +103,23 @@ class TopkSync(Strategy):
         tl = self.timeline
         span = tl.begin(f"{self.name} step {step}", "sync", track="comm") if tl else None
         density = self.schedule(step)
-        for b, flat in enumerate(self.buffers.flats):
+        for b, flat in enumerate(self.buffers.device_flats):
             # What gets exchanged: the gradients, or under momentum correction this rank's velocity.
             local = flat if self.velocity is None else self.velocity[b].mul_(self.momentum).add_(flat)
+            # Staged, the host mirror of this buffer is free for MPI's dense work (on_device: nobody copies it).
+            mirror = self.buffers.flats[b] if self.staged else None
             if self.schedule.dense(step):
-                if local is not flat:
-                    flat.copy_(local)
-                self._handles = [self.dense.allreduce(flat, tag=b)]
+                host = flat if mirror is None else mirror
+                if local is not host:
+                    host.copy_(local)
+                self._handles = [self.dense.allreduce(host, tag=b)]
                 wait_handles(self._handles, f"{self.name} dense warm-up allreduce", self.ctx)
+                if host is not flat:
+                    flat.copy_(host)
                 flat.div_(self.size)
             elif self.granularity == "model":
                 self.sparse(local, lambda x, b=b: self.ef.select(("model", b), x, density), out=flat,
-                            k_of=lambda n: k_for_density(n, density))
+                            k_of=lambda n: k_for_density(n, density), host=mirror)
                 self._mask(self.velocity and self.velocity[b], density)
                 flat.div_(self.size)
             else:
@@ -112,7 +128,8 @@ class TopkSync(Strategy):
                         continue
                     g = flat[a:z]
                     self.sparse(local[a:z], lambda x, i=i: self.ef.select(i, x, density), out=g,
-                                k_of=lambda n: k_for_density(n, density))
+                                k_of=lambda n: k_for_density(n, density),
+                                host=mirror[a:z] if mirror is not None else None)
                     self._mask(self.velocity and self.velocity[b][a:z], density)
                     g.div_(self.size)
         self._handles = []
@@ -134,7 +151,7 @@ class TopkSync(Strategy):
     def state_dict(self) -> dict:
         local = {"residuals": self.ef.state_dict()}
         if self.velocity is not None:
-            local["velocity"] = [v.clone() for v in self.velocity]
+            local["velocity"] = [v.detach().to("cpu", copy=True) for v in self.velocity]
         return {"shared": {"steps": self.steps}, "local": local}
 
     def load_state_dict(self, shared: dict, local: dict) -> None:

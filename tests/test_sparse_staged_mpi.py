@@ -1,0 +1,119 @@
+"""topk / hier-topk on gradients that live apart from MPI's host memory (staged): same results as in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import assert_everywhere
+from mpicomm import Topology
+from mpicomm.sparse_allreduce import SparseAllreduce
+from runtime.grad_buffers import GradientBuffers
+from runtime.options import TopkOptions
+from runtime.sparse import HierTopkSync, TopkSync
+from runtime.sparse.error_feedback import ErrorFeedback
+from runtime.sparse.mstopk import MSTopK
+from runtime.strategy import StrategyContext
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+
+SHAPES = [((300, 300), torch.float32), ((300,), torch.float32), ((10, 300), torch.float32),
+          ((50,), torch.float64)]  # two dtypes: two flat buffers, two exchanges per step
+STRATEGIES = {"topk": TopkSync, "hier-topk": HierTopkSync}
+
+
+def rpn(world) -> int:
+    """Two ranks per node where the world divides: the hierarchical exchange has both kinds of step."""
+    return 2 if world.Get_size() % 2 == 0 else 1
+
+
+def gradient(world, step, n, dtype):
+    g = torch.Generator().manual_seed(1000 * world.Get_rank() + step)
+    return (torch.randn(n, generator=g, dtype=torch.float64) ** 3).to(dtype)  # heavy-tailed, like gradients
+
+
+def drive(world, strategy, device, staged, steps=10, momentum=0.9, lr=0.01, **options):
+    """Run the strategy as DistributedOptimizer does, on gradients of our making; the parameters after SGD."""
+    params = [nn.Parameter(torch.zeros(shape, dtype=dtype, device=device)) for shape, dtype in SHAPES]
+    names = [f"p{i}" for i in range(len(params))]
+    buffers = GradientBuffers(params, names, staged=staged)
+    with Topology(world, ranks_per_node=rpn(world)) as topo:
+        ctx = StrategyContext(topo, params, names, buffers, TopkOptions(**options), momentum=momentum)
+        sync = STRATEGIES[strategy](ctx)
+        try:
+            for step in range(steps):
+                for b, flat in enumerate(buffers.device_flats):
+                    flat.copy_(gradient(world, 100 * step + b, flat.numel(), flat.dtype))
+                assert sync.local_problem() is None
+                sync.finish([True] * len(params))
+                sync.wait(range(len(params)))  # on_device: the average is in device_flats now
+                with torch.no_grad():
+                    for p, g in zip(params, buffers.grads):
+                        p.add_(g, alpha=-lr)
+            state = sync.state_dict()
+        finally:
+            sync.close()
+    return [p.detach().cpu() for p in params], state
+
+
+CASES = [dict(density=1.0), dict(density=0.1), dict(density=0.1, granularity="layer"),
+         dict(density=0.05, warmup_steps=2, ramp_steps=3), dict(density=0.1, operator="exact", momentum_masking=False)]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("options", CASES, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_staged_cpu_gradients_give_what_in_place_gives(world, strategy, options):
+    """Staged on a CPU (MPITRAIN_STAGING=force): the same code path as a GPU model's, bit for bit the same sums."""
+    want, want_state = drive(world, strategy, "cpu", staged=False, **options)
+    got, got_state = drive(world, strategy, "cpu", staged=True, **options)
+    same = all(torch.equal(a, b) for a, b in zip(got, want))
+    moved = any(p.abs().sum() > 0 for p in got)
+    residuals = want_state["local"]["residuals"]
+    same_state = residuals.keys() == got_state["local"]["residuals"].keys() and all(
+        torch.equal(residuals[k], got_state["local"]["residuals"][k]) for k in residuals)
+    assert_everywhere(world, same and moved and same_state, f"{strategy} {options}: staged differs")
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_staged_sparse_allreduce_equals_in_place(world, hierarchical):
+    with Topology(world, ranks_per_node=rpn(world)) as topo:
+        plain = SparseAllreduce(topo, hierarchical=hierarchical)
+        staged = SparseAllreduce(topo, hierarchical=hierarchical, staged=True)
+        ef_plain, ef_staged = ErrorFeedback(MSTopK()), ErrorFeedback(MSTopK())
+        ok = True
+        for step, n in enumerate((10_001, 10_001, 777)):  # a smaller call after larger ones reuses the buffers
+            x = gradient(world, step, n, torch.float32)
+            a = plain(x.clone(), lambda v: ef_plain.select("m", v, 0.02))
+            b = staged(x.clone(), lambda v: ef_staged.select("m", v, 0.02), out=torch.empty(n))
+            ok = ok and torch.equal(a, b) and torch.equal(plain.applied, staged.applied)
+        plain.free(), staged.free()
+    assert_everywhere(world, ok, "staged sparse allreduce differs")
+
+
+# -- a CUDA model: 4 ranks may share one GPU ----------------------------------------------------
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("options", [dict(density=1.0), dict(density=0.01, operator="exact"),
+                                     dict(density=1.0, warmup_steps=3)], ids=["all", "exact-0.01", "warmup"])
+def test_cuda_model_gives_the_cpu_models_parameters(world, strategy, options):
+    """Every entry sent (density 1), or the same entries picked (torch.topk on distinct values): same parameters."""
+    got, _ = drive(world, strategy, "cuda", staged=True, **options)
+    want, _ = drive(world, strategy, "cpu", staged=False, **options)
+    ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want))
+    assert_everywhere(world, ok, f"{strategy} {options}: CUDA model differs from the CPU model")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_cuda_mstopk_at_one_percent_stays_close_to_the_cpu_model(world, strategy):
+    """DeviceMSTopK and the NumPy MSTopK may pick different entries near the threshold: close, not equal."""
+    got, state = drive(world, strategy, "cuda", staged=True, density=0.01)
+    want, _ = drive(world, strategy, "cpu", staged=False, density=0.01)
+    diff = sum(float((a.double() - b.double()).norm() ** 2) for a, b in zip(got, want)) ** 0.5
+    size = sum(float(b.double().norm() ** 2) for b in want) ** 0.5
+    on_cpu = all(v.device.type == "cpu" for v in state["local"]["residuals"].values())
+    assert_everywhere(world, size > 0 and diff <= 0.1 * size and on_cpu, f"{strategy}: |diff| {diff} vs {size}")
