@@ -91,7 +91,9 @@ class DistributedOptimizer:
         self.bpps, self.pto_enabled, self.buffer_mode = backward_passes_per_step, bool(pto), buffers
         try:
             self.device = model_device(self.names, self.params)
-            self.staged = staging_wanted(self.device) and not cls.on_device
+            # A host mirror of the gradients for MPI; the optimizer copies through it unless the
+            # strategy works on the device itself (sparse: it moves only pairs, via the mirror as scratch).
+            self.staged = staging_wanted(self.device)
             settings = [f"strategy {self.options.describe()}", f"pto={self.pto_enabled}",
                         f"backward_passes_per_step={self.bpps}", f"buffers={self.buffer_mode}",
                         f"device {self.device.type}, staged={self.staged}"]
@@ -142,7 +144,7 @@ class DistributedOptimizer:
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
         self.staging = GradientStaging(self.buffers, self._deliver, self.check.interrupt, self.timeline) \
-            if self.staged else None
+            if self.staged and not cls.on_device else None
         self.transport = describe_transport(self.device, self.staged, cls.on_device)
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)
@@ -336,7 +338,7 @@ class DistributedOptimizer:
         if not self.strategy.exact:
             # Delayed values (error feedback) may reach parameters no rank used this step.
             for i in np.flatnonzero(~mask):
-                mask[i] = bool(self.buffers.flat(i).any())
+                mask[i] = bool(self.buffers.device_flat_views[i].any())  # .grad itself, not the host mirror
         if self.strategy.deferred and not immediately and self.pto is None:
             self.deferred.owe(mask, self._hyper)
             return

@@ -64,7 +64,7 @@ class TopkSync(Strategy):
         self.schedule = DensitySchedule(o.density, o.warmup_steps, o.ramp_steps)
         self.granularity = o.granularity
         self.ef = ErrorFeedback(MSTopK() if o.operator == "mstopk" else exact_topk, enabled=o.error_feedback)
-        self.staged = bool(getattr(self.buffers, "staged", False))
+        self.staged = self.buffers.staged
         self.sparse = SparseAllreduce(ctx.topology, hierarchical=self.hierarchical, validate=False,
                                       policy=ctx.policy, interrupt=ctx.interrupt, staged=self.staged)
         self.dense = Ring(ctx.topology.world, validate=False)
