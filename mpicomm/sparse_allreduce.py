@@ -177,7 +177,7 @@ class SparseAllreduce:
 
     # -- hierarchical -------------------------------------------------------------
     def _hierarchical(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of) -> torch.Tensor:
-        node, cross = self.node, self.cross
+        node = self.node
         L, j = node.size, node.rank
         counts = block_counts(x.numel(), L)
         lo = offsets(counts)[j]
@@ -191,33 +191,35 @@ class SparseAllreduce:
         # 2. select within the shard; indices shifted to the whole vector's positions.
         values, indices = _select(select, shard)
         mine = self._pack("mine", values, indices + lo)
+        blocks, everything = self._spread(mine, counts, 2 * x.element_size(), k_of, self._buffer)
+        out.zero_()
+        self.applied = _scatter_add(out, everything, blocks, x.dtype)
+        return out
+
+    def _spread(self, mine: torch.Tensor, counts: list[int], width: int, k_of, buffer):
+        """Steps 3 and 4 of the hierarchical exchange: (blocks, every rank's pairs), in host buffers from `buffer`."""
+        node, cross = self.node, self.cross
+        L, j = node.size, node.rank
         # 3. allgather the selections across nodes (equal k: same shard length everywhere).
         if cross.size > 1:
-            gathered = self._run(cross.allgather(mine, self._buffer("gathered", mine.numel() * cross.size,
-                                                                    torch.uint8)))
+            gathered = self._run(cross.allgather(mine, buffer("gathered", mine.numel() * cross.size, torch.uint8)))
             self.traffic.add(mine.numel() * (cross.size - 1), True)
         else:
             gathered = mine
         # 4. node allgather of those (index, value) pairs as they are: no pass looks for nonzeros, and
         # when the caller says how many entries a shard of each length keeps, no sizes are exchanged.
-        width = 2 * x.element_size()
         if L > 1:
             if k_of is not None:
                 sizes = [width * (k_of(c) if c else 0) * cross.size for c in counts]
             else:
                 table = self._buffer("sizes", L, torch.int64)
                 sizes = self._run(node.allgather(torch.tensor([gathered.numel()]), table)).tolist()
-            everything = self._run(node.allgatherv(gathered, self._buffer("node", sum(sizes), torch.uint8),
-                                                   counts=sizes))
+            everything = self._run(node.allgatherv(gathered, buffer("node", sum(sizes), torch.uint8), counts=sizes))
             # A ring allgather forwards every block except the right neighbour's own.
             self.traffic.add(sum(sizes) - sizes[(j + 1) % L], False)
         else:
             sizes, everything = [gathered.numel()], gathered
-        out.zero_()
-        blocks = [size // cross.size for size in sizes for _ in range(cross.size)]
-        self.applied = _scatter_add(out, everything, blocks, x.dtype)
-        return out
-
+        return [size // cross.size for size in sizes for _ in range(cross.size)], everything
 
     # -- staged: x and out on a device, MPI on host memory ----------------------------------
     def _stage(self, name: str, n: int, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
@@ -265,7 +267,7 @@ class SparseAllreduce:
 
     def _hierarchical_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of,
                              host: torch.Tensor | None) -> torch.Tensor:
-        node, cross = self.node, self.cross
+        node = self.node
         L, j = node.size, node.rank
         counts = block_counts(x.numel(), L)
         lo = offsets(counts)[j]
@@ -282,25 +284,7 @@ class SparseAllreduce:
             shard = x
         values, indices = _select(select, shard)
         mine = self._to_host("mine", values, indices + lo)
-        if cross.size > 1:
-            gathered = self._run(cross.allgather(mine, self._stage("gathered", mine.numel() * cross.size,
-                                                                   torch.uint8)))
-            self.traffic.add(mine.numel() * (cross.size - 1), True)
-        else:
-            gathered = mine
-        width = 2 * x.element_size()
-        if L > 1:
-            if k_of is not None:
-                sizes = [width * (k_of(c) if c else 0) * cross.size for c in counts]
-            else:
-                table = self._buffer("sizes", L, torch.int64)
-                sizes = self._run(node.allgather(torch.tensor([gathered.numel()]), table)).tolist()
-            everything = self._run(node.allgatherv(gathered, self._stage("node", sum(sizes), torch.uint8),
-                                                   counts=sizes))
-            self.traffic.add(sum(sizes) - sizes[(j + 1) % L], False)
-        else:
-            sizes, everything = [gathered.numel()], gathered
-        blocks = [size // cross.size for size in sizes for _ in range(cross.size)]
+        blocks, everything = self._spread(mine, counts, 2 * x.element_size(), k_of, self._stage)
         return self._add_on_device(out, everything, blocks)
 
 
