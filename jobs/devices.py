@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+# torch is imported inside each function: importing a job module must start neither torch nor MPI.
 
 
 def rank_device(name: str, topo) -> torch.device:
@@ -12,6 +12,8 @@ def rank_device(name: str, topo) -> torch.device:
     and, when there are more ranks than GPUs, share them round-robin. jobs.inputs.check_device has
     already refused cuda where torch sees no GPU.
     """
+    import torch
+
     if name != "cuda":
         return torch.device("cpu")
     index = topo.local_rank % torch.cuda.device_count()
@@ -24,6 +26,7 @@ def describe(device: torch.device, comm, dopt=None) -> dict:
 
     `transport` is the DistributedOptimizer's own description (without one: host memory on a CPU, else None).
     """
+    import torch
     from mpi4py import MPI
 
     from mpicomm.cuda_support import mpi_cuda_aware
@@ -57,6 +60,8 @@ class LossValues:
     """
 
     def __init__(self, device: torch.device):
+        import torch
+
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.host = torch.zeros(2, dtype=torch.float32, pin_memory=True)

@@ -146,11 +146,13 @@ def load_data(args, rank):
         (x, y), (tx, ty) = corpus.tensors("train"), corpus.tensors("val")
         return (x,), y, (tx,), ty
     if args.data == "synthetic":
-        # One draw, split: the test samples must come from the training set's distribution (a
-        # second seed gave the classes other centres, and test accuracy sat at chance).
+        # The test samples must come from the training set's distribution: the same seed (the
+        # class prototypes are drawn first), the tail of a larger draw. A second seed gave the
+        # classes other centres, and test accuracy sat at chance.
         n = args.synthetic_samples
-        xs, ys = model_input(args.model, n + max(256, n // 8), args.seed)
-        return tuple(t[:n] for t in xs), ys[:n], tuple(t[n:] for t in xs), ys[n:]
+        x, y = model_input(args.model, n, args.seed)
+        txs, tys = model_input(args.model, n + max(256, n // 8), args.seed)
+        return x, y, tuple(t[n:] for t in txs), tys[n:]
     shape = input_shape(args.model)
     txs, tys = load_fashion_mnist("test")
     test = (D.to_tensor(txs, shape),), torch.as_tensor(tys)
