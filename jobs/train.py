@@ -24,8 +24,9 @@ import time
 
 from jobs import train_pipeline
 from jobs.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, STRATEGIES, TOKEN_MODELS
-from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, existing_dir, fraction,
-                         launched_ranks, link_rate, one_of, option, output_dir, output_file, parse)
+from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
+                         existing_dir, fraction, launched_ranks, link_rate, one_of, option, output_dir, output_file,
+                         parse)
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
@@ -60,8 +61,10 @@ def parse_args(argv=None):
     p.add_argument("--pto", action="store_true",
                    help="each rank updates 1/P of the parameters, then allgather (optimizer state sharded)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd (with --momentum)")
-    p.add_argument("--slice-size", type=int, default=None, help="p3 slice, in elements (default: runtime's)")
-    p.add_argument("--credit", type=int, default=8, help="p3: outgoing slices in flight (default 8)")
+    p.add_argument("--slice-size", default="auto",
+                   help="p3 slice, in elements, or auto: chosen from the link measured at start-up (default auto)")
+    p.add_argument("--credit", default="auto",
+                   help="p3: outgoing slices in flight, or auto: from the measured link (default auto)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
@@ -89,7 +92,8 @@ def parse_args(argv=None):
 def check_args(args) -> None:
     """Everything that can be known wrong before MPI starts, from the cheapest check on."""
     one_of("--strategy", args.strategy, STRATEGIES)
-    at_least(args, 1, "batch_size", "epochs", "threads", "credit", "synthetic_samples", "prefetch", "slice_size")
+    at_least(args, 1, "batch_size", "epochs", "threads", "synthetic_samples", "prefetch")
+    auto_or_count(args, "slice_size", "credit")
     at_least(args, 0, "max_steps", "dense_warmup_steps", "density_ramp_steps", "lr", "momentum", "seed",
              "cache_memory_mb")
     fraction(args, "density")
@@ -220,9 +224,9 @@ def strategy_options(args):
 
     if args.strategy == "hybcomm":
         return HybCommOptions(dense=args.hybcomm_dense, force=args.hybcomm_force, bandwidth=args.link_bandwidth_bps,
-                              credit=args.credit, **({"slice_size": args.slice_size} if args.slice_size else {}))
+                              credit=args.credit, slice_size=args.slice_size)
     if args.strategy == "p3":
-        return P3Options(credit=args.credit, **({"slice_size": args.slice_size} if args.slice_size else {}))
+        return P3Options(slice_size=args.slice_size, credit=args.credit)
     if args.strategy in ("topk", "hier-topk"):
         return TopkOptions(density=args.density, hierarchical=args.strategy == "hier-topk",
                            error_feedback=not args.no_error_feedback, warmup_steps=args.dense_warmup_steps,
@@ -311,6 +315,9 @@ def main(argv=None, args=None) -> int:
         f"strategy {args.strategy}{' + pto' if args.pto else ''}, {P} ranks x batch {args.batch_size}, "
         f"{steps} steps/epoch")
     say(header_line(device_info))
+    tuning = getattr(dopt.strategy, "tuning", None) or getattr(getattr(dopt.strategy, "inner", None), "tuning", None)
+    if tuning is not None:
+        say(f"p3: {tuning.describe()}")
     history = []
     plan_watch = PlanWatch(dopt.strategy, say) if rank == 0 else None  # hybcomm's plan, whenever it changes
     for epoch in range(start_epoch, args.epochs):

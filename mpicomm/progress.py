@@ -9,6 +9,10 @@ import time
 from mpi4py import MPI
 
 
+# Sleeps this long or longer wait on an Event that nudge() sets; shorter ones are plain sleeps.
+NUDGE_FROM = 200e-6
+
+
 class ThreadLevelError(RuntimeError):
     """The MPI library was not initialised with the thread support a progress thread needs."""
 
@@ -24,7 +28,12 @@ def require_thread_multiple() -> None:
 
 
 class Task:
-    """One unit of background work: `poll()` makes progress and returns True once finished."""
+    """One unit of background work: `poll()` makes progress and returns True once finished.
+
+    A task may also define `idle_sleep()`: the longest the thread may sleep
+    between polls while nothing completes (seconds); the thread's own
+    max_sleep applies otherwise.
+    """
 
     def poll(self) -> bool:  # pragma: no cover - interface
         raise NotImplementedError
@@ -61,7 +70,10 @@ class ProgressThread:
     the ranks that compute (four ranks on two cores here), so an idle loop
     backs off from `min_sleep` to `max_sleep`; any completion resets it.
     The cap trades latency for CPU: with 1 ms, P3's exchange of VGG-19 took
-    2.3 s instead of 0.8 s (50K-element slices, BENCHMARKS.md).
+    2.3 s instead of 0.8 s (50K-element slices, BENCHMARKS.md). A task that
+    knows better sets the cap itself (`Task.idle_sleep`: p3 relaxes it while
+    no layer waits and the wire is the limit), and `nudge()` ends a sleep
+    early when a waiter needs completions seen at once.
     """
 
     def __init__(self, name: str = "mpitrain-progress", min_sleep: float = 10e-6, max_sleep: float = 100e-6):
@@ -70,6 +82,7 @@ class ProgressThread:
         self._cv = threading.Condition()
         self._stop = False
         self.min_sleep, self.max_sleep = min_sleep, max_sleep
+        self._nudged = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -91,11 +104,14 @@ class ProgressThread:
                 if self._stop and not self._pending:
                     return
                 batch = list(self._pending)
-            finished = []
+            finished, caps = [], []
             for fut in batch:
                 try:
                     if fut.task.poll():
                         finished.append(fut)
+                    else:
+                        hint = getattr(fut.task, "idle_sleep", None)
+                        caps.append(self.max_sleep if hint is None else hint())
                 except BaseException as exc:  # surfaced to whoever waits on the future
                     fut.error = exc
                     finished.append(fut)
@@ -111,8 +127,21 @@ class ProgressThread:
                     fut._event.set()
                 sleep = self.min_sleep
             else:
-                time.sleep(sleep)
-                sleep = min(self.max_sleep, sleep * 2)
+                cap = min(caps, default=self.max_sleep)
+                sleep = self.min_sleep if self._idle(min(sleep, cap)) else min(cap, sleep * 2)
+
+    def _idle(self, seconds: float) -> bool:
+        """Sleep between polls; True when nudge() ended it early."""
+        if seconds < NUDGE_FROM:
+            time.sleep(seconds)  # an Event's wait costs more than the nudge would save
+            return False
+        nudged = self._nudged.wait(seconds)
+        self._nudged.clear()
+        return nudged
+
+    def nudge(self) -> None:
+        """Poll again now (a waiter needs completions seen at once): ends the current sleep early."""
+        self._nudged.set()
 
     def stop(self) -> None:
         """Finish what was submitted, then end the thread."""

@@ -27,6 +27,11 @@ from .stall import StallPolicy, wait_until
 from .tags import check_tag
 
 PUSH, RESULT = 0, 1
+IN_PUSH, IN_RESULT, OUT_PUSH, OUT_RESULT = range(4)  # what a request in flight is
+# While a layer waits for its slices, completions must be seen soon: the progress thread then sleeps
+# at most an eighth of relaxed_sleep (within these bounds); otherwise polling every relaxed_sleep
+# (about a quarter of a slice's time on the wire) costs the compute threads no core.
+URGENT_SLEEP_MIN, URGENT_SLEEP_MAX = 20e-6, 100e-6
 
 
 class SlicePlan:
@@ -80,13 +85,19 @@ class SlicedExchange(Task):
     """
 
     def __init__(self, comm: MPI.Comm, buffers: list[torch.Tensor], segments: list[tuple[int, int, int]],
-                 slice_size: int, credit: int = 8, timeline=None, names: list[str] | None = None):
+                 slice_size: int, credit: int = 8, timeline=None, names: list[str] | None = None,
+                 relaxed_sleep: float = 100e-6):
         if not isinstance(credit, int) or credit < 1:
             raise ValueError(f"credit must be an integer >= 1, got {credit!r}")
+        if not relaxed_sleep > 0:
+            raise ValueError(f"relaxed_sleep must be > 0 seconds, got {relaxed_sleep!r}")
         self.comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.plan = plan = SlicePlan([b.numel() for b in buffers], segments, slice_size, self.size, self.comm)
-        self.credit, self.timeline = credit, timeline
+        self.credit, self.timeline, self.relaxed_sleep = credit, timeline, relaxed_sleep
+        self.urgent_sleep = min(URGENT_SLEEP_MAX, max(URGENT_SLEEP_MIN, relaxed_sleep / 8))
+        self._waiters = 0  # training threads blocked in wait(): the progress thread polls urgently
+        self.nudge = lambda: None  # set by the owner: wakes its progress thread from a relaxed sleep
         self.names = names or [f"tensor {t}" for t in range(len(segments))]
         self.views = [buffers[b][a:z] for b, a, z in plan.slices]
         self.wire = [v.view(torch.uint8).numpy() for v in self.views]  # what MPI sends and receives into
@@ -121,10 +132,9 @@ class SlicedExchange(Task):
         self._left = plan.count
         self._slice_finished = [False] * plan.count
         self._queue: list = []  # heap of (priority, slice, kind, peer)
-        self._out_reqs: list = []
-        self._out: list = []  # (kind, slice, peer, timeline token) per outgoing request
-        self._in_reqs: list = []
-        self._in: list = []  # (kind, slice, peer position or timeline token) per incoming request
+        self._reqs: list = []  # every request in flight, sends and receives
+        self._what: list = []  # (IN_PUSH/IN_RESULT/OUT_PUSH/OUT_RESULT, slice, peer position or token) per request
+        self._outgoing = 0
         self._posted = False
         self._inbox.clear()
 
@@ -147,12 +157,10 @@ class SlicedExchange(Task):
         while inbox:
             self._tensor_ready(inbox.popleft())
         self._send_from_queue()
-        if self._out_reqs:
-            self._complete_outgoing()
-        if self._in_reqs:
-            self._complete_incoming()
-        self._send_from_queue()
-        if self._left == 0 and not self._out_reqs and not self._in_reqs:
+        if self._reqs:
+            self._complete()
+            self._send_from_queue()
+        if self._left == 0 and not self._reqs:
             self.log.release()
             with self._cond:
                 self.active = False
@@ -160,12 +168,21 @@ class SlicedExchange(Task):
             return True
         return False
 
+    def idle_sleep(self) -> float:
+        """The longest the progress thread may sleep while nothing completes: short while a layer waits."""
+        return self.urgent_sleep if self._waiters else self.relaxed_sleep
+
+    @property
+    def outgoing(self) -> int:
+        """Outgoing messages in flight (at most `credit`)."""
+        return self._outgoing
+
     def _post_push_receives(self) -> None:
         plan, log, comm = self.plan, self.log, self.comm
         for s in self.owned:
             for k, peer in enumerate(self.peers):
-                self._in_reqs.append(log.irecv(comm, [self.scratch_wire[s][k], MPI.BYTE], peer, plan.push_tag(s)))
-                self._in.append((PUSH, s, k))
+                self._reqs.append(log.irecv(comm, [self.scratch_wire[s][k], MPI.BYTE], peer, plan.push_tag(s)))
+                self._what.append((IN_PUSH, s, k))
         self._posted = True
 
     def _tensor_ready(self, t: int) -> None:
@@ -184,54 +201,48 @@ class SlicedExchange(Task):
 
     def _send_from_queue(self) -> None:
         plan, tl, queue = self.plan, self.timeline, self._queue
-        while queue and len(self._out_reqs) < self.credit:
+        while queue and self._outgoing < self.credit:
             prio, s, kind, peer = heapq.heappop(queue)
             tag = plan.push_tag(s) if kind == PUSH else plan.result_tag(s)
             token = tl.begin(f"{'push' if kind == PUSH else 'send result'} s{s}", "p3", track="push",
                              slice=s, peer=peer, priority=prio) if tl else None
-            self._out_reqs.append(self.log.isend(self.comm, [self.wire[s], MPI.BYTE], peer, tag))
-            self._out.append((kind, s, peer, token))
+            self._reqs.append(self.log.isend(self.comm, [self.wire[s], MPI.BYTE], peer, tag))
+            self._what.append((OUT_PUSH if kind == PUSH else OUT_RESULT, s, token))
+            self._outgoing += 1
 
-    def _complete_outgoing(self) -> None:
-        idx = MPI.Request.Testsome(self._out_reqs)
+    def _complete(self) -> None:
+        """One Testsome over every request in flight (one pass of MPI's progress engine per poll)."""
+        idx = MPI.Request.Testsome(self._reqs)
         if not idx:
             return
-        plan, tl = self.plan, self.timeline
+        plan, tl, what = self.plan, self.timeline, self._what
+        posted: list = []  # (request, what) started while handling these completions
         for i in idx:
-            kind, s, peer, token = self._out[i]
-            if tl:
-                tl.end(token)
-            if kind == PUSH:
-                # Only now may the slice's memory receive the averaged result: it was the send buffer.
-                token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=peer) if tl else None
-                self._in_reqs.append(self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], peer, plan.result_tag(s)))
-                self._in.append((RESULT, s, token))
-            else:
-                self._results_left[s] -= 1
-                if self._results_left[s] == 0:
-                    self._slice_done(s)
-        done = set(idx)
-        self._out_reqs = [r for i, r in enumerate(self._out_reqs) if i not in done]
-        self._out = [o for i, o in enumerate(self._out) if i not in done]
-
-    def _complete_incoming(self) -> None:
-        idx = MPI.Request.Testsome(self._in_reqs)
-        if not idx:
-            return
-        tl = self.timeline
-        for i in idx:
-            kind, s, token = self._in[i]
-            if kind == PUSH:  # token: the peer's position in self.peers
-                self._got[s][token] = True
+            kind, s, x = what[i]
+            if kind == IN_PUSH:  # x: the peer's position in self.peers
+                self._got[s][x] = True
                 self._arrived[s] += 1
                 self._try_aggregate(s)
-            else:
+            elif kind == IN_RESULT:  # x: the pull's timeline token
                 if tl:
-                    tl.end(token)
+                    tl.end(x)
                 self._slice_done(s)
+            else:
+                self._outgoing -= 1
+                if tl:
+                    tl.end(x)
+                if kind == OUT_PUSH:
+                    # Only now may the slice's memory receive the averaged result: it was the send buffer.
+                    token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=plan.owner(s)) if tl else None
+                    posted.append((self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], plan.owner(s),
+                                                  plan.result_tag(s)), (IN_RESULT, s, token)))
+                else:
+                    self._results_left[s] -= 1
+                    if self._results_left[s] == 0:
+                        self._slice_done(s)
         done = set(idx)
-        self._in_reqs = [r for i, r in enumerate(self._in_reqs) if i not in done]
-        self._in = [x for i, x in enumerate(self._in) if i not in done]
+        self._reqs = [r for i, r in enumerate(self._reqs) if i not in done] + [r for r, _ in posted]
+        self._what = [w for i, w in enumerate(what) if i not in done] + [w for _, w in posted]
 
     def _try_aggregate(self, s: int) -> None:
         """Owner: once every peer's push and the local gradient are in, average and send back."""
@@ -271,6 +282,17 @@ class SlicedExchange(Task):
     def wait(self, tensors, policy: StallPolicy | None = None, interrupt=None) -> None:
         """Block until these tensors hold the averaged gradient; a stall report names the missing slices."""
         done, cond = self.tensor_done, self._cond
+        if self.error is None and all(done[t] for t in tensors):
+            return
+        self._waiters += 1  # only the training thread changes it; the progress thread reads it
+        self.nudge()
+        try:
+            self._wait(tensors, policy, interrupt)
+        finally:
+            self._waiters -= 1
+
+    def _wait(self, tensors, policy, interrupt) -> None:
+        done, cond = self.tensor_done, self._cond
 
         def finished() -> bool:
             if self.error is not None:
@@ -309,7 +331,7 @@ class SlicedExchange(Task):
     def abort(self) -> None:
         """Error path: cancel the receives, free the sends, forget the step."""
         self.log.cancel()
-        self._out_reqs, self._in_reqs, self._out, self._in = [], [], [], []
+        self._reqs, self._what, self._outgoing = [], [], 0
         with self._cond:
             self.active = False
             self._cond.notify_all()
@@ -319,5 +341,5 @@ class SlicedExchange(Task):
             self.comm.Free()
 
     def __repr__(self) -> str:
-        return (f"<P3 exchange: {self._left} slices left, {len(self._out_reqs)} out, "
-                f"{len(self._in_reqs)} in>")
+        return (f"<P3 exchange: {self._left} slices left, {self._outgoing} out, "
+                f"{len(self._reqs) - self._outgoing} in>")

@@ -7,14 +7,14 @@ from mpicomm.validate import CollectiveMismatchError
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm_hooks import CompressionState, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
 from .optimizer import DistributedOptimizer
-from .options import (DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE, AllreduceOptions, HybCommOptions, P3Options,
+from .options import (AUTO, DEFAULT_FUSE_BYTES, AllreduceOptions, HybCommOptions, P3Options,
                       StrategyOptions, TopkOptions, WfbpOptions)
 from .registry import ALL_STRATEGIES, SPARSE_STRATEGIES, STRATEGIES
 from .sparse import NonFiniteGradientError
 
 __all__ = [
     "ALL_STRATEGIES", "AllreduceOptions", "CheckpointError", "CollectiveMismatchError", "CompressionState",
-    "DEFAULT_FUSE_BYTES", "DEFAULT_SLICE_SIZE", "DistributedOptimizer", "GradBucket", "HybCommOptions", "NonFiniteGradientError",
+    "AUTO", "DEFAULT_FUSE_BYTES", "DistributedOptimizer", "GradBucket", "HybCommOptions", "NonFiniteGradientError",
     "P3Options", "PeerFailedError", "SPARSE_STRATEGIES", "STRATEGIES", "StallError", "StallPolicy",
     "StrategyOptions", "TopkOptions", "WfbpOptions", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
     "load_checkpoint", "save_checkpoint",

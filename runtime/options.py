@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DEFAULT_FUSE_BYTES = 1 << 20  # wfbp: gradients share buckets of about this size
-DEFAULT_SLICE_SIZE = 262_144  # p3: elements per slice (1 MiB of float32); BENCHMARKS.md
+AUTO = "auto"  # p3's slice size and credit: chosen from the link measured when wrapping (runtime.p3.tuning)
 OPERATORS = ("mstopk", "exact")
 GRANULARITIES = ("model", "layer")
 HYBCOMM_DENSE = ("wfbp", "p3")  # what hybcomm sends the layers without sufficient factors through
@@ -16,6 +16,13 @@ DEFAULT_INTRA_BANDWIDTH = 40e9  # bit/s between ranks of one node (shared memory
 def _check_int(name: str, value, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_auto_or_int(name: str, value, low: int) -> None:
+    if value == AUTO:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be {AUTO!r} or an integer >= {low}, got {value!r}")
 
 
 def _check_fraction(name: str, value, *, allow_zero: bool = False, allow_one: bool = True) -> None:
@@ -59,15 +66,19 @@ class WfbpOptions(StrategyOptions):
 
 @dataclass(frozen=True)
 class P3Options(StrategyOptions):
-    """P3: slices of slice_size elements by forward-pass priority, at most credit messages in flight."""
+    """P3: slices of slice_size elements by forward-pass priority, at most credit messages in flight.
 
-    slice_size: int = DEFAULT_SLICE_SIZE
-    credit: int = 8
+    Either may be "auto" (the default): chosen from the link measured when
+    wrapping, so that fast links get fewer, larger messages (runtime.p3.tuning).
+    """
+
+    slice_size: int | str = AUTO
+    credit: int | str = AUTO
     name = "p3"
 
     def __post_init__(self):
-        _check_int("slice_size", self.slice_size, 1)
-        _check_int("credit", self.credit, 1)
+        _check_auto_or_int("slice_size", self.slice_size, 1)
+        _check_auto_or_int("credit", self.credit, 1)
 
 
 @dataclass(frozen=True)
@@ -131,8 +142,8 @@ class HybCommOptions(StrategyOptions):
     intra_bandwidth: float = DEFAULT_INTRA_BANDWIDTH
     gflops: float | None = None
     fuse_bytes: int = DEFAULT_FUSE_BYTES
-    slice_size: int = DEFAULT_SLICE_SIZE
-    credit: int = 8
+    slice_size: int | str = AUTO
+    credit: int | str = AUTO
     name = "hybcomm"
 
     def __post_init__(self):
@@ -146,8 +157,8 @@ class HybCommOptions(StrategyOptions):
                                       not value > 0 or value == float("inf")):
                 raise ValueError(f"{rate} must be a positive finite number, got {value!r}")
         _check_int("fuse_bytes", self.fuse_bytes, 1)
-        _check_int("slice_size", self.slice_size, 1)
-        _check_int("credit", self.credit, 1)
+        _check_auto_or_int("slice_size", self.slice_size, 1)
+        _check_auto_or_int("credit", self.credit, 1)
 
     def dense_options(self) -> StrategyOptions:
         """The options of the dense path's own strategy."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from runtime import (DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE, AllreduceOptions, DistributedOptimizer, HybCommOptions,
+from runtime import (AUTO, DEFAULT_FUSE_BYTES, AllreduceOptions, DistributedOptimizer, HybCommOptions,
                      P3Options, StrategyOptions, TopkOptions, WfbpOptions)
 from runtime.options import OPTIONS, resolve
 from runtime.registry import strategy_class
@@ -19,9 +19,10 @@ NAN = float("nan")
 
 
 def test_defaults():
-    assert (DEFAULT_FUSE_BYTES, DEFAULT_SLICE_SIZE) == (1 << 20, 262_144)
+    assert (DEFAULT_FUSE_BYTES, AUTO) == (1 << 20, "auto")
     assert WfbpOptions().fuse_bytes == DEFAULT_FUSE_BYTES
-    assert (P3Options().slice_size, P3Options().credit) == (DEFAULT_SLICE_SIZE, 8)
+    assert (P3Options().slice_size, P3Options().credit) == (AUTO, AUTO)  # chosen from the measured link
+    assert (HybCommOptions().slice_size, HybCommOptions().credit) == (AUTO, AUTO)
     assert dataclasses.asdict(TopkOptions()) == dict(
         density=0.01, hierarchical=False, error_feedback=True, warmup_steps=0, ramp_steps=0, granularity="model",
         operator="mstopk", momentum_correction=True, momentum_masking=True)
@@ -59,6 +60,7 @@ def test_describe_tells_apart_options_that_differ_in_any_field(field, other):
 BAD = [
     (P3Options, "slice_size", 0), (P3Options, "slice_size", -1), (P3Options, "slice_size", 1.5),
     (P3Options, "slice_size", True), (P3Options, "slice_size", "8"), (P3Options, "slice_size", None),
+    (P3Options, "slice_size", "Auto"), (HybCommOptions, "credit", "automatic"),
     (P3Options, "credit", 0), (P3Options, "credit", -2), (P3Options, "credit", 2.0), (P3Options, "credit", True),
     (WfbpOptions, "fuse_bytes", 0), (WfbpOptions, "fuse_bytes", -1), (WfbpOptions, "fuse_bytes", 1.5),
     (WfbpOptions, "fuse_bytes", False),
@@ -181,7 +183,7 @@ def test_the_null_communicator_does_fail_the_first_mpi_call():
     ("bandwidth", float("inf"), "bandwidth must be a positive finite number, got inf"),
     ("gflops", -1.0, "gflops must be a positive finite number"),
     ("intra_bandwidth", True, "intra_bandwidth must be a positive finite number, got True"),
-    ("credit", 0, "credit must be an integer >= 1"),
+    ("credit", 0, "credit must be 'auto' or an integer >= 1"),
 ])
 def test_hybcomm_options_refuse_bad_values(field, value, message):
     with pytest.raises(ValueError, match=message):

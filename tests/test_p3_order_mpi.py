@@ -51,7 +51,7 @@ def poll_to_the_end(ex):
     most = 0
     while True:
         finished = ex.poll()
-        most = max(most, len(ex._out_reqs))
+        most = max(most, ex.outgoing)
         if finished:
             return most
 

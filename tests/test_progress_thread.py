@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import ROOT
-from mpicomm import Handle, Ring, progress
+from mpicomm import Handle, Ring
 from mpicomm.progress import HandleTask, ProgressThread, Task, require_thread_multiple
 from mpicomm.requests import RequestLog
 
@@ -53,14 +53,16 @@ class BoomWithWaiters(Boom):
 
 
 class SleepLog:
-    """Stands in for the `time` module of mpicomm.progress: records each back-off sleep, then sleeps it."""
+    """Records each back-off sleep of ProgressThread (short ones sleep, long ones wait for a nudge), then does it."""
 
-    def __init__(self):
+    def __init__(self, monkeypatch):
         self.calls: list[float] = []
+        real = ProgressThread._idle
 
-    def sleep(self, seconds: float) -> None:
-        self.calls.append(seconds)
-        time.sleep(seconds)
+        def idle(thread, seconds):
+            self.calls.append(seconds)
+            return real(thread, seconds)
+        monkeypatch.setattr(ProgressThread, "_idle", idle)
 
 
 def until(condition, what: str) -> None:
@@ -185,8 +187,7 @@ def test_submit_after_the_end_raises(end):
 def test_the_idle_thread_blocks_without_polling_or_sleeping(monkeypatch):
     """With nothing submitted the thread waits on its condition: a loop that slept and looked again would
     log sleeps here."""
-    log = SleepLog()
-    monkeypatch.setattr(progress, "time", log)
+    log = SleepLog(monkeypatch)
     thread = ProgressThread("test-idle")
     try:
         time.sleep(0.05)
@@ -201,8 +202,7 @@ def test_a_thread_waiting_on_an_unfinished_task_backs_off(monkeypatch):
     Counted in calls, not time: a busy loop (no sleep, or a sleep that never grows) polls the stuck task
     many times per sleep recorded here, or records sleeps that do not double.
     """
-    log = SleepLog()
-    monkeypatch.setattr(progress, "time", log)
+    log = SleepLog(monkeypatch)
     lo, hi = 1e-4, 1.6e-3
     thread = ProgressThread("test-backoff", min_sleep=lo, max_sleep=hi)
     stuck = Countdown(None)
@@ -223,6 +223,37 @@ def test_a_thread_waiting_on_an_unfinished_task_backs_off(monkeypatch):
         assert after[reset:reset + 3] == pytest.approx([lo, 2 * lo, 4 * lo])
     finally:
         stuck.release.set()
+        thread.stop()
+
+
+class Relaxed(Countdown):
+    """Never finishes by itself; tells the thread how long it may sleep between polls (SlicedExchange does)."""
+
+    def __init__(self, cap):
+        super().__init__(None)
+        self.cap = cap
+
+    def idle_sleep(self) -> float:
+        return self.cap
+
+
+def test_a_task_caps_the_back_off_itself_and_a_nudge_ends_a_sleep(monkeypatch):
+    """The task's idle_sleep() is the cap, even above the thread's max_sleep; nudge() cuts the sleep short
+    (the back-off starts again at min_sleep instead of sleeping the cap once more)."""
+    log = SleepLog(monkeypatch)
+    lo, cap = 1e-4, 0.05
+    thread = ProgressThread("test-cap", min_sleep=lo, max_sleep=2e-4)
+    task = Relaxed(cap)
+    try:
+        thread.submit(task)
+        until(lambda: log.calls.count(cap) >= 2, "sleeps at the task's cap")
+        assert log.calls[:4] == pytest.approx([lo, 2 * lo, 4 * lo, 8 * lo]) and max(log.calls) == cap
+        before = len(log.calls)
+        thread.nudge()
+        until(lambda: len(log.calls) >= before + 2, "sleeps after the nudge")
+        assert pytest.approx(lo) in log.calls[before:before + 2], log.calls[before:]
+    finally:
+        task.release.set()
         thread.stop()
 
 

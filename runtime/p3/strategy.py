@@ -7,6 +7,7 @@ from mpicomm.sliced_ps import SlicedExchange
 from mpicomm.stall import wait_until
 
 from ..strategy import Strategy, StrategyContext
+from .tuning import tune
 
 
 class P3Sync(Strategy):
@@ -15,7 +16,9 @@ class P3Sync(Strategy):
     The exchange of a step runs on a progress thread; `step()` returns at once
     and each layer waits only for its own slices, in its next forward pass
     (`deferred`). Slice priorities follow the forward order learned from the
-    first forward pass (set_priorities).
+    first forward pass (set_priorities). Slice size and credit left "auto"
+    are chosen from the link measured when wrapping (runtime.p3.tuning;
+    `tuning` says what was chosen and why).
     """
 
     name = "p3"
@@ -24,10 +27,16 @@ class P3Sync(Strategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        o = ctx.options
-        self.exchange = SlicedExchange(ctx.topology.world, self.buffers.flats, self.buffers.segments, o.slice_size,
-                                       o.credit, self.timeline, ctx.names)
+        o, flats = ctx.options, self.buffers.flats
+        itemsize = max((b.element_size() for b in flats), default=4)
+        self.tuning = t = tune(ctx.topology.world, sum(b.numel() * b.element_size() for b in flats), itemsize,
+                               o.slice_size, o.credit)
+        if self.timeline:
+            self.timeline.instant("p3 tuning", "setup", settings=t.describe(itemsize))
+        self.exchange = SlicedExchange(ctx.topology.world, flats, self.buffers.segments, t.slice_size, t.credit,
+                                       self.timeline, ctx.names, relaxed_sleep=t.relaxed_sleep)
         self.progress = ProgressThread("mpitrain-p3")
+        self.exchange.nudge = self.progress.nudge
         self.future = None  # the exchange of the newest step on the progress thread
         self._open = False  # gradients of the current step are being handed over
 
