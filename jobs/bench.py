@@ -3,6 +3,7 @@ r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training through
     python -m jobs.bench --json results/bench.json                       # as root: emulated cluster
     python -m jobs.bench --models vgg19 --bandwidths 1gbit,2.5gbit,none --hosts 4
     python -m jobs.bench --local --models mlp                            # no root: this host, unshaped
+    python -m jobs.bench --local --hosts 4 --models mlp --rounds 6       # 6 rounds: 95 % CIs of the medians
     python -m jobs.bench --models vgg19 --bandwidths 1gbit --hosts 2 --ranks-per-host 2 \
         --strategies allreduce,topk,hier-topk --density 0.001             # sparse strategies, 2 nodes
     python -m jobs.bench --models vgg19-22k --bandwidths 1gbit,10gbit \
@@ -12,16 +13,29 @@ r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training through
 
 For every bandwidth an emulated cluster of --hosts hosts (--ranks-per-host each) is
 brought up, jobs.bench_worker runs every model and strategy across it, and
-the cluster is taken down again. Prints a markdown table, writes JSON rows
-(model, strategy, bandwidth, ranks, samples_per_s, ci, t_iter_s,
-t_compute_s, t_comm_s, overlap_efficiency, compute_cpu_s, comm_cpu_s,
-wire_bytes_per_step, wire_bytes_per_host_per_step; hybcomm's rows: plan) and a
-PNG of samples/s vs bandwidth. "CPU bound" is (compute + communication
-CPU-seconds per step) / cores: on a machine where ranks and the network
-stack share few cores, no overlap can make a step shorter than that. "wire
-MB/step" is what the hosts' interfaces sent per step, all hosts together (the
-emulated cluster only). hybcomm's plan (sufficient factors or PS per layer)
-is printed under the table once per model and bandwidth. With --device cuda
+the cluster is taken down again. The worker measures in --rounds rounds, the
+contenders (the plain step and each strategy) interleaved in rotating order,
+so that a slow spell of a shared machine falls on all of them: every figure
+is the median over rounds, with its distribution-free CI (order statistics,
+jobs.stats; below 6 rounds the rounds' min-max, whose coverage the title
+states). Overlap is computed per round from that round's T_compute, T_comm
+and T_iter: the share of the shorter phase hidden behind the longer, in
+[0, 1] (jobs.bench_rows.overlap says why not max(T_compute, T_comm) /
+T_iter). Prints the machine (CPU model, cores, memory) and torch threads per
+rank (--threads) above a markdown table, writes JSON rows (model, strategy,
+bandwidth, ranks, rounds, threads, samples_per_s, ci (±, covering
+samples_per_s_ci), t_iter_s, t_compute_s, t_comm_s, overlap_efficiency, each
+with its _ci, compute_cpu_s, comm_cpu_s, comm_cpu_vs_ddp, the per-round values
+(*_rounds_s, overlap_rounds, t_iter_batches_s), wire_bytes_per_step,
+wire_bytes_per_host_per_step; hybcomm's rows: plan; meta: the machine) and a
+PNG of samples/s vs bandwidth. "comm CPU s" is the machine's busy CPU-seconds
+per step of the synchronisation alone, "× DDP's" the same over DDP's (per
+round, median). "CPU bound" is (compute + communication CPU-seconds per
+step) / cores: on a machine where ranks and the network stack share few
+cores, no overlap can make a step shorter than that. "wire MB/step" is what
+the hosts' interfaces sent per step, all hosts together (the emulated
+cluster only). hybcomm's plan (sufficient factors or PS per layer) is
+printed under the table once per model and bandwidth. With --device cuda
 the ranks train on GPUs (local rank % GPUs); rows carry device, device_name,
 cuda and transport (how gradients reach the network), and the table's
 title line names the device.
@@ -39,7 +53,7 @@ from jobs.inputs import (JobParser, add_cluster_bench_arguments, add_device_argu
                          cluster_bench_outputs, comma_list, parse)
 from jobs.outputs import write_together
 from jobs.plans import plan_markdown
-from jobs.report import run_metadata, save_figure, write_json
+from jobs.report import machine, machine_line, run_metadata, save_figure, write_json
 
 DEFAULT_BANDWIDTHS = "0.5gbit,1gbit,2.5gbit,10gbit,none"
 
@@ -64,9 +78,12 @@ def add_worker_arguments(p, models: str, strategies: str, batch_size: int) -> No
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--batch-size", type=int, default=batch_size,
                    help=f"samples per rank per step (default {batch_size})")
-    p.add_argument("--batches", type=int, default=5)
-    p.add_argument("--iters", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batches", type=int, default=5, help="timed batches per contender and round (default 5)")
+    p.add_argument("--iters", type=int, default=2, help="steps per timed batch (default 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender and round (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds over the contenders, in rotating order (default 3; 95 %% CIs from 6)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--slice-size", type=int, default=None)
     add_device_argument(p)
 
@@ -89,21 +106,68 @@ def worker_cmd(args, model, label, ranks):
     cmd = [sys.executable, "-m", "jobs.bench_worker", "--model", model, "--strategies", args.strategies,
            "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
            "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
-           "--optimizer", args.optimizer, "--device", args.device]
+           "--optimizer", args.optimizer, "--device", args.device, "--rounds", str(args.rounds),
+           "--threads", str(args.threads)]
     cmd += ["--slice-size", str(args.slice_size)] if args.slice_size else []
     # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
     return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local and ranks > 1 else [])
 
 
+OVERLAP = "(T_compute + T_comm - T_iter) / min(T_compute, T_comm), clipped to [0, 1]"
+
+
 def markdown(rows) -> str:
-    head = ("| model | strategy | bandwidth | samples/s | ±95 % | T_iter s | T_compute s | T_comm s | overlap "
-            "| CPU bound s | inter-node MB/step | wire MB/step |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | {r['ci']:.1f} | "
-            f"{r['t_iter_s']:.3f} | {r['t_compute_s']:.3f} | {num(r['t_comm_s'], 3)} | "
-            f"{num(r['overlap_efficiency'], 2)} | {cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | "
-            f"{mb(r, 'wire_bytes_per_step')} |" for r in rows]
+    """The rows' table: medians over rounds, (low-high) their CIs (title() says which); two header lines."""
+    head = ("| model | strategy | bandwidth | samples/s | (CI) | T_iter s | T_compute s | T_comm s "
+            "| overlap: hidden share | compute CPU s | comm CPU s | comm CPU × DDP's | CPU bound s "
+            "| inter-node MB/step | wire MB/step |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | "
+            f"{spread(r['samples_per_s_ci'], 1)} | {with_ci(r, 't_iter', 4)} | {with_ci(r, 't_compute', 4)} | "
+            f"{with_ci(r, 't_comm', 4)} | {with_ci(r, 'overlap', 2, 'overlap_efficiency')} | "
+            f"{r['compute_cpu_s']:.3f} | {num(r['comm_cpu_s'], 3)} | {num(comm_cpu_vs_ddp(r, rows), 2)} | "
+            f"{cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | {mb(r, 'wire_bytes_per_step')} |"
+            for r in rows]
     return "\n".join([head, *body])
+
+
+def title(rows, args) -> str:
+    """What the table is: the machine, the threads, the rounds and how to read the intervals and the overlap."""
+    from jobs.stats import coverage_text
+
+    rounds = sorted({r["rounds"] for r in rows})
+    how = ", ".join(coverage_text(n) for n in rounds)
+    return (f"{device_title(rows)}\n{machine_line(machine())}; {args.threads} torch thread"
+            f"{'s' * (args.threads > 1)} per rank\n"
+            f"median of {'/'.join(map(str, rounds))} rounds (contenders interleaved, rotating order); "
+            f"(low-high): the rounds' order statistics, for the median {how}; "
+            f"overlap: {OVERLAP}, per round")
+
+
+def with_ci(row, key: str, digits: int, median_key: str | None = None) -> str:
+    """`0.0173 (0.0147-0.0199)`: a median and its CI; "-" where the worker could not measure it."""
+    value = row[median_key or f"{key}_s"]
+    return "-" if value is None else f"{value:.{digits}f} {spread(row[f'{key}_ci'], digits)}"
+
+
+def spread(ci, digits: int) -> str:
+    return f"({ci[0]:.{digits}f}-{ci[1]:.{digits}f})"
+
+
+def comm_cpu_vs_ddp(row, rows) -> float | None:
+    """The strategy's communication CPU-seconds per step over DDP's (same model and bandwidth): per-round ratio, median.
+
+    Each round's pair was measured in the same round, so a busy round weighs on both. A DDP round that
+    read 0 (/proc/stat counts in clock ticks) is left out; None without DDP or a reading.
+    """
+    import statistics
+
+    ddp = next((r for r in rows if r["strategy"] == "ddp" and (r["model"], r["bandwidth"]) ==
+                (row["model"], row["bandwidth"])), None)
+    if ddp is None or row.get("comm_cpu_rounds_s") is None:
+        return None
+    ratios = [a / b for a, b in zip(row["comm_cpu_rounds_s"], ddp["comm_cpu_rounds_s"]) if b > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def device_title(rows) -> str:
@@ -154,12 +218,15 @@ def plot(rows, path):
         for strategy in dict.fromkeys(r["strategy"] for r in rows):
             pts = {r["bandwidth"]: r for r in rows if r["model"] == model and r["strategy"] == strategy}
             xs = [i for i, b in enumerate(labels) if b in pts]
-            ax.errorbar(xs, [pts[labels[i]]["samples_per_s"] for i in xs],
-                        yerr=[pts[labels[i]]["ci"] for i in xs], marker="o", capsize=3, label=strategy)
+            rates = [pts[labels[i]]["samples_per_s"] for i in xs]
+            cis = [pts[labels[i]]["samples_per_s_ci"] for i in xs]
+            ax.errorbar(xs, rates, yerr=[[r - lo for r, (lo, _) in zip(rates, cis)],
+                                         [hi - r for r, (_, hi) in zip(rates, cis)]],
+                        marker="o", capsize=3, label=strategy)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_title(model)
         ax.set_xlabel("link bandwidth per host")
-        ax.set_ylabel("samples/s")
+        ax.set_ylabel("samples/s (median of rounds, CI)")
         ax.grid(True, alpha=0.3)
         ax.legend()
     save_figure(fig, path)
@@ -171,11 +238,15 @@ def main(argv=None) -> int:
                  args.ranks_per_host)
     if rows is None:
         return 2
-    print("\n" + device_title(rows) + "\n" + markdown(rows))
+    for r in rows:
+        r["comm_cpu_vs_ddp"] = comm_cpu_vs_ddp(r, rows)
+    print("\n" + title(rows, args) + "\n" + markdown(rows))
     if plans(rows):
         print("\n" + plans(rows))
     if args.json:
-        write_together(None, "--json", args.json, lambda: write_json(args.json, run_metadata("jobs.bench", argv), rows))
+        meta = run_metadata("jobs.bench", argv, machine=machine(), rounds=args.rounds, threads=args.threads,
+                            overlap_efficiency=OVERLAP, ci="order statistics of the rounds (jobs.stats.median_ci)")
+        write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot and rows:
         write_together(None, "--plot", args.plot, lambda: (plot(rows, args.plot), print(f"wrote {args.plot}")))
     return 0

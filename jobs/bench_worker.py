@@ -5,12 +5,19 @@
     mpiexec -n 4 python -m jobs.bench_worker --model vgg19-22k --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps
     mpiexec -n 4 python -m jobs.bench_worker --device cuda --model resnet50 --strategies allreduce,wfbp,p3,ddp
 
-Rank 0 prints one JSON line per strategy (prefixed "ROW ") with samples/s
-(mean and 95 % CI over timed batches, Horovod's synthetic-benchmark protocol),
-the iteration time, T_compute (the same step without any synchronisation),
-T_comm (the strategy's synchronisation alone, gradients already computed),
-overlap efficiency max(T_compute, T_comm) / T_iter, and the machine's busy
-CPU-seconds per step of compute alone and of communication alone. A "+pto"
+Rank 0 prints one JSON line per strategy (prefixed "ROW "). The contenders
+(the plain step, "compute", and each strategy) are measured in --rounds
+interleaved rounds, round k starting at contender k mod n, each one built,
+warmed up, timed and released within its round: T_compute (the step without
+any synchronisation), then per strategy T_iter (--batches timed batches of
+--iters steps, slowest rank, after --warmup steps), T_comm (its
+synchronisation alone, gradients already computed, --iters calls) and the
+machine's busy CPU-seconds per step of compute alone and of communication
+alone. A row gives medians over the rounds with jobs.stats's order-statistic
+CI of the median (with few rounds the rounds' min-max, its coverage in
+ci_coverage), samples/s from the median T_iter, the per-round values, and
+overlap efficiency: per round, the share of the shorter phase hidden behind
+the longer (jobs.bench_rows.overlap), median over rounds. A "+pto"
 suffix runs a strategy with PTO (sharded optimizer update + allgather).
 Sparse strategies also report the bytes their exchange sent per step, summed
 over ranks, to peers on the same node and on other nodes. On the emulated
@@ -31,9 +38,11 @@ CUDA version.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 
+from jobs.bench_rows import row
 from jobs.choices import EXACT_STRATEGIES, MODELS, SPARSE_STRATEGIES as SPARSE
 from jobs.cluster_sweep import print_row
 from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list, fraction,
@@ -43,6 +52,7 @@ from jobs.plans import PLAN_KEYS, plan_rows
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
 FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
 STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "ddp", *SPARSE)
+COMPUTE = "compute"  # the contender with no synchronisation at all: T_compute
 
 
 def cpu_busy_s() -> float:
@@ -58,9 +68,11 @@ def parse_args(argv=None):
     p.add_argument("--model", default="vgg19")
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per strategy")
-    p.add_argument("--batches", type=int, default=5, help="timed batches (one samples/s figure each)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender and round")
+    p.add_argument("--batches", type=int, default=5, help="timed batches per contender and round")
     p.add_argument("--iters", type=int, default=2, help="steps per timed batch")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the contenders (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--slice-size", type=int, default=None)
     p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd with momentum 0.9, or adam")
@@ -86,7 +98,7 @@ def check_settings(args) -> list[str]:
         if s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto":
             raise InputError("--strategies", f"unknown {s!r} (choose from {', '.join(STRATEGIES)}; "
                                              "any but ddp may end in +pto)")
-    at_least(args, 1, "batch_size", "batches", "iters", "slice_size")
+    at_least(args, 1, "batch_size", "batches", "iters", "slice_size", "rounds", "threads")
     at_least(args, 0, "warmup")
     fraction(args, "density")
     return strategies
@@ -142,7 +154,7 @@ class Bench:
         from mpicomm import Topology
         from runtime.models import build_model, loss_fn, model_input
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(args.threads)  # default 1: the ranks share the cores
         self.args, self.MPI, self.torch = args, MPI, torch
         self.topo = Topology(ranks_per_node=args.ranks_per_node)
         self.comm, self.P = self.topo.world, self.topo.size
@@ -157,9 +169,10 @@ class Bench:
         self.loss = loss_fn(args.model)
         # Set by the emulated cluster, where each host is a namespace with this one interface.
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")
+        self.steps = args.warmup + args.batches * args.iters  # per contender and round
 
-    def timed(self, step, finish=lambda: None):
-        """Per-batch seconds per step, slowest rank, after warm-up; sets self.wire (bytes sent per timed step) too."""
+    def timed(self, step, finish=lambda: None) -> tuple[list[float], dict]:
+        """(per-batch seconds per step, slowest rank, after warm-up; bytes sent per timed step, see wire_per_step)."""
         a = self.args
 
         def done():
@@ -170,8 +183,7 @@ class Bench:
         tx0 = self.host_tx_bytes()
         per_batch = timed_batches(self.comm, step, done, 0, a.batches, a.iters)
         tx1 = self.host_tx_bytes()  # every step is over: each received all it waited for, so it was sent
-        self.wire = self.wire_per_step(tx1 - tx0 if self.iface else None)
-        return per_batch
+        return per_batch, self.wire_per_step(tx1 - tx0 if self.iface else None)
 
     def host_tx_bytes(self) -> int:
         """Bytes this host's interface has sent, read by the host's first rank (its ranks share it), else 0."""
@@ -205,21 +217,31 @@ class Bench:
             return self.torch.optim.Adam(model.parameters(), lr=1e-4)
         return self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
-    def compute_only(self) -> tuple[float, float]:
-        """(seconds per step, machine CPU-seconds per step) with no synchronisation at all."""
+    def measure(self, name: str) -> dict:
+        """One round of one contender, on a model and optimizer of its own, released before the next.
+
+        Keys: batches (per-batch seconds per step), t_iter (their mean), wire; the plain step also cpu
+        (machine CPU-seconds per step), a strategy also t_comm, comm_cpu, traffic, plan, transport.
+        """
+        out = self.compute_only() if name == COMPUTE else self.strategy(name)
+        release_memory()
+        out["t_iter"] = sum(out["batches"]) / len(out["batches"])
+        return out
+
+    def compute_only(self) -> dict:
+        """The step with no synchronisation at all, and the machine's CPU-seconds per step it cost."""
         model = self.build()
         opt = self.optimizer(model)
         c0 = cpu_busy_s()
-        per_batch = self.timed(self.train_step(model, opt))
-        steps = self.args.warmup + self.args.batches * self.args.iters
-        return sum(per_batch) / self.args.batches, (cpu_busy_s() - c0) / steps
+        per_batch, wire = self.timed(self.train_step(model, opt))
+        return dict(batches=per_batch, wire=wire, cpu=(cpu_busy_s() - c0) / self.steps)
 
-    def strategy(self, name: str) -> tuple[list[float], float | None]:
-        """(per-batch step times, T_comm) of one strategy; sets self.traffic for sparse ones, self.plan for hybcomm."""
+    def strategy(self, name: str) -> dict:
+        """One strategy's timed steps and T_comm; a sparse one's traffic, a hybcomm one's plan."""
         torch = self.torch
         model = self.build()
         opt = self.optimizer(model)
-        self.traffic, self.plan, self.transport = {}, None, None
+        out = dict(traffic={}, plan=None, t_comm=None, comm_cpu=None)
         if name == "ddp":
             import torch.distributed as dist
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -227,11 +249,11 @@ class Bench:
             # gloo all-reduces CUDA tensors itself (through host memory); device_ids: the module's one GPU.
             cuda = self.device.type == "cuda"
             ddp = DDP(model, device_ids=[self.device.index]) if cuda else DDP(model)
-            self.transport = "torch DDP, gloo" + (" (CUDA tensors)" if cuda else "")
-            times = self.timed(self.train_step(ddp, opt))
+            out["transport"] = "torch DDP, gloo" + (" (CUDA tensors)" if cuda else "")
+            out["batches"], out["wire"] = self.timed(self.train_step(ddp, opt))
             flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=self.device)
-            comm_t = self._time_comm(lambda: dist.all_reduce(flat))
-            return times, comm_t
+            out["t_comm"], out["comm_cpu"] = self._time_comm(lambda: dist.all_reduce(flat))
+            return out
         from runtime import DistributedOptimizer, P3Options, TopkOptions
 
         base = name.removesuffix("+pto")
@@ -244,24 +266,22 @@ class Bench:
         if hybrid:
             strategy = hybcomm_options(self.args, FORCED.get(base, "auto"))
         with DistributedOptimizer(opt, model, strategy, topology=self.topo, pto=name.endswith("+pto")) as dopt:
-            self.transport = getattr(dopt, "transport", self.device_info["transport"])
+            out["transport"] = getattr(dopt, "transport", self.device_info["transport"])
             before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things
-            times = self.timed(self.train_step(model, dopt), dopt.synchronize)
-            self.plan = plan_rows(dopt.strategy, PLAN_KEYS)
+            out["batches"], out["wire"] = self.timed(self.train_step(model, dopt), dopt.synchronize)
+            out["plan"] = plan_rows(dopt.strategy, PLAN_KEYS)
             if before is not None:
-                steps = self.args.warmup + self.args.batches * self.args.iters
-                self.traffic = {k: (v - before[k]) / steps for k, v in self._traffic(dopt).items()}
+                out["traffic"] = {k: (v - before[k]) / self.steps for k, v in self._traffic(dopt).items()}
             if hybrid:  # no T_comm (see the module's docstring)
-                self.comm_cpu_s = None
-                return times, None
+                return out
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
 
             def sync_only():
                 dopt.step()
                 dopt.synchronize()
-            comm_t = self._time_comm(sync_only)
-        return times, comm_t
+            out["t_comm"], out["comm_cpu"] = self._time_comm(sync_only)
+        return out
 
     def _traffic(self, dopt) -> dict | None:
         """Bytes sent so far by every rank's sparse exchange, summed."""
@@ -271,7 +291,8 @@ class Bench:
         self.comm.Allreduce(self.MPI.IN_PLACE, mine)
         return {"intra_node_bytes_per_step": int(mine[0]), "inter_node_bytes_per_step": int(mine[1])}
 
-    def _time_comm(self, fn) -> float:
+    def _time_comm(self, fn) -> tuple[float, float]:
+        """(seconds per call, slowest rank; machine CPU-seconds per call) of --iters calls after one untimed."""
         fn()
         self.sync()
         self.comm.Barrier()
@@ -280,8 +301,8 @@ class Bench:
         for _ in range(n):
             fn()
         self.sync()
-        self.comm_cpu_s = (cpu_busy_s() - c0) / n
-        return slowest(self.comm, time.perf_counter() - t0) / n
+        cpu = (cpu_busy_s() - c0) / n
+        return slowest(self.comm, time.perf_counter() - t0) / n, cpu
 
 
 def release_memory() -> None:
@@ -291,9 +312,11 @@ def release_memory() -> None:
     two models' worth each (2.9 GB) and eight of them on one machine were killed for memory.
     """
     import ctypes
-    import gc
 
     gc.collect()
+    # What survived is live (torch's modules, MPI, the rounds so far): later collections need not walk it
+    # again. Without this a full collection took 0.25-0.6 s per contender and round on a 2-core VM.
+    gc.freeze()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim
@@ -302,38 +325,27 @@ def release_memory() -> None:
 
 def main(argv=None, args=None) -> int:
     args = parse_args(argv) if args is None else args
-    import statistics
-
+    t_start = time.perf_counter()
     b = Bench(args)
     if "ddp" in args.strategies:
         from mpicomm.torchdist import init_gloo
 
         init_gloo(b.comm)
-    t_compute, compute_cpu = b.compute_only()
-    release_memory()
+    contenders = [COMPUTE, *args.strategies]
+    results: dict[str, list[dict]] = {c: [] for c in contenders}
+    for k in range(args.rounds):
+        shift = k % len(contenders)  # each contender in turn goes first: none always gets the fresh machine
+        for name in contenders[shift:] + contenders[:shift]:
+            r = b.measure(name)
+            results[name].append(r)
+            if b.topo.rank == 0:
+                comm = "" if r.get("t_comm") is None else f", T_comm {r['t_comm']:.4f} s"
+                print(f"# {time.perf_counter() - t_start:.1f} s: round {k + 1}/{args.rounds} {name}: "
+                      f"T_iter {r['t_iter']:.4f} s{comm}", flush=True)
     for name in args.strategies:
-        per_batch, t_comm = b.strategy(name)
-        release_memory()
-        rates = [args.batch_size * b.P / t for t in per_batch]
-        mean = statistics.fmean(rates)
-        ci = 1.96 * statistics.stdev(rates) / len(rates) ** 0.5 if len(rates) > 1 else 0.0
-        t_iter = statistics.fmean(per_batch)
-        row = dict(model=args.model, strategy=name, bandwidth=args.bandwidth, ranks=b.P,
-                   batch_per_rank=args.batch_size, samples_per_s=mean, ci=ci, t_iter_s=t_iter,
-                   t_compute_s=t_compute, t_comm_s=t_comm,
-                   overlap_efficiency=None if t_comm is None else max(t_compute, t_comm) / t_iter,
-                   # Machine-wide CPU-seconds per step (rank 0's reading): with compute and communication
-                   # sharing the cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
-                   compute_cpu_s=compute_cpu, comm_cpu_s=b.comm_cpu_s, cores=os.cpu_count(),
-                   nodes=b.topo.num_nodes, optimizer=args.optimizer, device=b.device_info["type"],
-                   device_name=b.device_info["name"], cuda=b.device_info["cuda"], transport=b.transport,
-                   **b.wire, **b.traffic)
-        if name.removesuffix("+pto") in SPARSE:
-            row["density"] = args.density
-        if b.plan is not None:
-            row["plan"] = b.plan
+        out = row(args, b, name, results[name], results[COMPUTE])
         if b.topo.rank == 0:
-            print_row(row)
+            print_row(out)
     if "ddp" in args.strategies:
         from mpicomm.torchdist import shutdown_gloo
 

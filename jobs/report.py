@@ -35,6 +35,28 @@ def run_metadata(job: str, argv=None, **extra) -> dict:
                 cpus=os.cpu_count(), command=" ".join(["python", "-m", job, *args]), **extra)
 
 
+def machine() -> dict:
+    """The machine a benchmark ran on: cores (all, and those this process may run on), CPU model, memory."""
+    model, mem_kib = None, None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+        with open("/proc/meminfo") as f:
+            mem_kib = next((int(line.split()[1]) for line in f if line.startswith("MemTotal:")), None)
+    except OSError:  # not Linux: what platform knows
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return dict(cores=os.cpu_count(), usable_cores=usable, cpu_model=model or platform.processor() or "unknown",
+                memory_gib=None if mem_kib is None else round(mem_kib / 2 ** 20, 1))
+
+
+def machine_line(m: dict) -> str:
+    """`machine: AMD EPYC, 16 cores (16 usable), 125.8 GiB`: what a table's figures were measured on."""
+    usable = "all" if m["usable_cores"] == m["cores"] else m["usable_cores"]
+    memory = "" if m["memory_gib"] is None else f", {m['memory_gib']} GiB"
+    return f"machine: {m['cpu_model']}, {m['cores']} cores ({usable} usable){memory}"
+
+
 def write_json(path: str, meta: dict, rows: list, say=print) -> None:
     """{"meta": ..., "rows": [...]} to `path`; an interrupted run never leaves half a file (write_document)."""
     write_document(path, dict(meta=meta, rows=rows), say)

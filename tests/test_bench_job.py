@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -17,30 +18,70 @@ from mpicomm.launch import mpiexec
 def test_local_bench_rows_table_and_plot(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench", "--local", "--hosts", "2", "--models", "mlp", "--batch-size", "8",
-           "--batches", "2", "--iters", "1", "--warmup", "1", "--json", str(out),
+           "--batches", "1", "--iters", "1", "--warmup", "1", "--rounds", "2", "--threads", "2", "--json", str(out),
            "--strategies", "allreduce,wfbp,p3,ddp,hybcomm-sfb"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
     assert [r["strategy"] for r in rows] == ["allreduce", "wfbp", "p3", "ddp", "hybcomm-sfb"]
     hybrid = rows.pop()
     # Its factors exist only inside a backward pass: no T_comm of its own, and the table says so.
     assert hybrid["t_comm_s"] is None and hybrid["overlap_efficiency"] is None and hybrid["samples_per_s"] > 0
+    assert hybrid["t_comm_rounds_s"] is None and hybrid["overlap_rounds"] is None and hybrid["comm_cpu_s"] is None
     assert "| mlp | hybcomm-sfb | local-unshaped |" in proc.stdout
     plan = proc.stdout[proc.stdout.index("hybcomm plan, mlp at local-unshaped (hybcomm-sfb):"):]
     assert "| net.1 | 784 | 256 | 8 | sfb | forced |" in plan and "| net.3 | 256 | 10 | 8 | sfb | forced |" in plan
-    keys = {"model", "strategy", "bandwidth", "ranks", "samples_per_s", "ci", "t_iter_s", "t_compute_s", "t_comm_s"}
+    keys = {"model", "strategy", "bandwidth", "ranks", "samples_per_s", "ci", "t_iter_s", "t_compute_s", "t_comm_s",
+            "t_iter_ci", "t_compute_ci", "t_comm_ci", "overlap_efficiency", "compute_cpu_s", "comm_cpu_s"}
     for r in rows:
         assert keys <= set(r) and r["ranks"] == 2 and r["bandwidth"] == "local-unshaped"
         assert r["nodes"] == 2  # --local honours --hosts: one emulated node per host
         assert r["device"] == "cpu" and r["transport"]  # --device's default, forwarded to the worker
+        assert r["rounds"] == 2 and r["threads"] == 2
         assert r["samples_per_s"] > 0 and r["t_iter_s"] > 0 and r["t_comm_s"] > 0
-        assert abs(r["overlap_efficiency"] - max(r["t_compute_s"], r["t_comm_s"]) / r["t_iter_s"]) < 1e-9
+        for key in ("t_iter", "t_compute", "t_comm", "compute_cpu", "comm_cpu", "overlap"):
+            per_round = r[f"{key}_rounds" + ("" if key == "overlap" else "_s")]
+            median = r["overlap_efficiency" if key == "overlap" else f"{key}_s"]
+            assert len(per_round) == 2 and median == statistics.median(per_round), (key, r)
+        for key in ("t_iter", "t_compute", "t_comm"):  # two rounds: the CI is their range (a 50 % one)
+            assert r[f"{key}_ci"] == [min(r[f"{key}_rounds_s"]), max(r[f"{key}_rounds_s"])]
+        assert r["ci_coverage"] == 0.5
+        # Each round's overlap comes from that round's own three times, and never leaves [0, 1].
+        for c, m, i, o in zip(r["t_compute_rounds_s"], r["t_comm_rounds_s"], r["t_iter_rounds_s"],
+                              r["overlap_rounds"]):
+            assert 0 <= o <= 1 and o == min(1.0, max(0.0, (c + m - i) / min(c, m)))
+        assert 0 <= r["overlap_efficiency"] <= 1
+        assert [sum(b) / len(b) for b in r["t_iter_batches_s"]] == r["t_iter_rounds_s"]
+        lo, hi = r["samples_per_s_ci"]
+        assert abs(r["samples_per_s"] - 16 / r["t_iter_s"]) < 1e-6 and lo <= r["samples_per_s"] <= hi
+        assert abs(lo - 16 / r["t_iter_ci"][1]) < 1e-6 and abs(hi - 16 / r["t_iter_ci"][0]) < 1e-6
+        assert r["ci"] == max(hi - r["samples_per_s"], r["samples_per_s"] - lo)
+        # The plain step's rounds are shared: each strategy's overlap uses the same T_compute of its round.
+        assert r["t_compute_rounds_s"] == rows[0]["t_compute_rounds_s"]
         # No interface per host here: nothing to count, and nothing made up.
         assert r["wire_bytes_per_step"] is None and r["wire_bytes_per_host_per_step"] is None
+    ddp = rows[3]
+    assert ddp["comm_cpu_vs_ddp"] == (1.0 if any(ddp["comm_cpu_rounds_s"]) else None)
     assert "| mlp | p3 | local-unshaped |" in proc.stdout and "| wire MB/step |" in proc.stdout
-    assert "\ndevices: cpu\n" in proc.stdout
+    assert "| comm CPU s |" in proc.stdout and "| overlap: hidden share |" in proc.stdout
+    assert "\ndevices: cpu\n" in proc.stdout and "\nmedian of 2 rounds " in proc.stdout
+    machine = doc["meta"]["machine"]
+    assert machine["cores"] == os.cpu_count() and machine["usable_cores"] == len(os.sched_getaffinity(0))
+    assert doc["meta"]["rounds"] == 2 and doc["meta"]["threads"] == 2
+    assert f"\nmachine: {machine['cpu_model']}, {os.cpu_count()} cores (" in proc.stdout
+    assert "; 2 torch threads per rank\n" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_overlap_is_the_hidden_share_of_the_shorter_phase():
+    """0 for phases back to back, 1 for the shorter wholly hidden; clipped where timings alone disagree."""
+    from jobs.bench_rows import overlap
+
+    assert overlap(1.0, 0.5, 1.5) == 0.0 and overlap(1.0, 0.5, 1.0) == 1.0
+    assert overlap(0.4, 1.0, 1.2) == pytest.approx(0.5)  # 0.2 of the 0.4 s compute hidden behind comm
+    assert overlap(1.0, 0.5, 0.9) == 1.0  # a step faster than its longer phase alone
+    assert overlap(1.0, 0.5, 2.0) == 0.0  # slower than both phases back to back
 
 
 def test_worker_rejects_unknown_strategy():
@@ -55,8 +96,8 @@ def test_worker_counts_wire_bytes_per_host_and_reports_hybcomms_plan():
     DDP's ring sends at least the gradient per step; hybcomm rows carry their plan, a forced one forced.
     """
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_worker", "--model", "mlp", "--batch-size", "8",
-           "--batches", "2", "--iters", "1", "--warmup", "1", "--ranks-per-node", "1", "--bandwidth", "1gbit",
-           "--strategies", "ddp,hybcomm,hybcomm-ps"]
+           "--batches", "2", "--iters", "1", "--warmup", "1", "--rounds", "1", "--ranks-per-node", "1",
+           "--bandwidth", "1gbit", "--strategies", "ddp,hybcomm,hybcomm-ps"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env=dict(os.environ, MPITRAIN_CLUSTER_IFACE="lo"))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -109,7 +109,7 @@ def check_train(text, tmp_path, nodes):
 
 def bench_worker_args(tmp_path, nodes):
     return ["--model", "mlp", "--strategies", "allreduce,p3", "--batch-size", "8", "--batches", "2",
-            "--iters", "1", "--warmup", "1"]
+            "--iters", "1", "--warmup", "1", "--rounds", "1"]
 
 
 def check_bench_worker(text, tmp_path, nodes):
