@@ -6,6 +6,8 @@ r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training through
     python -m jobs.bench --local --hosts 4 --models mlp --rounds 6       # 6 rounds: 95 % CIs of the medians
     python -m jobs.bench --models vgg19 --bandwidths 1gbit --hosts 2 --ranks-per-host 2 \
         --strategies allreduce,topk,hier-topk --density 0.001             # sparse strategies, 2 nodes
+    python -m jobs.bench --models vgg19,transformer --bandwidths 1gbit,2.5gbit,10gbit,none \
+        --strategies p3,p3@262144/8,p3@1048576/4,ddp --rounds 5      # p3's auto settings against fixed ones
     python -m jobs.bench --models vgg19-22k --bandwidths 1gbit,10gbit \
         --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps                  # Poseidon's choice vs forced
     python -m jobs.bench --device cuda --models vgg19,resnet50 --hosts 2 --ranks-per-host 2 \
@@ -84,7 +86,8 @@ def add_worker_arguments(p, models: str, strategies: str, batch_size: int) -> No
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds over the contenders, in rotating order (default 3; 95 %% CIs from 6)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--slice-size", type=int, default=None)
+    p.add_argument("--slice-size", default="auto", help="p3: elements per slice, or auto (default: from the link)")
+    p.add_argument("--credit", default="auto", help="p3: messages in flight, or auto (default: from the link)")
     add_device_argument(p)
 
 
@@ -108,23 +111,25 @@ def worker_cmd(args, model, label, ranks):
            "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
            "--optimizer", args.optimizer, "--device", args.device, "--rounds", str(args.rounds),
            "--threads", str(args.threads)]
-    cmd += ["--slice-size", str(args.slice_size)] if args.slice_size else []
+    cmd += ["--slice-size", str(args.slice_size), "--credit", str(args.credit)]
     # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
     return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local and ranks > 1 else [])
 
 
-OVERLAP = "(T_compute + T_comm - T_iter) / min(T_compute, T_comm), clipped to [0, 1]"
+OVERLAP = ("overlap eff. = max(T_compute, T_comm) / T_iter (at most 1), hidden share = (T_compute + T_comm - T_iter) "
+           "/ min(T_compute, T_comm) (in [0, 1])")
 
 
 def markdown(rows) -> str:
     """The rows' table: medians over rounds, (low-high) their CIs (title() says which); two header lines."""
     head = ("| model | strategy | bandwidth | samples/s | (CI) | T_iter s | T_compute s | T_comm s "
-            "| overlap: hidden share | compute CPU s | comm CPU s | comm CPU × DDP's | CPU bound s "
+            "| overlap eff. | hidden share | compute CPU s | comm CPU s | comm CPU × DDP's | CPU bound s "
             "| inter-node MB/step | wire MB/step |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | "
             f"{spread(r['samples_per_s_ci'], 1)} | {with_ci(r, 't_iter', 4)} | {with_ci(r, 't_compute', 4)} | "
             f"{with_ci(r, 't_comm', 4)} | {with_ci(r, 'overlap', 2, 'overlap_efficiency')} | "
+            f"{with_ci(r, 'hidden_share', 2, 'hidden_share')} | "
             f"{r['compute_cpu_s']:.3f} | {num(r['comm_cpu_s'], 3)} | {num(comm_cpu_vs_ddp(r, rows), 2)} | "
             f"{cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | {mb(r, 'wire_bytes_per_step')} |"
             for r in rows]
@@ -141,7 +146,7 @@ def title(rows, args) -> str:
             f"{'s' * (args.threads > 1)} per rank\n"
             f"median of {'/'.join(map(str, rounds))} rounds (contenders interleaved, rotating order); "
             f"(low-high): the rounds' order statistics, for the median {how}; "
-            f"overlap: {OVERLAP}, per round")
+            f"{OVERLAP}, each per round")
 
 
 def with_ci(row, key: str, digits: int, median_key: str | None = None) -> str:
@@ -186,6 +191,16 @@ def mb(row, key: str) -> str:
     """A bytes-per-step column in MB; "-" where the row has none (inter-node: sparse only; wire: emulated hosts)."""
     b = row.get(key)
     return "-" if b is None else f"{b / 1e6:.2f}"
+
+
+def p3_lines(rows) -> str:
+    """What each p3 contender chose (auto or given) and what it cost per step: messages sent, polls."""
+    def count(value) -> str:
+        return "-" if value is None else f"{value:.0f}"
+    return "\n".join(f"{r['strategy']}, {r['model']} at {r['bandwidth']}: {r['p3_settings']}; per step "
+                     f"{count(r['p3_messages_per_step'])} messages sent and {count(r['p3_polls_per_step'])} polls "
+                     f"per rank ({count(r['p3_comm_polls_per_step'])} polls when only synchronising)"
+                     for r in rows if r.get("p3_settings"))
 
 
 def plans(rows) -> str:
@@ -243,6 +258,8 @@ def main(argv=None) -> int:
     print("\n" + title(rows, args) + "\n" + markdown(rows))
     if plans(rows):
         print("\n" + plans(rows))
+    if p3_lines(rows):
+        print("\n" + p3_lines(rows))
     if args.json:
         meta = run_metadata("jobs.bench", argv, machine=machine(), rounds=args.rounds, threads=args.threads,
                             overlap_efficiency=OVERLAP, ci="order statistics of the rounds (jobs.stats.median_ci)")

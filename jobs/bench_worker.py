@@ -16,9 +16,15 @@ machine's busy CPU-seconds per step of compute alone and of communication
 alone. A row gives medians over the rounds with jobs.stats's order-statistic
 CI of the median (with few rounds the rounds' min-max, its coverage in
 ci_coverage), samples/s from the median T_iter, the per-round values, and
-overlap efficiency: per round, the share of the shorter phase hidden behind
-the longer (jobs.bench_rows.overlap), median over rounds. A "+pto"
-suffix runs a strategy with PTO (sharded optimizer update + allgather).
+overlap efficiency max(T_compute, T_comm) / T_iter and the hidden share of
+the shorter phase (jobs.bench_rows), per round, medians over rounds. T_comm
+hands every strategy fresh gradients each call (one copy into its buffers;
+DDP's copies into its flat buffer too), so that each exchanges, and waits
+for, all of them. A "+pto" suffix runs a strategy with PTO (sharded
+optimizer update + allgather). "p3@SLICE/CREDIT" (each auto or a count) runs
+p3 with those settings beside "p3" (--slice-size, --credit; auto: chosen from
+the link); p3 rows carry what was chosen and the messages sent and polls per
+step.
 Sparse strategies also report the bytes their exchange sent per step, summed
 over ranks, to peers on the same node and on other nodes. On the emulated
 cluster every strategy reports the bytes its hosts' interfaces sent per timed
@@ -45,8 +51,8 @@ import time
 from jobs.bench_rows import row
 from jobs.choices import EXACT_STRATEGIES, MODELS, SPARSE_STRATEGIES as SPARSE
 from jobs.cluster_sweep import print_row
-from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list, fraction,
-                         one_of, parse)
+from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
+                         comma_list, fraction, one_of, parse)
 from jobs.plans import PLAN_KEYS, plan_rows
 
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
@@ -73,7 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=2, help="steps per timed batch")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the contenders (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
-    p.add_argument("--slice-size", type=int, default=None)
+    p.add_argument("--slice-size", default="auto", help="p3: elements per slice, or auto (default)")
+    p.add_argument("--credit", default="auto", help="p3: messages in flight, or auto (default)")
     p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd with momentum 0.9, or adam")
     p.add_argument("--bandwidth", default="unshaped", help="label written into the rows")
@@ -95,13 +102,32 @@ def check_settings(args) -> list[str]:
     """The strategies to run, after checking what jobs.bench hands the worker under the same option names."""
     strategies = comma_list("--strategies", args.strategies)
     for s in strategies:
-        if s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto":
+        if s.startswith("p3@"):
+            check_p3_variant(s.removesuffix("+pto"))
+        elif s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto":
             raise InputError("--strategies", f"unknown {s!r} (choose from {', '.join(STRATEGIES)}; "
                                              "any but ddp may end in +pto)")
-    at_least(args, 1, "batch_size", "batches", "iters", "slice_size", "rounds", "threads")
+    at_least(args, 1, "batch_size", "batches", "iters", "rounds", "threads")
+    auto_or_count(args, "slice_size", "credit")
     at_least(args, 0, "warmup")
     fraction(args, "density")
     return strategies
+
+
+def p3_settings(name: str, args) -> tuple:
+    """(slice_size, credit) of "p3" (--slice-size, --credit) or of a variant "p3@SLICE/CREDIT" (each auto or a count)."""
+    if name == "p3":
+        return args.slice_size, args.credit
+    slice_size, _, credit = name.removeprefix("p3@").partition("/")
+    return tuple(v if v == "auto" else int(v) for v in (slice_size, credit))
+
+
+def check_p3_variant(name: str) -> None:
+    """'p3@65536/4', 'p3@auto/8': the variant's two settings, or an error naming it."""
+    slice_size, sep, credit = name.removeprefix("p3@").partition("/")
+    if not sep or not all(v == "auto" or (v.isdigit() and int(v) >= 1) for v in (slice_size, credit)):
+        raise InputError("--strategies", f"bad p3 variant {name!r}: write p3@SLICE/CREDIT, each auto or a "
+                                         "whole number >= 1 (e.g. p3@262144/8, p3@auto/4)")
 
 
 def hybcomm_options(args, force: str):
@@ -113,7 +139,7 @@ def hybcomm_options(args, force: str):
         bps = parse_bandwidth(args.bandwidth)  # unshaped: None, the cost model's default
     except EmulationError:  # a label such as local-unshaped
         bps = None
-    return HybCommOptions(force=force, bandwidth=bps, **({"slice_size": args.slice_size} if args.slice_size else {}))
+    return HybCommOptions(force=force, bandwidth=bps, slice_size=args.slice_size, credit=args.credit)
 
 
 def slowest(comm, seconds: float) -> float:
@@ -252,14 +278,19 @@ class Bench:
             out["transport"] = "torch DDP, gloo" + (" (CUDA tensors)" if cuda else "")
             out["batches"], out["wire"] = self.timed(self.train_step(ddp, opt))
             flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=self.device)
-            out["t_comm"], out["comm_cpu"] = self._time_comm(lambda: dist.all_reduce(flat))
+            grads = torch.randn_like(flat)
+
+            def allreduce():  # the same copy of every gradient as the strategies' sync below
+                flat.copy_(grads)
+                dist.all_reduce(flat)
+            out["t_comm"], out["comm_cpu"] = self._time_comm(allreduce)
             return out
         from runtime import DistributedOptimizer, P3Options, TopkOptions
 
         base = name.removesuffix("+pto")
         strategy = base
-        if base == "p3" and self.args.slice_size:
-            strategy = P3Options(slice_size=self.args.slice_size)
+        if base.startswith("p3"):
+            strategy = P3Options(*p3_settings(base, self.args))
         if base in SPARSE:
             strategy = TopkOptions(density=self.args.density, hierarchical=base == "hier-topk")
         hybrid = base == "hybcomm" or base in FORCED
@@ -268,19 +299,35 @@ class Bench:
         with DistributedOptimizer(opt, model, strategy, topology=self.topo, pto=name.endswith("+pto")) as dopt:
             out["transport"] = getattr(dopt, "transport", self.device_info["transport"])
             before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things
+            exchange = getattr(dopt.strategy, "exchange", None)  # p3's: it counts messages and polls
+            counted = (exchange.messages, exchange.polls) if exchange is not None else None
             out["batches"], out["wire"] = self.timed(self.train_step(model, dopt), dopt.synchronize)
+            if counted is not None:
+                out["p3"] = dict(settings=dopt.strategy.tuning.describe(),
+                                 messages=(exchange.messages - counted[0]) / self.steps,
+                                 polls=(exchange.polls - counted[1]) / self.steps)
             out["plan"] = plan_rows(dopt.strategy, PLAN_KEYS)
             if before is not None:
                 out["traffic"] = {k: (v - before[k]) / self.steps for k, v in self._traffic(dopt).items()}
             if hybrid:  # no T_comm (see the module's docstring)
                 return out
-            for p in model.parameters():
-                p.grad = torch.randn_like(p)
+            params = list(model.parameters())
+            grads = [torch.randn_like(p) for p in params]
 
             def sync_only():
+                # Fresh gradients each call (one copy into the strategy's buffers, as DDP's sync above
+                # copies): every parameter counts as produced, so every strategy exchanges, and waits for,
+                # all of them. A gradient left from the last call would count as none this step, and p3
+                # would owe, and wait for, nothing.
+                for p, g in zip(params, grads):
+                    p.grad = g
                 dopt.step()
                 dopt.synchronize()
+            if counted is not None:
+                counted = exchange.polls
             out["t_comm"], out["comm_cpu"] = self._time_comm(sync_only)
+            if counted is not None:
+                out["p3"]["comm_polls"] = (exchange.polls - counted) / (max(1, self.args.iters) + 1)
         return out
 
     def _traffic(self, dopt) -> dict | None:

@@ -18,6 +18,7 @@ import collections
 import heapq
 import threading
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -106,6 +107,8 @@ class SlicedExchange(Task):
         self.scratch = {s: torch.empty((self.size - 1, self.views[s].numel()), dtype=self.views[s].dtype)
                         for s in self.owned} if self.size > 1 else {}
         self.scratch_wire = {s: [row.view(torch.uint8).numpy() for row in rows] for s, rows in self.scratch.items()}
+        self._nothing_to_send = np.array([not ids for ids in plan.slices_of], dtype=bool)
+        self.tensor_done = self._nothing_to_send.copy()  # per tensor: holds the average of this step
         self.slice_priority = list(range(plan.count))
         self.set_priorities(list(range(len(segments))))
         self._cond = threading.Condition()
@@ -113,6 +116,7 @@ class SlicedExchange(Task):
         self.active = False
         self.error: BaseException | None = None
         self.log = RequestLog()
+        self.messages = self.polls = 0  # sent and polled so far (benchmarks read them)
         self._reset()
 
     def set_priorities(self, priority: list[int]) -> None:
@@ -124,7 +128,7 @@ class SlicedExchange(Task):
         plan = self.plan
         self._tensors_left = [len(ts) for ts in plan.tensors_of]  # per slice: tensors not yet handed over
         self._slices_left = [len(ids) for ids in plan.slices_of]  # per tensor: slices not yet averaged
-        self.tensor_done = [not ids for ids in plan.slices_of]
+        self.tensor_done[:] = self._nothing_to_send  # in place: averaged() hands out this array
         self._arrived = {s: 0 for s in self.owned}
         self._got = {s: [False] * (self.size - 1) for s in self.owned}  # which peers' pushes arrived
         self._local_ready = {s: False for s in self.owned}
@@ -151,6 +155,7 @@ class SlicedExchange(Task):
 
     # -- the progress thread ---------------------------------------------------------
     def poll(self) -> bool:
+        self.polls += 1
         if not self._posted:
             self._post_push_receives()
         inbox = self._inbox
@@ -209,6 +214,7 @@ class SlicedExchange(Task):
             self._reqs.append(self.log.isend(self.comm, [self.wire[s], MPI.BYTE], peer, tag))
             self._what.append((OUT_PUSH if kind == PUSH else OUT_RESULT, s, token))
             self._outgoing += 1
+            self.messages += 1
 
     def _complete(self) -> None:
         """One Testsome over every request in flight (one pass of MPI's progress engine per poll)."""

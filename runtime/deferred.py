@@ -18,11 +18,17 @@ class DeferredUpdates:
     backward or step. A parameter keeps its averaged gradient until its
     update is applied, so zero_grad() zeroes the others at once and those
     only once applied.
+
+    A layer's updates also take along those of any later layer whose
+    averages have already arrived (`averaged`): one optimizer call instead of
+    several, which is what per-layer updates cost where the link is fast.
     """
 
-    def __init__(self, wait, updater, buffers, timeline=None):
-        """wait(indices): the averaged gradients of these parameters are in .grad once it returns."""
+    def __init__(self, wait, updater, buffers, timeline=None, averaged=None):
+        """wait(indices): the averaged gradients of these parameters are in .grad once it returns;
+        averaged(): per parameter, whether that is already so (optional)."""
         self.wait, self.updater, self.buffers, self.timeline = wait, updater, buffers, timeline
+        self.averaged = averaged
         self.owed = np.zeros(len(buffers.params), dtype=bool)
         self.hyper: list | None = None
         self._zero_requested = False
@@ -38,6 +44,10 @@ class DeferredUpdates:
         owed = np.flatnonzero(self.owed).tolist() if indices is None else [i for i in indices if self.owed[i]]
         if not owed:
             return
+        if indices is not None and self.averaged is not None:
+            ready = self.owed & self.averaged()
+            ready[owed] = False
+            owed += np.flatnonzero(ready).tolist()
         tl = self.timeline
         with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]) if tl else _UNTIMED:
             self.wait(owed)

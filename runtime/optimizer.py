@@ -107,7 +107,8 @@ class DistributedOptimizer:
         self._used = np.zeros(n, dtype=bool)  # this rank produced a gradient this step
         self._passes = [0] * n  # backward passes that reached each parameter this step
         self._sent = [False] * n
-        self.deferred = DeferredUpdates(self._wait, self.updater, self.buffers, timeline)
+        self.deferred = DeferredUpdates(self._wait, self.updater, self.buffers, timeline,
+                                        getattr(self.strategy, "averaged", None))
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync = False

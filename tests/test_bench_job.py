@@ -19,12 +19,12 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "jobs.bench", "--local", "--hosts", "2", "--models", "mlp", "--batch-size", "8",
            "--batches", "1", "--iters", "1", "--warmup", "1", "--rounds", "2", "--threads", "2", "--json", str(out),
-           "--strategies", "allreduce,wfbp,p3,ddp,hybcomm-sfb"]
+           "--strategies", "allreduce,wfbp,p3,ddp,p3@2048/2,hybcomm-sfb"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert [r["strategy"] for r in rows] == ["allreduce", "wfbp", "p3", "ddp", "hybcomm-sfb"]
+    assert [r["strategy"] for r in rows] == ["allreduce", "wfbp", "p3", "ddp", "p3@2048/2", "hybcomm-sfb"]
     hybrid = rows.pop()
     # Its factors exist only inside a backward pass: no T_comm of its own, and the table says so.
     assert hybrid["t_comm_s"] is None and hybrid["overlap_efficiency"] is None and hybrid["samples_per_s"] > 0
@@ -40,18 +40,19 @@ def test_local_bench_rows_table_and_plot(tmp_path):
         assert r["device"] == "cpu" and r["transport"]  # --device's default, forwarded to the worker
         assert r["rounds"] == 2 and r["threads"] == 2
         assert r["samples_per_s"] > 0 and r["t_iter_s"] > 0 and r["t_comm_s"] > 0
-        for key in ("t_iter", "t_compute", "t_comm", "compute_cpu", "comm_cpu", "overlap"):
-            per_round = r[f"{key}_rounds" + ("" if key == "overlap" else "_s")]
-            median = r["overlap_efficiency" if key == "overlap" else f"{key}_s"]
+        for key in ("t_iter", "t_compute", "t_comm", "compute_cpu", "comm_cpu", "overlap", "hidden_share"):
+            per_round = r[f"{key}_rounds" + ("" if key in ("overlap", "hidden_share") else "_s")]
+            median = r[{"overlap": "overlap_efficiency", "hidden_share": "hidden_share"}.get(key, f"{key}_s")]
             assert len(per_round) == 2 and median == statistics.median(per_round), (key, r)
         for key in ("t_iter", "t_compute", "t_comm"):  # two rounds: the CI is their range (a 50 % one)
             assert r[f"{key}_ci"] == [min(r[f"{key}_rounds_s"]), max(r[f"{key}_rounds_s"])]
         assert r["ci_coverage"] == 0.5
         # Each round's overlap comes from that round's own three times, and never leaves [0, 1].
-        for c, m, i, o in zip(r["t_compute_rounds_s"], r["t_comm_rounds_s"], r["t_iter_rounds_s"],
-                              r["overlap_rounds"]):
-            assert 0 <= o <= 1 and o == min(1.0, max(0.0, (c + m - i) / min(c, m)))
-        assert 0 <= r["overlap_efficiency"] <= 1
+        for c, m, i, o, h in zip(r["t_compute_rounds_s"], r["t_comm_rounds_s"], r["t_iter_rounds_s"],
+                                 r["overlap_rounds"], r["hidden_share_rounds"]):
+            assert 0 < o <= 1 and o == min(1.0, max(c, m) / i)
+            assert 0 <= h <= 1 and h == min(1.0, max(0.0, (c + m - i) / min(c, m)))
+        assert 0 < r["overlap_efficiency"] <= 1 and 0 <= r["hidden_share"] <= 1
         assert [sum(b) / len(b) for b in r["t_iter_batches_s"]] == r["t_iter_rounds_s"]
         lo, hi = r["samples_per_s_ci"]
         assert abs(r["samples_per_s"] - 16 / r["t_iter_s"]) < 1e-6 and lo <= r["samples_per_s"] <= hi
@@ -61,10 +62,17 @@ def test_local_bench_rows_table_and_plot(tmp_path):
         assert r["t_compute_rounds_s"] == rows[0]["t_compute_rounds_s"]
         # No interface per host here: nothing to count, and nothing made up.
         assert r["wire_bytes_per_step"] is None and r["wire_bytes_per_host_per_step"] is None
+    # p3's contenders say what they ran with and count what it cost: the variant's settings as given.
+    auto, variant = rows[2], rows[4]
+    assert "(auto)" in auto["p3_settings"] and "slice 2048 elements" in variant["p3_settings"]
+    assert "credit 2 (given)" in variant["p3_settings"] and f"| {variant['strategy']} |" in proc.stdout
+    # the MLP's 0.2 M gradients: one smallest slice (64 Ki elements) fewer messages than 2048-element ones
+    assert 0 < auto["p3_messages_per_step"] < variant["p3_messages_per_step"]
+    assert auto["p3_polls_per_step"] > 0 and "p3@2048/2, mlp at local-unshaped: slice 2048" in proc.stdout
     ddp = rows[3]
     assert ddp["comm_cpu_vs_ddp"] == (1.0 if any(ddp["comm_cpu_rounds_s"]) else None)
     assert "| mlp | p3 | local-unshaped |" in proc.stdout and "| wire MB/step |" in proc.stdout
-    assert "| comm CPU s |" in proc.stdout and "| overlap: hidden share |" in proc.stdout
+    assert "| comm CPU s |" in proc.stdout and "| overlap eff. | hidden share |" in proc.stdout
     assert "\ndevices: cpu\n" in proc.stdout and "\nmedian of 2 rounds " in proc.stdout
     machine = doc["meta"]["machine"]
     assert machine["cores"] == os.cpu_count() and machine["usable_cores"] == len(os.sched_getaffinity(0))
@@ -74,14 +82,17 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_overlap_is_the_hidden_share_of_the_shorter_phase():
-    """0 for phases back to back, 1 for the shorter wholly hidden; clipped where timings alone disagree."""
-    from jobs.bench_rows import overlap
+def test_overlap_efficiency_and_the_hidden_share_of_the_shorter_phase():
+    """Efficiency max/T_iter never above 1; hidden share 0 for phases back to back, 1 for the shorter wholly
+    hidden; both clipped where timings alone disagree."""
+    from jobs.bench_rows import hidden_share, overlap
 
-    assert overlap(1.0, 0.5, 1.5) == 0.0 and overlap(1.0, 0.5, 1.0) == 1.0
-    assert overlap(0.4, 1.0, 1.2) == pytest.approx(0.5)  # 0.2 of the 0.4 s compute hidden behind comm
+    assert overlap(1.0, 0.5, 1.5) == pytest.approx(2 / 3) and overlap(1.0, 0.5, 1.0) == 1.0
     assert overlap(1.0, 0.5, 0.9) == 1.0  # a step faster than its longer phase alone
-    assert overlap(1.0, 0.5, 2.0) == 0.0  # slower than both phases back to back
+    assert hidden_share(1.0, 0.5, 1.5) == 0.0 and hidden_share(1.0, 0.5, 1.0) == 1.0
+    assert hidden_share(0.4, 1.0, 1.2) == pytest.approx(0.5)  # 0.2 of the 0.4 s compute hidden behind comm
+    assert hidden_share(1.0, 0.5, 0.9) == 1.0  # a step faster than its longer phase alone
+    assert hidden_share(1.0, 0.5, 2.0) == 0.0  # slower than both phases back to back
 
 
 def test_worker_rejects_unknown_strategy():

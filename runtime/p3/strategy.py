@@ -65,6 +65,10 @@ class P3Sync(Strategy):
         self._started()
         self._open = False
 
+    def averaged(self):
+        """Per parameter, whether its average of the current step is in .grad already (a bool array, read-only)."""
+        return self.exchange.tensor_done
+
     def wait(self, indices) -> None:
         if self.future is None:
             return
