@@ -30,8 +30,10 @@ samples_per_s_ci), t_iter_s, t_compute_s, t_comm_s, overlap_efficiency, each
 with its _ci, compute_cpu_s, comm_cpu_s, comm_cpu_vs_ddp, the per-round values
 (*_rounds_s, overlap_rounds, t_iter_batches_s), wire_bytes_per_step,
 wire_bytes_per_host_per_step; hybcomm's rows: plan; meta: the machine) and a
-PNG of samples/s vs bandwidth. "comm CPU s" is the machine's busy CPU-seconds
-per step of the synchronisation alone, "× DDP's" the same over DDP's (per
+PNG of samples/s vs bandwidth. "step CPU s" is the CPU-seconds per training
+step of all ranks' processes (every thread, user and system: progress
+threads, polling and the system calls that move the bytes included), "comm
+CPU s" the same for the synchronisation alone, "× DDP's" that over DDP's (per
 round, median). "CPU bound" is (compute + communication CPU-seconds per
 step) / cores: on a machine where ranks and the network stack share few
 cores, no overlap can make a step shorter than that. "wire MB/step" is what
@@ -123,14 +125,15 @@ OVERLAP = ("overlap eff. = max(T_compute, T_comm) / T_iter (at most 1), hidden s
 def markdown(rows) -> str:
     """The rows' table: medians over rounds, (low-high) their CIs (title() says which); two header lines."""
     head = ("| model | strategy | bandwidth | samples/s | (CI) | T_iter s | T_compute s | T_comm s "
-            "| overlap eff. | hidden share | compute CPU s | comm CPU s | comm CPU × DDP's | CPU bound s "
-            "| inter-node MB/step | wire MB/step |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| overlap eff. | hidden share | compute CPU s | step CPU s | comm CPU s | comm CPU × DDP's "
+            "| CPU bound s | inter-node MB/step | wire MB/step |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | "
             f"{spread(r['samples_per_s_ci'], 1)} | {with_ci(r, 't_iter', 4)} | {with_ci(r, 't_compute', 4)} | "
             f"{with_ci(r, 't_comm', 4)} | {with_ci(r, 'overlap', 2, 'overlap_efficiency')} | "
             f"{with_ci(r, 'hidden_share', 2, 'hidden_share')} | "
-            f"{r['compute_cpu_s']:.3f} | {num(r['comm_cpu_s'], 3)} | {num(comm_cpu_vs_ddp(r, rows), 2)} | "
+            f"{r['compute_cpu_s']:.3f} | {num(r.get('step_cpu_s'), 3)} | {num(r['comm_cpu_s'], 3)} | "
+            f"{num(comm_cpu_vs_ddp(r, rows), 2)} | "
             f"{cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | {mb(r, 'wire_bytes_per_step')} |"
             for r in rows]
     return "\n".join([head, *body])
@@ -163,7 +166,7 @@ def comm_cpu_vs_ddp(row, rows) -> float | None:
     """The strategy's communication CPU-seconds per step over DDP's (same model and bandwidth): per-round ratio, median.
 
     Each round's pair was measured in the same round, so a busy round weighs on both. A DDP round that
-    read 0 (/proc/stat counts in clock ticks) is left out; None without DDP or a reading.
+    read 0 is left out; None without DDP or a reading.
     """
     import statistics
 

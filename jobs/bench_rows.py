@@ -39,6 +39,7 @@ def row(args, b, name: str, mine: list[dict], plain: list[dict]) -> dict:
     rounds = dict(t_iter=[r["t_iter"] for r in mine], t_compute=[r["t_iter"] for r in plain],
                   compute_cpu=[r["cpu"] for r in plain])
     rounds.update(t_comm=None, comm_cpu=None, overlap=None, hidden_share=None)  # hybcomm's (see jobs.bench_worker)
+    rounds["step_cpu"] = [r["step_cpu"] for r in mine]
     if mine[0]["t_comm"] is not None:
         rounds.update(t_comm=[r["t_comm"] for r in mine], comm_cpu=[r["comm_cpu"] for r in mine])
         # Each round's own three times: an overlap never mixes a fast round's step with a slow one's phases.
@@ -67,9 +68,10 @@ def row(args, b, name: str, mine: list[dict], plain: list[dict]) -> dict:
                t_compute_ci=ci("t_compute"), t_comm_s=med("t_comm"), t_comm_ci=ci("t_comm"),
                overlap_efficiency=med("overlap"), overlap_ci=ci("overlap"), hidden_share=med("hidden_share"),
                hidden_share_ci=ci("hidden_share"),
-               # Machine-wide CPU-seconds per step (rank 0's reading): with compute and communication
-               # sharing the cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
-               compute_cpu_s=med("compute_cpu"), comm_cpu_s=med("comm_cpu"), cores=os.cpu_count(),
+               # CPU-seconds per step, all ranks' processes: with compute and communication sharing the
+               # cores, T_iter >= (compute_cpu + comm_cpu) / cores whatever the overlap.
+               compute_cpu_s=med("compute_cpu"), comm_cpu_s=med("comm_cpu"), step_cpu_s=med("step_cpu"),
+               cores=os.cpu_count(),
                threads=args.threads, nodes=b.topo.num_nodes, optimizer=args.optimizer,
                device=b.device_info["type"], device_name=b.device_info["name"], cuda=b.device_info["cuda"],
                transport=mine[-1]["transport"], **wire, **traffic,

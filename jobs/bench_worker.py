@@ -12,8 +12,8 @@ warmed up, timed and released within its round: T_compute (the step without
 any synchronisation), then per strategy T_iter (--batches timed batches of
 --iters steps, slowest rank, after --warmup steps), T_comm (its
 synchronisation alone, gradients already computed, --iters calls) and the
-machine's busy CPU-seconds per step of compute alone and of communication
-alone. A row gives medians over the rounds with jobs.stats's order-statistic
+CPU-seconds per step all ranks' processes used for the plain step, the
+training step and the synchronisation alone. A row gives medians over the rounds with jobs.stats's order-statistic
 CI of the median (with few rounds the rounds' min-max, its coverage in
 ci_coverage), samples/s from the median T_iter, the per-round values, and
 overlap efficiency max(T_compute, T_comm) / T_iter and the hidden share of
@@ -61,12 +61,21 @@ STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "ddp", *SPARSE)
 COMPUTE = "compute"  # the contender with no synchronisation at all: T_compute
 
 
-def cpu_busy_s() -> float:
-    """Machine-wide busy CPU seconds so far (/proc/stat), kernel network processing included."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+def ranks_cpu_s(comm) -> float:
+    """Collective: the CPU-seconds (user + system, every thread) all ranks' processes have used so far.
+
+    Per process, not machine-wide: another user's load on a shared machine is not counted, and
+    progress threads, gloo's threads and the system calls that move the bytes are.
+    """
+    import resource
+
+    import numpy as np
+    from mpi4py import MPI
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    total = np.array([use.ru_utime + use.ru_stime])
+    comm.Allreduce(MPI.IN_PLACE, total)
+    return float(total[0])
 
 
 def parse_args(argv=None):
@@ -258,9 +267,9 @@ class Bench:
         """The step with no synchronisation at all, and the machine's CPU-seconds per step it cost."""
         model = self.build()
         opt = self.optimizer(model)
-        c0 = cpu_busy_s()
+        c0 = ranks_cpu_s(self.comm)
         per_batch, wire = self.timed(self.train_step(model, opt))
-        return dict(batches=per_batch, wire=wire, cpu=(cpu_busy_s() - c0) / self.steps)
+        return dict(batches=per_batch, wire=wire, cpu=(ranks_cpu_s(self.comm) - c0) / self.steps)
 
     def strategy(self, name: str) -> dict:
         """One strategy's timed steps and T_comm; a sparse one's traffic, a hybcomm one's plan."""
@@ -276,7 +285,9 @@ class Bench:
             cuda = self.device.type == "cuda"
             ddp = DDP(model, device_ids=[self.device.index]) if cuda else DDP(model)
             out["transport"] = "torch DDP, gloo" + (" (CUDA tensors)" if cuda else "")
+            c0 = ranks_cpu_s(self.comm)
             out["batches"], out["wire"] = self.timed(self.train_step(ddp, opt))
+            out["step_cpu"] = (ranks_cpu_s(self.comm) - c0) / self.steps
             flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=self.device)
             grads = torch.randn_like(flat)
 
@@ -301,7 +312,9 @@ class Bench:
             before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things
             exchange = getattr(dopt.strategy, "exchange", None)  # p3's: it counts messages and polls
             counted = (exchange.messages, exchange.polls) if exchange is not None else None
+            c0 = ranks_cpu_s(self.comm)
             out["batches"], out["wire"] = self.timed(self.train_step(model, dopt), dopt.synchronize)
+            out["step_cpu"] = (ranks_cpu_s(self.comm) - c0) / self.steps
             if counted is not None:
                 out["p3"] = dict(settings=dopt.strategy.tuning.describe(),
                                  messages=(exchange.messages - counted[0]) / self.steps,
@@ -343,13 +356,14 @@ class Bench:
         fn()
         self.sync()
         self.comm.Barrier()
-        t0, c0 = time.perf_counter(), cpu_busy_s()
+        c0 = ranks_cpu_s(self.comm)
+        t0 = time.perf_counter()
         n = max(1, self.args.iters)
         for _ in range(n):
             fn()
         self.sync()
-        cpu = (cpu_busy_s() - c0) / n
-        return slowest(self.comm, time.perf_counter() - t0) / n, cpu
+        seconds = slowest(self.comm, time.perf_counter() - t0) / n
+        return seconds, (ranks_cpu_s(self.comm) - c0) / n
 
 
 def release_memory() -> None:

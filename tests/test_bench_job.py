@@ -71,6 +71,7 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     assert auto["p3_polls_per_step"] > 0 and "p3@2048/2, mlp at local-unshaped: slice 2048" in proc.stdout
     ddp = rows[3]
     assert ddp["comm_cpu_vs_ddp"] == (1.0 if any(ddp["comm_cpu_rounds_s"]) else None)
+    assert all(r["step_cpu_s"] > 0 and len(r["step_cpu_rounds_s"]) == 2 for r in rows)
     assert "| mlp | p3 | local-unshaped |" in proc.stdout and "| wire MB/step |" in proc.stdout
     assert "| comm CPU s |" in proc.stdout and "| overlap eff. | hidden share |" in proc.stdout
     assert "\ndevices: cpu\n" in proc.stdout and "\nmedian of 2 rounds " in proc.stdout
