@@ -73,10 +73,11 @@ class CachedDataset(Dataset):
     shard read (`__getitems__`, which torch calls with the batch's
     positions), into one shared-memory tensor that reaches the main
     process without another copy, and `collate` passes it through. A
-    DataLoader built by hand gets the same by passing
-    `batch_sampler=EpochBatchSampler(...)` and `collate_fn=collate`; with
-    torch's default collate it still works (the batch is read at once, then
-    stacked sample by sample), and so does `dataset[p]`.
+    DataLoader built by hand gets the same with
+    `batch_sampler=EpochBatchSampler(...)` and
+    `collate_fn=CachedDataset.collate`; with torch's default collate it
+    still works (the batch is read at once, then stacked sample by
+    sample), and so does `dataset[p]`.
 
     Pickled to each DataLoader worker without any open file: the shard
     reader reopens its HDF5 file on first use in the worker (serial HDF5
