@@ -119,8 +119,12 @@ class ShardReader:
             self._fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         self._pid = os.getpid()
 
-    def read(self, positions, verify: bool | None = None) -> np.ndarray:
-        """Samples at `positions` (any order, repeats allowed): shape (len(positions), *sample_shape)."""
+    def read(self, positions, verify: bool | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Samples at `positions` (any order, repeats allowed): shape (len(positions), *sample_shape).
+
+        out: a C-contiguous array of that shape and the shard's dtype to read into (e.g. shared memory
+        that a DataLoader worker hands over without another copy); it is returned.
+        """
         pos = np.asarray(positions).ravel()
         if pos.size and pos.dtype.kind not in "iu":
             raise TypeError(f"shard positions must be integers, got {pos.dtype}")
@@ -128,7 +132,12 @@ class ShardReader:
         if pos.size and (pos.min() < 0 or pos.max() >= self._count):
             bad = pos[(pos < 0) | (pos >= self._count)]
             raise IndexError(f"positions {bad[:10].tolist()} out of range for shard {self.path} of {self._count}")
-        out = np.empty((len(pos), *self.sample_shape), self.dtype)
+        shape = (len(pos), *self.sample_shape)
+        if out is None:
+            out = np.empty(shape, self.dtype)
+        elif out.shape != shape or out.dtype != self.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {self.dtype} array of shape {shape}, got "
+                             f"{out.dtype} {out.shape}{'' if out.flags.c_contiguous else ' (not contiguous)'}")
         if len(pos):
             self._open()
             order = np.argsort(pos, kind="stable")  # ascending offsets: runs coalesce, disks seek forward

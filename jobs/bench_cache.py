@@ -1,7 +1,7 @@
 """Benchmark: data loading through datacache (cold first epoch, warm later ones) vs a plain DataLoader over raw files.
 
     mpiexec -n 4 python -m jobs.bench_cache --json results/bench-cache.json
-    mpiexec -n 4 python -m jobs.bench_cache --source /data/fmnist-png --epochs 3 --workers 1
+    mpiexec -n 4 python -m jobs.bench_cache --source /data/fmnist-png --epochs 3 --workers 4 --rounds 5
 
 Every rank loads its part of the source (as in training, exactly once per
 epoch across ranks) and touches every batch; nothing trains, so the figures
@@ -10,9 +10,15 @@ are the loading pipeline's own. Configurations, samples/s over all ranks
   cache epoch N      SampleCache.batches (read-ahead thread; epoch 1 decodes
                      the source and writes the shards, later epochs read
                      memory and the node-local shards);
-  cache + workers    the warm cache through a torch DataLoader with --workers;
+  cache + workers    the warm cache through CachedDataset.loader with
+                     --workers: each worker reads a whole batch at once and
+                     hands it over as one shared-memory tensor;
+  ... per sample     the same DataLoader fetching sample by sample (the
+                     path without CachedDataset.__getitems__);
   raw DataLoader     torch DataLoader with --workers over the raw files,
                      decoding and preprocessing every sample every epoch.
+The three DataLoaders run --rounds epochs each, in a rotating order, and
+report the median (their workers persist: started in the first round).
 The default source is Fashion-MNIST exported to 70,000 PNG files (made on
 first use). Cache size on disk and in memory is reported too.
 """
@@ -37,7 +43,10 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default="/tmp/mpitrain-bench-cache", help="its shards are removed first (nothing else)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--workers", type=int, default=1, help="DataLoader workers per rank (both DataLoaders)")
+    p.add_argument("--workers", type=int, help="DataLoader workers per rank (all DataLoaders); default: the "
+                   "rank's share of this node's cores less one for the rank itself, 1 to 4")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="epochs timed per DataLoader, interleaved (median reported)")
     p.add_argument("--memory-mb", type=int, default=256)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
@@ -47,7 +56,7 @@ def parse_args(argv=None):
 def check_args(args) -> None:
     if args.epochs < 2:
         raise InputError("--epochs", f"must be >= 2 (a cold and a warm epoch), got {args.epochs}")
-    at_least(args, 1, "batch_size")
+    at_least(args, 1, "batch_size", "rounds")
     at_least(args, 0, "workers", "memory_mb")
     if args.source == DEFAULT_SOURCE:
         output_dir(args, "source")  # exported there if missing
@@ -72,6 +81,29 @@ def timed(comm, loader) -> tuple[float, int]:
     return comm.allreduce(mine, op=MPI.MAX), comm.allreduce(n)
 
 
+def default_workers(comm) -> int:
+    """This rank's share of the node's cores, less one for the rank itself: 1 to 4 workers."""
+    from mpi4py import MPI
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    share = len(os.sched_getaffinity(0)) // node.Get_size()
+    node.Free()
+    return max(1, min(4, share - 1))
+
+
+def per_sample_loader(cache, batch_size, epoch, workers):
+    """The DataLoader as it was before batched fetches: workers read, and torch stacks, one sample at a time."""
+    import torch
+
+    from datacache import CachedDataset, EpochBatchSampler
+
+    class PerSample(CachedDataset):
+        __getitems__ = None  # torch then fetches dataset[p] for each position
+
+    return torch.utils.data.DataLoader(PerSample(cache), batch_sampler=EpochBatchSampler(cache, batch_size, epoch),
+                                       num_workers=workers, persistent_workers=workers > 0)
+
+
 def raw_loader(cache, batch_size, workers):
     """A plain DataLoader over the raw files: this rank's part, shuffled, decoded and preprocessed every time."""
     import torch
@@ -89,7 +121,7 @@ def raw_loader(cache, batch_size, workers):
             return torch.from_numpy(self.pipeline.apply(self.source.raw(i))), self.source.label(i)
 
     return DataLoader(RawFiles(cache.source, cache.pipeline, cache.ids), batch_size=batch_size, shuffle=True,
-                      num_workers=workers)
+                      num_workers=workers, persistent_workers=workers > 0)
 
 
 def main(argv=None, args=None) -> int:
@@ -97,11 +129,13 @@ def main(argv=None, args=None) -> int:
     from mpi4py import MPI
     import torch
 
-    from datacache import CachedDataset, EpochBatchSampler, Pipeline, SampleCache, open_source
+    from datacache import CachedDataset, Pipeline, SampleCache, open_source
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, P = comm.Get_rank(), comm.Get_size()
+    if args.workers is None:
+        args.workers = comm.allreduce(default_workers(comm), op=MPI.MIN)  # the same on every rank: one row each
     say = print if rank == 0 else (lambda *a, **k: None)
     if rank == 0:
         if not os.path.exists(os.path.join(args.source, "labels.csv")) and args.source == DEFAULT_SOURCE:
@@ -123,26 +157,41 @@ def main(argv=None, args=None) -> int:
     def row(config, seconds, samples, **extra):
         rows.append(dict(config=config, ranks=P, workers=args.workers, batch_size=args.batch_size,
                          seconds=seconds, samples=samples, samples_per_s=samples / seconds, **extra))
-        say(f"{config:<28} {samples / seconds:>10.0f} samples/s  ({seconds:.2f} s)", flush=True)
+        say(f"{config:<38} {samples / seconds:>10.0f} samples/s  ({seconds:.2f} s)", flush=True)
 
     for epoch in range(args.epochs):
         state = cache.state
         with cache.batches(epoch, args.batch_size) as batches:
             row(f"cache epoch {epoch + 1} ({state})", *timed(comm, batches), epoch=epoch + 1, state=state)
-    sampler = EpochBatchSampler(cache, args.batch_size, epoch=args.epochs)
-    loader = torch.utils.data.DataLoader(CachedDataset(cache), batch_sampler=sampler, num_workers=args.workers)
-    row(f"cache + {args.workers} workers (warm)", *timed(comm, loader))
-    row(f"raw DataLoader, {args.workers} workers", *timed(comm, raw_loader(cache, args.batch_size, args.workers)))
+    w = args.workers
+    loaders = {f"cache + {w} workers (warm)": CachedDataset(cache).loader(args.batch_size, args.epochs, w),
+               f"cache + {w} workers, per sample (warm)": per_sample_loader(cache, args.batch_size, args.epochs, w),
+               f"raw DataLoader, {w} workers": raw_loader(cache, args.batch_size, w)}
+    times = {name: [] for name in loaders}
+    for r in range(args.rounds):
+        names = list(loaders)
+        for name in names[r % len(names):] + names[:r % len(names)]:  # rotate: no config always goes first
+            sampler = loaders[name].batch_sampler
+            if hasattr(sampler, "set_epoch"):
+                sampler.set_epoch(args.epochs + r)
+            times[name].append(timed(comm, loaders[name]))
+    del loaders  # their workers stop
+    for name, runs in times.items():
+        rates = [n / t for t, n in runs]
+        mid = sorted(runs, key=lambda run: run[1] / run[0])[len(runs) // 2]  # the median round (upper, if even)
+        row(name, *mid, rounds=rates)
 
     disk = comm.allreduce(os.path.getsize(cache.path) if cache.path and os.path.exists(cache.path) else 0)
     memory = comm.allreduce(0 if cache.memory is None else cache.memory.nbytes)
     warm = [r["samples_per_s"] for r in rows if r.get("epoch", 0) >= 2]
-    cold, raw = rows[0]["samples_per_s"], rows[-1]["samples_per_s"]
-    summary = dict(samples=len(source), cache_disk_bytes=disk, cache_memory_bytes=memory,
-                   warm_vs_cold=min(warm) / cold, warm_vs_raw_dataloader=min(warm) / raw)
+    cold, batched, per_sample, raw = (rows[i]["samples_per_s"] for i in (0, -3, -2, -1))
+    summary = dict(samples=len(source), cache_disk_bytes=disk, cache_memory_bytes=memory, workers=w,
+                   warm_vs_cold=min(warm) / cold, warm_vs_raw_dataloader=min(warm) / raw,
+                   workers_batched_vs_per_sample=batched / per_sample)
     say(f"\ncache on disk {disk / 1e6:.1f} MB, in memory {memory / 1e6:.1f} MB (all ranks); "
         f"warm epochs {summary['warm_vs_cold']:.1f}x epoch 1, {summary['warm_vs_raw_dataloader']:.1f}x the raw "
-        f"DataLoader with {args.workers} worker(s)")
+        f"DataLoader with {w} worker(s); through workers, whole batches "
+        f"{summary['workers_batched_vs_per_sample']:.1f}x sample by sample (medians of {args.rounds} rounds)")
     cache.close()
     meta = run_metadata("jobs.bench_cache", argv, ranks=P, source=args.source, **summary)
     write_results(comm, args, meta, rows, lambda path: plot(rows, path), say)

@@ -172,21 +172,31 @@ def test_abandoned_first_epoch_leaves_no_shard_and_no_temp_files(source, tmp_pat
     assert c.state == "cold" and left == []
 
 
+def same_batches(got, want) -> bool:
+    return len(got) == len(want) and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+
+
 @pytest.mark.parametrize("warm", [False, True])
 def test_dataloader_workers_give_the_same_batches(source, tmp_path, warm):
+    """The batched loader through workers, torch's default collate, and single items: cache.batches' samples."""
     c = cache(source, tmp_path)
     if warm:
         c.warm()
-    loader = torch.utils.data.DataLoader(CachedDataset(c), batch_sampler=EpochBatchSampler(c, 16, epoch=3),
-                                         num_workers=2)
-    got = [(x.clone(), y.clone()) for x, y in loader]
+    ds = CachedDataset(c)
+    fast = list(ds.loader(16, epoch=3, workers=2))
+    plain = list(torch.utils.data.DataLoader(ds, batch_sampler=EpochBatchSampler(c, 16, epoch=3)))
+    first = next(iter(EpochBatchSampler(ds, 16, epoch=3)))
     want = epoch(c, 3, batch=16)
-    assert len(got) == len(want)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want))
+    assert same_batches(fast, want) and same_batches(plain, want)
+    # A worker hands each batch over as one shared-memory segment, labels included.
+    assert all(x.is_shared() and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for x, y in fast)
+    x, y = ds[first[1]]
+    assert torch.equal(x, want[0][0][1]) and y == want[0][1][1]
 
 
 @pytest.mark.parametrize("damage", ["label", "sample"])
 def test_dataloader_workers_serve_a_corrupt_shard_from_the_source(source, tmp_path, damage):
+    """A damaged label (found at open) or sample (found inside a batch): the source's samples, in the same order."""
     c = cache(source, tmp_path, memory_bytes=0)
     c.warm()
     c.close()
@@ -196,8 +206,31 @@ def test_dataloader_workers_serve_a_corrupt_shard_from_the_source(source, tmp_pa
         with h5py.File(c.path, "r+") as f:
             f["samples"][5] = f["samples"][5] + 1.0
     c = cache(source, tmp_path, memory_bytes=0)
-    loader = torch.utils.data.DataLoader(CachedDataset(c), batch_sampler=EpochBatchSampler(c, 16), num_workers=1)
-    assert sorted(served_digests(loader)) == fresh_digests(source, PIPE)
+    served = served_digests(CachedDataset(c).loader(16, workers=1))
+    assert served == served_digests(epoch(c, 0, batch=16)) and sorted(served) == fresh_digests(source, PIPE)
+
+
+def test_samples_missing_from_the_shard_are_decoded_again_in_batch_order(tmp_path):
+    """Unreadable when the shard was built: still unreadable, a batch drops them as cache.batches does; repaired
+    behind the source's fingerprint (same size and mtime), the batch serves them in their places."""
+    root = make_png_dataset(tmp_path / "src", n=30, garbage=2)
+    broken = [f"{root}/broken-{g}.png" for g in range(2)]
+    good = [open(f"{root}/img-{g:04d}.png", "rb").read() for g in range(2)]
+    for path, png in zip(broken, good):
+        open(path, "wb").write(b"\0" * len(png))
+    c = cache(LabelsCsvSource(root), tmp_path)
+    c.warm()
+    ds = CachedDataset(c)
+    assert (ds.shard_pos < 0).sum() == 2
+    assert same_batches(list(ds.loader(7, epoch=1)), epoch(c, 1, batch=7))
+    for path, png in zip(broken, good):
+        st = os.stat(path)
+        open(path, "wb").write(png)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    got = list(ds.loader(7, epoch=2, workers=1))
+    want = [(torch.stack([ds[p][0] for p in b]), torch.tensor([ds[p][1] for p in b]))
+            for b in EpochBatchSampler(c, 7, 2)]
+    assert sum(len(y) for _, y in got) == 32 and same_batches(got, want)
 
 
 def test_bad_arguments(source, tmp_path):

@@ -43,9 +43,8 @@ def test_each_sample_served_once_per_epoch_across_ranks_cold_and_warm(world, sha
 def test_one_rank_corrupt_shard_and_a_changed_pipeline(world, shared_dir):
     """A corrupted sample in rank 1's shard is never served; a new pipeline builds new shards everywhere."""
     import h5py
-    import torch
 
-    from datacache import CachedDataset, EpochBatchSampler
+    from datacache import CachedDataset
 
     source = LabelsCsvSource(f"{shared_dir}/src")
     r, P = world.Get_rank(), world.Get_size()
@@ -64,8 +63,7 @@ def test_one_rank_corrupt_shard_and_a_changed_pipeline(world, shared_dir):
     fresh = SampleCache(source, other, f"{shared_dir}/cache2", r, P, log=lambda *a: None)
     cold = fresh.state == "cold"
     list(fresh.batches(0, 8))
-    loader = torch.utils.data.DataLoader(CachedDataset(fresh), batch_sampler=EpochBatchSampler(fresh, 8, 1),
-                                         num_workers=1)
+    loader = CachedDataset(fresh).loader(8, epoch=1, workers=1)  # whole batches from each rank's shard
     everyone = sorted(d for part in world.allgather(served_digests(loader)) for d in part)
     assert_everywhere(world, cold and everyone == fresh_digests(source, other), "stale samples after a change")
     cache.close(), fresh.close()

@@ -69,6 +69,10 @@ def test_round_trip(tmp_path, shape, dtype):
         np.testing.assert_array_equal(r.read(pos), data[pos])
     pos = [999, 5, 5, 6, 7, 0, 128, 127]  # repeats and runs across a chunk boundary
     np.testing.assert_array_equal(r.read(pos), data[pos])
+    out = np.zeros((len(pos), *shape), dtype)
+    assert r.read(pos, out=out) is out and np.array_equal(out, data[pos])  # into the caller's memory
+    with pytest.raises(ValueError, match="C-contiguous"):
+        r.read(pos, out=out[:-1])
     np.testing.assert_array_equal(r.read(np.arange(200, 700)), data[200:700])
     np.testing.assert_array_equal(r.read_all(), data)
     assert r.read([]).shape == (0, *shape)
@@ -86,6 +90,9 @@ def test_lzf_and_small_chunks(tmp_path):
     r = ShardReader(path, META)
     pos = np.random.default_rng(2).permutation(300)[:100]
     np.testing.assert_array_equal(r.read(pos), data[pos])
+    out = np.empty((100, 1, 28, 28), np.float32)
+    np.testing.assert_array_equal(r.read(pos, out=out), data[pos])
+    assert np.array_equal(out, data[pos])
     np.testing.assert_array_equal(r.read_all(), data)
     assert r.verify() == []
 
