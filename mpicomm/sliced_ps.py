@@ -10,6 +10,10 @@ ranks higher overtakes queued ones. At most `credit` outgoing messages are in
 flight, so the queue, not MPI, decides the order. All MPI calls happen on the
 progress thread; the backward hooks only enqueue. Buffers, byte views and
 receive scratch are built once: a step allocates nothing but a few lists.
+A poll is one Testsome over every request of the step. The progress thread
+polls every `relaxed_sleep` (a fraction of a slice's time on the wire) unless
+the training thread waits for a layer's last few slices: then it is nudged
+awake and polls every `urgent_sleep`.
 """
 
 from __future__ import annotations
@@ -97,7 +101,8 @@ class SlicedExchange(Task):
         self.plan = plan = SlicePlan([b.numel() for b in buffers], segments, slice_size, self.size, self.comm)
         self.credit, self.timeline, self.relaxed_sleep = credit, timeline, relaxed_sleep
         self.urgent_sleep = min(URGENT_SLEEP_MAX, max(URGENT_SLEEP_MIN, relaxed_sleep / 8))
-        self._waiters = 0  # training threads blocked in wait(): the progress thread polls urgently
+        self._waiters = 0  # training threads blocked in wait()
+        self._urgent = False  # the one waiting needs few slices more: the progress thread polls urgently
         self.nudge = lambda: None  # set by the owner: wakes its progress thread from a relaxed sleep
         self.names = names or [f"tensor {t}" for t in range(len(segments))]
         self.views = [buffers[b][a:z] for b, a, z in plan.slices]
@@ -136,8 +141,11 @@ class SlicedExchange(Task):
         self._left = plan.count
         self._slice_finished = [False] * plan.count
         self._queue: list = []  # heap of (priority, slice, kind, peer)
-        self._reqs: list = []  # every request in flight, sends and receives
+        # Every request of the step, sends and receives; a completed one stays as MPI.REQUEST_NULL (Testsome
+        # makes it so) until more than half are, so that a poll does not rebuild the lists.
+        self._reqs: list = []
         self._what: list = []  # (IN_PUSH/IN_RESULT/OUT_PUSH/OUT_RESULT, slice, peer position or token) per request
+        self._active = 0  # requests in _reqs not yet completed
         self._outgoing = 0
         self._posted = False
         self._inbox.clear()
@@ -162,10 +170,10 @@ class SlicedExchange(Task):
         while inbox:
             self._tensor_ready(inbox.popleft())
         self._send_from_queue()
-        if self._reqs:
+        if self._active:
             self._complete()
             self._send_from_queue()
-        if self._left == 0 and not self._reqs:
+        if self._left == 0 and not self._active:
             self.log.release()
             with self._cond:
                 self.active = False
@@ -174,8 +182,9 @@ class SlicedExchange(Task):
         return False
 
     def idle_sleep(self) -> float:
-        """The longest the progress thread may sleep while nothing completes: short while a layer waits."""
-        return self.urgent_sleep if self._waiters else self.relaxed_sleep
+        """The longest the progress thread may sleep while nothing completes: short while a layer waits for
+        its last few slices (waiting for many, as synchronize() does, completions can wait a relaxed poll)."""
+        return self.urgent_sleep if self._waiters and self._urgent else self.relaxed_sleep
 
     @property
     def outgoing(self) -> int:
@@ -188,6 +197,7 @@ class SlicedExchange(Task):
             for k, peer in enumerate(self.peers):
                 self._reqs.append(log.irecv(comm, [self.scratch_wire[s][k], MPI.BYTE], peer, plan.push_tag(s)))
                 self._what.append((IN_PUSH, s, k))
+        self._active += len(self.owned) * len(self.peers)
         self._posted = True
 
     def _tensor_ready(self, t: int) -> None:
@@ -214,6 +224,7 @@ class SlicedExchange(Task):
             self._reqs.append(self.log.isend(self.comm, [self.wire[s], MPI.BYTE], peer, tag))
             self._what.append((OUT_PUSH if kind == PUSH else OUT_RESULT, s, token))
             self._outgoing += 1
+            self._active += 1
             self.messages += 1
 
     def _complete(self) -> None:
@@ -222,7 +233,7 @@ class SlicedExchange(Task):
         if not idx:
             return
         plan, tl, what = self.plan, self.timeline, self._what
-        posted: list = []  # (request, what) started while handling these completions
+        self._active -= len(idx)
         for i in idx:
             kind, s, x = what[i]
             if kind == IN_PUSH:  # x: the peer's position in self.peers
@@ -240,15 +251,18 @@ class SlicedExchange(Task):
                 if kind == OUT_PUSH:
                     # Only now may the slice's memory receive the averaged result: it was the send buffer.
                     token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=plan.owner(s)) if tl else None
-                    posted.append((self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], plan.owner(s),
-                                                  plan.result_tag(s)), (IN_RESULT, s, token)))
+                    self._reqs.append(self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], plan.owner(s),
+                                                     plan.result_tag(s)))
+                    self._what.append((IN_RESULT, s, token))
+                    self._active += 1
                 else:
                     self._results_left[s] -= 1
                     if self._results_left[s] == 0:
                         self._slice_done(s)
-        done = set(idx)
-        self._reqs = [r for i, r in enumerate(self._reqs) if i not in done] + [r for r, _ in posted]
-        self._what = [w for i, w in enumerate(what) if i not in done] + [w for _, w in posted]
+        if 2 * self._active < len(self._reqs):
+            keep = [i for i, r in enumerate(self._reqs) if r]  # a completed request is REQUEST_NULL: false
+            self._reqs = [self._reqs[i] for i in keep]
+            self._what = [what[i] for i in keep]
 
     def _try_aggregate(self, s: int) -> None:
         """Owner: once every peer's push and the local gradient are in, average and send back."""
@@ -290,12 +304,18 @@ class SlicedExchange(Task):
         done, cond = self.tensor_done, self._cond
         if self.error is None and all(done[t] for t in tensors):
             return
-        self._waiters += 1  # only the training thread changes it; the progress thread reads it
-        self.nudge()
+        self._waiters += 1  # only the training thread changes these two; the progress thread reads them
+        self._urgent = self._nearly_done(tensors)
+        self.nudge()  # one poll now, whatever the urgency: what this layer needs may have arrived
         try:
             self._wait(tensors, policy, interrupt)
         finally:
             self._waiters -= 1
+
+    def _nearly_done(self, tensors) -> bool:
+        """At most `credit` slices of these tensors left: what remains is in flight, completions matter now."""
+        left = self._slices_left
+        return sum(left[t] for t in tensors) <= self.credit
 
     def _wait(self, tensors, policy, interrupt) -> None:
         done, cond = self.tensor_done, self._cond
@@ -305,6 +325,9 @@ class SlicedExchange(Task):
                 raise self.error
             if all(done[t] for t in tensors):
                 return True
+            if not self._urgent and self._nearly_done(tensors):
+                self._urgent = True
+                self.nudge()
             with cond:  # woken at each completion; the timeout lets wait_until keep the deadline
                 if not all(done[t] for t in tensors) and self.error is None:
                     cond.wait(0.05)
@@ -337,7 +360,7 @@ class SlicedExchange(Task):
     def abort(self) -> None:
         """Error path: cancel the receives, free the sends, forget the step."""
         self.log.cancel()
-        self._reqs, self._what, self._outgoing = [], [], 0
+        self._reqs, self._what, self._outgoing, self._active = [], [], 0, 0
         with self._cond:
             self.active = False
             self._cond.notify_all()
@@ -348,4 +371,4 @@ class SlicedExchange(Task):
 
     def __repr__(self) -> str:
         return (f"<P3 exchange: {self._left} slices left, {self._outgoing} out, "
-                f"{len(self._reqs) - self._outgoing} in>")
+                f"{self._active - self._outgoing} in>")
