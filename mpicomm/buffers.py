@@ -61,8 +61,8 @@ class Buffer:
 
     __slots__ = ("obj", "flat", "count", "itemsize", "dtype", "_bytes", "_torch")
 
-    def __init__(self, obj, what: str = "buffer"):
-        problem = check_buffer(obj, what)
+    def __init__(self, obj, what: str = "buffer", checked: bool = False):
+        problem = None if checked else check_buffer(obj, what)
         if problem:
             raise BufferError(problem)
         self.obj = obj
