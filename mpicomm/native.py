@@ -10,9 +10,11 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from .buffers import DTYPE_CODES, Buffer
-from .handle import Step
-from .validate import FIELDS, CollectiveMismatchError
+from . import validate as V
+from .buffers import DTYPE_CODES, OP_CODES, Buffer, is_torch
+from .handle import Handle, Step
+from .tags import TagError, check_tag
+from .validate import FIELDS, CollectiveMismatchError, agreed
 
 # Reductions need an MPI datatype; float16 and bfloat16 have no standard one, so they stay on the ring.
 MPI_TYPES = {"float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "int16": MPI.INT16_T,
@@ -113,7 +115,7 @@ def below(table: np.ndarray, kind: str, limit: int) -> bool:
 
     False when the ranks disagree or one failed: the ring's checks raise then.
     """
-    if table[:, -1].any() or not (table == table[0]).all():
+    if not agreed(table):
         return False
     name = _DTYPE_NAMES.get(int(table[0, _DTYPE]))
     return name is not None and small(kind, name, int(table[0, _COUNT]) * ITEMSIZE[DTYPE_CODES[name]], limit)
@@ -135,6 +137,9 @@ def raw(b: Buffer):
 
 
 def iallreduce(comm: MPI.Comm, src: Buffer, dst: Buffer, op: str) -> list:
+    if dst is not src and np.may_share_memory(src.bytes(), dst.bytes()):
+        dst.copy_from(src)  # MPI refuses aliased buffers (out=buf): reduce in place instead
+        src = dst
     if dst is src:
         return [comm.Iallreduce(MPI.IN_PLACE, typed(dst), MPI_OPS[op])]
     return [comm.Iallreduce(typed(src), typed(dst), MPI_OPS[op])]
@@ -152,6 +157,65 @@ def iallgather(comm: MPI.Comm, src: Buffer | None, target: list, total: int) -> 
     if target[0] is None:
         target[0] = src.scratch(total)
     return [comm.Iallgather(MPI.IN_PLACE if src is None else raw(src), raw(target[0]))]
+
+
+# -- allreduce's lean path ----------------------------------------------------------------------
+# What decides 4 KiB is Python work per call: for the common case (a contiguous numpy array or
+# CPU tensor of a type MPI reduces, below the crossover) allreduce skips the ring's Buffer
+# objects, request log and generator layers. It posts the same fingerprint as the general path,
+# and the same verdict follows from the same table: ranks may take either code path.
+_MPI_BY_DTYPE = {np.dtype(name): t for name, t in MPI_TYPES.items()}
+_CODE_BY_DTYPE = {np.dtype(name): DTYPE_CODES[name] for name in MPI_TYPES}
+_ALLREDUCE = V.KINDS["allreduce"]
+
+
+def array_of(obj):
+    """A writeable C-contiguous numpy view of obj's memory, if MPI reduces its dtype; else None."""
+    if type(obj) is not np.ndarray:
+        if not is_torch(obj) or obj.device.type != "cpu":
+            return None
+        try:
+            obj = obj.detach().numpy()  # shares memory; refuses bfloat16 and conjugate views
+        except (TypeError, RuntimeError):
+            return None
+    flags = obj.flags
+    return obj if flags.c_contiguous and flags.writeable and obj.dtype in _MPI_BY_DTYPE else None
+
+
+def lean_allreduce(ring, buf, out, op: str, tag) -> Handle | None:
+    """Ring.allreduce's latency path for the common case, or None: the general path decides."""
+    limit = ring.latency_bytes["allreduce"]
+    a = array_of(buf)
+    if a is None or a.nbytes >= limit or op not in MPI_OPS or ring.size == 1 or (tag is not None and not ring.validate):
+        return None
+    o = a
+    if out is not None:
+        o = array_of(out)
+        if o is None or o.dtype != a.dtype or o.size != a.size:
+            return None
+        if o is not a and np.may_share_memory(a, o):
+            return None  # aliased: the general path reduces in place
+    if tag is None:
+        tag = ring.tags.next()
+    else:
+        try:
+            tag = check_tag(ring.comm, tag)
+        except TagError:
+            return None  # the general path shares the error with the other ranks
+    seq, mtype, mop = ring.native, _MPI_BY_DTYPE[a.dtype], MPI_OPS[op]
+    if o is a:
+        def post():
+            return [seq.comm.Iallreduce(MPI.IN_PLACE, [a, mtype], mop)]
+    else:
+        def post():
+            return [seq.comm.Iallreduce([a, mtype], [o, mtype], mop)]
+    result = buf if out is None else out
+    if not ring.validate:
+        return Handle("allreduce", seq.wait(seq.post(post), result))
+    mine = np.array((_ALLREDUCE, _CODE_BY_DTYPE[a.dtype], OP_CODES[op], 0, tag, a.size, 0, 0), dtype=np.int64)
+    table = np.empty((ring.size, mine.size), dtype=np.int64)
+    entry = seq.add(ring.comm, mine, table, lambda t: post() if below(t, "allreduce", limit) else None)
+    return Handle("allreduce", seq.settled(entry, result))
 
 
 class Pending(Step):
@@ -240,13 +304,26 @@ class Sequencer:
             raise
         return table, entry.reqs
 
-    def wait(self, reqs: list):
-        """Generator step: the native call's requests; cancelled, it completes in the background."""
+    def wait(self, reqs: list, result=None):
+        """Generator step: the native call's requests, then `result`; cancelled, it completes in the background."""
         try:
             yield reqs
         except GeneratorExit:
             self.abandon(None, reqs)
             raise
+        return result
+
+    def settled(self, entry: Pending, result):
+        """Generator: the lean path's whole algorithm, once its fingerprints went out."""
+        try:
+            yield entry
+        except GeneratorExit:
+            self.abandon(entry)
+            raise
+        if entry.reqs is None:  # this rank was below the crossover: only a disagreement stops the native call
+            V.check("allreduce", entry.table)
+            raise AssertionError("agreed fingerprints but no latency path")  # pragma: no cover
+        return (yield from self.wait(entry.reqs, result))
 
     def abandon(self, entry: Pending | None, reqs=None) -> None:
         """A handle was cancelled: its native call is still posted when settled, and completed in the background."""
