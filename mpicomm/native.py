@@ -278,8 +278,10 @@ class Sequencer:
                     elif not head.req.Test():
                         break
                 queue.popleft()
-                head.settled = True
-                head.reqs = head.decide(head.table)
+                try:
+                    head.reqs = head.decide(head.table)
+                finally:
+                    head.settled = True  # after reqs: a handle on another thread reads it without the lock
                 self.posted += head.reqs is not None
                 if head.abandoned and head.reqs:
                     self._orphans.extend(head.reqs)
