@@ -214,7 +214,9 @@ def lean_allreduce(ring, buf, out, op: str, tag) -> Handle | None:
         return Handle("allreduce", seq.wait(seq.post(post), result))
     mine = np.array((_ALLREDUCE, _CODE_BY_DTYPE[a.dtype], OP_CODES[op], 0, tag, a.size, 0, 0), dtype=np.int64)
     table = np.empty((ring.size, mine.size), dtype=np.int64)
-    entry = seq.add(ring.comm, mine, table, lambda t: post() if below(t, "allreduce", limit) else None)
+    # This rank is below the crossover, so "every rank sent my fingerprint" is below()'s verdict.
+    expect = mine.tobytes() * ring.size
+    entry = seq.add(ring.comm, mine, table, lambda t: post() if t.tobytes() == expect else None)
     return Handle("allreduce", seq.settled(entry, result))
 
 
@@ -322,10 +324,16 @@ class Sequencer:
         except GeneratorExit:
             self.abandon(entry)
             raise
-        if entry.reqs is None:  # this rank was below the crossover: only a disagreement stops the native call
+        reqs = entry.reqs
+        if reqs is None:  # this rank was below the crossover: only a disagreement stops the native call
             V.check("allreduce", entry.table)
             raise AssertionError("agreed fingerprints but no latency path")  # pragma: no cover
-        return (yield from self.wait(entry.reqs, result))
+        try:
+            yield reqs
+        except GeneratorExit:
+            self.abandon(None, reqs)
+            raise
+        return result
 
     def abandon(self, entry: Pending | None, reqs=None) -> None:
         """A handle was cancelled: its native call is still posted when settled, and completed in the background."""
