@@ -27,9 +27,11 @@ NATIVE_CODES = {DTYPE_CODES[name] for name in MPI_TYPES}
 
 # Below this many bytes (as jobs.bench_collectives counts them: the buffer, reduce-scatter's input,
 # allgather's output) a collective takes the latency path. On the 2-vCPU VM the ring overtakes
-# MPICH from 16 MiB (allreduce, broadcast) and 64 MiB (allgather); reduce-scatter never clearly
-# (BENCHMARKS.md). `jobs.bench_collectives --crossover PATH` measures a machine's own table.
-DEFAULT_LATENCY_BYTES = 16 << 20
+# MPICH from 16 MiB for allreduce and broadcast, from 64 MiB or more for reduce-scatter and
+# allgather (BENCHMARKS.md). Erring high is cheap: near the crossover both are about as fast.
+# `jobs.bench_collectives --crossover PATH` measures a machine's own.
+DEFAULT_LATENCY_BYTES = {"allreduce": 16 << 20, "reduce_scatter": 64 << 20, "allgather": 64 << 20,
+                         "broadcast": 16 << 20}
 ENV = "MPITRAIN_RING_LATENCY_BYTES"
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -40,7 +42,7 @@ def parse_bytes(text: str) -> int:
     unit = t[-1] if t and t[-1] in _UNITS else ""
     try:
         value = int(float(t[: len(t) - len(unit)]) * _UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ValueError(f"not a byte count: {text!r} (examples: 0, 64K, 16M)") from None
     if value < 0:
         raise ValueError(f"byte count must be >= 0, got {text!r}")
@@ -48,7 +50,7 @@ def parse_bytes(text: str) -> int:
 
 
 def latency_table(value) -> dict[str, int]:
-    """Crossover bytes per kind from an int (every kind), a {kind: bytes} dict (others: the default) or None.
+    """Crossover bytes per kind from an int (every kind), a {kind: bytes} dict (others: the defaults) or None.
 
     None reads $MPITRAIN_RING_LATENCY_BYTES: a byte count ('0' turns the
     latency path off, '4M') or the path of a JSON file written by
@@ -57,7 +59,7 @@ def latency_table(value) -> dict[str, int]:
     if value is None:
         text = os.environ.get(ENV, "").strip()
         if not text:
-            return dict.fromkeys(KINDS, DEFAULT_LATENCY_BYTES)
+            return dict(DEFAULT_LATENCY_BYTES)
         if not os.path.exists(text):
             try:
                 return dict.fromkeys(KINDS, parse_bytes(text))
@@ -74,7 +76,7 @@ def latency_table(value) -> dict[str, int]:
         unknown = sorted(set(value) - set(KINDS))
         if unknown:
             raise ValueError(f"latency_bytes: unknown collective(s) {unknown} (use {', '.join(KINDS)})")
-        table = dict.fromkeys(KINDS, DEFAULT_LATENCY_BYTES)
+        table = dict(DEFAULT_LATENCY_BYTES)
         table.update(value)
     else:
         table = dict.fromkeys(KINDS, value)

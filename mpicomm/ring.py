@@ -41,7 +41,9 @@ class Ring:
     float16/bfloat16 reductions always take the ring. An int for every kind,
     a {kind: bytes} dict, or None: $MPITRAIN_RING_LATENCY_BYTES (bytes such
     as '4M', or a JSON file from `jobs.bench_collectives --crossover`), else
-    16 MiB. 0 turns the latency path off. All ranks must agree (checked here).
+    mpicomm.native.DEFAULT_LATENCY_BYTES (16 MiB for allreduce and broadcast,
+    64 MiB for reduce_scatter and allgather, measured on the development VM).
+    0 turns the latency path off. All ranks must agree (checked here).
     With validation, the path is chosen from the fingerprints all ranks
     exchanged, so ranks whose lengths straddle the crossover still fail
     together. Without it, a collective with an explicit tag always takes the

@@ -75,16 +75,16 @@ def test_crossover_from_argument_environment_or_crossover_file(tmp_path, monkeyp
             return ring.latency_bytes
 
     monkeypatch.delenv(ENV, raising=False)
-    assert set(table().values()) == {DEFAULT_LATENCY_BYTES}
+    assert table() == DEFAULT_LATENCY_BYTES
     assert table(latency_bytes=0)["allreduce"] == 0
-    assert table(latency_bytes={"broadcast": 5})["broadcast"] == 5 and table()["allgather"] == DEFAULT_LATENCY_BYTES
+    assert table(latency_bytes={"broadcast": 5}) == {**DEFAULT_LATENCY_BYTES, "broadcast": 5}
     monkeypatch.setenv(ENV, "64K")
     assert set(table().values()) == {65536} and table(latency_bytes=7)["allreduce"] == 7
     path = tmp_path / "crossover.json"
     path.write_text('{"latency_bytes": {"allreduce": 1048576, "allgather": 0}, "meta": {}}')
     monkeypatch.setenv(ENV, str(path))
     t = table()
-    assert t["allreduce"] == 1 << 20 and t["allgather"] == 0 and t["broadcast"] == DEFAULT_LATENCY_BYTES
+    assert t == {**DEFAULT_LATENCY_BYTES, "allreduce": 1 << 20, "allgather": 0}
     (tmp_path / "bad.json").write_text('{"allreduce": 4}')
     for bad, match in (("4Q", "neither a byte count"), (str(tmp_path / "missing.json"), "existing crossover JSON"),
                        (str(tmp_path), "not a crossover JSON"), (str(tmp_path / "bad.json"), "'latency_bytes' object")):
