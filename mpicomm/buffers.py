@@ -24,10 +24,15 @@ class BufferError(TypeError):
     """A buffer this layer cannot send without a copy, or of a type it does not reduce."""
 
 
+_NAMES: dict = {}  # dtype object -> name: numpy computes .name in Python, a cost on every small call
+
+
 def _dtype_name(obj) -> str:
-    if isinstance(obj, np.ndarray):
-        return obj.dtype.name
-    return str(obj.dtype).replace("torch.", "")
+    dtype = obj.dtype
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = dtype.name if isinstance(obj, np.ndarray) else str(dtype).replace("torch.", "")
+    return name
 
 
 def is_torch(obj) -> bool:
@@ -61,8 +66,8 @@ class Buffer:
 
     __slots__ = ("obj", "flat", "count", "itemsize", "dtype", "_bytes", "_torch")
 
-    def __init__(self, obj, what: str = "buffer"):
-        problem = check_buffer(obj, what)
+    def __init__(self, obj, what: str = "buffer", checked: bool = False):
+        problem = None if checked else check_buffer(obj, what)
         if problem:
             raise BufferError(problem)
         self.obj = obj

@@ -11,8 +11,16 @@ from .requests import RequestLog
 # An algorithm is a generator: it posts Isend/Irecv (through its RequestLog), yields the list of
 # requests it needs completed before its next local step, and returns its result. The
 # algorithm thus reads as straight-line code, while the handle decides when to block (wait)
-# or merely poll (test).
+# or merely poll (test). Instead of a list it may yield a Step: something other than its own
+# requests that must happen first (mpicomm.native: collectives started earlier must be settled).
 Algorithm = Generator[list, None, object]
+
+
+class Step:
+    """A wait point that is not a list of this handle's requests: `poll(block)` is True once passed."""
+
+    def poll(self, block: bool) -> bool:  # pragma: no cover - interface
+        raise NotImplementedError
 
 
 class CancelledError(RuntimeError):
@@ -52,13 +60,23 @@ class Handle:
         if self._log is not None and error is None:
             self._log.release()
 
+    def _ready(self, block: bool) -> bool:
+        """Whether the current wait point is passed; with block, wait until it is."""
+        reqs = self._reqs
+        if type(reqs) is list:
+            if block:
+                MPI.Request.Waitall(reqs)
+                return True
+            return MPI.Request.Testall(reqs)
+        return reqs.poll(block)
+
     @property
     def done(self) -> bool:
         return self._done
 
     def test(self) -> bool:
         """Progress as far as possible without blocking; True once complete."""
-        while not self._done and MPI.Request.Testall(self._reqs):
+        while not self._done and self._ready(False):
             self._advance()
         if self._done and self._error is not None:
             raise self._error
@@ -67,7 +85,7 @@ class Handle:
     def wait(self):
         """Block until complete and return the result (the output buffer)."""
         while not self._done:
-            MPI.Request.Waitall(self._reqs)
+            self._ready(True)
             self._advance()
         if self._error is not None:
             raise self._error
@@ -139,7 +157,7 @@ def wait_all(handles: Iterable[Handle]) -> list:
         # algorithm advances, and no rank spins without ever blocking.
         head = pending[0]
         if isinstance(head, Handle):
-            MPI.Request.Waitall(head._reqs)
+            head._ready(True)
             head._advance()
         else:
             head.wait()

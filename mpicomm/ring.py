@@ -4,7 +4,8 @@ Every call returns a Handle at once; data moves as the handle is tested or
 waited on, so several collectives (on distinct tags) can be in flight while
 the caller computes. Arrays and tensors are shipped as bytes through zero-copy
 views; each ring segment is cut into chunks so that reducing one chunk
-overlaps receiving the next.
+overlaps receiving the next. Messages below a crossover size take MPI's own
+non-blocking collective instead (mpicomm.native).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from . import native as N
 from . import validate as V
 from .buffers import OP_CODES, Buffer, BufferError, block_counts, check_buffer, offsets, reduce_into
 from .handle import Handle
@@ -31,13 +33,41 @@ class Ring:
     and raise CollectiveMismatchError on every rank when ranks disagree,
     instead of hanging or corrupting data. Defaults to $MPITRAIN_VALIDATE (on).
     chunk_bytes: pipelining granularity inside a ring step.
+    latency_bytes: the crossover. A collective smaller than this (bytes as
+    jobs.bench_collectives counts them: the buffer; reduce_scatter's input;
+    allgather's output) is handed to MPI's non-blocking collective
+    (Iallreduce, Ireduce_scatter, Iallgather, Ibcast) on a communicator of
+    its own, still behind a Handle and still validated; allgatherv and
+    float16/bfloat16 reductions always take the ring. An int for every kind,
+    a {kind: bytes} dict, or None: $MPITRAIN_RING_LATENCY_BYTES (bytes such
+    as '4M', or a JSON file from `jobs.bench_collectives --crossover`), else
+    mpicomm.native.DEFAULT_LATENCY_BYTES (16 MiB for allreduce and broadcast,
+    64 MiB for reduce_scatter and allgather, measured on the development VM).
+    0 turns the latency path off. All ranks must agree (checked here).
+    With validation, the path is chosen from the fingerprints all ranks
+    exchanged, so ranks whose lengths straddle the crossover still fail
+    together. Without it, a collective with an explicit tag always takes the
+    ring: explicit tags let ranks start collectives in different orders
+    (wfbp's buckets), which MPI's collectives do not allow.
     """
 
     def __init__(self, comm: MPI.Comm = MPI.COMM_WORLD, *, validate: bool | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, latency_bytes: int | dict | None = None):
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        table, problem = None, None
+        try:
+            table = N.latency_table(latency_bytes)
+        except ValueError as exc:
+            problem = exc
         self.comm = comm.Dup()  # collective: keeps our traffic apart from the caller's
+        try:
+            N.agree_on_table(self.comm, table, problem)
+        except Exception:
+            self.comm.Free()
+            raise
+        self.latency_bytes: dict[str, int] = table
+        self.native = N.Sequencer(self.comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.left = (self.rank - 1) % self.size
         self.right = (self.rank + 1) % self.size
@@ -48,6 +78,7 @@ class Ring:
     # -- lifecycle ---------------------------------------------------------
     def free(self) -> None:
         if self.comm != MPI.COMM_NULL:
+            self.native.free()
             self.comm.Free()
 
     def __enter__(self) -> "Ring":
@@ -59,6 +90,9 @@ class Ring:
     # -- public collectives ------------------------------------------------
     def allreduce(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
         """Reduce `buf` across ranks into `out` (in place into `buf` when out is None)."""
+        lean = N.lean_allreduce(self, buf, out, op, tag)
+        if lean is not None:
+            return lean
         log = RequestLog()
         return Handle("allreduce", self._allreduce(buf, out, op, tag, log), log)
 
@@ -103,25 +137,39 @@ class Ring:
     def _wrap(self, obj, what):
         """(Buffer, None) or (None, error) without raising, so the error can be shared first."""
         problem = check_buffer(obj, what)
-        return (None, BufferError(problem)) if problem else (Buffer(obj, what), None)
+        return (None, BufferError(problem)) if problem else (Buffer(obj, what, checked=True), None)
 
-    def _agree(self, kind, problem, *, ref=None, op="sum", root=0, tag=0, count=None, extra=0):
+    def _agree(self, kind, problem, *, ref=None, op="sum", root=0, tag=0, count=None, extra=0,
+               native=None, explicit=False):
         """Generator step shared by all collectives: every rank fails together or proceeds together.
 
         The rank with a local problem raises it; the others raise
         CollectiveMismatchError naming that rank, instead of waiting for it.
+        native(): posts the latency path's MPI call (kinds that have one); it
+        runs when the collective is below the crossover, and the step then
+        returns its requests (None: take the ring).
         """
+        count = (ref.count if ref else 0) if count is None else count
+        limit = self.latency_bytes.get(kind, 0) if native is not None and self.size > 1 else 0
         if not self.validate or self.size == 1:
             if problem:
                 raise problem
-            return
+            # Unvalidated, this rank's own values decide. Automatic tags mean the same start order
+            # everywhere; an explicit one may not.
+            if limit and not explicit and N.small(kind, ref.dtype, count * ref.itemsize, limit):
+                return self.native.post(native)
+            return None
         mine = V.fingerprint(kind, dtype=ref.dtype_code if ref else 0, op=OP_CODES.get(op, 0), root=root,
-                             tag=tag, count=(ref.count if ref else 0) if count is None else count,
-                             extra=extra, error=problem is not None)
-        table = yield from V.exchange(self.comm, mine)
+                             tag=tag, count=count, extra=extra, error=problem is not None)
+        reqs = None
+        if limit:
+            table, reqs = yield from self.native.agree(self.comm, mine, kind, limit, native)
+        else:
+            table = yield from V.exchange(self.comm, mine)
         if problem:
             raise type(problem)(f"{kind}: {problem}")
         V.check(kind, table)
+        return reqs
 
     def _check_op(self, op):
         return None if op in OP_CODES else ValueError(f"unsupported op {op!r} (use one of {sorted(OP_CODES)})")
@@ -135,8 +183,13 @@ class Ring:
             dst, problem = self._wrap(out, "out")
             if dst is not None and (dst.count != src.count or dst.dtype != src.dtype):
                 problem = BufferError(f"out has {dst.count} x {dst.dtype}, buf has {src.count} x {src.dtype}")
+        explicit = tag is not None
         tag, problem = self._tag(tag, problem)
-        yield from self._agree("allreduce", problem, ref=src, op=op, tag=tag)
+        reqs = yield from self._agree("allreduce", problem, ref=src, op=op, tag=tag, explicit=explicit,
+                                      native=lambda: N.iallreduce(self.native.comm, src, dst, op))
+        if reqs is not None:
+            yield from self.native.wait(reqs)
+            return dst.obj
         if dst is not src:
             dst.copy_from(src)
         counts = block_counts(dst.count, self.size)
@@ -155,8 +208,18 @@ class Ring:
             if dst is not None and (dst.count != counts[self.rank] or dst.dtype != src.dtype):
                 problem = BufferError(f"out has {dst.count} x {dst.dtype}, rank {self.rank} needs "
                                       f"{counts[self.rank]} x {src.dtype}")
+        explicit = tag is not None
         tag, problem = self._tag(tag, problem)
-        yield from self._agree("reduce_scatter", problem, ref=src, op=op, tag=tag)
+        # In place, MPI would leave block r at the start of buf: it goes through scratch instead.
+        target = [dst]
+        reqs = yield from self._agree("reduce_scatter", problem, ref=src, op=op, tag=tag, explicit=explicit,
+                                      native=lambda: N.ireduce_scatter(self.native.comm, src, target, counts, op))
+        if reqs is not None:
+            yield from self.native.wait(reqs)
+            if dst is not None:
+                return dst.obj
+            src.copy_from(target[0], lo)
+            return src.elements(lo, hi)
         if dst is None:
             yield from self._ring(src, counts, range(0, self.size - 1), op, tag, log)
             return src.elements(lo, hi)
@@ -174,6 +237,7 @@ class Ring:
             problem = ValueError("buf=IN_PLACE needs an out buffer")
         if out is not None and problem is None:
             dst, problem = self._wrap(out, "out")
+        explicit = tag is not None
         tag, problem = self._tag(tag, problem)
         if kind == "allgather":
             local = src.count if src else (dst.count // self.size if dst else 0)
@@ -194,8 +258,14 @@ class Ring:
         if problem is None and dst is not None and (dst.count != total or (src and dst.dtype != src.dtype)):
             problem = BufferError(f"out has {dst.count} x {dst.dtype}, needs {total} x {(src or dst).dtype}")
         ref = src or dst
-        yield from self._agree(kind, problem, ref=ref, tag=tag, count=total,
-                               extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()))
+        target = [dst]  # the latency path allocates out when none was given
+        reqs = yield from self._agree(kind, problem, ref=ref, tag=tag, count=total,
+                                      extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()),
+                                      native=(lambda: N.iallgather(self.native.comm, src, target, total))
+                                      if kind == "allgather" else None, explicit=explicit)
+        if reqs is not None:
+            yield from self.native.wait(reqs)
+            return target[0].obj
         if dst is None:
             dst = src.scratch(total)
         offs = offsets(counts)
@@ -219,8 +289,13 @@ class Ring:
         b, problem = self._wrap(buf, "buf")
         if problem is None and not (isinstance(root, int) and 0 <= root < self.size):
             problem = ValueError(f"root {root!r} outside [0, {self.size})")
+        explicit = tag is not None
         tag, problem = self._tag(tag, problem)
-        yield from self._agree("broadcast", problem, ref=b, root=root if problem is None else -1, tag=tag)
+        reqs = yield from self._agree("broadcast", problem, ref=b, root=root if problem is None else -1, tag=tag,
+                                      explicit=explicit, native=lambda: [self.native.comm.Ibcast(N.raw(b), root)])
+        if reqs is not None:
+            yield from self.native.wait(reqs)
+            return b.obj
         if self.size == 1 or b.count == 0:
             return b.obj
         # Chain root -> root+1 -> ...: each rank forwards a chunk as soon as it has it.

@@ -49,14 +49,21 @@ def _describe(field: str, column: np.ndarray) -> str:
     return ", ".join(f"rank {r}: {_show(field, v)}" for r, v in enumerate(column))
 
 
+def agreed(table: np.ndarray) -> bool:
+    """Every rank sent the same fingerprint, without an error flag."""
+    # Compared as bytes: numpy's any()/all() dispatch costs ~10x more on a table this small.
+    first = table[0].tobytes()
+    return not table[0, -1] and table.tobytes() == first * table.shape[0]
+
+
 def check(name: str, table: np.ndarray) -> None:
     """Raise the same CollectiveMismatchError on every rank if the fingerprints disagree.
 
     Every rank holds the identical table, so every rank reaches the same verdict:
     none is left waiting inside a ring for a partner that already gave up.
     """
-    if not table[:, -1].any() and (table == table[0]).all():
-        return  # the common case, in one vectorized comparison
+    if agreed(table):
+        return  # the common case
     errors = np.flatnonzero(table[:, FIELDS.index("error")])
     if errors.size:
         raise CollectiveMismatchError(f"{name}: rank(s) {errors.tolist()} passed an invalid argument")

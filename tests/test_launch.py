@@ -71,14 +71,26 @@ def test_jobs_import_without_starting_mpi():
 
 def test_bench_collectives_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "res" / "c.json"
+    cross = tmp_path / "cross.json"
     cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_collectives", "--sizes", "4K,64K",
-           "--iters", "2", "--json", str(out)]
+           "--iters", "2", "--rounds", "2", "--latency-bytes", "16K", "--json", str(out), "--crossover", str(cross)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
-    assert "busbw_GB/s" in proc.stdout and "ring / native busbw" in proc.stdout
+    assert "busbw_GB/s" in proc.stdout and "ring / native busbw" in proc.stdout and "crossover" in proc.stdout
     doc = json.loads(out.read_text())
     rows = doc["rows"]
-    assert len(rows) == 4 * 2 * 2  # ops x sizes x impls
+    assert len(rows) == 4 * 2 * 3  # ops x sizes x impls (ring, ring-only, native)
+    # The ring impl takes MPI's collective below --latency-bytes only.
+    assert {(r["bytes"], r["path"]) for r in rows if r["impl"] == "ring"} == {(4096, "latency"), (65536, "ring")}
+    assert all(len(r["round_times_s"]) == 2 for r in rows)
+    # Ring reads the crossover file back through the environment.
+    table = json.loads(cross.read_text())["latency_bytes"]
+    assert set(table) == {"allreduce", "reduce_scatter", "allgather", "broadcast"}
+    check = ("from mpicomm import Ring; from mpi4py import MPI; "
+             "print(sorted(Ring(MPI.COMM_SELF).latency_bytes.items()))")
+    env = dict(os.environ, MPITRAIN_RING_LATENCY_BYTES=str(cross))
+    got = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert got.stdout.strip() == str(sorted(table.items())), got.stderr
     for r in rows:
         assert {"op", "impl", "bytes", "ranks", "time_s", "algbw_gbps", "busbw_gbps"} <= set(r)
         assert r["ranks"] == 2 and r["time_s"] > 0

@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from conftest import assert_everywhere
-from mpicomm import IN_PLACE, Ring, block_counts, wait_all
+from mpicomm import IN_PLACE, CollectiveMismatchError, Ring, block_counts, wait_all
 
 pytestmark = pytest.mark.mpi
 
@@ -24,7 +24,8 @@ def sub(request, world):
     comm = world.Split(0 if world.Get_rank() < P else MPI.UNDEFINED, world.Get_rank())
     if comm == MPI.COMM_NULL:
         pytest.skip(f"rank outside the {P}-rank group")
-    ring = Ring(comm, chunk_bytes=256 << 10)  # small chunks so pipelining paths are exercised
+    # Small chunks so pipelining paths are exercised; no latency path: these test the ring itself.
+    ring = Ring(comm, chunk_bytes=256 << 10, latency_bytes=0)
     yield comm, ring
     ring.free()
     comm.Free()
@@ -209,3 +210,112 @@ def test_explicit_and_automatic_tags_never_meet(world, validate):
         wait_all(handles[::-1])
         ok = np.all(a == P) and np.all(b == 2 * P) and np.all(c == 3 * P)
         assert_everywhere(world, bool(ok), "explicit tag 0 mixed with automatic tags")
+
+
+# -- the latency path: MPI's own collectives below the crossover -------------------------------
+LAT = 1 << 16  # crossover for these tests: 64 KiB
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_latency_path_matches_numpy_every_op_and_dtype(world, validate):
+    """Below the crossover every kind goes native (counted), in and out of place, and equals numpy."""
+    P, r = world.Get_size(), world.Get_rank()
+    with Ring(world, validate=validate, latency_bytes=LAT) as ring:
+        ok, n = True, 1001
+        for dtype in (np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8):
+            every = [data(n, dtype, k) % 4 + 1 for k in range(P)]  # small positives: exact, no wrap
+            for op, fn in (("sum", np.sum), ("prod", np.prod), ("max", np.max), ("min", np.min)):
+                ref = fn(np.stack(every), axis=0).astype(dtype)
+                out = np.empty(n, dtype)
+                ok = ok and np.array_equal(ring.allreduce(every[r], out, op=op).wait(), ref)
+                inplace = torch.from_numpy(every[r].copy())  # a tensor, reduced where it lies
+                ok = ok and ring.allreduce(inplace, op=op).wait() is inplace and np.array_equal(inplace.numpy(), ref)
+                same = every[r].copy()  # out aliasing buf: MPI refuses aliased buffers, so in place
+                ok = ok and np.array_equal(ring.allreduce(same, same, op=op).wait(), ref)
+        x = data(n, np.float64, r)
+        total = sum(data(n, np.float64, k) for k in range(P))
+        counts = block_counts(n, P)
+        lo = sum(counts[:r])
+        block = np.empty(counts[r])
+        ok = ok and np.array_equal(ring.reduce_scatter(x, block).wait(), total[lo:lo + counts[r]])
+        got = ring.reduce_scatter(x.copy()).wait()
+        ok = ok and np.array_equal(got, total[lo:lo + counts[r]])
+        gathered = np.concatenate([data(n, np.float64, k) for k in range(P)])
+        ok = ok and np.array_equal(ring.allgather(x).wait(), gathered)
+        inplace = np.zeros(n * P)
+        inplace[r * n:(r + 1) * n] = x
+        ok = ok and np.array_equal(ring.allgather(IN_PLACE, inplace).wait(), gathered)
+        b = torch.from_numpy(x.copy()).to(torch.bfloat16)  # broadcast moves bytes: bfloat16 too
+        ok = ok and torch.equal(ring.broadcast(b, root=P - 1).wait(),
+                                torch.from_numpy(data(n, np.float64, P - 1)).to(torch.bfloat16))
+        calls = 7 * 4 * 3 + 5
+        expected = calls if P > 1 else 0
+        assert_everywhere(world, ok and ring.native.posted == expected,
+                          f"latency path results, {ring.native.posted} of {calls} calls native")
+
+
+def test_latency_path_skipped_where_it_must_be(world):
+    """float16 reductions, allgatherv and (unvalidated) explicit tags stay on the ring; so do large buffers."""
+    P = world.Get_size()
+    with Ring(world, validate=False, latency_bytes=LAT) as ring:
+        h = np.ones(100, np.float16)
+        ring.allreduce(h).wait()
+        ring.allgatherv(np.ones(3), counts=[3] * P).wait()
+        a = np.ones(100, np.float32)
+        ring.allreduce(a, tag=5).wait()  # explicit tags may be started in any order without validation
+        big = np.ones(LAT // 4, np.float32)
+        ring.allreduce(big).wait()
+        ok = np.all(h == P) and np.all(a == P) and np.all(big == P) and ring.native.posted == 0
+        assert_everywhere(world, bool(ok), f"{ring.native.posted} native calls")
+
+
+def test_lengths_straddling_the_crossover_fail_together(world):
+    """One rank below the crossover, the others above: every rank raises, none takes a path alone."""
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    r = world.Get_rank()
+    with Ring(world, validate=True, latency_bytes=LAT) as ring:
+        n = LAT // 4 // 2 if r == 0 else LAT // 4 * 2  # rank 0: 32 KiB (native), others 128 KiB (ring)
+        with pytest.raises(CollectiveMismatchError, match=rf"disagree on length \(rank 0: {n if r == 0 else LAT // 8}, "
+                                                          rf"rank 1: {LAT // 2}"):
+            ring.allreduce(np.ones(n, np.float32)).wait()
+        with pytest.raises(CollectiveMismatchError, match="disagree on op"):
+            ring.allreduce(np.ones(8, np.float32), op="max" if r == 0 else "sum").wait()
+        with pytest.raises(CollectiveMismatchError, match=r"disagree on dtype \(rank 0: int32, rank 1: float32"):
+            ring.allreduce(np.ones(8, np.int32 if r == 0 else np.float32)).wait()  # same width: MPI would not see it
+        with pytest.raises(CollectiveMismatchError, match="disagree on root"):
+            ring.broadcast(np.ones(8, np.float32), root=r % 2).wait()
+        x = np.ones(10, np.float32)
+        ring.allreduce(x).wait()  # still usable: no native call was left behind
+        assert_everywhere(world, np.all(x == world.Get_size()) and ring.native.posted == 1, "after mismatches")
+
+
+def test_latency_handles_in_flight_any_drive_order(world):
+    """Native and ring collectives in flight together, driven newest first: one by test() alone, one by a
+    progress thread (settling the others' fingerprints from another thread), the rest by wait_all."""
+    from mpicomm.progress import HandleTask, ProgressThread
+
+    P, r = world.Get_size(), world.Get_rank()
+    with Ring(world, validate=True, latency_bytes=LAT, chunk_bytes=4096) as ring:
+        small = [np.full(100 + i, float(r + i)) for i in range(5)]
+        large = np.full(LAT, float(r))  # 512 KiB of float64: the ring
+        handles = [ring.allreduce(small[0]), ring.allreduce(large), ring.allreduce(small[1]),
+                   ring.broadcast(small[2], root=0), ring.allreduce(small[3], op="max"), ring.allreduce(small[4])]
+        last = handles.pop()
+        while not last.test():  # polled only, while the earlier ones were never driven
+            pass
+        thread = ProgressThread("test-latency")
+        future = thread.submit(HandleTask(handles.pop()))
+        wait_all(handles[::-1])
+        future.wait(30)
+        thread.stop()
+        ok = all(np.all(small[i] == sum(float(k + i) for k in range(P))) for i in (0, 1, 4))
+        ok = ok and np.all(large == sum(range(P))) and np.all(small[2] == 2.0) and np.all(small[3] == P - 1 + 3)
+        assert_everywhere(world, bool(ok and ring.native.posted == (5 if P > 1 else 0)), "in-flight latency path")
+
+
+def test_ranks_must_agree_on_the_crossover(world):
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    with pytest.raises(CollectiveMismatchError, match=r"latency_bytes for allreduce \(rank 0: 4096, rank 1: 0"):
+        Ring(world, latency_bytes=4096 if world.Get_rank() == 0 else 0)

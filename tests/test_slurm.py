@@ -72,8 +72,8 @@ def bench_args(tmp_path, nodes):
 def check_bench(text, tmp_path, nodes):
     lines = text.splitlines()
     assert any(re.match(r"op\s+impl\s+bytes\s+ranks\s", line) for line in lines), "no table header"
-    rows = [line.split() for line in lines if re.match(r"[a-z_]+\s+(ring|native)\s+\d+\s+\d+\s", line)]
-    assert len(rows) == 4 * 2 * 2, f"expected 4 ops x 2 sizes x 2 impls table rows, got {len(rows)}"
+    rows = [line.split() for line in lines if re.match(r"[a-z_]+\s+(ring|ring-only|native)\s+\d+\s+\d+\s", line)]
+    assert len(rows) == 4 * 2 * 3, f"expected 4 ops x 2 sizes x 3 impls table rows, got {len(rows)}"
     assert {r[3] for r in rows} == {str(RANKS)}
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["meta"]["ranks"] == RANKS

@@ -64,3 +64,34 @@ def test_local_errors_are_raised_on_one_rank_too():
             ring.allgather(IN_PLACE).wait()
         with pytest.raises(ValueError, match="chunk_bytes"):
             Ring(MPI.COMM_SELF, chunk_bytes=0)
+
+
+def test_crossover_from_argument_environment_or_crossover_file(tmp_path, monkeypatch):
+    """latency_bytes: an int, a per-kind dict, $MPITRAIN_RING_LATENCY_BYTES as bytes or a bench's JSON."""
+    from mpicomm.native import DEFAULT_LATENCY_BYTES, ENV
+
+    def table(**kw):
+        with Ring(MPI.COMM_SELF, **kw) as ring:
+            return ring.latency_bytes
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert table() == DEFAULT_LATENCY_BYTES
+    assert table(latency_bytes=0)["allreduce"] == 0
+    assert table(latency_bytes={"broadcast": 5}) == {**DEFAULT_LATENCY_BYTES, "broadcast": 5}
+    monkeypatch.setenv(ENV, "64K")
+    assert set(table().values()) == {65536} and table(latency_bytes=7)["allreduce"] == 7
+    path = tmp_path / "crossover.json"
+    path.write_text('{"latency_bytes": {"allreduce": 1048576, "allgather": 0}, "meta": {}}')
+    monkeypatch.setenv(ENV, str(path))
+    t = table()
+    assert t == {**DEFAULT_LATENCY_BYTES, "allreduce": 1 << 20, "allgather": 0}
+    (tmp_path / "bad.json").write_text('{"allreduce": 4}')
+    for bad, match in (("4Q", "neither a byte count"), (str(tmp_path / "missing.json"), "existing crossover JSON"),
+                       (str(tmp_path), "not a crossover JSON"), (str(tmp_path / "bad.json"), "'latency_bytes' object")):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=match):
+            Ring(MPI.COMM_SELF)
+    monkeypatch.delenv(ENV)
+    for bad, match in ((-1, ">= 0"), ({"alltoall": 4}, "unknown collective"), ("4M", ">= 0")):
+        with pytest.raises(ValueError, match=match):
+            Ring(MPI.COMM_SELF, latency_bytes=bad)
