@@ -50,7 +50,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jobs import bench_worker
+from jobs.contenders import check_settings
 from jobs.cluster_sweep import sweep
 from jobs.choices import MODELS
 from jobs.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least, check_device,
@@ -96,7 +96,7 @@ def add_worker_arguments(p, models: str, strategies: str, batch_size: int) -> No
 def check_worker_arguments(args) -> None:
     """What the worker would refuse; --device last (cuda imports torch)."""
     args.models = comma_list("--models", args.models, MODELS)
-    bench_worker.check_settings(args)
+    check_settings(args)
     at_least(args, 1, "ranks_per_host")
     check_device(args)
 

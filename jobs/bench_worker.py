@@ -49,15 +49,12 @@ import os
 import time
 
 from jobs.bench_rows import row
-from jobs.choices import EXACT_STRATEGIES, MODELS, SPARSE_STRATEGIES as SPARSE
+from jobs.choices import MODELS, SPARSE_STRATEGIES as SPARSE
 from jobs.cluster_sweep import print_row
-from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
-                         comma_list, fraction, one_of, parse)
+from jobs.contenders import FORCED, STRATEGIES, check_settings, strategy_options
+from jobs.inputs import JobParser, add_device_argument, at_least, check_device, one_of, parse
 from jobs.plans import PLAN_KEYS, plan_rows
 
-# hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
-FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
-STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "ddp", *SPARSE)
 COMPUTE = "compute"  # the contender with no synchronisation at all: T_compute
 
 
@@ -105,50 +102,6 @@ def check_args(args) -> None:
     at_least(args, 0, "seed")
     at_least(args, 1, "ranks_per_node")
     check_device(args)
-
-
-def check_settings(args) -> list[str]:
-    """The strategies to run, after checking what jobs.bench hands the worker under the same option names."""
-    strategies = comma_list("--strategies", args.strategies)
-    for s in strategies:
-        if s.startswith("p3@"):
-            check_p3_variant(s.removesuffix("+pto"))
-        elif s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto":
-            raise InputError("--strategies", f"unknown {s!r} (choose from {', '.join(STRATEGIES)}; "
-                                             "any but ddp may end in +pto)")
-    at_least(args, 1, "batch_size", "batches", "iters", "rounds", "threads")
-    auto_or_count(args, "slice_size", "credit")
-    at_least(args, 0, "warmup")
-    fraction(args, "density")
-    return strategies
-
-
-def p3_settings(name: str, args) -> tuple:
-    """(slice_size, credit) of "p3" (--slice-size, --credit) or of a variant "p3@SLICE/CREDIT" (each auto or a count)."""
-    if name == "p3":
-        return args.slice_size, args.credit
-    slice_size, _, credit = name.removeprefix("p3@").partition("/")
-    return tuple(v if v == "auto" else int(v) for v in (slice_size, credit))
-
-
-def check_p3_variant(name: str) -> None:
-    """'p3@65536/4', 'p3@auto/8': the variant's two settings, or an error naming it."""
-    slice_size, sep, credit = name.removeprefix("p3@").partition("/")
-    if not sep or not all(v == "auto" or (v.isdigit() and int(v) >= 1) for v in (slice_size, credit)):
-        raise InputError("--strategies", f"bad p3 variant {name!r}: write p3@SLICE/CREDIT, each auto or a "
-                                         "whole number >= 1 (e.g. p3@262144/8, p3@auto/4)")
-
-
-def hybcomm_options(args, force: str):
-    """hybcomm's options: the cost model is told the rate of the links it runs on (the --bandwidth label)."""
-    from mpicomm.emulation import EmulationError, parse_bandwidth
-    from runtime.options import HybCommOptions
-
-    try:
-        bps = parse_bandwidth(args.bandwidth)  # unshaped: None, the cost model's default
-    except EmulationError:  # a label such as local-unshaped
-        bps = None
-    return HybCommOptions(force=force, bandwidth=bps, slice_size=args.slice_size, credit=args.credit)
 
 
 def slowest(comm, seconds: float) -> float:
@@ -296,17 +249,11 @@ class Bench:
                 dist.all_reduce(flat)
             out["t_comm"], out["comm_cpu"] = self._time_comm(allreduce)
             return out
-        from runtime import DistributedOptimizer, P3Options, TopkOptions
+        from runtime import DistributedOptimizer
 
         base = name.removesuffix("+pto")
-        strategy = base
-        if base.startswith("p3"):
-            strategy = P3Options(*p3_settings(base, self.args))
-        if base in SPARSE:
-            strategy = TopkOptions(density=self.args.density, hierarchical=base == "hier-topk")
+        strategy = strategy_options(base, self.args)
         hybrid = base == "hybcomm" or base in FORCED
-        if hybrid:
-            strategy = hybcomm_options(self.args, FORCED.get(base, "auto"))
         with DistributedOptimizer(opt, model, strategy, topology=self.topo, pto=name.endswith("+pto")) as dopt:
             out["transport"] = getattr(dopt, "transport", self.device_info["transport"])
             before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things

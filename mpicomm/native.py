@@ -330,12 +330,7 @@ class Sequencer:
         if reqs is None:  # this rank was below the crossover: only a disagreement stops the native call
             V.check("allreduce", entry.table)
             raise AssertionError("agreed fingerprints but no latency path")  # pragma: no cover
-        try:
-            yield reqs
-        except GeneratorExit:
-            self.abandon(None, reqs)
-            raise
-        return result
+        return (yield from self.wait(reqs, result))
 
     def abandon(self, entry: Pending | None, reqs=None) -> None:
         """A handle was cancelled: its native call is still posted when settled, and completed in the background."""

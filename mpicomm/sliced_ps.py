@@ -301,7 +301,7 @@ class SlicedExchange(Task):
 
     def wait(self, tensors, policy: StallPolicy | None = None, interrupt=None) -> None:
         """Block until these tensors hold the averaged gradient; a stall report names the missing slices."""
-        done, cond = self.tensor_done, self._cond
+        done = self.tensor_done
         if self.error is None and all(done[t] for t in tensors):
             return
         self._waiters += 1  # only the training thread changes these two; the progress thread reads them

@@ -297,16 +297,16 @@ def test_train_hands_hybcomm_its_options():
 
 
 def test_bench_worker_takes_hybcomm_and_its_forced_variants():
-    from jobs import bench_worker
+    from jobs import bench_worker, contenders
 
     args = bench_worker.parse_args([*WORKER, "--strategies", "hybcomm,hybcomm-sfb,hybcomm-ps+pto,ddp",
                                     "--bandwidth", "1gbit"])
     assert args.strategies == ["hybcomm", "hybcomm-sfb", "hybcomm-ps+pto", "ddp"]
-    opts = bench_worker.hybcomm_options(args, "ps")
+    opts = contenders.hybcomm_options(args, "ps")
     assert (opts.name, opts.force, opts.bandwidth) == ("hybcomm", "ps", 1_000_000_000)
     for label in ("unshaped", "local-unshaped"):  # no link rate to tell the cost model
         args.bandwidth = label
-        assert bench_worker.hybcomm_options(args, "auto").bandwidth is None
+        assert contenders.hybcomm_options(args, "auto").bandwidth is None
 
 
 def test_bench_scaling_takes_a_bandwidth_and_rank_counts():
