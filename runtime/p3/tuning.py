@@ -19,10 +19,15 @@ SLICES_PER_OWNER = 4  # at least this many slices per rank, so that every owner 
 # (a poll interval, a rendezvous round trip), few enough that preemption stays quick.
 IN_FLIGHT_SECONDS = 8e-3
 MIN_CREDIT, MAX_CREDIT = 4, 16
-# The progress thread's sleep while no layer waits: a fraction of a slice's time on the wire, so the
-# queue never runs dry, but long enough that polling costs the compute threads no core.
+# The progress thread's sleep while no layer waits: long enough that polling costs the compute threads
+# no core, short enough that the wire never idles. MPI moves a message's bytes only inside its calls: an
+# eager send over TCP lies in the socket's buffer, and the rest waits for the next poll. At 2.5 Gbit/s,
+# sleeping a quarter of a 0.74 MiB slice (714 us) made p3's exchange of VGG-19 1.5x slower than with
+# 100 us (BENCHMARKS.md): so at most the time the link takes to drain SOCKET_BYTES, and at most a
+# quarter of a slice's time.
 POLLS_PER_SLICE = 4
-MIN_RELAXED_SLEEP, MAX_RELAXED_SLEEP = 100e-6, 1e-3
+SOCKET_BYTES = 64 << 10
+MIN_RELAXED_SLEEP, MAX_RELAXED_SLEEP = 50e-6, 1e-3
 DEFAULT_RELAXED_SLEEP = 100e-6  # without a measured link (slice size and credit both given)
 
 
@@ -66,7 +71,7 @@ def choose(link: LinkEstimate | None, total_bytes: int, itemsize: int, ranks: in
         credit = MAX_CREDIT if rate is None else \
             min(MAX_CREDIT, max(MIN_CREDIT, math.ceil(rate * IN_FLIGHT_SECONDS / slice_bytes)))
     relaxed = DEFAULT_RELAXED_SLEEP if rate is None else \
-        min(MAX_RELAXED_SLEEP, max(MIN_RELAXED_SLEEP, slice_bytes / rate / POLLS_PER_SLICE))
+        min(MAX_RELAXED_SLEEP, max(MIN_RELAXED_SLEEP, min(SOCKET_BYTES, slice_bytes / POLLS_PER_SLICE) / rate))
     return P3Tuning(int(slice_size), int(credit), relaxed, link, chosen)
 
 
