@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import os
 import pwd
+import random
 import signal
 import socket
 import subprocess
@@ -95,6 +96,11 @@ def slurm_conf(tmpdir: str, nodes: list[str], ports: list[int], cpus: int) -> st
         "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core",
         "ReturnToService=2",
+        # MPICH names its shared-memory segments after the job (pmi2's kvsname, "<jobid>.<step>"):
+        # a fresh controller would number jobs from 1 again, and a job that met a segment left by a
+        # killed one of the same number failed in MPI_Init ("MPIDI_POSIX_comm_bootstrap: Out of
+        # memory"). Numbering each test cluster's jobs from its own random start avoids that.
+        f"FirstJobId={random.randrange(1_000, 60_000_000)}",
         "AccountingStorageType=accounting_storage/none",
         "JobAcctGatherType=jobacct_gather/none",
         "JobCompType=jobcomp/none",
