@@ -73,3 +73,20 @@ def fp16_compress_hook(state: CompressionState, bucket: GradBucket):
 def bf16_compress_hook(state: CompressionState, bucket: GradBucket):
     """Send bfloat16: half the bytes, float32's range, about 2 significant digits."""
     return _compress_hook(state, bucket, torch.bfloat16)
+
+
+def install_hook(strategy, state, hook, started: bool) -> str:
+    """Give a bucketed strategy its hook (refusing where none applies); returns the hook's name for the step checks.
+
+    started: a backward pass has run already (the buckets are in use).
+    """
+    if not strategy.hooks:
+        raise ValueError(f"{strategy.name} does not take communication hooks: they apply to the "
+                         "bucketed strategies allreduce and wfbp")
+    if started:
+        raise RuntimeError("register_comm_hook must be called before the first backward pass")
+    if strategy.ctx.shard_gradients:
+        raise ValueError(f"{strategy.name} with pto reduce-scatters the gradients: no bucket for a hook "
+                         "to average")
+    strategy.hook_state, strategy.hook = state, hook
+    return getattr(hook, "__name__", type(hook).__name__)

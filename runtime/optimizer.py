@@ -12,11 +12,11 @@ from mpicomm.stall import StallPolicy
 from mpicomm.step_check import CLOSE, EXCHANGE, ReportedProblem, StepCheck, digest
 
 from . import checkpoint
+from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
 from .device import GradientStaging, describe_transport, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
-from .model_buffers import MODES as BUFFER_MODES
-from .model_buffers import BufferSync
+from .model_buffers import MODES as BUFFER_MODES, BufferSync
 from .options import StrategyOptions, resolve
 from .p3.forward_gate import ForwardGate
 from .registry import strategy_class
@@ -154,16 +154,7 @@ class DistributedOptimizer:
 
     def register_comm_hook(self, state, hook) -> None:
         """DDP-style hook (runtime.comm_hooks), called for each bucket instead of the plain average."""
-        if not self.strategy.hooks:
-            raise ValueError(f"{self.strategy.name} does not take communication hooks: they apply to the "
-                             "bucketed strategies allreduce and wfbp")
-        if self.steps or self._open:
-            raise RuntimeError("register_comm_hook must be called before the first backward pass")
-        if self.strategy.ctx.shard_gradients:
-            raise ValueError(f"{self.strategy.name} with pto reduce-scatters the gradients: no bucket for a hook "
-                             "to average")
-        self.strategy.hook_state, self.strategy.hook = state, hook
-        self._comm_hook = getattr(hook, "__name__", type(hook).__name__)
+        self._comm_hook = install_hook(self.strategy, state, hook, started=bool(self.steps or self._open))
 
     # -- hooks ---------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
