@@ -1,0 +1,226 @@
+r"""The cluster simulator: project each strategy to clusters no machine here can host, or check it against real runs.
+
+    python -m jobs.simulate --model vgg19 --nodes 16,32,64,128 --ranks-per-node 8 \
+        --bandwidth 10gbit,25gbit,100gbit --json results/projection.json          # projection
+    python -m jobs.simulate --model vgg19 --profile my-gpu-profile.json --nodes 16 --ranks-per-node 8
+    python -m jobs.simulate --take-profile --model resnet50 --ranks 4 --out resnet50-r4.json
+    python -m jobs.simulate --validate --json results/validation.json           # as root: emulated cluster
+    python -m jobs.simulate --validate --measured benchmarks/issue15/measured-4r-1gbit.json ...
+
+Projection: the model's profile (--profile; by default one taken here on one
+rank, kept in ~/.cache/mpitrain/profiles) runs through runtime.sim for every
+strategy, node count and bandwidth: a table of samples/s, the speed-up over
+the fewest nodes and the scaling efficiency, JSON rows and a PNG per
+bandwidth (samples/s against nodes, one line per strategy, linear scaling
+dashed). --compute-scale N makes compute N times as fast (a GPU from a CPU
+profile); --latency, --oversubscription and --intra-bandwidth describe the
+network; --calibration (a JSON of jobs.sim_worker transport, as --validate
+writes) adds the measured per-connection rate and CPU cost per byte, which
+by default are not limits (RDMA-class networks).
+
+--validate runs jobs.sim_validate (its own help: python -m jobs.sim_validate -h
+lists the options it takes through this job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from jobs.choices import MODELS
+from jobs.inputs import (InputError, JobParser, at_least, bench_outputs, comma_list, int_list, link_rate, one_of,
+                         parse)
+
+DEFAULT_STRATEGIES = "allreduce,wfbp,ddp,p3,hybcomm,topk,hier-topk,allreduce+pto"
+CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mpitrain", "profiles")
+
+
+def parse_args(argv=None):
+    p = JobParser(prog="python -m jobs.simulate", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--model", default="vgg19", help="default vgg19")
+    p.add_argument("--profile", metavar="JSON", help="a profile (jobs.simulate --take-profile, runtime.sim.measure)")
+    p.add_argument("--strategies", default=DEFAULT_STRATEGIES, help=f"default {DEFAULT_STRATEGIES}")
+    p.add_argument("--nodes", default="1,2,4,8,16,32,64,128")
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--bandwidth", "--bandwidths", dest="bandwidth", default="10gbit,25gbit,100gbit")
+    p.add_argument("--latency", type=float, default=30e-6, help="seconds per message (default 30e-6)")
+    p.add_argument("--intra-bandwidth", default="100gbit", help="between ranks of a node (default 100gbit)")
+    p.add_argument("--oversubscription", type=float, default=1.0)
+    p.add_argument("--compute-scale", type=float, default=1.0, help="compute this many times as fast as profiled")
+    p.add_argument("--cores-per-host", type=float, help="default: two per rank")
+    p.add_argument("--calibration", metavar="JSON", help="transport costs measured by jobs.sim_validate")
+    p.add_argument("--batch-size", type=int, default=16, help="of a profile taken here (default 16)")
+    p.add_argument("--density", type=float, default=1e-3, help="topk/hier-topk (default 0.001)")
+    p.add_argument("--take-profile", action="store_true", help="profile --model on --ranks ranks here, write --out")
+    p.add_argument("--ranks", type=int, default=1, help="--take-profile: ranks computing at once (default 1)")
+    p.add_argument("--out", help="--take-profile: the profile's path")
+    p.add_argument("--validate", action="store_true", help="see jobs.sim_validate")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for --take-profile's run")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    return parse(p, argv, check_args)
+
+
+def check_args(args) -> None:
+    one_of("--model", args.model, MODELS)
+    from runtime.sim.simulate import schedule_for, UnknownStrategyError
+
+    args.strategies = comma_list("--strategies", args.strategies)
+    for s in args.strategies:
+        try:
+            schedule_for(s)
+        except UnknownStrategyError as exc:
+            raise InputError("--strategies", str(exc)) from None
+    args.nodes = int_list("--nodes", args.nodes, 1)
+    args.bandwidth = [link_rate("--bandwidth", b) for b in comma_list("--bandwidth", args.bandwidth)]
+    args.intra_bandwidth = link_rate("--intra-bandwidth", args.intra_bandwidth)
+    at_least(args, 1, "ranks_per_node", "oversubscription", "batch_size", "ranks")
+    at_least(args, 0, "latency")
+    if not args.compute_scale > 0:
+        raise InputError("--compute-scale", f"must be positive, got {args.compute_scale}")
+    if args.take_profile and not args.out:
+        raise InputError("--out", "--take-profile writes the profile to --out PATH")
+    for opt in ("profile", "calibration"):
+        path = getattr(args, opt)
+        if path and not os.path.isfile(path):
+            raise InputError(f"--{opt}", f"no such file: {path}")
+    bench_outputs(args)
+
+
+def take_profile(model: str, ranks: int, out: str, batch_size: int = 16, timeout: float = 1800) -> dict:
+    """jobs.sim_worker profile on `ranks` ranks of this host; its ROW."""
+    from jobs.cluster_sweep import rows_from
+    from mpicomm.emulation import run_local
+
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    cmd = [sys.executable, "-m", "jobs.sim_worker", "profile", "--model", model, "--batch-size", str(batch_size),
+           "--out", out]
+    return rows_from(run_local(cmd, ranks, timeout, capture=True))[0]
+
+
+def default_profile(model: str, batch_size: int) -> str:
+    """The profile of `model` on one rank of this machine, taken once and kept in CACHE."""
+    path = os.path.join(CACHE, f"{model}-b{batch_size}-r1.json")
+    if not os.path.exists(path):
+        print(f"# no --profile: profiling {model} (batch {batch_size}) on one rank here, once -> {path}", flush=True)
+        take_profile(model, 1, path, batch_size)
+    return path
+
+
+def cluster_for(args, nodes: int, bandwidth: float, profile):
+    from runtime.sim import Cluster
+
+    cal = {}
+    if args.calibration:
+        import json
+
+        with open(args.calibration) as f:
+            cal = json.load(f)["transport"]
+    rpn = args.ranks_per_node
+    return Cluster(nodes=nodes, ranks_per_node=rpn, bandwidth=bandwidth, latency=cal.get("latency", args.latency),
+                   intra_bandwidth=args.intra_bandwidth, oversubscription=args.oversubscription,
+                   efficiency=cal.get("efficiency", 0.94), transport_rate=cal.get("rate", float("inf")),
+                   cpu_per_byte=cal.get("cpu_per_byte", 0.0),
+                   cores_per_host=args.cores_per_host or 2.0 * rpn * profile.threads,
+                   device="gpu" if profile.device == "cuda" else "cpu")
+
+
+def project(args, profile) -> list[dict]:
+    """Every strategy x bandwidth x node count: one row each."""
+    from runtime.sim import simulate
+
+    rows = []
+    for bw in args.bandwidth:
+        for nodes in args.nodes:
+            cluster = cluster_for(args, nodes, bw, profile)
+            for s in args.strategies:
+                t = time.perf_counter()
+                opts = {"density": args.density} if "topk" in s else {}
+                r = simulate(profile, cluster, s, **opts)
+                rows.append(dict(model=profile.model, strategy=s, bandwidth_bps=bw, nodes=nodes,
+                                 ranks_per_node=args.ranks_per_node, ranks=cluster.ranks, t_iter_s=r.t_iter_s,
+                                 samples_per_s=r.samples_per_s, sim_seconds=time.perf_counter() - t,
+                                 events=r.events, **{k: v for k, v in r.details.items() if k in ("p3", "plan")}))
+    base = {}
+    for r in rows:  # speed-up and efficiency against the same strategy on the fewest nodes
+        key = (r["strategy"], r["bandwidth_bps"])
+        b = base.setdefault(key, r)
+        r["speedup"] = r["samples_per_s"] / b["samples_per_s"]
+        r["efficiency"] = r["speedup"] / (r["ranks"] / b["ranks"])
+    return rows
+
+
+def markdown(rows) -> str:
+    lines = ["| model | strategy | Gbit/s | nodes | ranks | T_iter s | samples/s | speed-up | efficiency |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['strategy']} | {r['bandwidth_bps'] / 1e9:g} | {r['nodes']} | {r['ranks']} | "
+                     f"{r['t_iter_s']:.4f} | {r['samples_per_s']:.0f} | {r['speedup']:.2f} | {r['efficiency']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jobs.report import save_figure
+
+    bws = sorted({r["bandwidth_bps"] for r in rows})
+    fig, axes = plt.subplots(1, len(bws), figsize=(5 * len(bws), 4), squeeze=False)
+    for ax, bw in zip(axes[0], bws):
+        mine = [r for r in rows if r["bandwidth_bps"] == bw]
+        for s in dict.fromkeys(r["strategy"] for r in mine):
+            pts = [r for r in mine if r["strategy"] == s]
+            ax.plot([r["nodes"] for r in pts], [r["samples_per_s"] for r in pts], marker="o", label=s)
+        first = min(mine, key=lambda r: r["nodes"])
+        best = max((r for r in mine if r["nodes"] == first["nodes"]), key=lambda r: r["samples_per_s"])
+        xs = sorted({r["nodes"] for r in mine})
+        ax.plot(xs, [best["samples_per_s"] * n / first["nodes"] for n in xs], "k--", lw=0.8, label="linear")
+        ax.set(xscale="log", yscale="log", xlabel="nodes", ylabel="samples/s", title=f"{mine[0]['model']}, {bw / 1e9:g} Gbit/s")
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--validate" in argv:
+        from jobs import sim_validate
+
+        return sim_validate.main([a for a in argv if a != "--validate"])
+    args = parse_args(argv)
+    if args.take_profile:
+        row = take_profile(args.model, args.ranks, args.out, args.batch_size, args.timeout)
+        print(f"profile of {args.model} on {args.ranks} rank(s): step {row['step_s']:.4f} s -> {args.out}")
+        return 0
+    from jobs.report import run_metadata, write_json
+    from runtime.sim import Profile, ProfileError
+
+    try:
+        profile = Profile.load(args.profile or default_profile(args.model, args.batch_size))
+    except ProfileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.compute_scale != 1:
+        profile = profile.scaled(args.compute_scale)
+    t = time.perf_counter()
+    rows = project(args, profile)
+    took = time.perf_counter() - t
+    print(f"profile: {profile.model}, batch {profile.batch_size}, {profile.device}, step {profile.compute_s:.4f} s "
+          f"(x{args.compute_scale:g}); {profile.machine}")
+    print(markdown(rows))
+    print(f"\n{len(rows)} simulations in {took:.2f} s (slowest {max(r['sim_seconds'] for r in rows):.3f} s)")
+    if args.json:
+        write_json(args.json, run_metadata("jobs.simulate", argv, seconds=took, profile=profile.to_json()), rows)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""What moving bytes costs here: one connection's rate, the CPU time per byte, a small message's latency."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .tags import check_tag
+
+BIG_TAG, SMALL_TAG = 11, 12
+
+
+@dataclass(frozen=True)
+class TransportEstimate:
+    """rate: bytes/s one connection moves each way with both ways busy (the slowest pair's);
+    cpu_per_byte: core-seconds a byte costs its two ends together (sender's and receiver's copies,
+    the progress engine's polling while it moves); latency: half a small round trip, seconds."""
+
+    rate: float
+    cpu_per_byte: float
+    latency: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def probe_transport(comm: MPI.Comm, nbytes: int = 8 << 20, repeats: int = 8, rounds: int = 3) -> TransportEstimate:
+    """Collective, on an even number of ranks: rank 2i and 2i+1 exchange `nbytes` both ways `repeats`
+    times per round; the best round of each pair, then the slowest pair's figures, on every rank."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2 or size % 2:
+        raise ValueError(f"probe_transport needs an even number of ranks >= 2, got {size}")
+    c = comm.Dup()
+    try:
+        check_tag(c, SMALL_TAG)
+        peer = rank ^ 1
+        send, recv = np.ones(nbytes, dtype=np.uint8), np.empty(nbytes, dtype=np.uint8)
+        best = (np.inf, np.inf)
+        for r in range(rounds + 1):
+            c.Barrier()
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            for _ in range(repeats):
+                reqs = [c.Irecv([recv, MPI.BYTE], peer, BIG_TAG), c.Isend([send, MPI.BYTE], peer, BIG_TAG)]
+                MPI.Request.Waitall(reqs)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            if r and wall < best[0]:
+                best = (wall, cpu)
+        small = np.zeros(1, dtype=np.float64)
+        trips = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            if rank % 2 == 0:
+                c.Send([small, MPI.DOUBLE], peer, SMALL_TAG)
+                c.Recv([small, MPI.DOUBLE], peer, SMALL_TAG)
+            else:
+                c.Recv([small, MPI.DOUBLE], peer, SMALL_TAG)
+                c.Send([small, MPI.DOUBLE], peer, SMALL_TAG)
+            trips.append(time.perf_counter() - t0)
+        moved = repeats * nbytes  # each way; this process sent and received that much
+        mine = np.array([-moved / best[0], best[1] / moved, float(np.median(trips[5:])) / 2])
+        c.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        return TransportEstimate(float(-mine[0]), float(mine[1]), float(mine[2]))
+    finally:
+        c.Free()

@@ -1,0 +1,119 @@
+"""What each exchange of the toolkit moves over one host's links, as simulated transfers, and a FIFO stream.
+
+Byte counts follow the algorithms in mpicomm, for P ranks on N nodes of L
+ranks each, world ranks placed node by node (a ring then crosses each host's
+link once per step, and its other L - 1 hops stay in shared memory):
+  ring allreduce         2(P-1) steps of B/P per rank
+  ring reduce-scatter,   P-1 steps of B/P per rank (allgather: of the rank's part)
+  p3 slice of s bytes    a push to its owner and the owner's pull back: 2 messages;
+                         of a host's L ranks' slices, (P-L)/P of the bytes cross the link
+  flat top-k             an allgather of each rank's k (index, value) pairs (8 bytes each for fp32)
+  hierarchical top-k     node reduce-scatter (shared memory), an allgather of k/L pairs per
+                         rank across nodes (L of them in parallel), a node allgather
+Each step or message also pays the cluster's latency.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from .cluster import Host
+from .engine import Event
+
+PAIR_BYTES = 8  # a fp32 value and its int32 index (mpicomm.sparse_allreduce.pack)
+
+
+def _ring(host: Host, name: str, steps: int, chunk: float):
+    """`steps` ring steps of `chunk` bytes per rank: the link carries one chunk per step, shared memory L-1."""
+    c = host.cluster
+    P, L, N = c.ranks, c.ranks_per_node, c.nodes
+    if P == 1 or chunk <= 0:
+        return
+    yield host.engine.timeout(steps * c.latency)
+    per_rank = steps * chunk
+    nic = per_rank if N > 1 else 0.0
+    shm = (L - 1) * per_rank
+    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=L * per_rank))
+
+
+def allreduce(host: Host, nbytes: float, name: str = "allreduce"):
+    P = host.cluster.ranks
+    yield from _ring(host, name, 2 * (P - 1), nbytes / P)
+
+
+def reduce_scatter(host: Host, nbytes: float, name: str = "reduce-scatter"):
+    P = host.cluster.ranks
+    yield from _ring(host, name, P - 1, nbytes / P)
+
+
+def allgather(host: Host, part_bytes: float, name: str = "allgather"):
+    """Every rank ends with all P parts of `part_bytes` each."""
+    yield from _ring(host, name, host.cluster.ranks - 1, part_bytes)
+
+
+def slice_round_trip(host: Host, nbytes: float, name: str = "slice"):
+    """One p3 slice of every rank of the host: pushed to its owner, averaged, pulled back."""
+    c = host.cluster
+    P, L = c.ranks, c.ranks_per_node
+    if P == 1:
+        return
+    yield host.engine.timeout(2 * c.latency)
+    nic = 2 * L * nbytes * (P - L) / P
+    shm = 2 * L * nbytes * (L - 1) / P
+    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=2 * L * nbytes * (P - 1) / P))
+
+
+def sparse_allgather(host: Host, pairs: float, name: str = "topk allgather"):
+    """Flat top-k: every rank's `pairs` (index, value) pairs round the world ring."""
+    yield from allgather(host, pairs * PAIR_BYTES, name)
+
+
+def hierarchical_sparse(host: Host, dense_bytes: float, pairs: float, select, name: str = "hier-topk"):
+    """MSTopK's four steps; `select(elements)` is the process selecting from this rank's shard."""
+    c = host.cluster
+    L, N = c.ranks_per_node, c.nodes
+    if L > 1:  # 1. reduce-scatter inside the node: shared memory only
+        yield host.engine.timeout((L - 1) * c.latency)
+        per_rank = (L - 1) / L * dense_bytes
+        yield host.engine.start(host.transfer(f"{name} node reduce-scatter", 0.0, (L - 1) * per_rank,
+                                              cpu_bytes=L * per_rank))
+    yield from select(dense_bytes / 4 / L)  # 2. select from the shard
+    if N > 1:  # 3. L cross allgathers in parallel, k/L pairs per rank, one per node on each
+        yield host.engine.timeout((N - 1) * c.latency)
+        per_rank = (N - 1) * pairs / L * PAIR_BYTES
+        yield host.engine.start(host.transfer(f"{name} cross allgather", L * per_rank, 0.0, cpu_bytes=L * per_rank))
+    if L > 1:  # 4. allgather inside the node of the N·k/L pairs each rank holds
+        yield host.engine.timeout((L - 1) * c.latency)
+        per_rank = (L - 1) * N * pairs / L * PAIR_BYTES
+        yield host.engine.start(host.transfer(f"{name} node allgather", 0.0, (L - 1) * per_rank,
+                                              cpu_bytes=L * per_rank))
+
+
+class Stream:
+    """Exchanges that one progress thread (or gloo's worker) runs one after another, in submission order."""
+
+    def __init__(self, host: Host):
+        self.host = host
+        self._queue: deque = deque()
+        self._busy = False
+
+    def submit(self, gen) -> Event:
+        """Queue the process `gen`; the event fires when it has run."""
+        done = Event()
+        self._queue.append((gen, done))
+        if not self._busy:
+            self._next()
+        return done
+
+    def _next(self) -> None:
+        if not self._queue:
+            self._busy = False
+            return
+        self._busy = True
+        gen, done = self._queue.popleft()
+
+        def finished(_):
+            done.succeed()
+            self._next()
+
+        self.host.engine.process(gen).then(finished)

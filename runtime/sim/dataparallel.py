@@ -1,0 +1,192 @@
+"""Data-parallel strategies as event schedules: the training step, and when each one's exchanges run."""
+
+from __future__ import annotations
+
+import math
+
+from .cluster import Cluster, Host
+from .collectives import Stream, allgather, allreduce, hierarchical_sparse, reduce_scatter, sparse_allgather
+from .engine import Engine, Event, all_of
+from .profile import Profile
+
+DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 << 20, 1 << 20  # torch DDP's bucket_cap_mb=25 and first bucket
+WFBP_FUSE_BYTES = 1 << 20  # runtime.options.DEFAULT_FUSE_BYTES
+
+
+class Run:
+    """One simulated run: the clock, the representative host and the profile; compute as it was measured."""
+
+    def __init__(self, profile: Profile, cluster: Cluster):
+        self.profile, self.cluster = profile, cluster
+        self.engine = Engine()
+        self.host = Host(self.engine, cluster)
+        self.stream = Stream(self.host)
+
+    def compute(self, name: str, seconds: float) -> Event:
+        return self.engine.start(self.host.compute(name, seconds, self.profile.cores_per_rank))
+
+
+class Schedule:
+    """The plain step (forward, backward, optimizer); strategies add their exchanges through the hooks."""
+
+    deferred = False  # True: no wait after backward, each layer waits before its next forward (p3)
+
+    def __init__(self, run: Run, **options):
+        self.run, self.p = run, run.profile
+        self.options = options
+        self.pending: list[Event] = []
+
+    def before_forward(self, i: int, step: int):
+        """A process run before layer i's forward (p3: wait for its parameters, apply its update)."""
+        return iter(())
+
+    def grad_ready(self, i: int, step: int) -> None:
+        """Layer i's gradients exist (backward order: last layer first)."""
+
+    def finish(self, step: int):
+        """After backward: wait for the exchange, then the optimizer step."""
+        if self.pending:
+            yield all_of(self.pending)
+            self.pending = []
+        yield self.run.compute("optimizer", self.p.optimizer_s)
+
+
+def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
+    """Simulate `steps` steps; the time each one ended (its optimizer step done, or for p3 its backward)."""
+    p, ends = run.profile, []
+
+    def proc():
+        for step in range(steps):
+            for i, layer in enumerate(p.layers):
+                yield from schedule.before_forward(i, step)
+                yield run.compute(f"forward {layer.name}", layer.fwd_s)
+            yield run.compute("loss and the rest", p.other_s)
+            for i in reversed(range(len(p.layers))):
+                yield run.compute(f"backward {p.layers[i].name}", p.layers[i].bwd_s)
+                schedule.grad_ready(i, step)
+            yield from schedule.finish(step)
+            ends.append(run.engine.now)
+
+    run.engine.process(proc())
+    run.engine.run()
+    if len(ends) != steps:
+        raise RuntimeError(f"simulation of {steps} steps ended after {len(ends)}")
+    return ends
+
+
+class AllreduceSchedule(Schedule):
+    """One ring allreduce of every gradient once backward is over (or, with pto, PTO's halves)."""
+
+    def finish(self, step: int):
+        nbytes = self.p.grad_bytes
+        if self.options.get("pto"):
+            yield from pto_update(self.run, nbytes)
+            return
+        yield self.run.engine.process(allreduce(self.run.host, nbytes))
+        yield self.run.compute("optimizer", self.p.optimizer_s)
+
+
+def pto_update(run: Run, nbytes: float):
+    """PTO: reduce-scatter, this rank's 1/P of the optimizer step, allgather of the parameters."""
+    P = run.cluster.ranks
+    yield run.engine.process(reduce_scatter(run.host, nbytes))
+    yield run.compute("sharded optimizer", run.profile.optimizer_s / P)
+    yield run.engine.process(allgather(run.host, nbytes / P, "parameter allgather"))
+
+
+class _Param:
+    """What runtime.dense.wfbp.buckets reads of a parameter, so the simulation buckets exactly as it does."""
+
+    def __init__(self, numel: int, itemsize: int):
+        self._n, self._s, self.dtype = numel, itemsize, "float"
+
+    def numel(self) -> int:
+        return self._n
+
+    def element_size(self) -> int:
+        return self._s
+
+
+def param_layers(p: Profile, skip=frozenset()) -> tuple[list[int], list[int]]:
+    """Every parameter's size in elements and its layer's index, registration order (layers in `skip` left out)."""
+    sizes, owner = [], []
+    for i, layer in enumerate(p.layers):
+        if i in skip:
+            continue
+        for n in layer.params:
+            sizes.append(n)
+            owner.append(i)
+    return sizes, owner
+
+
+class BucketSchedule(Schedule):
+    """Buckets in backward order, each one's allreduce queued the moment its last gradient exists."""
+
+    def __init__(self, run: Run, **options):
+        super().__init__(run, **options)
+        self.buckets = self.layout(options.get("skip", frozenset()))  # [(bytes, {layer indices})]
+        self._left: list[set] = []
+
+    def layout(self, skip) -> list[tuple[int, set]]:
+        from runtime.dense.wfbp import buckets
+
+        sizes, owner = param_layers(self.p, skip)
+        params = [_Param(n, self.p.itemsize) for n in sizes]
+        fuse = self.options.get("fuse_bytes", WFBP_FUSE_BYTES)
+        return [(sum(sizes[j] for j in b) * self.p.itemsize, {owner[j] for j in b}) for b in buckets(params, fuse)]
+
+    def grad_ready(self, i: int, step: int) -> None:
+        if not self._left:
+            self._left = [set(layers) for _, layers in self.buckets]
+        for b, left in enumerate(self._left):
+            if i in left:
+                left.discard(i)
+                if not left:
+                    self.pending.append(self.run.stream.submit(allreduce(self.run.host, self.buckets[b][0],
+                                                                         f"bucket {b}")))
+
+    def finish(self, step: int):
+        self._left = []
+        yield from super().finish(step)
+
+
+class DdpSchedule(BucketSchedule):
+    """torch DDP: 25 MiB buckets (the first 1 MiB) in reverse registration order, allreduced in order."""
+
+    def layout(self, skip) -> list[tuple[int, set]]:
+        sizes, owner = param_layers(self.p, skip)
+        out, cur, size, cap = [], set(), 0, DDP_FIRST_BUCKET_BYTES
+        for j in reversed(range(len(sizes))):
+            cur.add(owner[j])
+            size += sizes[j] * self.p.itemsize
+            if size >= cap:
+                out.append((size, cur))
+                cur, size, cap = set(), 0, DDP_BUCKET_BYTES
+        if cur:
+            out.append((size, cur))
+        return out
+
+
+def topk_pairs(elements: int, density: float) -> int:
+    """runtime.sparse's k for `elements` at `density` (at least one)."""
+    return max(1, math.ceil(elements * density))
+
+
+class TopkSchedule(Schedule):
+    """Top-k after backward: select from the whole gradient, exchange the pairs, add them up, optimizer."""
+
+    def finish(self, step: int):
+        run, p = self.run, self.p
+        n = sum(l.elements for l in p.layers)
+        density = self.options.get("density", 1e-3)
+        k = topk_pairs(n, density)
+
+        def select(elements):
+            yield run.compute("top-k selection", elements * p.select_s_per_element)
+
+        if self.options.get("hierarchical"):
+            yield run.engine.process(hierarchical_sparse(run.host, n * p.itemsize, k, select))
+        else:
+            yield from select(n)
+            yield run.engine.process(sparse_allgather(run.host, k))
+        yield run.compute("optimizer", p.optimizer_s)

@@ -1,0 +1,101 @@
+"""P3 as an event schedule: slices by forward priority, `credit` in flight, each layer gated before its forward."""
+
+from __future__ import annotations
+
+import heapq
+
+from mpicomm.link_probe import LinkEstimate
+from runtime.p3 import tuning
+
+from .collectives import slice_round_trip
+from .dataparallel import Run, Schedule, param_layers
+from .engine import Event
+
+
+def p3_settings(run: Run, slice_size="auto", credit="auto") -> tuning.P3Tuning:
+    """What runtime.p3.tuning would choose on this cluster: the link probe's figures, from the model of the link."""
+    c, p = run.cluster, run.profile
+    total = p.grad_bytes
+    probed = "auto" in (slice_size, credit) and c.ranks > 1 and \
+        total > tuning.MIN_SLICE_BYTES * tuning.SLICES_PER_OWNER * c.ranks
+    link = None
+    if probed:
+        # The probe sends to every peer at once: a host's link (or the transport) shared by its ranks.
+        rate = min(c.link_bytes_per_s(), c.transport_rate) / c.ranks_per_node if c.nodes > 1 \
+            else c.intra_bandwidth / 8
+        link = LinkEstimate(rate, 2 * c.latency)
+    return tuning.choose(link, total, p.itemsize, c.ranks, slice_size, credit)
+
+
+class P3Schedule(Schedule):
+    """Slices of the flat gradient (registration order), each one's priority its first layer's forward index."""
+
+    deferred = True
+
+    def __init__(self, run: Run, **options):
+        super().__init__(run, **options)
+        self.tuning = p3_settings(run, options.get("slice_size", "auto"), options.get("credit", "auto"))
+        sizes, owner = param_layers(self.p)
+        n_slice = self.tuning.slice_size
+        # Slice s covers elements [s·n, (s+1)·n) of the flat buffer: the layers it touches.
+        bounds, a = [], 0
+        for n, layer in zip(sizes, owner):
+            bounds.append((a, a + n, layer))
+            a += n
+        total, self.slices = a, []
+        for start in range(0, total, n_slice):
+            end = min(start + n_slice, total)
+            layers = {layer for lo, hi, layer in bounds if lo < end and hi > start}
+            self.slices.append((end - start, layers))
+        self.slices_of = {i: [s for s, (_, ls) in enumerate(self.slices) if i in ls] for i in range(len(self.p.layers))}
+        self.messages = len(self.slices)
+        self._ready: list = []  # heap of (priority, slice) ready to send
+        self._in_flight = 0
+        self._waiting: list[set] = []  # per slice: layers whose gradients it still needs
+        self._back: dict[int, Event] = {}  # layer -> fired when all of its slices are back (this step)
+        self._layer_left: dict[int, int] = {}
+        self._params_ready: dict[int, Event] = {}  # layer -> its update may run (previous step's)
+        self._updated: set = set()
+
+    def before_forward(self, i: int, step: int):
+        if step == 0:
+            return
+        yield self._params_ready[i]
+        if i not in self._updated:
+            # The deferred update takes along every later layer already back (runtime.p3's averaged()).
+            along = [j for j in range(i, len(self.p.layers))
+                     if j not in self._updated and self._params_ready[j].fired]
+            share = sum(self.p.layers[j].elements for j in along) / sum(l.elements for l in self.p.layers)
+            self._updated.update(along)
+            yield self.run.compute("deferred update", self.p.optimizer_s * share)
+
+    def grad_ready(self, i: int, step: int) -> None:
+        if i == len(self.p.layers) - 1:  # the first gradient of this step: a new exchange
+            self._waiting = [set(ls) for _, ls in self.slices]
+            self._layer_left = {j: len(self.slices_of[j]) for j in range(len(self.p.layers))}
+            self._params_ready = {j: Event() for j in range(len(self.p.layers))}
+            self._updated = set()
+        for s in self.slices_of[i]:
+            left = self._waiting[s]
+            left.discard(i)
+            if not left:
+                heapq.heappush(self._ready, (min(self.slices[s][1]), s))
+        self._send()
+
+    def _send(self) -> None:
+        while self._ready and self._in_flight < self.tuning.credit:
+            _, s = heapq.heappop(self._ready)
+            self._in_flight += 1
+            proc = slice_round_trip(self.run.host, self.slices[s][0] * self.p.itemsize, f"slice {s}")
+            self.run.engine.process(proc).then(lambda _, s=s: self._returned(s))
+
+    def _returned(self, s: int) -> None:
+        self._in_flight -= 1
+        for j in self.slices[s][1]:
+            self._layer_left[j] -= 1
+            if self._layer_left[j] == 0:
+                self._params_ready[j].succeed()
+        self._send()
+
+    def finish(self, step: int):
+        return iter(())  # step() returns at once: the next forward waits per layer

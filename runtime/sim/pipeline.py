@@ -1,0 +1,115 @@
+"""The pipeline as an event schedule: stages on their own hosts running runtime.pipeline's 1F1B order.
+
+Stages are not alike, so each gets a host of its own (a Host per stage, one
+engine): stage k runs the ops of runtime.pipeline.schedule in order; a
+forward waits for the previous stage's activation, a backward for the next
+stage's gradient, and each result is sent on at once (non-blocking) over the
+two hosts' links. The split is runtime.pipeline.partition's (PipeDream's
+dynamic programme over the profile's layers). "flush" drains every step
+(PipeDream-Flush); the asynchronous modes (vanilla, stash, spectrain) never
+drain, so step t's forwards follow straight on from step t-1's. With
+`replicas` > 1 each stage is data-parallel over that many ranks: after its
+step, an allreduce of the stage's gradients among them.
+"""
+
+from __future__ import annotations
+
+from runtime.pipeline import schedule as order
+from runtime.pipeline.partition import LayerProfile, best_balance
+
+from .cluster import Cluster, Host
+from .collectives import allreduce
+from .engine import Activity, Engine, Event
+from .profile import Profile
+
+MODES = ("flush", "vanilla", "stash", "spectrain")
+
+
+def stage_split(profile: Profile, stages: int, bandwidth: float, scale: float) -> list[range]:
+    """Layer ranges per stage: the partitioner's balance over the profile's layers (a micro-batch's times)."""
+    layers = [LayerProfile(l.name, (l.fwd_s + l.bwd_s) * scale, int(l.act_bytes * scale), l.elements * 4, l.elements)
+              for l in profile.layers]
+    balance = best_balance(layers, stages, bandwidth)
+    out, a = [], 0
+    for n in balance:
+        out.append(range(a, a + n))
+        a += n
+    return out
+
+
+def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mode: str = "flush", steps: int = 6,
+                      replicas: int = 1) -> tuple[float, list[range]]:
+    """Mean step time after the first two steps, and the split. One stage per node; the global batch is the
+    profile's batch x replicas, each micro-batch 1/microbatches of it (compute scaled linearly)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    S = cluster.nodes
+    if S < 2 or S > len(profile.layers):
+        raise ValueError(f"a pipeline needs 2 to {len(profile.layers)} stages (one per node), got {S}")
+    scale = 1.0 / microbatches
+    split = stage_split(profile, S, cluster.bandwidth, scale)
+    engine = Engine()
+    one_rank = cluster.with_(ranks_per_node=1)
+    hosts = [Host(engine, one_rank, f"stage {k}") for k in range(S)]
+    replica_cluster = cluster.with_(nodes=replicas, ranks_per_node=1)
+    fwd = [sum(profile.layers[i].fwd_s for i in r) * scale for r in split]
+    bwd = [sum(profile.layers[i].bwd_s for i in r) * scale for r in split]
+    fwd[-1] += profile.other_s * scale
+    act = [profile.layers[r[-1]].act_bytes * scale for r in split]
+    share = [sum(profile.layers[i].elements for i in r) / sum(l.elements for l in profile.layers) for r in split]
+    arrived: dict = {}  # (kind, stage, micro-batch) -> Event
+    ends = [[] for _ in range(S)]
+
+    def event(key) -> Event:
+        return arrived.setdefault(key, Event())
+
+    def send(kind: str, src: int, dst: int, mb: int, nbytes: float) -> None:
+        a, b = hosts[src], hosts[dst]
+        loads = ((a.cores, cluster.cpu_per_byte / 2), (b.cores, cluster.cpu_per_byte / 2)) if cluster.cpu_per_byte else ()
+        act_ = Activity(f"{kind} {mb} {src}->{dst}", nbytes, uses=((a.out, 1.0), (b.into, 1.0)), loads=loads,
+                        cap=cluster.transport_rate)
+
+        def go():
+            yield engine.timeout(cluster.latency)
+            yield engine.start(act_)
+            event((kind, dst, mb)).succeed()
+
+        engine.process(go())
+
+    def stage(k: int):
+        h = hosts[k]
+        # The stage's replicas: the same host's link carries their allreduce (a fresh set of resources would
+        # let it overlap the pipeline's own messages for free).
+        replica_host = Host(engine, replica_cluster, f"stage {k} replicas")
+        replica_host.out, replica_host.into, replica_host.cores = h.out, h.into, h.cores
+        for t in range(steps):
+            M = microbatches
+            base = t * M if mode == "flush" else 0
+            ops = list(order.step_ops(k, S, t * M, M, base))
+            if mode == "flush":
+                ops += list(order.drain_ops(k, S, (t + 1) * M, base))
+            for op, mb in ops:
+                if op == order.FORWARD:
+                    if k > 0:
+                        yield event(("act", k, mb))
+                    yield engine.start(h.compute(f"F{mb}", fwd[k], profile.cores_per_rank))
+                    if k < S - 1:
+                        send("act", k, k + 1, mb, act[k])
+                else:
+                    if k < S - 1:
+                        yield event(("grad", k, mb))
+                    yield engine.start(h.compute(f"B{mb}", bwd[k], profile.cores_per_rank))
+                    if k > 0:
+                        send("grad", k, k - 1, mb, act[k - 1])
+            if replicas > 1:
+                yield engine.process(allreduce(replica_host, profile.grad_bytes * share[k]))
+            yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k], profile.cores_per_rank))
+            ends[k].append(engine.now)
+
+    for k in range(S):
+        engine.process(stage(k))
+    engine.run()
+    step_ends = [max(e[t] for e in ends) for t in range(steps)]
+    skip = 2 if steps > 3 else 0
+    t_iter = (step_ends[-1] - step_ends[skip - 1]) / (steps - skip) if skip else step_ends[-1] / steps
+    return t_iter, split

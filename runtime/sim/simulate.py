@@ -1,0 +1,81 @@
+"""Simulate one strategy on one cluster from a profile: the steady-state time per training step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cluster import Cluster
+from .dataparallel import AllreduceSchedule, BucketSchedule, DdpSchedule, Run, Schedule, TopkSchedule, train
+from .hybrid import HybcommSchedule
+from .p3 import P3Schedule
+from .pipeline import MODES as PIPELINE_MODES, simulate_pipeline
+from .profile import Profile
+
+# jobs.bench's contender names -> (schedule, options). "+pto" may follow allreduce.
+SCHEDULES = {
+    "compute": (Schedule, {}),
+    "allreduce": (AllreduceSchedule, {}),
+    "allreduce+pto": (AllreduceSchedule, {"pto": True}),
+    "wfbp": (BucketSchedule, {}),
+    "ddp": (DdpSchedule, {}),
+    "p3": (P3Schedule, {}),
+    "hybcomm": (HybcommSchedule, {}),
+    "hybcomm-sfb": (HybcommSchedule, {"force": "sfb"}),
+    "hybcomm-ps": (HybcommSchedule, {"force": "ps"}),
+    "topk": (TopkSchedule, {}),
+    "hier-topk": (TopkSchedule, {"hierarchical": True}),
+}
+STEPS = 6  # simulated steps; the first two (start-up, p3's first exchange) are left out of the average
+
+
+class UnknownStrategyError(ValueError):
+    """A strategy name the simulator has no schedule for."""
+
+
+@dataclass(frozen=True)
+class Result:
+    strategy: str
+    t_iter_s: float
+    cluster: str
+    events: int  # rate re-sharings: what the simulation cost
+    details: dict
+
+    @property
+    def samples_per_s(self) -> float:
+        return 0.0 if not self.t_iter_s else self.details["samples_per_step"] / self.t_iter_s
+
+
+def schedule_for(name: str):
+    if name.startswith("pipeline-") and name.removeprefix("pipeline-") in PIPELINE_MODES:
+        return simulate_pipeline, {"mode": name.removeprefix("pipeline-")}
+    if name.startswith("p3@"):
+        slice_size, _, credit = name.removeprefix("p3@").partition("/")
+        as_opt = lambda v: v if v == "auto" else int(v)  # noqa: E731
+        return P3Schedule, {"slice_size": as_opt(slice_size), "credit": as_opt(credit)}
+    if name not in SCHEDULES:
+        raise UnknownStrategyError(f"no simulated schedule for {name!r} (have {', '.join(SCHEDULES)}, "
+                                   f"p3@SLICE/CREDIT, {', '.join('pipeline-' + m for m in PIPELINE_MODES)})")
+    return SCHEDULES[name]
+
+
+def simulate(profile: Profile, cluster: Cluster, strategy: str, steps: int = STEPS, **options) -> Result:
+    """Simulate `steps` steps of `strategy`; T_iter is the mean step over all but the first two."""
+    cls, defaults = schedule_for(strategy)
+    if cls is simulate_pipeline:  # one stage per node; options: microbatches, replicas
+        opts = {"microbatches": 4, **defaults, **options}
+        t_iter, split = simulate_pipeline(profile, cluster, steps=steps, **opts)
+        return Result(strategy, t_iter, cluster.describe(), 0,
+                      {"samples_per_step": profile.batch_size * opts.get("replicas", 1), "ranks": cluster.ranks,
+                       "stages": [f"{r.start}-{r.stop - 1}" for r in split], "microbatches": opts["microbatches"]})
+    run = Run(profile, cluster)
+    schedule = cls(run, **{**defaults, **options})
+    ends = train(run, schedule, steps)
+    skip = 2 if steps > 3 else 1 if steps > 1 else 0
+    t_iter = (ends[-1] - ends[skip - 1]) / (steps - skip) if skip else ends[-1]
+    details = {"samples_per_step": profile.batch_size * cluster.ranks, "ranks": cluster.ranks}
+    if isinstance(schedule, P3Schedule):
+        details["p3"] = schedule.tuning.describe(profile.itemsize)
+        details["messages"] = schedule.messages
+    if isinstance(schedule, HybcommSchedule):
+        details["plan"] = schedule.plan
+    return Result(strategy, t_iter, cluster.describe(), run.engine.events, details)

@@ -1,0 +1,218 @@
+"""runtime.sim: the fluid engine's sharing, byte counts against the formulas, each schedule against its reasoning."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from runtime.sim import Cluster, Layer, Profile, ProfileError, UnknownStrategyError, simulate
+from runtime.sim.cluster import ClusterError, Host
+from runtime.sim.collectives import allreduce
+from runtime.sim.dataparallel import DdpSchedule, Run
+from runtime.sim.engine import Activity, Engine, Pool, Resource, SimulationError
+from runtime.sim.measure import measure
+
+
+def toy(n=8, fwd=0.01, bwd=0.02, params=1_000_000, opt=0.0, other=0.0, linear=False) -> Profile:
+    layers = tuple(Layer(f"l{i}", fwd, bwd, (params, 1000), 4 * params // 100,
+                         (1000, 1000, 16, True) if linear else None) for i in range(n))
+    return Profile("toy", 16, "cpu", layers, step_s=n * (fwd + bwd) + opt + other, optimizer_s=opt, other_s=other)
+
+
+def fast_net(nodes, rpn=1, bw=1e9, latency=0.0, **kw) -> Cluster:
+    return Cluster(nodes=nodes, ranks_per_node=rpn, bandwidth=bw, latency=latency, efficiency=1.0, **kw)
+
+
+# -- the engine -------------------------------------------------------------------------------------
+
+def test_two_flows_share_a_link_equally_then_the_survivor_takes_it_all():
+    e = Engine()
+    link = Resource("link", 100.0)
+    a, b = Activity("a", 100, uses=[(link, 1)]), Activity("b", 200, uses=[(link, 1)])
+    done = {}
+    for x in (a, b):
+        e.start(x).then(lambda _, x=x: done.setdefault(x.name, e.now))
+    e.run()
+    assert done["a"] == pytest.approx(2.0) and done["b"] == pytest.approx(3.0)
+
+
+def test_max_min_fairness_gives_the_unconstrained_flow_what_the_bottlenecked_one_cannot_use():
+    e = Engine()
+    l1, l2 = Resource("l1", 100.0), Resource("l2", 30.0)
+    a, b = Activity("a", 1e9, uses=[(l1, 1)]), Activity("b", 1e9, uses=[(l1, 1), (l2, 1)])
+    e.start(a), e.start(b)
+    e.run(until=1.0)
+    assert b.rate == pytest.approx(30.0) and a.rate == pytest.approx(70.0)
+
+
+def test_an_oversubscribed_pool_slows_everything_on_it_in_proportion():
+    e = Engine()
+    cores, link = Pool("cores", 1.0), Resource("link", 100.0)
+    work = Activity("compute", 1.0, loads=[(cores, 1.0)], cap=1.0)
+    copy = Activity("copy", 1e9, uses=[(link, 1)], loads=[(cores, 0.005)])  # 100 B/s x 0.005 = 0.5 core
+    e.start(work)
+    e.start(copy)
+    e.run(until=0.5)
+    assert work.rate == pytest.approx(1 / 1.5) and copy.rate == pytest.approx(100 / 1.5)
+
+
+def test_processes_wait_on_events_and_lists_of_them():
+    e = Engine()
+    log = []
+
+    def proc():
+        yield e.timeout(1.0)
+        log.append(e.now)
+        yield [e.timeout(2.0), e.timeout(0.5)]
+        log.append(e.now)
+        return "done"
+
+    finished = e.process(proc())
+    e.run()
+    assert log == [1.0, 3.0] and finished.value == "done"
+
+
+def test_a_process_yielding_something_else_is_an_error():
+    e = Engine()
+    with pytest.raises(SimulationError, match="not an Event"):
+        e.process(x for x in [42])
+
+
+# -- collectives ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nodes,rpn", [(4, 1), (16, 8), (2, 4), (1, 4)])
+def test_ring_allreduce_time_is_the_bandwidth_and_latency_bound(nodes, rpn):
+    c = Cluster(nodes=nodes, ranks_per_node=rpn, bandwidth=8e9, latency=1e-5, efficiency=1.0, intra_bandwidth=800e9)
+    e = Engine()
+    host = Host(e, c)
+    nbytes = 64 << 20
+    e.process(allreduce(host, nbytes))
+    P = c.ranks
+    per_rank = 2 * (P - 1) / P * nbytes
+    wire = per_rank / 1e9 if nodes > 1 else (rpn - 1) * per_rank / 100e9
+    assert e.run() == pytest.approx(2 * (P - 1) * 1e-5 + wire, rel=1e-9)
+
+
+def test_cluster_refuses_nonsense():
+    with pytest.raises(ClusterError, match="nodes"):
+        Cluster(nodes=0)
+    with pytest.raises(ClusterError, match="oversubscription"):
+        Cluster(nodes=2, oversubscription=0.5)
+    with pytest.raises(ClusterError, match="device"):
+        Cluster(nodes=2, device="tpu")
+
+
+# -- schedules --------------------------------------------------------------------------------------
+
+def test_compute_alone_is_the_profiled_step():
+    p = toy(opt=0.05, other=0.01)
+    assert simulate(p, fast_net(4), "compute").t_iter_s == pytest.approx(p.compute_s)
+
+
+def test_allreduce_adds_the_whole_exchange_after_backward():
+    p, c = toy(), fast_net(4, latency=1e-4)
+    exchange = 2 * 3 * 1e-4 + 2 * 3 / 4 * p.grad_bytes / (1e9 / 8)
+    assert simulate(p, c, "allreduce").t_iter_s == pytest.approx(p.compute_s + exchange, rel=1e-9)
+
+
+def test_wait_free_strategies_hide_communication_behind_backward():
+    p, c = toy(), fast_net(4, bw=10e9)
+    t = {s: simulate(p, c, s).t_iter_s for s in ("compute", "allreduce", "wfbp", "ddp", "p3")}
+    exchange = t["allreduce"] - t["compute"]
+    for s in ("wfbp", "ddp", "p3"):
+        assert max(t["compute"], exchange) - 1e-9 <= t[s] < t["allreduce"], (s, t)
+
+
+def test_p3_gates_each_layer_and_beats_wfbp_when_the_link_is_the_limit():
+    # All gradients in the first layers: wfbp's FIFO finishes them last, p3 sends them first so that the
+    # next forward can start while the rest still travels.
+    layers = tuple(Layer(f"l{i}", 0.02, 0.04, (4_000_000 if i < 2 else 1000,)) for i in range(8))
+    p = Profile("front-heavy", 16, "cpu", layers, step_s=0.48, optimizer_s=0.0, other_s=0.0)
+    c = fast_net(4, bw=2e9)
+    assert simulate(p, c, "p3").t_iter_s < simulate(p, c, "wfbp").t_iter_s
+
+
+def test_ddp_buckets_are_torchs():
+    from torch import distributed as dist
+
+    from runtime.models import build_model
+
+    model = build_model("vgg19")
+    layers = []
+    for name, m in model.named_modules():
+        own = [q.numel() for q in m.parameters(recurse=False)]
+        if own:
+            layers.append(Layer(name, 0.0, 0.0, tuple(own)))
+    p = Profile("vgg19", 16, "cpu", tuple(layers), step_s=0.0, optimizer_s=0.0, other_s=0.0)
+    mine = [size for size, _ in DdpSchedule(Run(p, fast_net(2))).buckets]
+    params = list(model.parameters())[::-1]  # backward's order, as the reducer rebuilds its buckets
+    idx, _ = dist._compute_bucket_assignment_by_size(params, [1 << 20, 25 << 20], [False] * len(params))
+    assert mine == [sum(params[i].numel() * 4 for i in b) for b in idx]
+
+
+def test_sparse_and_hierarchical_topk_move_less_than_allreduce_on_slow_links():
+    p, c = toy(), fast_net(16, rpn=4, bw=1e9)
+    t = {s: simulate(p, c, s).t_iter_s for s in ("allreduce", "topk", "hier-topk")}
+    assert t["hier-topk"] < t["topk"] < t["allreduce"]
+
+
+def test_hybcomm_follows_the_cost_model_and_forced_paths_differ():
+    p, c = toy(linear=True), fast_net(8, bw=1e9)
+    auto = simulate(p, c, "hybcomm")
+    assert set(auto.details["plan"].values()) <= {"sfb", "ps"}
+    assert simulate(p, c, "hybcomm-sfb").details["plan"] == {l.name: "sfb" for l in p.layers}
+    assert simulate(p, c, "hybcomm-ps").t_iter_s != simulate(p, c, "hybcomm-sfb").t_iter_s
+
+
+def test_pipeline_flush_matches_the_1f1b_tick_count_and_async_never_drains():
+    from runtime.pipeline.schedule import ticks
+
+    p, c = toy(n=8, params=1000), fast_net(4, bw=100e9)  # 2 layers a stage, messages ~free
+    M = 8
+    per_op = 2 * (0.01 + 0.02) / M  # a forward and a backward of one micro-batch, per stage
+    span = max(max(d.values()) for d in ticks(4, M)) + 1  # ticks of one drained step, F and B one tick each
+    flush = simulate(p, c, "pipeline-flush", microbatches=M).t_iter_s
+    assert flush == pytest.approx((M + 4 - 1) * per_op, rel=0.01)
+    assert span == 2 * (M + 4 - 1)
+    assert simulate(p, c, "pipeline-spectrain", microbatches=M).t_iter_s == pytest.approx(M * per_op, rel=0.01)
+
+
+def test_unknown_strategy_names_the_known_ones():
+    with pytest.raises(UnknownStrategyError, match="allreduce"):
+        simulate(toy(), fast_net(2), "gossip")
+
+
+def test_a_thousand_ranks_simulate_quickly_and_finitely():
+    p = toy(n=40)
+    for s in ("allreduce", "wfbp", "ddp", "p3", "hybcomm", "topk", "hier-topk", "allreduce+pto"):
+        r = simulate(p, Cluster(nodes=128, ranks_per_node=8, bandwidth=25e9), s)
+        assert math.isfinite(r.t_iter_s) and r.t_iter_s >= p.compute_s * 0.99
+
+
+# -- profiles ---------------------------------------------------------------------------------------
+
+def test_measure_profiles_every_layer_of_a_real_model_and_round_trips(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p = measure(model, (x,), y, torch.nn.functional.cross_entropy, opt, steps=2, warmup=1, name="mlp",
+                sparse_density=0.1, gflops=False)
+    assert [l.name for l in p.layers] == ["0", "2"]
+    assert [l.params for l in p.layers] == [(2048, 64), (640, 10)]
+    assert p.layers[0].act_bytes == 8 * 64 * 4  # the next layer's input: after the ReLU
+    assert p.layers[0].linear == (32, 64, 8, True) and p.layers[1].linear == (64, 10, 8, True)
+    assert all(l.fwd_s > 0 and l.bwd_s > 0 for l in p.layers) and p.select_s_per_element > 0
+    path = tmp_path / "p.json"
+    p.save(str(path))
+    assert Profile.load(str(path)) == p
+
+
+def test_a_file_that_is_not_a_profile_says_so(tmp_path):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ProfileError, match="not a mpitrain-profile"):
+        Profile.load(str(path))
