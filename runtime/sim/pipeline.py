@@ -8,8 +8,8 @@ two hosts' links. The split is runtime.pipeline.partition's (PipeDream's
 dynamic programme over the profile's layers). "flush" drains every step
 (PipeDream-Flush); the asynchronous modes (vanilla, stash, spectrain) never
 drain, so step t's forwards follow straight on from step t-1's. With
-`replicas` > 1 each stage is data-parallel over that many ranks: after its
-step, an allreduce of the stage's gradients among them.
+more ranks than stages each stage is data-parallel over its replicas: after
+its step, an allreduce of the stage's gradients among them.
 """
 
 from __future__ import annotations
@@ -37,21 +37,35 @@ def stage_split(profile: Profile, stages: int, bandwidth: float, scale: float) -
     return out
 
 
+def default_stages(profile: Profile, cluster: Cluster) -> int:
+    """Up to 4 stages (fewer for a short model or few ranks), dividing the ranks."""
+    for s in range(min(4, len(profile.layers), cluster.ranks), 1, -1):
+        if cluster.ranks % s == 0:
+            return s
+    raise ValueError(f"no pipeline of 2 or more stages fits {cluster.ranks} ranks and {len(profile.layers)} layers")
+
+
 def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mode: str = "flush", steps: int = 6,
-                      replicas: int = 1) -> tuple[float, list[range]]:
-    """Mean step time after the first two steps, and the split. One stage per node; the global batch is the
-    profile's batch x replicas, each micro-batch 1/microbatches of it (compute scaled linearly)."""
+                      stages: int | None = None) -> tuple[float, list[range]]:
+    """Mean step time after the first two steps, and the split.
+
+    `stages` stages (default_stages) of ranks / stages replicas each, every rank of a stage on its own
+    node (a node's link shared by its ranks, its cores too); each replica runs the profile's batch per
+    step, each micro-batch 1/microbatches of it (compute scaled linearly).
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    S = cluster.nodes
-    if S < 2 or S > len(profile.layers):
-        raise ValueError(f"a pipeline needs 2 to {len(profile.layers)} stages (one per node), got {S}")
+    S = stages or default_stages(profile, cluster)
+    if not 2 <= S <= len(profile.layers) or cluster.ranks % S:
+        raise ValueError(f"{S} stages: need 2 to {len(profile.layers)} (the layers), dividing {cluster.ranks} ranks")
+    replicas = cluster.ranks // S
     scale = 1.0 / microbatches
-    split = stage_split(profile, S, cluster.bandwidth, scale)
+    rpn = cluster.ranks_per_node
+    one_rank = cluster.with_(nodes=replicas, ranks_per_node=1, bandwidth=cluster.bandwidth / rpn,
+                             cores_per_host=cluster.host_cores / rpn, shared_cores=None)
+    split = stage_split(profile, S, one_rank.bandwidth, scale)
     engine = Engine()
-    one_rank = cluster.with_(ranks_per_node=1)
     hosts = [Host(engine, one_rank, f"stage {k}") for k in range(S)]
-    replica_cluster = cluster.with_(nodes=replicas, ranks_per_node=1)
     fwd = [sum(profile.layers[i].fwd_s for i in r) * scale for r in split]
     bwd = [sum(profile.layers[i].bwd_s for i in r) * scale for r in split]
     fwd[-1] += profile.other_s * scale
@@ -77,11 +91,7 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
         engine.process(go())
 
     def stage(k: int):
-        h = hosts[k]
-        # The stage's replicas: the same host's link carries their allreduce (a fresh set of resources would
-        # let it overlap the pipeline's own messages for free).
-        replica_host = Host(engine, replica_cluster, f"stage {k} replicas")
-        replica_host.out, replica_host.into, replica_host.cores = h.out, h.into, h.cores
+        h = hosts[k]  # its link carries the stage's messages and its replicas' allreduce alike
         for t in range(steps):
             M = microbatches
             base = t * M if mode == "flush" else 0
@@ -101,8 +111,8 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
                     yield engine.start(h.compute(f"B{mb}", bwd[k], profile.cores_per_rank))
                     if k > 0:
                         send("grad", k, k - 1, mb, act[k - 1])
-            if replicas > 1:
-                yield engine.process(allreduce(replica_host, profile.grad_bytes * share[k]))
+            if replicas > 1:  # the stage's gradients, averaged over its replicas (one per node)
+                yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
             yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k], profile.cores_per_rank))
             ends[k].append(engine.now)
 

@@ -61,11 +61,11 @@ def schedule_for(name: str):
 def simulate(profile: Profile, cluster: Cluster, strategy: str, steps: int = STEPS, **options) -> Result:
     """Simulate `steps` steps of `strategy`; T_iter is the mean step over all but the first two."""
     cls, defaults = schedule_for(strategy)
-    if cls is simulate_pipeline:  # one stage per node; options: microbatches, replicas
+    if cls is simulate_pipeline:  # options: microbatches, stages
         opts = {"microbatches": 4, **defaults, **options}
         t_iter, split = simulate_pipeline(profile, cluster, steps=steps, **opts)
         return Result(strategy, t_iter, cluster.describe(), 0,
-                      {"samples_per_step": profile.batch_size * opts.get("replicas", 1), "ranks": cluster.ranks,
+                      {"samples_per_step": profile.batch_size * cluster.ranks // len(split), "ranks": cluster.ranks,
                        "stages": [f"{r.start}-{r.stop - 1}" for r in split], "microbatches": opts["microbatches"]})
     run = Run(profile, cluster)
     schedule = cls(run, **{**defaults, **options})

@@ -1,0 +1,27 @@
+"""mpicomm.transport_probe across 4 ranks: pairs measure, every rank gets the same figures; odd groups refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import assert_everywhere
+from mpicomm.transport_probe import probe_transport
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+
+def test_every_rank_gets_the_slowest_pairs_finite_figures(world):
+    est = probe_transport(world, nbytes=1 << 18, repeats=2, rounds=1)
+    table = world.allgather(tuple(est.to_json().values()))  # test-side check only
+    ok = len(set(table)) == 1 and est.rate > 0 and est.cpu_per_byte > 0 and est.latency > 0
+    assert_everywhere(world, ok, f"estimates per rank: {table}")
+
+
+def test_an_odd_number_of_ranks_is_refused_on_each_of_them(world):
+    sub = world.Split(0 if world.Get_rank() < 3 else 1, world.Get_rank())
+    try:
+        if world.Get_rank() < 3:
+            with pytest.raises(ValueError, match="even number of ranks"):
+                probe_transport(sub)
+    finally:
+        sub.Free()
