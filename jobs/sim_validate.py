@@ -10,13 +10,19 @@ Four stages, each skipped when its result is given:
      taken): every model profiled on R ranks of this machine at once
      (jobs.sim_worker profile), for each rank count R of the grid, so that the
      profile carries what R ranks computing together cost each other here;
-  2. calibration (--calibration): jobs.sim_worker transport between two
-     emulated hosts, unshaped (one connection's rate, CPU time per byte,
-     latency) and at 1 Gbit/s (the share of the line rate payload gets);
+  2. calibration (--calibration): jobs.sim_worker transport on the emulated
+     cluster, unshaped (one connection's rate, CPU time per byte, latency)
+     and at each bandwidth (the share of the line rate the ring's payload
+     gets), microbenchmarks only;
   3. measurements (--measured): jobs.bench over the emulated cluster, R hosts
      of one rank, every bandwidth, model and strategy;
-  4. simulation of each measured row from the profile and calibration alone:
-     the measured T_iter is never an input.
+  4. simulation of each measured row from the profile, the calibration and
+     one figure per strategy from its synchronisation timed alone (jobs.bench's
+     T_comm and comm CPU): the cores its communication machinery took while
+     the link was busy (MPICH spinning in a wait, a progress thread polling),
+     which on a machine whose cores the ranks share slows whatever computes
+     beside it. The measured T_iter is never an input; the table shows the
+     simulation without that CPU figure too.
 Prints measured and simulated T_iter with the error per configuration, the
 worst case, writes JSON rows and a PNG (simulated against measured, the
 +-10 % band shaded).
@@ -86,19 +92,23 @@ def profiles(args) -> dict:
 
 
 def calibrate(args) -> dict:
-    """The transport's costs between two emulated hosts: unshaped, and the payload's share of 1 Gbit/s."""
+    """Microbenchmarks on the emulated cluster (the smallest even rank count of the grid, one rank a host):
+    unshaped, the transport's own costs; at each bandwidth, the share of the line rate the ring's payload
+    gets (headers, acknowledgements, the gaps between ring steps)."""
     from jobs.cluster_sweep import rows_from
-    from mpicomm.emulation import EmulatedCluster
+    from mpicomm.emulation import EmulatedCluster, parse_bandwidth
 
+    hosts = min([r for r in args.ranks if r % 2 == 0] or [2])
     cmd = [sys.executable, "-m", "jobs.sim_worker", "transport"]
     found = {}
-    for bw in (None, "1gbit"):
-        print(f"# calibrating the transport between 2 emulated hosts, {bw or 'unshaped'} ...", flush=True)
-        with EmulatedCluster(2, bw) as cluster:
-            found[bw] = rows_from(cluster.run(cmd, np=2, timeout=args.timeout, capture=True))[0]
-    t = found[None]
+    for bw in ["none", *args.bandwidths]:
+        print(f"# calibrating: {hosts} emulated hosts, {bw} ...", flush=True)
+        with EmulatedCluster(hosts, None if bw == "none" else bw) as cluster:
+            found[bw] = rows_from(cluster.run(cmd, np=hosts, timeout=args.timeout, capture=True))[0]
+    t = found["none"]
+    efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in args.bandwidths}
     return {"transport": {"rate": t["rate"], "cpu_per_byte": t["cpu_per_byte"], "latency": t["latency"],
-                          "efficiency": min(1.0, found["1gbit"]["rate"] * 8 / 1e9)}, "raw": found}
+                          "efficiency": 0.94}, "efficiency": efficiency, "raw": found}
 
 
 def measure(args) -> list[dict]:
@@ -130,13 +140,38 @@ def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float):
     t = cal["transport"]
     bps = parse_bandwidth(bandwidth)
     return Cluster(nodes=ranks, ranks_per_node=1, bandwidth=bps if bps else 100e9, latency=t["latency"],
-                   efficiency=t["efficiency"], transport_rate=t["rate"], cpu_per_byte=t["cpu_per_byte"],
+                   efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"], cpu_per_byte=t["cpu_per_byte"],
                    shared_cores=cores, device="cpu")
 
 
+POLLING = ("wfbp", "p3")  # strategies whose exchange a progress thread drives beside the training thread
+
+
+def comm_cores(rows: list[dict], cal: dict) -> dict:
+    """{(model, strategy, bandwidth, ranks): cores per rank} a progress thread took while its exchange was
+    pending, from the strategy's synchronisation timed alone (jobs.bench's T_comm and comm CPU): the
+    CPU-seconds per second per rank, less the copies the calibration already charges per byte. hybcomm has
+    no synchronisation alone: its dense path's (wfbp's) stands in. The others' waits block the training
+    thread itself (MPICH's spin, which the ring's calibrated rate already carries; gloo's blocking
+    reads; top-k's selection, which the profile times): nothing computes beside them."""
+    out = {}
+    for r in rows:
+        if r["strategy"] in POLLING and r.get("t_comm_s") and r.get("comm_cpu_s") is not None:
+            copies = cal["transport"]["cpu_per_byte"] * (r.get("wire_bytes_per_host_per_step") or 0) / r["t_comm_s"]
+            out[r["model"], r["strategy"], r["bandwidth"], r["ranks"]] = \
+                max(0.0, r["comm_cpu_s"] / (r["t_comm_s"] * r["ranks"]) - copies)
+    for (model, s, bw, ranks), v in list(out.items()):
+        if s == "wfbp":
+            for other in ("hybcomm", "hybcomm-sfb", "hybcomm-ps"):
+                out.setdefault((model, other, bw, ranks), v)
+    return out
+
+
 def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3) -> list[dict]:
+    """One row per measured one: simulated with and without the strategies' measured CPU while communicating."""
     from runtime.sim import UnknownStrategyError, simulate
 
+    shares = comm_cores(measured, cal)
     out, seen_compute = [], set()
     for m in measured:
         key = (m["model"], m["ranks"])
@@ -147,25 +182,31 @@ def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3)
         if (key, m["bandwidth"]) not in seen_compute and m.get("t_compute_s"):
             seen_compute.add((key, m["bandwidth"]))
             sim = simulate(prof, cluster, "compute").t_iter_s
-            out.append(_row(m, "compute", m["t_compute_s"], sim))
+            out.append(_row(m, "compute", m["t_compute_s"], sim, sim, 0.0))
+        opts = {"density": density} if "topk" in m["strategy"] else {}
+        share = shares.get((m["model"], m["strategy"], m["bandwidth"], m["ranks"]), 0.0)
         try:
-            sim = simulate(prof, cluster, m["strategy"], **({"density": density} if "topk" in m["strategy"] else {}))
+            bare = simulate(prof, cluster, m["strategy"], **opts).t_iter_s
+            sim = simulate(prof, cluster.with_(comm_cores=share), m["strategy"], **opts).t_iter_s
         except UnknownStrategyError:
             continue
-        out.append(_row(m, m["strategy"], m["t_iter_s"], sim.t_iter_s))
+        out.append(_row(m, m["strategy"], m["t_iter_s"], sim, bare, share))
     return out
 
 
-def _row(m: dict, strategy: str, measured: float, simulated: float) -> dict:
+def _row(m: dict, strategy: str, measured: float, simulated: float, bare: float, share: float) -> dict:
     return dict(model=m["model"], strategy=strategy, bandwidth=m["bandwidth"], ranks=m["ranks"],
-                measured_s=measured, simulated_s=simulated, error=(simulated - measured) / measured)
+                measured_s=measured, simulated_s=simulated, error=(simulated - measured) / measured,
+                comm_cores=share, simulated_without_comm_cpu_s=bare, error_without_comm_cpu=(bare - measured) / measured)
 
 
 def markdown(rows) -> str:
-    lines = ["| model | strategy | link | ranks | measured T_iter s | simulated s | error |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | strategy | link | ranks | measured T_iter s | simulated s | error | comm cores/rank "
+             "| without them s | error |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['ranks']} | {r['measured_s']:.3f} | "
-                     f"{r['simulated_s']:.3f} | {100 * r['error']:+.1f} % |")
+                     f"{r['simulated_s']:.3f} | {100 * r['error']:+.1f} % | {r['comm_cores']:.2f} | "
+                     f"{r['simulated_without_comm_cpu_s']:.3f} | {100 * r['error_without_comm_cpu']:+.1f} % |")
     return "\n".join(lines)
 
 

@@ -6,14 +6,14 @@
 profile: every rank profiles the same model at the same time (runtime.sim.measure), so that a
 profile taken on n ranks of one machine carries the contention those n ranks put on its cores
 and memory, as a training run of n ranks there does. Rank 0 writes the profile whose every
-figure is the median over ranks. transport: mpicomm.transport_probe between pairs of ranks.
+figure comes from the rank slowest at each step (slowest_per_step). transport: mpicomm.transport_probe between pairs of ranks, then
+the ring allreduce's rate over all of them.
 Both print one "ROW {json}" line.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 from jobs.choices import MODELS
 from jobs.cluster_sweep import print_row
@@ -26,7 +26,7 @@ def parse_args(argv=None):
     p.add_argument("what", choices=("profile", "transport"))
     p.add_argument("--model", default="vgg19")
     p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=5, help="profiled steps (after --warmup)")
+    p.add_argument("--steps", type=int, default=6, help="profiled steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -46,7 +46,7 @@ def profile(args, comm) -> None:
 
     from runtime.models import build_model, loss_fn, model_input
     from runtime.sim.measure import measure
-    from runtime.sim.profile import Layer, Profile
+    from runtime.sim.profile import Profile
 
     torch.set_num_threads(args.threads)
     dev = torch.device("cuda", comm.Get_rank() % torch.cuda.device_count()) if args.device == "cuda" else "cpu"
@@ -62,28 +62,40 @@ def profile(args, comm) -> None:
     every = comm.gather(mine.to_json(), root=0)  # once per job, not a hot path
     if comm.Get_rank():
         return
-    med = statistics.median
-    ps = [Profile.from_json(d) for d in every]
-    layers = tuple(Layer(l.name, med(p.layers[i].fwd_s for p in ps), med(p.layers[i].bwd_s for p in ps),
-                         l.params, l.act_bytes, l.linear) for i, l in enumerate(ps[0].layers))
-    merged = Profile(**{**{k: getattr(ps[0], k) for k in ("model", "batch_size", "device", "ranks_at_once", "cores",
-                                                           "cores_per_rank", "threads", "itemsize", "machine")},
-                        "layers": layers,
-                        **{k: med(getattr(p, k) for p in ps) for k in ("step_s", "optimizer_s", "other_s",
-                                                                       "select_s_per_element", "gflops")},
-                        "extra": {"step_s_ranks": [p.step_s for p in ps]}})
+    merged = slowest_per_step([Profile.from_json(d) for d in every])
     if args.out:
         merged.save(args.out)
     print_row({"what": "profile", "model": args.model, "ranks": comm.Get_size(), "step_s": merged.step_s,
                "compute_s": merged.compute_s, "path": args.out})
 
 
+def slowest_per_step(profiles: list) -> "Profile":
+    """One profile from ranks profiled together: each step's figures from the rank slowest at it (a
+    synchronous step waits for that one), averaged over steps."""
+    from runtime.sim.profile import Layer, Profile
+
+    first = profiles[0]
+    steps = len(first.extra["steps"])
+    picks = [max((p.extra["steps"][i] for p in profiles), key=lambda st: st["total"]) for i in range(steps)]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    layers = tuple(Layer(l.name, mean([st["fwd"][j] for st in picks]), mean([st["bwd"][j] for st in picks]),
+                         l.params, l.act_bytes, l.linear) for j, l in enumerate(first.layers))
+    keep = ("model", "batch_size", "device", "ranks_at_once", "cores", "cores_per_rank", "threads", "itemsize", "machine")
+    return Profile(**{k: getattr(first, k) for k in keep}, layers=layers,
+                   step_s=max(p.step_s for p in profiles), optimizer_s=mean([st["opt"] for st in picks]),
+                   other_s=max(0.0, mean([st["rest"] for st in picks])),
+                   select_s_per_element=max(p.select_s_per_element for p in profiles),
+                   gflops=min(p.gflops for p in profiles),
+                   extra={"step_s_ranks": [p.step_s for p in profiles], "merged": "slowest rank per step"})
+
+
 def transport(args, comm) -> None:
-    from mpicomm.transport_probe import probe_transport
+    from mpicomm.transport_probe import probe_ring, probe_transport
 
     est = probe_transport(comm)
+    ring = probe_ring(comm)
     if comm.Get_rank() == 0:
-        print_row({"what": "transport", **est.to_json()})
+        print_row({"what": "transport", "ranks": comm.Get_size(), **est.to_json(), **ring})
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ r"""The cluster simulator: project each strategy to clusters no machine here can
         --bandwidth 10gbit,25gbit,100gbit --json results/projection.json          # projection
     python -m jobs.simulate --model vgg19 --profile my-gpu-profile.json --nodes 16 --ranks-per-node 8
     python -m jobs.simulate --take-profile --model resnet50 --ranks 4 --out resnet50-r4.json
+    python -m jobs.simulate --take-profile --device cuda --model vgg19 --out vgg19-gpu.json   # a GPU's
     python -m jobs.simulate --validate --json results/validation.json           # as root: emulated cluster
     python -m jobs.simulate --validate --measured benchmarks/issue15/measured-4r-1gbit.json ...
 
@@ -56,6 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=1e-3, help="topk/hier-topk (default 0.001)")
     p.add_argument("--take-profile", action="store_true", help="profile --model on --ranks ranks here, write --out")
     p.add_argument("--ranks", type=int, default=1, help="--take-profile: ranks computing at once (default 1)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--take-profile: where (default cpu)")
     p.add_argument("--out", help="--take-profile: the profile's path")
     p.add_argument("--validate", action="store_true", help="see jobs.sim_validate")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for --take-profile's run")
@@ -90,14 +92,15 @@ def check_args(args) -> None:
     bench_outputs(args)
 
 
-def take_profile(model: str, ranks: int, out: str, batch_size: int = 16, timeout: float = 1800) -> dict:
-    """jobs.sim_worker profile on `ranks` ranks of this host; its ROW."""
+def take_profile(model: str, ranks: int, out: str, batch_size: int = 16, timeout: float = 1800,
+                 device: str = "cpu") -> dict:
+    """jobs.sim_worker profile on `ranks` ranks of this host (on GPUs: rank i on GPU i % GPUs); its ROW."""
     from jobs.cluster_sweep import rows_from
     from mpicomm.emulation import run_local
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     cmd = [sys.executable, "-m", "jobs.sim_worker", "profile", "--model", model, "--batch-size", str(batch_size),
-           "--out", out]
+           "--out", out, "--device", device]
     return rows_from(run_local(cmd, ranks, timeout, capture=True))[0]
 
 
@@ -195,7 +198,7 @@ def main(argv=None) -> int:
         return sim_validate.main([a for a in argv if a != "--validate"])
     args = parse_args(argv)
     if args.take_profile:
-        row = take_profile(args.model, args.ranks, args.out, args.batch_size, args.timeout)
+        row = take_profile(args.model, args.ranks, args.out, args.batch_size, args.timeout, args.device)
         print(f"profile of {args.model} on {args.ranks} rank(s): step {row['step_s']:.4f} s -> {args.out}")
         return 0
     from jobs.report import run_metadata, write_json

@@ -1,4 +1,4 @@
-"""What moving bytes costs here: one connection's rate, the CPU time per byte, a small message's latency."""
+"""What moving bytes costs here: one connection's rate, CPU time per byte, latency; and the ring allreduce's rate."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from mpi4py import MPI
 
+from .ring import Ring
 from .tags import check_tag
 
 BIG_TAG, SMALL_TAG = 11, 12
@@ -65,3 +66,29 @@ def probe_transport(comm: MPI.Comm, nbytes: int = 8 << 20, repeats: int = 8, rou
         return TransportEstimate(float(-mine[0]), float(mine[1]), float(mine[2]))
     finally:
         c.Free()
+
+
+def probe_ring(comm: MPI.Comm, nbytes: int = 32 << 20, rounds: int = 3) -> dict:
+    """Collective: the toolkit's own ring allreduce of `nbytes` (float32, explicit tag as the strategies
+    use it), best of `rounds` after one untimed; its payload rate per rank, 2(P-1)/P x nbytes / time, and
+    the CPU-seconds per byte it cost, the slowest rank's on every rank."""
+    size = comm.Get_size()
+    if size < 2:
+        raise ValueError("probe_ring needs 2 or more ranks")
+    ring = Ring(comm, validate=False)
+    try:
+        buf = np.ones(nbytes // 4, dtype=np.float32)
+        best = (np.inf, np.inf)
+        for r in range(rounds + 1):
+            comm.Barrier()
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            ring.allreduce(buf, tag=0).wait()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+            if r and wall < best[0]:
+                best = (wall, cpu)
+        moved = 2 * (size - 1) / size * buf.nbytes
+        mine = np.array([-moved / best[0], best[1] / moved])
+        comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        return {"ring_rate": float(-mine[0]), "ring_cpu_per_byte": float(mine[1])}
+    finally:
+        ring.free()

@@ -32,7 +32,10 @@ class Cluster:
     (headers, acknowledgements). transport_rate: the most one connection moves
     whatever the link (copies in MPI and the kernel; inf: no such limit).
     cpu_per_byte: core-seconds for a byte sent and one received (both ends'
-    copies). cores_per_host: cores for compute and message copies; with
+    copies). comm_cores: what a rank's progress thread takes of the cores for
+    as long as its exchange is pending, beyond the copies (polling, its
+    Python; measured per strategy on machines whose cores are shared).
+    cores_per_host: cores for compute and message copies; with
     shared_cores the hosts are emulated on one machine of that many cores and
     share them. device: "cpu" (compute takes the cores) or "gpu" (compute on
     one GPU per rank; the cores only copy messages).
@@ -47,6 +50,7 @@ class Cluster:
     efficiency: float = 0.94
     transport_rate: float = math.inf
     cpu_per_byte: float = 0.0
+    comm_cores: float = 0.0
     cores_per_host: float = 16.0
     shared_cores: float | None = None
     device: str = "gpu"
@@ -59,7 +63,7 @@ class Cluster:
         for name in ("bandwidth", "intra_bandwidth", "efficiency", "transport_rate", "cores_per_host"):
             if not getattr(self, name) > 0:
                 raise ClusterError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.latency < 0 or self.cpu_per_byte < 0 or not self.oversubscription >= 1 or self.efficiency > 1:
+        if self.latency < 0 or self.cpu_per_byte < 0 or self.comm_cores < 0 or not self.oversubscription >= 1 or self.efficiency > 1:
             raise ClusterError(f"latency and cpu_per_byte >= 0, oversubscription >= 1, efficiency <= 1: {self}")
         if self.shared_cores is not None and not self.shared_cores > 0:
             raise ClusterError(f"shared_cores must be positive, got {self.shared_cores!r}")
@@ -102,6 +106,10 @@ class Host:
         # Compute: on the cores (CPU training) or on each rank's GPU (one per rank, never shared).
         self.device = self.cores if c.device == "cpu" else Pool(f"{name} gpus", c.ranks_per_node)
 
+    def polling(self, on: bool) -> None:
+        """Its ranks' progress threads start or stop taking comm_cores each (see Pool.reserved)."""
+        self.cores.reserved = self.cluster.comm_cores * self.cluster.ranks_per_node if on else 0.0
+
     def compute(self, name: str, seconds: float, cores_per_rank: float = 1.0) -> Activity:
         """All of this host's ranks computing for `seconds` each, in step, as profiled.
 
@@ -130,5 +138,6 @@ class Host:
         if shm_bytes > 0:
             uses.append((self.shm, shm_bytes / amount))
         copied = nic_bytes + shm_bytes if cpu_bytes is None else cpu_bytes
-        loads = ((self.cores, c.cpu_per_byte * copied / amount),) if c.cpu_per_byte > 0 else ()
+        per_unit = c.cpu_per_byte * copied / amount
+        loads = ((self.cores, per_unit),) if per_unit > 0 else ()
         return Activity(name, amount, uses=uses, loads=loads, cap=c.transport_rate)

@@ -10,12 +10,18 @@ link once per step, and its other L - 1 hops stay in shared memory):
   flat top-k             an allgather of each rank's k (index, value) pairs (8 bytes each for fp32)
   hierarchical top-k     node reduce-scatter (shared memory), an allgather of k/L pairs per
                          rank across nodes (L of them in parallel), a node allgather
-Each step or message also pays the cluster's latency.
+Each step or message also pays the cluster's latency. Where mpicomm hands a
+collective to MPI's own (mpicomm.native: PTO's and the sparse exchanges'
+rings, below the crossover) the latency is paid ceil(log2 P) times per phase
+(recursive doubling, Rabenseifner) and the bytes are the ring's.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
+
+from mpicomm.native import DEFAULT_LATENCY_BYTES
 
 from .cluster import Host
 from .engine import Event
@@ -23,13 +29,19 @@ from .engine import Event
 PAIR_BYTES = 8  # a fp32 value and its int32 index (mpicomm.sparse_allreduce.pack)
 
 
-def _ring(host: Host, name: str, steps: int, chunk: float):
-    """`steps` ring steps of `chunk` bytes per rank: the link carries one chunk per step, shared memory L-1."""
+def _ring(host: Host, name: str, steps: int, chunk: float, native: str | None = None, phases: int = 1):
+    """`steps` ring steps of `chunk` bytes per rank: the link carries one chunk per step, shared memory L-1.
+
+    native: the mpicomm.native kind when the caller's ring would take MPI's path below the crossover.
+    """
     c = host.cluster
     P, L, N = c.ranks, c.ranks_per_node, c.nodes
     if P == 1 or chunk <= 0:
         return
-    yield host.engine.timeout(steps * c.latency)
+    rounds = steps
+    if native is not None and steps * chunk / phases * P / (P - 1) < DEFAULT_LATENCY_BYTES[native]:
+        rounds = phases * math.ceil(math.log2(P))
+    yield host.engine.timeout(rounds * c.latency)
     per_rank = steps * chunk
     nic = per_rank if N > 1 else 0.0
     shm = (L - 1) * per_rank
@@ -41,14 +53,14 @@ def allreduce(host: Host, nbytes: float, name: str = "allreduce"):
     yield from _ring(host, name, 2 * (P - 1), nbytes / P)
 
 
-def reduce_scatter(host: Host, nbytes: float, name: str = "reduce-scatter"):
+def reduce_scatter(host: Host, nbytes: float, name: str = "reduce-scatter", native: bool = False):
     P = host.cluster.ranks
-    yield from _ring(host, name, P - 1, nbytes / P)
+    yield from _ring(host, name, P - 1, nbytes / P, "reduce_scatter" if native else None)
 
 
-def allgather(host: Host, part_bytes: float, name: str = "allgather"):
+def allgather(host: Host, part_bytes: float, name: str = "allgather", native: bool = False):
     """Every rank ends with all P parts of `part_bytes` each."""
-    yield from _ring(host, name, host.cluster.ranks - 1, part_bytes)
+    yield from _ring(host, name, host.cluster.ranks - 1, part_bytes, "allgather" if native else None)
 
 
 def slice_round_trip(host: Host, nbytes: float, name: str = "slice"):
@@ -65,7 +77,7 @@ def slice_round_trip(host: Host, nbytes: float, name: str = "slice"):
 
 def sparse_allgather(host: Host, pairs: float, name: str = "topk allgather"):
     """Flat top-k: every rank's `pairs` (index, value) pairs round the world ring."""
-    yield from allgather(host, pairs * PAIR_BYTES, name)
+    yield from allgather(host, pairs * PAIR_BYTES, name, native=True)
 
 
 def hierarchical_sparse(host: Host, dense_bytes: float, pairs: float, select, name: str = "hier-topk"):
@@ -90,7 +102,8 @@ def hierarchical_sparse(host: Host, dense_bytes: float, pairs: float, select, na
 
 
 class Stream:
-    """Exchanges that one progress thread (or gloo's worker) runs one after another, in submission order."""
+    """Exchanges that one progress thread (or gloo's worker) runs one after another, in submission order;
+    the host's progress threads poll (Host.polling) while any is pending."""
 
     def __init__(self, host: Host):
         self.host = host
@@ -108,7 +121,10 @@ class Stream:
     def _next(self) -> None:
         if not self._queue:
             self._busy = False
+            self.host.polling(False)
             return
+        if not self._busy:
+            self.host.polling(True)
         self._busy = True
         gen, done = self._queue.popleft()
 

@@ -89,9 +89,9 @@ class AllreduceSchedule(Schedule):
 def pto_update(run: Run, nbytes: float):
     """PTO: reduce-scatter, this rank's 1/P of the optimizer step, allgather of the parameters."""
     P = run.cluster.ranks
-    yield run.engine.process(reduce_scatter(run.host, nbytes))
+    yield run.engine.process(reduce_scatter(run.host, nbytes, native=True))
     yield run.compute("sharded optimizer", run.profile.optimizer_s / P)
-    yield run.engine.process(allgather(run.host, nbytes / P, "parameter allgather"))
+    yield run.engine.process(allgather(run.host, nbytes / P, "parameter allgather", native=True))
 
 
 class _Param:

@@ -90,14 +90,23 @@ class Resource:
 
 
 class Pool:
-    """Cores (or GPUs): activities load it in proportion to their rate; over-subscribed, all slow alike."""
+    """Cores (or GPUs): activities load it in proportion to their rate; over-subscribed, all slow alike.
 
-    __slots__ = ("name", "capacity")
+    reserved: cores taken by something that is not an activity (a progress thread polling, for as
+    long as its exchange is pending), set and cleared by schedules; the activities share the rest.
+    """
+
+    __slots__ = ("name", "capacity", "reserved")
 
     def __init__(self, name: str, capacity: float):
         if not capacity > 0:
             raise ValueError(f"pool {name!r} needs a positive capacity, got {capacity!r}")
-        self.name, self.capacity = name, float(capacity)
+        self.name, self.capacity, self.reserved = name, float(capacity), 0.0
+
+    @property
+    def available(self) -> float:
+        # A poller never takes every cycle: the OS still runs the others (at least a tenth here).
+        return max(0.1 * self.capacity, self.capacity - self.reserved)
 
 
 class Activity:
@@ -216,7 +225,7 @@ class Engine:
         for a in active:
             for pool, per_unit in a.loads:
                 load[pool] = load.get(pool, 0.0) + a.rate * per_unit
-        over = {p: p.capacity / x for p, x in load.items() if x > p.capacity}
+        over = {p: p.available / x for p, x in load.items() if x > p.available}
         if over:
             for a in active:
                 scale = min((over.get(pool, 1.0) for pool, _ in a.loads), default=1.0)

@@ -97,6 +97,8 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
     bwd: dict[str, list] = {n: [] for n in owners}
     order: list[str] = []
     rest: list[float] = []  # per hooked step: its time outside the layers and the optimizer
+    hooked_opt: list[float] = []
+    totals: list[float] = []
     try:
         for _ in range(steps):
             rec.reset()
@@ -105,6 +107,8 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
             t0 = _now()
             opt_s = step()
             total = _now() - t0
+            hooked_opt.append(opt_s)
+            totals.append(total)
             seen, per = [], {}
             marks = [*rec.fwd, (rec_loss[0], None)]
             for (t, n), (t_next, _) in zip(marks, marks[1:]):  # a module reused is charged each call
@@ -127,12 +131,16 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
         params = tuple(p.numel() for p in modules[n].parameters(recurse=False) if p.requires_grad)
         nbytes, linear = rec.out.get(n, (0, None))
         nbytes = rec.handoff.get(n, nbytes)
-        layers.append(Layer(n, statistics.median(fwd[n]) if fwd[n] else 0.0,
-                            statistics.median(bwd[n]) if bwd[n] else 0.0, params, nbytes, linear))
-    step_s, optimizer_s = statistics.median(plain), statistics.median(opt)
-    other = max(0.0, statistics.median(rest))  # from the same steps as the layers: noise cannot leak in
+        # Means, not medians: a throughput pays for the slow steps too.
+        layers.append(Layer(n, statistics.fmean(fwd[n]) if fwd[n] else 0.0,
+                            statistics.fmean(bwd[n]) if bwd[n] else 0.0, params, nbytes, linear))
+    step_s, optimizer_s = statistics.fmean(plain), statistics.fmean(hooked_opt)
+    other = max(0.0, statistics.fmean(rest))  # from the same steps as the layers: noise cannot leak in
     cores = float(len(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else float(os.cpu_count() or 1)
-    extra = {"step_s_all": plain}
+    # Every hooked step's figures, so that profiles of ranks measured together can be merged step by step.
+    extra = {"step_s_all": plain, "steps": [
+        {"total": totals[i], "fwd": [fwd[n][i] for n in order], "bwd": [bwd[n][i] for n in order],
+         "rest": rest[i], "opt": hooked_opt[i]} for i in range(steps)]}
     select = _select_cost(sum(l.elements for l in layers), sparse_density, device) if sparse_density else 0.0
     rate = _gflops(device) if gflops else 100.0
     return Profile(name, int(inputs[0].shape[0]), "cuda" if cuda else "cpu", tuple(layers), step_s, optimizer_s, other,

@@ -84,6 +84,8 @@ class P3Schedule(Schedule):
 
     def _send(self) -> None:
         while self._ready and self._in_flight < self.tuning.credit:
+            if self._in_flight == 0:
+                self.run.host.polling(True)
             _, s = heapq.heappop(self._ready)
             self._in_flight += 1
             proc = slice_round_trip(self.run.host, self.slices[s][0] * self.p.itemsize, f"slice {s}")
@@ -91,6 +93,8 @@ class P3Schedule(Schedule):
 
     def _returned(self, s: int) -> None:
         self._in_flight -= 1
+        if self._in_flight == 0 and not self._ready:
+            self.run.host.polling(False)
         for j in self.slices[s][1]:
             self._layer_left[j] -= 1
             if self._layer_left[j] == 0:
