@@ -63,13 +63,17 @@ def allgather(host: Host, part_bytes: float, name: str = "allgather", native: bo
     yield from _ring(host, name, host.cluster.ranks - 1, part_bytes, "allgather" if native else None)
 
 
-def slice_round_trip(host: Host, nbytes: float, name: str = "slice"):
-    """One p3 slice of every rank of the host: pushed to its owner, averaged, pulled back."""
+def slice_round_trip(host: Host, nbytes: float, name: str = "slice", poll: float = 0.0):
+    """One p3 slice of every rank of the host: pushed to its owner, averaged, pulled back.
+
+    poll: the progress thread's sleep between polls; each of the two messages is seen done half of one
+    late on average (the owner's before it pulls, ours before the credit is reused).
+    """
     c = host.cluster
     P, L = c.ranks, c.ranks_per_node
     if P == 1:
         return
-    yield host.engine.timeout(2 * c.latency)
+    yield host.engine.timeout(2 * (c.latency + poll / 2))
     nic = 2 * L * nbytes * (P - L) / P
     shm = 2 * L * nbytes * (L - 1) / P
     yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=2 * L * nbytes * (P - 1) / P))

@@ -173,7 +173,7 @@ def topk_pairs(elements: int, density: float) -> int:
 
 
 class TopkSchedule(Schedule):
-    """Top-k after backward: select from the whole gradient, exchange the pairs, add them up, optimizer."""
+    """Top-k after backward: the local work (the profile's, selection and summing), the exchange, optimizer."""
 
     def finish(self, step: int):
         run, p = self.run, self.p
@@ -182,7 +182,7 @@ class TopkSchedule(Schedule):
         k = topk_pairs(n, density)
 
         def select(elements):
-            yield run.compute("top-k selection", elements * p.select_s_per_element)
+            yield run.compute("top-k local work", elements * p.select_s_per_element)
 
         if self.options.get("hierarchical"):
             yield run.engine.process(hierarchical_sparse(run.host, n * p.itemsize, k, select))

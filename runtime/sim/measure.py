@@ -141,7 +141,8 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
     extra = {"step_s_all": plain, "steps": [
         {"total": totals[i], "fwd": [fwd[n][i] for n in order], "bwd": [bwd[n][i] for n in order],
          "rest": rest[i], "opt": hooked_opt[i]} for i in range(steps)]}
-    select = _select_cost(sum(l.elements for l in layers), sparse_density, device) if sparse_density else 0.0
+    select = _select_cost(sum(l.elements for l in layers), sparse_density, device, ranks_at_once) \
+        if sparse_density else 0.0
     rate = _gflops(device) if gflops else 100.0
     return Profile(name, int(inputs[0].shape[0]), "cuda" if cuda else "cpu", tuple(layers), step_s, optimizer_s, other,
                    ranks_at_once=ranks_at_once, cores=cores,
@@ -150,19 +151,27 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
                    itemsize=4, machine=_machine(), extra=extra)
 
 
-def _select_cost(n: int, density: float, device: str, repeats: int = 3) -> float:
-    """Seconds per element of runtime.sparse's step work: momentum, error feedback and MSTopK's selection."""
+def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: int = 3) -> float:
+    """Seconds per element of runtime.sparse's local work in a step: the momentum-corrected velocity,
+    error feedback and MSTopK's selection, the sum of every rank's pairs into the dense gradient, the
+    average and DGC's masking; the exchange itself is the simulator's."""
     from runtime.sparse.error_feedback import ErrorFeedback
-    from runtime.sparse.mstopk import MSTopK
+    from runtime.sparse.mstopk import MSTopK, k_for_density
 
     x = torch.randn(n, device=device)
-    velocity = torch.zeros_like(x)
+    velocity, out = torch.zeros_like(x), torch.empty_like(x)
     ef = ErrorFeedback(MSTopK())
+    k = k_for_density(n, density)
     times = []
     for _ in range(repeats + 1):
         t = _now()
         velocity.mul_(0.9).add_(x)
-        ef.select("model", velocity, density)
+        values, indices = ef.select("model", velocity, density)
+        out.zero_()
+        for _ in range(max(1, ranks)):  # every rank's k pairs (ours stand in for theirs)
+            out.index_add_(0, indices[:k].long(), values[:k])
+        out.div_(max(1, ranks))
+        velocity.index_fill_(0, indices.long(), 0)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(_now() - t)

@@ -43,7 +43,8 @@ class Profile:
     step_s: a whole training step without synchronisation; optimizer_s: its optimizer step; other_s:
     the rest outside the layers (loss, zero_grad, input). ranks_at_once: ranks computing concurrently
     while it was profiled, on `cores` cores; cores_per_rank: what one rank's compute kept busy (CPU).
-    select_s_per_element: the top-k selection of runtime.sparse, seconds per gradient element;
+    select_s_per_element: runtime.sparse's local work in a step (velocity, error feedback, selection,
+    the sum of the pairs, masking), seconds per gradient element;
     gflops: one rank's GEMM rate (sufficient-factor rebuild); itemsize: bytes per gradient element.
     """
 
