@@ -142,7 +142,11 @@ def project(args, profile) -> list[dict]:
             for s in args.strategies:
                 t = time.perf_counter()
                 opts = {"density": args.density} if "topk" in s else {}
-                r = simulate(profile, cluster, s, **opts)
+                try:
+                    r = simulate(profile, cluster, s, **opts)
+                except ValueError as exc:  # a pipeline that does not fit this many ranks
+                    print(f"# {s} skipped on {nodes} node(s): {exc}", file=sys.stderr)
+                    continue
                 rows.append(dict(model=profile.model, strategy=s, bandwidth_bps=bw, nodes=nodes,
                                  ranks_per_node=args.ranks_per_node, ranks=cluster.ranks, t_iter_s=r.t_iter_s,
                                  samples_per_s=r.samples_per_s, sim_seconds=time.perf_counter() - t,

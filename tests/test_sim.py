@@ -92,7 +92,7 @@ def test_ring_allreduce_time_is_the_bandwidth_and_latency_bound(nodes, rpn):
     e.process(allreduce(host, nbytes))
     P = c.ranks
     per_rank = 2 * (P - 1) / P * nbytes
-    wire = per_rank / 1e9 if nodes > 1 else (rpn - 1) * per_rank / 100e9
+    wire = per_rank / 1e9 if nodes > 1 else (rpn - 1) * per_rank / (rpn * 100e9)  # each rank its own copy path
     assert e.run() == pytest.approx(2 * (P - 1) * 1e-5 + wire, rel=1e-9)
 
 
@@ -216,3 +216,10 @@ def test_a_file_that_is_not_a_profile_says_so(tmp_path):
     path.write_text(json.dumps({"rows": []}))
     with pytest.raises(ProfileError, match="not a mpitrain-profile"):
         Profile.load(str(path))
+
+
+def test_one_rank_sends_nothing_and_every_exact_strategy_is_the_plain_step():
+    p = toy(n=200, params=100_000)  # hundreds of p3 slices completing at once: no recursion
+    one = Cluster(nodes=1, ranks_per_node=1)
+    for s in ("allreduce", "wfbp", "ddp", "p3", "hybcomm", "allreduce+pto"):
+        assert simulate(p, one, s).t_iter_s == pytest.approx(p.compute_s), s

@@ -101,7 +101,8 @@ class Host:
         rate = c.link_bytes_per_s()
         self.out = Resource(f"{name} out", rate)
         self.into = Resource(f"{name} in", rate)
-        self.shm = Resource(f"{name} shm", c.intra_bandwidth / 8)
+        # intra_bandwidth is between two ranks: each of the node's ranks copies to its neighbour at that rate.
+        self.shm = Resource(f"{name} shm", c.intra_bandwidth / 8 * c.ranks_per_node)
         self.cores = Pool(f"{name} cores", c.host_cores)
         # Compute: on the cores (CPU training) or on each rank's GPU (one per rank, never shared).
         self.device = self.cores if c.device == "cpu" else Pool(f"{name} gpus", c.ranks_per_node)

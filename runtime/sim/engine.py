@@ -156,7 +156,10 @@ class Engine:
             try:
                 target = gen.send(event.value if event is not None else None)
             except StopIteration as stop:
-                finished.succeed(stop.value)
+                if event is None:  # done without waiting: fire from the loop, not inside the caller's call
+                    self.timeout(0.0).then(lambda _, value=stop.value: finished.succeed(value))
+                else:
+                    finished.succeed(stop.value)
                 return
             if isinstance(target, (list, tuple)):
                 target = all_of(target)
