@@ -265,3 +265,7 @@ def main(argv=None) -> int:
     if args.plot:
         plot(rows, args.plot)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -11,9 +11,10 @@ r"""The cluster simulator: project each strategy to clusters no machine here can
 Projection: the model's profile (--profile; by default one taken here on one
 rank, kept in ~/.cache/mpitrain/profiles) runs through runtime.sim for every
 strategy, node count and bandwidth: a table of samples/s, the speed-up over
-the fewest nodes and the scaling efficiency, JSON rows and a PNG per
-bandwidth (samples/s against nodes, one line per strategy, linear scaling
-dashed). --compute-scale N makes compute N times as fast (a GPU from a CPU
+the fewest nodes and the scaling efficiency, JSON rows and a PNG with a
+panel per bandwidth (samples/s against nodes, one line per strategy, linear
+scaling dashed). A pipeline that does not fit a node count is skipped with a
+line on stderr. --compute-scale N makes compute N times as fast (a GPU from a CPU
 profile); --latency, --oversubscription and --intra-bandwidth describe the
 network; --calibration (a JSON of jobs.sim_worker transport, as --validate
 writes) adds the measured per-connection rate and CPU cost per byte, which
@@ -34,7 +35,7 @@ from jobs.choices import MODELS
 from jobs.inputs import (InputError, JobParser, at_least, bench_outputs, comma_list, int_list, link_rate, one_of,
                          parse)
 
-DEFAULT_STRATEGIES = "allreduce,wfbp,ddp,p3,hybcomm,topk,hier-topk,allreduce+pto"
+DEFAULT_STRATEGIES = "allreduce,wfbp,ddp,p3,hybcomm,topk,hier-topk,allreduce+pto,pipeline-flush,pipeline-spectrain"
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mpitrain", "profiles")
 
 
