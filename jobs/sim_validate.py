@@ -187,7 +187,7 @@ def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3)
         share = shares.get((m["model"], m["strategy"], m["bandwidth"], m["ranks"]), 0.0)
         try:
             bare = simulate(prof, cluster, m["strategy"], **opts).t_iter_s
-            sim = simulate(prof, cluster.with_(comm_cores=share), m["strategy"], **opts).t_iter_s
+            sim = simulate(prof, cluster.with_(comm_cores=share), m["strategy"], **opts).t_iter_s if share else bare
         except UnknownStrategyError:
             continue
         out.append(_row(m, m["strategy"], m["t_iter_s"], sim, bare, share))

@@ -44,6 +44,7 @@ def parse_args(argv=None):
 def profile(args, comm) -> None:
     import torch
 
+    from jobs.report import machine, machine_line
     from runtime.models import build_model, loss_fn, model_input
     from runtime.sim.measure import measure
     from runtime.sim.profile import Profile
@@ -58,7 +59,8 @@ def profile(args, comm) -> None:
     comm.Barrier()
     mine = measure(model, inputs, target, loss_fn(args.model), optimizer, steps=args.steps, warmup=args.warmup,
                    name=args.model, device=str(dev), ranks_at_once=comm.Get_size(), threads=args.threads,
-                   sparse_density=args.density)
+                   sparse_density=args.density, machine=machine_line(machine()).removeprefix("machine: ")
+                   + (f", {torch.cuda.get_device_name(dev)}" if args.device == "cuda" else ""))
     every = comm.gather(mine.to_json(), root=0)  # once per job, not a hot path
     if comm.Get_rank():
         return
@@ -69,21 +71,22 @@ def profile(args, comm) -> None:
                "compute_s": merged.compute_s, "path": args.out})
 
 
-def slowest_per_step(profiles: list) -> "Profile":
+def slowest_per_step(profiles: list):
     """One profile from ranks profiled together: each step's figures from the rank slowest at it (a
     synchronous step waits for that one), averaged over steps."""
+    from statistics import fmean
+
     from runtime.sim.profile import Layer, Profile
 
     first = profiles[0]
     steps = len(first.extra["steps"])
     picks = [max((p.extra["steps"][i] for p in profiles), key=lambda st: st["total"]) for i in range(steps)]
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    layers = tuple(Layer(l.name, mean([st["fwd"][j] for st in picks]), mean([st["bwd"][j] for st in picks]),
+    layers = tuple(Layer(l.name, fmean([st["fwd"][j] for st in picks]), fmean([st["bwd"][j] for st in picks]),
                          l.params, l.act_bytes, l.linear) for j, l in enumerate(first.layers))
     keep = ("model", "batch_size", "device", "ranks_at_once", "cores", "cores_per_rank", "threads", "itemsize", "machine")
     return Profile(**{k: getattr(first, k) for k in keep}, layers=layers,
-                   step_s=max(p.step_s for p in profiles), optimizer_s=mean([st["opt"] for st in picks]),
-                   other_s=max(0.0, mean([st["rest"] for st in picks])),
+                   step_s=max(p.step_s for p in profiles), optimizer_s=fmean([st["opt"] for st in picks]),
+                   other_s=max(0.0, fmean([st["rest"] for st in picks])),
                    select_s_per_element=max(p.select_s_per_element for p in profiles),
                    gflops=min(p.gflops for p in profiles),
                    extra={"step_s_ranks": [p.step_s for p in profiles], "merged": "slowest rank per step"})

@@ -114,15 +114,10 @@ def default_profile(model: str, batch_size: int) -> str:
     return path
 
 
-def cluster_for(args, nodes: int, bandwidth: float, profile):
+def cluster_for(args, nodes: int, bandwidth: float, profile, cal: dict):
+    """The projected cluster; `cal`: the calibration's transport figures ({} without --calibration)."""
     from runtime.sim import Cluster
 
-    cal = {}
-    if args.calibration:
-        import json
-
-        with open(args.calibration) as f:
-            cal = json.load(f)["transport"]
     rpn = args.ranks_per_node
     return Cluster(nodes=nodes, ranks_per_node=rpn, bandwidth=bandwidth, latency=cal.get("latency", args.latency),
                    intra_bandwidth=args.intra_bandwidth, oversubscription=args.oversubscription,
@@ -134,12 +129,18 @@ def cluster_for(args, nodes: int, bandwidth: float, profile):
 
 def project(args, profile) -> list[dict]:
     """Every strategy x bandwidth x node count: one row each."""
+    import json
+
     from runtime.sim import simulate
 
+    cal = {}
+    if args.calibration:
+        with open(args.calibration) as f:
+            cal = json.load(f)["transport"]
     rows = []
     for bw in args.bandwidth:
         for nodes in args.nodes:
-            cluster = cluster_for(args, nodes, bw, profile)
+            cluster = cluster_for(args, nodes, bw, profile, cal)
             for s in args.strategies:
                 t = time.perf_counter()
                 opts = {"density": args.density} if "topk" in s else {}

@@ -85,8 +85,13 @@ def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO) ->
     so rebuilding an optimizer, as benchmarks do, measures the link once.
     """
     ranks = comm.Get_size()
-    probe = AUTO in (slice_size, credit) and ranks > 1 and total_bytes > MIN_SLICE_BYTES * SLICES_PER_OWNER * ranks
+    probe = needs_probe(ranks, total_bytes, slice_size, credit)
     return choose(measured_link(comm) if probe else None, total_bytes, itemsize, ranks, slice_size, credit)
+
+
+def needs_probe(ranks: int, total_bytes: int, slice_size=AUTO, credit=AUTO) -> bool:
+    """Whether the link decides anything: a setting is auto and the model exceeds the fair-share bound."""
+    return AUTO in (slice_size, credit) and ranks > 1 and total_bytes > MIN_SLICE_BYTES * SLICES_PER_OWNER * ranks
 
 
 _LINKS: dict[tuple[int, ...], LinkEstimate] = {}

@@ -29,18 +29,19 @@ from .engine import Event
 PAIR_BYTES = 8  # a fp32 value and its int32 index (mpicomm.sparse_allreduce.pack)
 
 
-def _ring(host: Host, name: str, steps: int, chunk: float, native: str | None = None, phases: int = 1):
+def _ring(host: Host, name: str, steps: int, chunk: float, native: str | None = None, nbytes: float = 0.0):
     """`steps` ring steps of `chunk` bytes per rank: the link carries one chunk per step, shared memory L-1.
 
-    native: the mpicomm.native kind when the caller's ring would take MPI's path below the crossover.
+    native: the mpicomm.native kind when the caller's ring would take MPI's path for its `nbytes` below
+    the crossover (one phase: reduce-scatter or allgather).
     """
     c = host.cluster
     P, L, N = c.ranks, c.ranks_per_node, c.nodes
     if P == 1 or chunk <= 0:
         return
     rounds = steps
-    if native is not None and steps * chunk / phases * P / (P - 1) < DEFAULT_LATENCY_BYTES[native]:
-        rounds = phases * math.ceil(math.log2(P))
+    if native is not None and nbytes < DEFAULT_LATENCY_BYTES[native]:
+        rounds = math.ceil(math.log2(P))
     yield host.engine.timeout(rounds * c.latency)
     per_rank = steps * chunk
     nic = per_rank if N > 1 else 0.0
@@ -55,12 +56,13 @@ def allreduce(host: Host, nbytes: float, name: str = "allreduce"):
 
 def reduce_scatter(host: Host, nbytes: float, name: str = "reduce-scatter", native: bool = False):
     P = host.cluster.ranks
-    yield from _ring(host, name, P - 1, nbytes / P, "reduce_scatter" if native else None)
+    yield from _ring(host, name, P - 1, nbytes / P, "reduce_scatter" if native else None, nbytes)
 
 
 def allgather(host: Host, part_bytes: float, name: str = "allgather", native: bool = False):
     """Every rank ends with all P parts of `part_bytes` each."""
-    yield from _ring(host, name, host.cluster.ranks - 1, part_bytes, "allgather" if native else None)
+    P = host.cluster.ranks
+    yield from _ring(host, name, P - 1, part_bytes, "allgather" if native else None, P * part_bytes)
 
 
 def slice_round_trip(host: Host, nbytes: float, name: str = "slice", poll: float = 0.0):

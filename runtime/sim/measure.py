@@ -65,7 +65,7 @@ class _Recorder:
 
 
 def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps: int = 5, warmup: int = 2,
-            name: str = "model", device: str = "cpu", ranks_at_once: int = 1, threads: int = 1,
+            name: str = "model", device: str = "cpu", ranks_at_once: int = 1, threads: int = 1, machine: str = "",
             sparse_density: float | None = 1e-3, gflops: bool = True) -> Profile:
     """Profile `steps` training steps (after `warmup`) of loss_fn(model(*inputs), target): per layer, optimizer, the rest."""
     cuda = device.startswith("cuda")
@@ -148,7 +148,7 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
                    ranks_at_once=ranks_at_once, cores=cores,
                    cores_per_rank=1.0 if cuda else min(float(threads), cores / ranks_at_once),
                    threads=threads, select_s_per_element=select, gflops=rate,
-                   itemsize=4, machine=_machine(), extra=extra)
+                   itemsize=4, machine=machine, extra=extra)
 
 
 def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: int = 3) -> float:
@@ -190,13 +190,3 @@ def _gflops(device: str) -> float:
     from runtime.hybrid.cost_model import measure_gflops
 
     return measure_gflops()
-
-
-def _machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
-    except OSError:
-        model = "?"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    return f"{model}, {os.cpu_count()} cores" + (f", {gpu}" if gpu else "")

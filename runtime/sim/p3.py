@@ -16,10 +16,8 @@ def p3_settings(run: Run, slice_size="auto", credit="auto") -> tuning.P3Tuning:
     """What runtime.p3.tuning would choose on this cluster: the link probe's figures, from the model of the link."""
     c, p = run.cluster, run.profile
     total = p.grad_bytes
-    probed = "auto" in (slice_size, credit) and c.ranks > 1 and \
-        total > tuning.MIN_SLICE_BYTES * tuning.SLICES_PER_OWNER * c.ranks
     link = None
-    if probed:
+    if tuning.needs_probe(c.ranks, total, slice_size, credit):
         # The probe sends to every peer at once: a host's link (or the transport) shared by its ranks.
         rate = min(c.link_bytes_per_s(), c.transport_rate) / c.ranks_per_node if c.nodes > 1 \
             else c.intra_bandwidth / 8
@@ -49,6 +47,7 @@ class P3Schedule(Schedule):
             self.slices.append((end - start, layers))
         self.slices_of = {i: [s for s, (_, ls) in enumerate(self.slices) if i in ls] for i in range(len(self.p.layers))}
         self.messages = len(self.slices)
+        self._elements = sum(l.elements for l in self.p.layers)
         self._ready: list = []  # heap of (priority, slice) ready to send
         self._in_flight = 0
         self._waiting: list[set] = []  # per slice: layers whose gradients it still needs
@@ -65,7 +64,7 @@ class P3Schedule(Schedule):
             # The deferred update takes along every later layer already back (runtime.p3's averaged()).
             along = [j for j in range(i, len(self.p.layers))
                      if j not in self._updated and self._params_ready[j].fired]
-            share = sum(self.p.layers[j].elements for j in along) / sum(l.elements for l in self.p.layers)
+            share = sum(self.p.layers[j].elements for j in along) / self._elements
             self._updated.update(along)
             yield self.run.compute("deferred update", self.p.optimizer_s * share)
 
