@@ -4,6 +4,7 @@ PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
+MPITRAIN := $(VENV)/bin/mpitrain
 NP ?= 4
 # Outer limits so that no MPI run can hang the build, whatever happens inside it.
 MPI_TIMEOUT ?= 900
@@ -51,7 +52,7 @@ $(STAMP): setup.cfg pyproject.toml
 # The main job on its defaults: MLP on Fashion-MNIST, 4 ranks, p3, 2 epochs.
 demo: setup
 	mkdir -p results
-	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(PY) -m jobs.train --json results/train.json --timeline results/train-trace.json
+	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(MPITRAIN) train --json results/train.json --timeline results/train-trace.json
 
 test: setup test-serial test-mpi test-mpi-hosts test-mpi-emulated
 	@echo "make test: all parts passed"
@@ -82,7 +83,7 @@ test-slurm: setup
 
 bench-collectives: setup
 	mkdir -p results
-	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(PY) -m jobs.bench_collectives --json results/collectives.json
+	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(MPITRAIN) bench collectives --json results/collectives.json
 
 clean:
 	rm -rf $(VENV) results *.egg-info

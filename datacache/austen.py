@@ -23,7 +23,7 @@ BOOKS = {"sensesensibility": "Sense & Sensibility", "prideprejudice": "Pride & P
          "mansfieldpark": "Mansfield Park", "emma": "Emma", "northangerabbey": "Northanger Abbey",
          "persuasion": "Persuasion"}
 # Character ids: 0 any other character (a few, e.g. "£"), then newline and printable ASCII. Id 0 is
-# runtime's PAD, which the token loss does not score. runtime.sequential_models.CHAR_VOCAB == 97.
+# runtime's PAD, which the token loss does not score. runtime.workloads.sequential.CHAR_VOCAB == 97.
 CHARS = "\n" + "".join(map(chr, range(32, 127)))
 UNKNOWN = 0
 

@@ -98,7 +98,7 @@ class CachedDataset(Dataset):
 
     For a GPU, batches are best handed over pinned and non-blocking:
     `loader(..., pin_memory=True)`, then `.to(device, non_blocking=True)`,
-    or (as jobs.train does with `SampleCache.batches`) runtime.data.DeviceFeed.
+    or (as jobs.train does with `SampleCache.batches`) runtime.device.DeviceFeed.
     """
 
     def __init__(self, cache: SampleCache):

@@ -1,10 +1,10 @@
 """The sample cache from the command line: build it ahead of training, inspect, verify and clear it.
 
-    mpiexec -n 4 python -m jobs.cache warm --source /data/fmnist-png --cache-dir /tmp/mpitrain-cache
-    python -m jobs.cache info   --cache-dir /tmp/mpitrain-cache
-    python -m jobs.cache verify --cache-dir /tmp/mpitrain-cache [--remove-bad]
-    python -m jobs.cache clear  --cache-dir /tmp/mpitrain-cache
-    python -m jobs.cache export --out /data/fmnist-png          # Fashion-MNIST as 70,000 PNG files
+    mpiexec -n 4 mpitrain cache warm --source /data/fmnist-png --cache-dir /tmp/mpitrain-cache
+    mpitrain cache info   --cache-dir /tmp/mpitrain-cache
+    mpitrain cache verify --cache-dir /tmp/mpitrain-cache [--remove-bad]
+    mpitrain cache clear  --cache-dir /tmp/mpitrain-cache
+    mpitrain cache export --out /data/fmnist-png          # Fashion-MNIST as 70,000 PNG files
 
 warm builds, on every rank, the shard of the part that rank will train on
 (run it with the same number of ranks as the training job; the
@@ -22,8 +22,8 @@ import json
 import os
 import sys
 
-from jobs.inputs import InputError, JobParser, at_least, existing_dir, output_dir, parse
-from jobs.outputs import write_together
+from jobs.common.inputs import InputError, JobParser, at_least, existing_dir, output_dir, parse
+from jobs.common.outputs import write_together
 
 
 def parse_args(argv=None):
@@ -67,7 +67,7 @@ def check_args(args) -> None:
 
 
 def add_pipeline_args(p) -> None:
-    """The cache directory and the preprocessing (jobs.train and jobs.bench_cache take the same)."""
+    """The cache directory and the preprocessing (jobs.train and jobs.bench.cache take the same)."""
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--mode", choices=("L", "RGB"), help="default: the Fashion-MNIST preset")
     p.add_argument("--resize", type=int)

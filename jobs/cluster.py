@@ -1,10 +1,10 @@
 """A cluster on one machine: hosts in network namespaces with shaped links, and MPI jobs across them.
 
-    python -m jobs.cluster up --hosts 4 --bandwidth 1gbit [--ranks-per-host 2] [--verify]
-    python -m jobs.cluster run [-n N] -- python -m jobs.bench_collectives --sizes 64M
-    python -m jobs.cluster status | verify | down
-    python -m jobs.cluster exec 2 -- ip addr          # a plain command on host h2
-    python -m jobs.cluster run --local -n 4 -- CMD    # no root: same job, unshaped, on this host
+    mpitrain cluster up --hosts 4 --bandwidth 1gbit [--ranks-per-host 2] [--verify]
+    mpitrain cluster run [-n N] -- mpitrain bench collectives --sizes 64M
+    mpitrain cluster status | verify | down
+    mpitrain cluster exec 2 -- ip addr          # a plain command on host h2
+    mpitrain cluster run --local -n 4 -- CMD    # no root: same job, unshaped, on this host
 
 Needs root (ip netns, tc). Hosts h0..hN-1 get 10.213.0.1..N on a bridge in its
 own namespace; each direction of each host's link is shaped with tbf. The root
@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from jobs.inputs import InputError, JobParser, at_least, between, parse, positive
+from jobs.common.inputs import InputError, JobParser, at_least, between, parse, positive
 
 
 def parse_args(argv):

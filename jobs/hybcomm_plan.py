@@ -1,8 +1,8 @@
 """Plan: which fully connected layers hybcomm sends as sufficient factors (SFB) or through the dense path (PS).
 
-    python -m jobs.hybcomm_plan --model vgg19-22k --batch-size 8 --ranks 8
-    python -m jobs.hybcomm_plan --model vgg19-22k --batch-size 32 --ranks 8 --ranks-per-node 2 --bandwidth 1gbit
-    python -m jobs.hybcomm_plan --model transformer --batch-size 16 --ranks 4 --gflops 50 --json results/plan.json
+    mpitrain plan --model vgg19-22k --batch-size 8 --ranks 8
+    mpitrain plan --model vgg19-22k --batch-size 32 --ranks 8 --ranks-per-node 2 --bandwidth 1gbit
+    mpitrain plan --model transformer --batch-size 16 --ranks 4 --gflops 50 --json results/plan.json
 
 No MPI and no training: one forward pass on a synthetic batch of --batch-size samples counts the
 rows K each eligible nn.Linear sees per rank (batch, or batch x positions), then
@@ -21,15 +21,16 @@ import math
 import sys
 from dataclasses import asdict
 
-from jobs.choices import HYBCOMM_FORCE as FORCE, MODELS
-from jobs.inputs import InputError, JobParser, at_least, link_rate, one_of, output_file, parse
-from jobs.report import run_metadata, write_document
+from jobs.common.choices import HYBCOMM_FORCE as FORCE
+from jobs.common.choices import MODELS
+from jobs.common.inputs import InputError, JobParser, at_least, link_rate, one_of, output_file, parse
+from jobs.common.report import run_metadata, write_document
 
 
 def parse_args(argv=None):
     p = JobParser(prog="python -m jobs.hybcomm_plan", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--model", default="vgg19-22k", help="a runtime.models name (default vgg19-22k)")
+    p.add_argument("--model", default="vgg19-22k", help="a runtime.workloads.models name (default vgg19-22k)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step (default 8)")
     p.add_argument("--ranks", type=int, default=8, help="P (default 8)")
     p.add_argument("--ranks-per-node", type=int, default=1, help="must divide --ranks (default 1)")
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     from mpicomm.emulation import format_bandwidth
     from runtime.hybrid.cost_model import Links, format_plan, measure_gflops, plan, totals
     from runtime.hybrid.layers import fc_layers
-    from runtime.models import build_model, model_input
+    from runtime.workloads.models import build_model, model_input
 
     P, per_node = args.ranks, args.ranks_per_node
     model = build_model(args.model)

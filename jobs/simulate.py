@@ -1,12 +1,12 @@
 r"""The cluster simulator: project each strategy to clusters no machine here can host, or check it against real runs.
 
-    python -m jobs.simulate --model vgg19 --nodes 16,32,64,128 --ranks-per-node 8 \
+    mpitrain simulate --model vgg19 --nodes 16,32,64,128 --ranks-per-node 8 \
         --bandwidth 10gbit,25gbit,100gbit --json results/projection.json          # projection
-    python -m jobs.simulate --model vgg19 --profile my-gpu-profile.json --nodes 16 --ranks-per-node 8
-    python -m jobs.simulate --take-profile --model resnet50 --ranks 4 --out resnet50-r4.json
-    python -m jobs.simulate --take-profile --device cuda --model vgg19 --out vgg19-gpu.json   # a GPU's
-    python -m jobs.simulate --validate --json results/validation.json           # as root: emulated cluster
-    python -m jobs.simulate --validate --measured benchmarks/issue15/measured-4r-1gbit.json ...
+    mpitrain simulate --model vgg19 --profile my-gpu-profile.json --nodes 16 --ranks-per-node 8
+    mpitrain simulate --take-profile --model resnet50 --ranks 4 --out resnet50-r4.json
+    mpitrain simulate --take-profile --device cuda --model vgg19 --out vgg19-gpu.json   # a GPU's
+    mpitrain simulate --validate --json results/validation.json           # as root: emulated cluster
+    mpitrain simulate --validate --measured benchmarks/issue15/measured-4r-1gbit.json ...
 
 Projection: the model's profile (--profile; by default one taken here on one
 rank, kept in ~/.cache/mpitrain/profiles) runs through runtime.sim for every
@@ -16,11 +16,11 @@ panel per bandwidth (samples/s against nodes, one line per strategy, linear
 scaling dashed). A pipeline that does not fit a node count is skipped with a
 line on stderr. --compute-scale N makes compute N times as fast (a GPU from a CPU
 profile); --latency, --oversubscription and --intra-bandwidth describe the
-network; --calibration (a JSON of jobs.sim_worker transport, as --validate
+network; --calibration (a JSON of jobs.sim.worker transport, as --validate
 writes) adds the measured per-connection rate and CPU cost per byte, which
 by default are not limits (RDMA-class networks).
 
---validate runs jobs.sim_validate (its own help: python -m jobs.sim_validate -h
+--validate runs jobs.sim.validate (its own help: python -m jobs.sim.validate -h
 lists the options it takes through this job).
 """
 
@@ -31,9 +31,10 @@ import os
 import sys
 import time
 
-from jobs.choices import MODELS
-from jobs.inputs import (InputError, JobParser, at_least, bench_outputs, comma_list, int_list, link_rate, one_of,
-                         parse)
+from jobs.common.choices import MODELS
+from jobs.common.inputs import (InputError, JobParser, at_least, bench_outputs, comma_list, int_list, link_rate, one_of,
+                                parse)
+from jobs.sim.profiles import take_profile
 
 DEFAULT_STRATEGIES = "allreduce,wfbp,ddp,p3,hybcomm,topk,hier-topk,allreduce+pto,pipeline-flush,pipeline-spectrain"
 CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mpitrain", "profiles")
@@ -53,14 +54,14 @@ def parse_args(argv=None):
     p.add_argument("--oversubscription", type=float, default=1.0)
     p.add_argument("--compute-scale", type=float, default=1.0, help="compute this many times as fast as profiled")
     p.add_argument("--cores-per-host", type=float, help="default: two per rank")
-    p.add_argument("--calibration", metavar="JSON", help="transport costs measured by jobs.sim_validate")
+    p.add_argument("--calibration", metavar="JSON", help="transport costs measured by jobs.sim.validate")
     p.add_argument("--batch-size", type=int, default=16, help="of a profile taken here (default 16)")
     p.add_argument("--density", type=float, default=1e-3, help="topk/hier-topk (default 0.001)")
     p.add_argument("--take-profile", action="store_true", help="profile --model on --ranks ranks here, write --out")
     p.add_argument("--ranks", type=int, default=1, help="--take-profile: ranks computing at once (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--take-profile: where (default cpu)")
     p.add_argument("--out", help="--take-profile: the profile's path")
-    p.add_argument("--validate", action="store_true", help="see jobs.sim_validate")
+    p.add_argument("--validate", action="store_true", help="see jobs.sim.validate")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for --take-profile's run")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
@@ -69,7 +70,7 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     one_of("--model", args.model, MODELS)
-    from runtime.sim.simulate import schedule_for, UnknownStrategyError
+    from runtime.sim.simulate import UnknownStrategyError, schedule_for
 
     args.strategies = comma_list("--strategies", args.strategies)
     for s in args.strategies:
@@ -91,18 +92,6 @@ def check_args(args) -> None:
         if path and not os.path.isfile(path):
             raise InputError(f"--{opt}", f"no such file: {path}")
     bench_outputs(args)
-
-
-def take_profile(model: str, ranks: int, out: str, batch_size: int = 16, timeout: float = 1800,
-                 device: str = "cpu") -> dict:
-    """jobs.sim_worker profile on `ranks` ranks of this host (on GPUs: rank i on GPU i % GPUs); its ROW."""
-    from jobs.cluster_sweep import rows_from
-    from mpicomm.emulation import run_local
-
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    cmd = [sys.executable, "-m", "jobs.sim_worker", "profile", "--model", model, "--batch-size", str(batch_size),
-           "--out", out, "--device", device]
-    return rows_from(run_local(cmd, ranks, timeout, capture=True))[0]
 
 
 def default_profile(model: str, batch_size: int) -> str:
@@ -177,7 +166,7 @@ def plot(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from jobs.report import save_figure
+    from jobs.common.report import save_figure
 
     bws = sorted({r["bandwidth_bps"] for r in rows})
     fig, axes = plt.subplots(1, len(bws), figsize=(5 * len(bws), 4), squeeze=False)
@@ -199,7 +188,7 @@ def main(argv=None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if "--validate" in argv:
-        from jobs import sim_validate
+        from jobs.sim import validate as sim_validate
 
         return sim_validate.main([a for a in argv if a != "--validate"])
     args = parse_args(argv)
@@ -207,7 +196,7 @@ def main(argv=None) -> int:
         row = take_profile(args.model, args.ranks, args.out, args.batch_size, args.timeout, args.device)
         print(f"profile of {args.model} on {args.ranks} rank(s): step {row['step_s']:.4f} s -> {args.out}")
         return 0
-    from jobs.report import run_metadata, write_json
+    from jobs.common.report import run_metadata, write_json
     from runtime.sim import Profile, ProfileError
 
     try:

@@ -1,6 +1,6 @@
 """Soak: thousands of training steps under one strategy, watching memory, threads and MPI requests for leaks.
 
-    mpiexec -n 4 python -m jobs.soak --steps 2000 --json results/soak-p3.json
+    mpiexec -n 4 mpitrain soak --steps 2000 --json results/soak-p3.json
 
 Every --every steps each rank samples its resident memory (VmRSS), its
 threads (/proc/self/task) and the MPI requests the runtime has in flight,
@@ -17,10 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from jobs.choices import STRATEGIES
-from jobs.inputs import InputError, JobParser, at_least, output_file, parse, positive
-from jobs.outputs import write_results
-from jobs.report import run_metadata, save_figure
+from jobs.common.choices import STRATEGIES
+from jobs.common.inputs import InputError, JobParser, at_least, output_file, parse, positive
+from jobs.common.outputs import write_results
+from jobs.common.report import run_metadata, save_figure
 
 
 def parse_args(argv=None):
@@ -67,7 +67,7 @@ def main(argv=None, args=None) -> int:
 
     from mpicomm.requests import live_requests
     from runtime import DistributedOptimizer
-    from runtime.models import build_model, loss_fn, model_input
+    from runtime.workloads.models import build_model, loss_fn, model_input
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD

@@ -1,6 +1,6 @@
 """Show how MPI sees this allocation: nodes, ranks per node, node/cross groups, thread level, MPI library.
 
-    mpiexec -n 4 python -m jobs.topology [--json PATH] [--expect-nodes N]
+    mpiexec -n 4 mpitrain topology [--json PATH] [--expect-nodes N]
 
 Rank 0 prints one line per node; --expect-nodes makes the job fail (exit 1)
 when the detected node count differs, which is how batch-system tests check
@@ -14,8 +14,8 @@ import os
 import socket
 import sys
 
-from jobs.inputs import JobParser, at_least, output_file, parse
-from jobs.outputs import write_together
+from jobs.common.inputs import JobParser, at_least, output_file, parse
+from jobs.common.outputs import write_together
 
 
 def parse_args(argv=None):

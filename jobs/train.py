@@ -1,13 +1,13 @@
 """Data-parallel training over MPI with a chosen gradient-synchronisation strategy — the main job.
 
-    mpiexec -n 4 python -m jobs.train                                  # MLP, Fashion-MNIST, p3, 2 epochs
-    mpiexec -n 4 python -m jobs.train --model vgg19 --data synthetic --strategy wfbp --max-steps 20
-    mpiexec -n 4 python -m jobs.train --checkpoint ckpt.pt --resume --timeline trace.json
-    mpiexec -n 4 python -m jobs.train --strategy hier-topk --density 0.01 --pto
-    mpiexec -n 4 python -m jobs.train --model vgg19-22k --data synthetic --strategy hybcomm --link-bandwidth 1gbit
-    mpiexec -n 4 python -m jobs.train --cache-dir /tmp/mpitrain-cache   # training data through datacache
-    mpiexec -n 4 python -m jobs.train --parallel pipeline --pipeline-mode spectrain --microbatches 8
-    mpiexec -n 4 python -m jobs.train --device cuda --model resnet50 --data synthetic --strategy wfbp
+    mpiexec -n 4 mpitrain train                                  # MLP, Fashion-MNIST, p3, 2 epochs
+    mpiexec -n 4 mpitrain train --model vgg19 --data synthetic --strategy wfbp --max-steps 20
+    mpiexec -n 4 mpitrain train --checkpoint ckpt.pt --resume --timeline trace.json
+    mpiexec -n 4 mpitrain train --strategy hier-topk --density 0.01 --pto
+    mpiexec -n 4 mpitrain train --model vgg19-22k --data synthetic --strategy hybcomm --link-bandwidth 1gbit
+    mpiexec -n 4 mpitrain train --cache-dir /tmp/mpitrain-cache   # training data through datacache
+    mpiexec -n 4 mpitrain train --parallel pipeline --pipeline-mode spectrain --microbatches 8
+    mpiexec -n 4 mpitrain train --device cuda --model resnet50 --data synthetic --strategy wfbp
 
 Every rank reads its share of each global batch (--batch-size per rank), so
 the run equals single-process SGD on batches of batch-size x ranks. Rank 0
@@ -22,11 +22,11 @@ import argparse
 import sys
 import time
 
-from jobs import train_pipeline
-from jobs.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, STRATEGIES, TOKEN_MODELS
-from jobs.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
-                         existing_dir, fraction, launched_ranks, link_rate, one_of, option, output_dir, output_file,
-                         parse)
+from jobs.common.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, STRATEGIES, TOKEN_MODELS
+from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
+                                existing_dir, fraction, launched_ranks, link_rate, one_of, option, output_dir,
+                                output_file, parse)
+from jobs.training import pipeline as train_pipeline
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
@@ -140,8 +140,8 @@ def load_data(args, rank):
     import torch
 
     from datacache.idx import load_fashion_mnist
-    from runtime import data as D
-    from runtime.models import input_shape, model_input
+    from runtime.workloads import data as D
+    from runtime.workloads.models import input_shape, model_input
 
     if args.data == "austen":
         from datacache.austen import CharCorpus, load_austen_text
@@ -180,8 +180,8 @@ def open_cache(args, rank, ranks):
 
 def train_batches(args, epoch, steps, x, y, plan, cache, shape, feed):
     """This epoch's (inputs, target) batches on the training device: from the in-memory arrays, or read ahead
-    through the cache; `feed` (runtime.data.DeviceFeed) hands them over (pinned, non-blocking on a GPU)."""
-    from runtime.data import fit_to_shape
+    through the cache; `feed` (runtime.device.DeviceFeed) hands them over (pinned, non-blocking on a GPU)."""
+    from runtime.workloads.data import fit_to_shape
 
     if cache is None:
         for idx in plan.epoch(epoch)[:steps]:
@@ -242,16 +242,17 @@ def main(argv=None, args=None) -> int:
     from mpi4py import MPI
 
     from datacache.austen import CorpusFetchError
+    from jobs.common.devices import LossValues, describe, header_line, rank_device
+    from jobs.common.outputs import write_training_outputs
+    from jobs.common.plans import PlanWatch, plan_rows
+    from jobs.common.progress import epoch_progress
     from mpicomm import Topology
     from mpicomm.agree import fail_together
     from runtime import CheckpointError, DistributedOptimizer, load_checkpoint, save_checkpoint
-    from runtime.data import BatchPlan, DeviceFeed
-    from runtime.models import FIXED_CLASSES as CLASSES, build_model, input_shape, loss_fn
-
-    from jobs.devices import LossValues, describe, header_line, rank_device
-    from jobs.outputs import write_training_outputs
-    from jobs.plans import PlanWatch, plan_rows
-    from jobs.progress import epoch_progress
+    from runtime.device import DeviceFeed
+    from runtime.workloads.data import BatchPlan
+    from runtime.workloads.models import FIXED_CLASSES as CLASSES
+    from runtime.workloads.models import build_model, input_shape, loss_fn
 
     torch.set_num_threads(args.threads)
     topo = Topology()

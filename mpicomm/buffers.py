@@ -123,6 +123,11 @@ def block_counts(count: int, parts: int) -> list[int]:
     return [base + (i < extra) for i in range(parts)]
 
 
+def chunk_ranges(start: int, stop: int, per: int) -> list[tuple[int, int]]:
+    """[start, stop) cut into (a, z) pieces of `per` elements, the last one shorter."""
+    return [(a, min(a + per, stop)) for a in range(start, stop, per)]
+
+
 def offsets(counts: list[int]) -> list[int]:
     out, acc = [], 0
     for c in counts:

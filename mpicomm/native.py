@@ -25,11 +25,11 @@ REDUCING = ("allreduce", "reduce_scatter")
 ITEMSIZE = {code: (2 if name == "bfloat16" else np.dtype(name).itemsize) for name, code in DTYPE_CODES.items()}
 NATIVE_CODES = {DTYPE_CODES[name] for name in MPI_TYPES}
 
-# Below this many bytes (as jobs.bench_collectives counts them: the buffer, reduce-scatter's input,
+# Below this many bytes (as jobs.bench.collectives counts them: the buffer, reduce-scatter's input,
 # allgather's output) a collective takes the latency path. On the 2-vCPU VM the ring overtakes
 # MPICH from 16 MiB for allreduce and broadcast, from 64 MiB or more for reduce-scatter and
 # allgather (BENCHMARKS.md). Erring high is cheap: near the crossover both are about as fast.
-# `jobs.bench_collectives --crossover PATH` measures a machine's own.
+# `jobs.bench.collectives --crossover PATH` measures a machine's own.
 DEFAULT_LATENCY_BYTES = {"allreduce": 16 << 20, "reduce_scatter": 64 << 20, "allgather": 64 << 20,
                          "broadcast": 16 << 20}
 ENV = "MPITRAIN_RING_LATENCY_BYTES"
@@ -54,7 +54,7 @@ def latency_table(value) -> dict[str, int]:
 
     None reads $MPITRAIN_RING_LATENCY_BYTES: a byte count ('0' turns the
     latency path off, '4M') or the path of a JSON file written by
-    `jobs.bench_collectives --crossover` (its "latency_bytes" object).
+    `jobs.bench.collectives --crossover` (its "latency_bytes" object).
     """
     if value is None:
         text = os.environ.get(ENV, "").strip()

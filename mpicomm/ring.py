@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from . import native as N
 from . import validate as V
-from .buffers import OP_CODES, Buffer, BufferError, block_counts, check_buffer, offsets, reduce_into
+from .buffers import OP_CODES, Buffer, BufferError, block_counts, check_buffer, chunk_ranges, offsets, reduce_into
 from .handle import Handle
 from .requests import RequestLog
 from .tags import TagAllocator, TagError, check_tag
@@ -34,13 +34,13 @@ class Ring:
     instead of hanging or corrupting data. Defaults to $MPITRAIN_VALIDATE (on).
     chunk_bytes: pipelining granularity inside a ring step.
     latency_bytes: the crossover. A collective smaller than this (bytes as
-    jobs.bench_collectives counts them: the buffer; reduce_scatter's input;
+    jobs.bench.collectives counts them: the buffer; reduce_scatter's input;
     allgather's output) is handed to MPI's non-blocking collective
     (Iallreduce, Ireduce_scatter, Iallgather, Ibcast) on a communicator of
     its own, still behind a Handle and still validated; allgatherv and
     float16/bfloat16 reductions always take the ring. An int for every kind,
     a {kind: bytes} dict, or None: $MPITRAIN_RING_LATENCY_BYTES (bytes such
-    as '4M', or a JSON file from `jobs.bench_collectives --crossover`), else
+    as '4M', or a JSON file from `jobs.bench.collectives --crossover`), else
     mpicomm.native.DEFAULT_LATENCY_BYTES (16 MiB for allreduce and broadcast,
     64 MiB for reduce_scatter and allgather, measured on the development VM).
     0 turns the latency path off. All ranks must agree (checked here).
@@ -300,7 +300,7 @@ class Ring:
             return b.obj
         # Chain root -> root+1 -> ...: each rank forwards a chunk as soon as it has it.
         last = (root - 1) % self.size
-        chunks = _chunks(0, b.count, self._chunk_elems(b))
+        chunks = chunk_ranges(0, b.count, self._chunk_elems(b))
         sends = []
         if self.rank == root:
             sends = [log.isend(self.comm, [b.bytes(a, z), MPI.BYTE], self.right, tag) for a, z in chunks]
@@ -351,12 +351,12 @@ class Ring:
             else:
                 target, base = data, a0
             return [(log.irecv(self.comm, [target.bytes(base + a - a0, base + z - a0), MPI.BYTE], self.left, tag), a, z)
-                    for a, z in _chunks(a0, a0 + counts[blk], per)]
+                    for a, z in chunk_ranges(a0, a0 + counts[blk], per)]
 
         sends = []
         first = steps[0]
         src_blk = (r - first - 1) % P
-        for a, z in _chunks(offs[src_blk], offs[src_blk] + counts[src_blk], per):
+        for a, z in chunk_ranges(offs[src_blk], offs[src_blk] + counts[src_blk], per):
             sends.append(log.isend(self.comm, [data.bytes(a, z), MPI.BYTE], self.right, tag))
         pending = post_recvs(first)
         for t in steps:
@@ -394,9 +394,5 @@ class Ring:
                     sends.append(log.isend(self.comm, [data.bytes(a, z), MPI.BYTE], self.right, tag))
             pending = upcoming
         yield sends
-
-
-def _chunks(start: int, stop: int, per: int):
-    return [(a, min(a + per, stop)) for a in range(start, stop, per)]
 
 

@@ -9,18 +9,18 @@ import torch
 
 from mpicomm import Topology
 from mpicomm.stall import StallPolicy
-from mpicomm.step_check import CLOSE, EXCHANGE, ReportedProblem, StepCheck, digest
+from mpicomm.step_check import EXCHANGE, ReportedProblem, StepCheck, digest
 
-from . import checkpoint
+from . import checkpoint, teardown
 from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
 from .device import GradientStaging, describe_transport, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
-from .model_buffers import MODES as BUFFER_MODES, BufferSync
+from .model_buffers import BufferSync
 from .options import StrategyOptions, resolve
 from .p3.forward_gate import ForwardGate
 from .registry import strategy_class
-from .startup import broadcast_from_root, check_settings
+from .startup import broadcast_from_root, check_arguments, check_settings
 from .strategy import StrategyContext, capture_hooks
 from .updates import ParamUpdater, describe_hyper, hyperparameters
 
@@ -72,13 +72,7 @@ class DistributedOptimizer:
                  timeline=None, stall: StallPolicy | None = None):
         self.options = resolve(strategy)
         cls = strategy_class(self.options.name)  # before the collective Topology: an unknown one leaks nothing
-        if not isinstance(backward_passes_per_step, int) or isinstance(backward_passes_per_step, bool) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
-        if comm is not None and topology is not None:
-            raise ValueError("pass comm or topology, not both")
-        if buffers not in BUFFER_MODES:
-            raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
+        check_arguments(backward_passes_per_step, comm, topology, buffers)
         self.optimizer, self.model, self.timeline = optimizer, model, timeline
         self.policy = stall or StallPolicy.from_env()
         self._own_topology = topology is None
@@ -100,7 +94,7 @@ class DistributedOptimizer:
             check_settings(self.comm, settings, model, optimizer)
             self._build(cls, pto)
         except BaseException:
-            self._release_topology()
+            teardown.release_topology(self)
             raise
         n = len(self.params)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -364,12 +358,7 @@ class DistributedOptimizer:
 
     def _fail(self, exc: BaseException) -> None:
         """Error path: tell the other ranks, cancel what is in flight, wait for nobody."""
-        if self.failed is None:
-            self.failed = exc
-            # Not when every rank raised together (a disagreement) or heard of it already.
-            self.check.notify_failure(f"{type(exc).__name__}: {exc}")
-            self.strategy.abort()
-            self.model_buffers.abandon()
+        teardown.fail(self, exc)
 
     def abort(self, exc: BaseException) -> None:
         """This rank stops with `exc`: tell the other ranks (they raise PeerFailedError) and release everything."""
@@ -379,52 +368,10 @@ class DistributedOptimizer:
 
     def close(self) -> None:
         """Agree with every rank that training is over, apply what is owed, stop threads, free communicators."""
-        if self._closed:
-            return
-        if self.failed is not None:
-            self._release()
-            return
-        try:
-            self.check.run(CLOSE, self.steps, 0, describe=lambda: [])
-            if self._open:
-                self.strategy.abort()  # a backward without step() on every rank: nothing to finish
-            else:
-                self._flush()
-        except BaseException as exc:
-            self._fail(exc)
-            self._release()
-            raise
-        self._release()
+        teardown.close(self)
 
     def _release(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for h in self._hooks + self._capture_hooks:
-            h.remove()
-        self._hooks = self._capture_hooks = []
-        if self.gate is not None:
-            self.gate.remove()
-        for h in (self._forward_hook, self._state_hook):
-            if h is not None:
-                h.remove()
-        if self.staging is not None:
-            self.staging.close()
-        if self.failed is None:
-            self.strategy.close()
-            if self.pto is not None:
-                self.pto.close()
-            self.check.free()
-        else:
-            self.check.stop_listening()
-        # After a failure the strategy's and the agreement's communicators are deliberately not freed:
-        # messages other ranks sent before they learnt of the failure may still arrive, and MPI may
-        # reuse a freed communicator's context for the next one, which would then receive them.
-        self._release_topology()
-
-    def _release_topology(self) -> None:
-        if self._own_topology:
-            self.topology.free()
+        teardown.release(self)
 
     def __enter__(self):
         return self

@@ -1,10 +1,23 @@
-"""What wrapping agrees on across ranks before anything else, and rank 0's state broadcast to every rank."""
+"""Wrapping's first steps: its arguments checked, the settings agreed across ranks, rank 0's state broadcast."""
 
 from __future__ import annotations
 
 import torch
 
 from mpicomm.agree import broadcast_tensors, check_same_structure
+
+from .model_buffers import MODES as BUFFER_MODES
+
+
+def check_arguments(backward_passes_per_step, comm, topology, buffers: str) -> None:
+    """DistributedOptimizer's own arguments, checked on this rank before anything collective."""
+    bpps = backward_passes_per_step
+    if not isinstance(bpps, int) or isinstance(bpps, bool) or bpps < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {bpps!r}")
+    if comm is not None and topology is not None:
+        raise ValueError("pass comm or topology, not both")
+    if buffers not in BUFFER_MODES:
+        raise ValueError(f"buffers must be one of {BUFFER_MODES}, got {buffers!r}")
 
 
 def check_settings(comm, settings: list[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

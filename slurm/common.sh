@@ -12,9 +12,14 @@ if [[ ! -x $PYTHON ]] && ! command -v "$PYTHON" >/dev/null; then
     echo "error: PYTHON=$PYTHON is not an executable (make setup, or set PYTHON=...)" >&2
     exit 2
 fi
-# As if the venv were activated: its mpiexec (the one its mpi4py was built for) comes first.
+# As if the venv were activated: its mpiexec (the one its mpi4py was built for) and mpitrain come first.
 if [[ $PYTHON == */* ]]; then
     PATH="$(dirname "$PYTHON"):$PATH"
+fi
+# The jobs' command, installed beside PYTHON (make setup, or pip install mpitrain); absolute for srun.
+if ! MPITRAIN=$(command -v mpitrain); then
+    echo "error: no mpitrain command beside PYTHON=$PYTHON or on PATH (make setup, or pip install the package)" >&2
+    exit 2
 fi
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # Parallel file systems (Lustre, GPFS, NFS) often refuse HDF5's file locks.

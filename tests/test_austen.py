@@ -14,7 +14,7 @@ import torch
 
 from datacache.austen import (BOOKS, PACKAGE, R_DATA, UNKNOWN, CharCorpus, CorpusFetchError, ensure_austen, fetch_deb,
                               load_austen_books, load_austen_text, read_lazyload_db)
-from runtime.sequential_models import CHAR_VOCAB
+from runtime.workloads.sequential import CHAR_VOCAB
 
 
 @functools.cache

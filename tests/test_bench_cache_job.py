@@ -1,4 +1,4 @@
-"""jobs.bench_cache end to end on a small PNG set: its configurations, JSON rows and plot."""
+"""jobs.bench.cache end to end on a small PNG set: its configurations, JSON rows and plot."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import subprocess
 import sys
 
-from conftest import ROOT
 from datacache_helpers import make_png_dataset
+
+from conftest import ROOT
 from mpicomm.launch import mpiexec
 
 
@@ -16,7 +17,7 @@ def test_bench_cache_rows_and_plot(tmp_path):
     out = tmp_path / "bc.json"
     (tmp_path / "cache").mkdir()
     (tmp_path / "cache" / "notes.txt").write_text("not a shard")  # the cold start removes shards only
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_cache", "--source", src, "--cache-dir",
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench.cache", "--source", src, "--cache-dir",
            str(tmp_path / "cache"), "--epochs", "2", "--batch-size", "32", "--workers", "0", "--rounds", "2",
            "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -33,6 +34,6 @@ def test_bench_cache_rows_and_plot(tmp_path):
 
 
 def test_bench_cache_needs_a_warm_epoch():
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench_cache", "--epochs", "1"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.cache", "--epochs", "1"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and "--epochs: must be >= 2" in proc.stderr

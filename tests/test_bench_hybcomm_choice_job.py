@@ -1,4 +1,4 @@
-"""jobs.bench_hybcomm_choice on this host (--local, the mlp): rows per (layer, K), table, summary, JSON, PNG; bad input."""
+"""jobs.bench.hybcomm_choice here (--local, the mlp): rows per (layer, K), table, summary, JSON, PNG; bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT
 
-JOB = [sys.executable, "-m", "jobs.bench_hybcomm_choice"]
+JOB = [sys.executable, "-m", "jobs.bench.hybcomm_choice"]
 
 
 def test_local_run_measures_both_paths_and_the_models_pick(tmp_path):
@@ -65,7 +65,7 @@ def test_local_run_measures_both_paths_and_the_models_pick(tmp_path):
 ])
 def test_bad_input_is_one_line_and_exit_2(args, option, capsys):
     # In this process: a subprocess would spend its time importing torch for the layer and bandwidth checks.
-    from jobs.bench_hybcomm_choice import parse_args
+    from jobs.bench.hybcomm_choice import parse_args
 
     with pytest.raises(SystemExit) as exit:
         parse_args(["--model", "mlp", *args])

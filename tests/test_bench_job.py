@@ -86,7 +86,7 @@ def test_local_bench_rows_table_and_plot(tmp_path):
 def test_overlap_efficiency_and_the_hidden_share_of_the_shorter_phase():
     """Efficiency max/T_iter never above 1; hidden share 0 for phases back to back, 1 for the shorter wholly
     hidden; both clipped where timings alone disagree."""
-    from jobs.bench_rows import hidden_share, overlap
+    from jobs.bench.strategies_rows import hidden_share, overlap
 
     assert overlap(1.0, 0.5, 1.5) == pytest.approx(2 / 3) and overlap(1.0, 0.5, 1.0) == 1.0
     assert overlap(1.0, 0.5, 0.9) == 1.0  # a step faster than its longer phase alone
@@ -97,7 +97,7 @@ def test_overlap_efficiency_and_the_hidden_share_of_the_shorter_phase():
 
 
 def test_worker_rejects_unknown_strategy():
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench_worker", "--strategies", "p4"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.strategies_worker", "--strategies", "p4"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and "--strategies: unknown 'p4'" in proc.stderr
 
@@ -107,7 +107,7 @@ def test_worker_counts_wire_bytes_per_host_and_reports_hybcomms_plan():
 
     DDP's ring sends at least the gradient per step; hybcomm rows carry their plan, a forced one forced.
     """
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_worker", "--model", "mlp", "--batch-size", "8",
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench.strategies_worker", "--model", "mlp", "--batch-size", "8",
            "--batches", "2", "--iters", "1", "--warmup", "1", "--rounds", "1", "--ranks-per-node", "1",
            "--bandwidth", "1gbit", "--strategies", "ddp,hybcomm,hybcomm-ps"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,

@@ -1,4 +1,4 @@
-"""jobs.bench_mstopk times MSTopK and torch.topk and writes its table, JSON rows and plot (here: tiny)."""
+"""jobs.bench.mstopk times MSTopK and torch.topk and writes its table, JSON rows and plot (here: tiny)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import ROOT
 
 def test_bench_mstopk_rows_table_and_plot(tmp_path):
     out, png = tmp_path / "mstopk.json", tmp_path / "mstopk.png"
-    cmd = [sys.executable, "-m", "jobs.bench_mstopk", "--sizes", "100000", "--densities", "0.01", "--repeats", "2",
+    cmd = [sys.executable, "-m", "jobs.bench.mstopk", "--sizes", "100000", "--densities", "0.01", "--repeats", "2",
            "--json", str(out), "--png", str(png)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -32,14 +32,14 @@ def test_bench_mstopk_rows_table_and_plot(tmp_path):
 
 
 def test_bench_mstopk_rejects_bad_density():
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench_mstopk", "--densities", "0.01,2"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.mstopk", "--densities", "0.01,2"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and "--densities: must be in (0, 1], got 2.0" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error torch gives without a CUDA device")
 def test_bench_mstopk_cuda_without_a_gpu_is_one_clear_line():
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench_mstopk", "--device", "cuda"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.mstopk", "--device", "cuda"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"error: --device: cuda, but torch {torch.__version__} sees no "
@@ -50,7 +50,7 @@ def test_bench_mstopk_cuda_without_a_gpu_is_one_clear_line():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
 def test_bench_mstopk_on_cuda(tmp_path):
     out = tmp_path / "mstopk-cuda.json"
-    cmd = [sys.executable, "-m", "jobs.bench_mstopk", "--device", "cuda", "--sizes", "1M", "--densities", "0.001,0.01",
+    cmd = [sys.executable, "-m", "jobs.bench.mstopk", "--device", "cuda", "--sizes", "1M", "--densities", "0.001,0.01",
            "--repeats", "3", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

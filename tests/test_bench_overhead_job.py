@@ -1,4 +1,4 @@
-"""jobs.bench_overhead end to end: every configuration timed against plain torch, the agreement round, JSON and PNG."""
+"""jobs.bench.overhead end to end: every configuration timed against plain torch, the agreement round, JSON and PNG."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mpicomm.launch import mpiexec
 
 def test_rows_for_every_configuration_and_the_agreement_round(tmp_path):
     out = tmp_path / "overhead.json"
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_overhead", "--models", "mlp", "--strategies",
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench.overhead", "--models", "mlp", "--strategies",
            "allreduce,p3", "--steps", "2", "--warmup", "1", "--rounds", "2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

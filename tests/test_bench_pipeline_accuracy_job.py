@@ -1,4 +1,4 @@
-"""jobs.bench_pipeline_accuracy under mpiexec -n 4: a tiny table (FC on 512 images), its JSON, markdown and plot."""
+"""jobs.bench.pipeline_accuracy under mpiexec -n 4: a tiny table (FC on 512 images), its JSON, markdown and plot."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ METHODS = ["dp", "vanilla", "stash", "spectrain"]
 
 def test_tiny_table_rows_markdown_and_plot(tmp_path):
     out, md = tmp_path / "acc.json", tmp_path / "acc.md"
-    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "jobs.bench_pipeline_accuracy", "--tasks", "fc", "--seeds", "1",
+    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "jobs.bench.pipeline_accuracy", "--tasks", "fc", "--seeds", "1",
            "--epochs", "2", "--train-samples", "512", "--val-samples", "256", "--json", str(out), "--markdown", str(md)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""jobs.bench_pipeline runs every contender side by side; writes its table, summary, JSON and plot (tiny, unshaped)."""
+"""jobs.bench.pipeline runs every contender side by side; writes its table, summary, JSON and plot (tiny, unshaped)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ CONTENDERS = ["flush", "vanilla", "stash", "spectrain", "allreduce", "wfbp", "p3
 
 def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
     out = tmp_path / "bp.json"
-    cmd = [sys.executable, "-m", "jobs.bench_pipeline", "--local", "--hosts", "4", "--models", "mlp",
+    cmd = [sys.executable, "-m", "jobs.bench.pipeline", "--local", "--hosts", "4", "--models", "mlp",
            "--hidden", "64,64,64", "--batch-size", "32", "--microbatches", "4", "--rounds", "1", "--iters", "2",
            "--warmup", "1", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -53,6 +53,6 @@ def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
 
 
 def test_worker_rejects_unknown_contender():
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench_pipeline_worker", "--contenders", "gpipe"],
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.pipeline_worker", "--contenders", "gpipe"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and "--contenders: unknown 'gpipe'" in proc.stderr

@@ -1,4 +1,4 @@
-"""Preprocessing for models, synthetic tasks and the per-rank BatchPlan (serial, no MPI); IDX: test_datacache_idx."""
+"""Preprocessing for models, synthetic tasks, the per-rank BatchPlan, the DeviceFeed (serial); IDX: test_datacache_idx."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime.data import (BOS, FASHION_MEAN, FASHION_STD, FIRST_TOKEN, BatchPlan, DeviceFeed,
-                          synthetic_classification, synthetic_seq2seq, to_tensor)
-
+from runtime.device import DeviceFeed
+from runtime.workloads.data import (BOS, FASHION_MEAN, FASHION_STD, FIRST_TOKEN, BatchPlan, synthetic_classification,
+                                    synthetic_seq2seq, to_tensor)
 
 # ----------------------------------------------------------------------------- preprocessing
 

@@ -10,12 +10,12 @@ import sys
 
 import numpy as np
 import pytest
+from datacache_helpers import write_idx, write_idx_pair
 
 from conftest import ROOT
 from datacache.idx import FASHION_ROOT, load_fashion_mnist
 from datacache.sources import IdxSource
-from datacache_helpers import write_idx, write_idx_pair
-from runtime.data import FASHION_MEAN, FASHION_STD
+from runtime.workloads.data import FASHION_MEAN, FASHION_STD
 
 REAL = os.path.isfile(os.path.join(FASHION_ROOT, "t10k-labels-idx1-ubyte.gz"))
 
@@ -92,7 +92,7 @@ def test_missing_files_say_how_to_install(tmp_path):
 
 def test_runtime_does_not_import_datacache():
     """The layering jobs -> runtime | datacache -> mpicomm: runtime and datacache are peers."""
-    code = "import sys, runtime, runtime.data, runtime.models; assert 'datacache' not in sys.modules"
+    code = "import sys, runtime, runtime.workloads.data, runtime.workloads.models; assert 'datacache' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from mpicomm.sparse_allreduce import pack, unpack
 from runtime.sparse.error_feedback import DensitySchedule, ErrorFeedback
-from runtime.sparse.mstopk import k_for_density as k_for
+from runtime.sparse.selection import k_for_density as k_for
 
 
 def exact(x, k):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_transparency_mpi import close, data, train
 
 from conftest import assert_everywhere
 from runtime import STRATEGIES
-from test_transparency_mpi import close, data, train
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")]
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.gpu, pytest.mark.timeout(300),
 @pytest.fixture
 def device(world):
     """This rank's GPU as the jobs pick it (local rank % GPUs): 4 ranks on one GPU share it."""
-    from jobs.devices import rank_device
+    from jobs.common.devices import rank_device
     from mpicomm import Topology
 
     with Topology(world) as topo:

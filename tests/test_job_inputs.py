@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
+from datacache_helpers import make_png_dataset
 
 from conftest import ROOT
-from datacache_helpers import make_png_dataset
 from mpicomm.launch import mpiexec
 
 # Small settings, so that a run the job wrongly accepts still ends soon (and the case fails, not hangs).
@@ -78,16 +78,16 @@ CASES = [
      "--cache-dir"),
     ("train-cache-memory-negative", "jobs.train",
      [*CACHED, "--cache-dir", "{out}/cache", "--data-dir", "{png}", "--cache-memory-mb", "-1"], "--cache-memory-mb"),
-    ("worker-model-unknown", "jobs.bench_worker", [*WORKER, "--model", "alexnet"], "--model"),
-    ("worker-density-zero", "jobs.bench_worker", [*WORKER, "--strategies", "topk", "--density", "0"], "--density"),
-    ("worker-slice-size-negative", "jobs.bench_worker", [*WORKER, "--strategies", "p3", "--slice-size", "-4"],
+    ("worker-model-unknown", "jobs.bench.strategies_worker", [*WORKER, "--model", "alexnet"], "--model"),
+    ("worker-density-zero", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "topk", "--density", "0"], "--density"),
+    ("worker-slice-size-negative", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3", "--slice-size", "-4"],
      "--slice-size"),
-    ("worker-credit-word", "jobs.bench_worker", [*WORKER, "--strategies", "p3", "--credit", "many"], "--credit"),
-    ("worker-p3-variant", "jobs.bench_worker", [*WORKER, "--strategies", "p3@1k/2"], "--strategies"),
+    ("worker-credit-word", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3", "--credit", "many"], "--credit"),
+    ("worker-p3-variant", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3@1k/2"], "--strategies"),
     ("train-credit-zero", "jobs.train", [*TRAIN, "--credit", "0"], "--credit"),
-    ("worker-iters-zero", "jobs.bench_worker", [*WORKER, "--iters", "0"], "--iters"),
-    ("worker-threads-zero", "jobs.bench_worker", [*WORKER, "--threads", "0"], "--threads"),
-    ("worker-hybcomm-variant-unknown", "jobs.bench_worker", [*WORKER, "--strategies", "wfbp,hybcomm-p3"],
+    ("worker-iters-zero", "jobs.bench.strategies_worker", [*WORKER, "--iters", "0"], "--iters"),
+    ("worker-threads-zero", "jobs.bench.strategies_worker", [*WORKER, "--threads", "0"], "--threads"),
+    ("worker-hybcomm-variant-unknown", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "wfbp,hybcomm-p3"],
      "--strategies"),
     ("bench-local-strategy-unknown", "jobs.bench", [*LOCAL, "--strategies", "p4", "--json", "{out}/b.json"],
      "--strategies"),
@@ -104,45 +104,45 @@ CASES = [
      "--strategies", "cluster"),
     ("bench-slice-size-negative", "jobs.bench", ["--models", "mlp", "--bandwidths", "1gbit", "--slice-size", "-1"],
      "--slice-size", "cluster"),
-    ("scaling-local-ranks-not-increasing", "jobs.bench_scaling", [*SCALING, "--ranks", "1,4,2"], "--ranks"),
-    ("scaling-local-ranks-empty", "jobs.bench_scaling", [*SCALING, "--ranks", ","], "--ranks"),
-    ("scaling-local-ranks-zero", "jobs.bench_scaling", [*SCALING, "--ranks", "0,1"], "--ranks"),
-    ("scaling-local-ranks-not-filling-hosts", "jobs.bench_scaling", [*SCALING, "--ranks", "1,2,3",
+    ("scaling-local-ranks-not-increasing", "jobs.bench.scaling", [*SCALING, "--ranks", "1,4,2"], "--ranks"),
+    ("scaling-local-ranks-empty", "jobs.bench.scaling", [*SCALING, "--ranks", ","], "--ranks"),
+    ("scaling-local-ranks-zero", "jobs.bench.scaling", [*SCALING, "--ranks", "0,1"], "--ranks"),
+    ("scaling-local-ranks-not-filling-hosts", "jobs.bench.scaling", [*SCALING, "--ranks", "1,2,3",
                                                                      "--ranks-per-host", "2"], "--ranks"),
-    ("scaling-local-with-bandwidth", "jobs.bench_scaling", [*SCALING, "--ranks", "1,2", "--bandwidth", "1gbit"],
+    ("scaling-local-with-bandwidth", "jobs.bench.scaling", [*SCALING, "--ranks", "1,2", "--bandwidth", "1gbit"],
      "--bandwidths"),
-    ("scaling-local-strategy-unknown", "jobs.bench_scaling", [*SCALING, "--strategies", "hybcomm-auto"],
+    ("scaling-local-strategy-unknown", "jobs.bench.scaling", [*SCALING, "--strategies", "hybcomm-auto"],
      "--strategies"),
-    ("collectives-json-is-a-directory", "jobs.bench_collectives", [*COLL, "--json", "{dir}"], "--json"),
-    ("collectives-plot-under-a-file", "jobs.bench_collectives", [*COLL, "--plot", "{file}/p.png"], "--plot"),
-    ("collectives-link-gbps-negative", "jobs.bench_collectives", [*COLL, "--link-gbps", "-1"], "--link-gbps"),
-    ("collectives-chunk-bytes-zero", "jobs.bench_collectives", [*COLL, "--chunk-bytes", "0"], "--chunk-bytes"),
-    ("bench-cache-source-missing", "jobs.bench_cache", ["--source", "{missing}", "--cache-dir", "{out}/c"],
+    ("collectives-json-is-a-directory", "jobs.bench.collectives", [*COLL, "--json", "{dir}"], "--json"),
+    ("collectives-plot-under-a-file", "jobs.bench.collectives", [*COLL, "--plot", "{file}/p.png"], "--plot"),
+    ("collectives-link-gbps-negative", "jobs.bench.collectives", [*COLL, "--link-gbps", "-1"], "--link-gbps"),
+    ("collectives-chunk-bytes-zero", "jobs.bench.collectives", [*COLL, "--chunk-bytes", "0"], "--chunk-bytes"),
+    ("bench-cache-source-missing", "jobs.bench.cache", ["--source", "{missing}", "--cache-dir", "{out}/c"],
      "--source"),
-    ("bench-cache-memory-negative", "jobs.bench_cache",
+    ("bench-cache-memory-negative", "jobs.bench.cache",
      ["--source", "{png}", "--cache-dir", "{out}/c", "--epochs", "2", "--memory-mb", "-1"], "--memory-mb"),
-    ("bench-cache-cache-dir-is-a-file", "jobs.bench_cache", ["--source", "{png}", "--cache-dir", "{file}"],
+    ("bench-cache-cache-dir-is-a-file", "jobs.bench.cache", ["--source", "{png}", "--cache-dir", "{file}"],
      "--cache-dir"),
-    ("bench-cache-workers-negative", "jobs.bench_cache",
+    ("bench-cache-workers-negative", "jobs.bench.cache",
      ["--source", "{png}", "--cache-dir", "{out}/c", "--workers", "-1"], "--workers"),
-    ("mstopk-json-is-a-directory", "jobs.bench_mstopk", [*MSTOPK, "--json", "{dir}"], "--json"),
-    ("mstopk-iters-zero", "jobs.bench_mstopk", [*MSTOPK, "--iters", "0"], "--iters"),
-    ("pto-model-unknown", "jobs.bench_pto", [*PTO, "--model", "alexnet"], "--model"),
-    ("pto-plot-under-a-file", "jobs.bench_pto", [*PTO, "--plot", "{file}/p.png"], "--plot"),
+    ("mstopk-json-is-a-directory", "jobs.bench.mstopk", [*MSTOPK, "--json", "{dir}"], "--json"),
+    ("mstopk-iters-zero", "jobs.bench.mstopk", [*MSTOPK, "--iters", "0"], "--iters"),
+    ("pto-model-unknown", "jobs.bench.pto", [*PTO, "--model", "alexnet"], "--model"),
+    ("pto-plot-under-a-file", "jobs.bench.pto", [*PTO, "--plot", "{file}/p.png"], "--plot"),
     ("soak-steps-zero", "jobs.soak", [*SOAK, "--steps", "0"], "--steps"),
     ("soak-settle-beyond-steps", "jobs.soak", [*SOAK, "--settle", "20"], "--settle"),
     ("soak-strategy-unknown", "jobs.soak", [*SOAK, "--strategy", "nope"], "--strategy"),
     ("soak-mpiexec-json-is-a-directory", "jobs.soak", [*SOAK, "--json", "{dir}"], "--json", "mpiexec"),
-    ("overhead-model-unknown", "jobs.bench_overhead", [*OVERHEAD, "--models", "mlp,alexnet"], "--models"),
-    ("overhead-strategy-unknown", "jobs.bench_overhead", [*OVERHEAD, "--strategies", "ddp"], "--strategies"),
-    ("overhead-rounds-zero", "jobs.bench_overhead", [*OVERHEAD, "--rounds", "0"], "--rounds"),
-    ("overhead-mpiexec-plot-under-a-file", "jobs.bench_overhead", [*OVERHEAD, "--plot", "{file}/p.png"], "--plot",
+    ("overhead-model-unknown", "jobs.bench.overhead", [*OVERHEAD, "--models", "mlp,alexnet"], "--models"),
+    ("overhead-strategy-unknown", "jobs.bench.overhead", [*OVERHEAD, "--strategies", "ddp"], "--strategies"),
+    ("overhead-rounds-zero", "jobs.bench.overhead", [*OVERHEAD, "--rounds", "0"], "--rounds"),
+    ("overhead-mpiexec-plot-under-a-file", "jobs.bench.overhead", [*OVERHEAD, "--plot", "{file}/p.png"], "--plot",
      "mpiexec"),
-    ("convergence-strategy-unknown", "jobs.bench_convergence",
+    ("convergence-strategy-unknown", "jobs.bench.convergence",
      ["--configs", "nope", "--seeds", "0", "--epochs", "1", "--max-steps", "1"], "--configs"),
-    ("convergence-density-not-a-number", "jobs.bench_convergence", ["--configs", "topk:abc"], "--configs"),
-    ("convergence-seeds-not-numbers", "jobs.bench_convergence", ["--seeds", "a"], "--seeds"),
-    ("convergence-ranks-per-node-not-dividing", "jobs.bench_convergence",
+    ("convergence-density-not-a-number", "jobs.bench.convergence", ["--configs", "topk:abc"], "--configs"),
+    ("convergence-seeds-not-numbers", "jobs.bench.convergence", ["--seeds", "a"], "--seeds"),
+    ("convergence-ranks-per-node-not-dividing", "jobs.bench.convergence",
      ["--configs", "allreduce", "--seeds", "0", "--epochs", "1", "--max-steps", "1", "--ranks", "4",
       "--ranks-per-node", "3"], "--ranks-per-node"),
     ("cache-warm-memory-negative", "jobs.cache",
@@ -158,54 +158,54 @@ CASES = [
     ("cluster-run-local-np-zero", "jobs.cluster", ["run", "--local", "-n", "0", "--", "true"], "--np"),
     ("topology-expect-nodes-zero", "jobs.topology", ["--expect-nodes", "0"], "--expect-nodes"),
     ("topology-json-is-a-directory", "jobs.topology", ["--json", "{dir}"], "--json"),
-    # jobs.pipeline_peer's defaults (mlp, 4 layers, batch 64, 8 micro-batches, 12 steps) end in seconds.
-    ("pipeline_peer-mpiexec-balance-not-summing", "jobs.pipeline_peer", ["--balance", "1,2"], "--balance", "mpiexec"),
-    ("pipeline_peer-balance-more-stages-than-ranks", "jobs.pipeline_peer", ["--balance", "2,2"], "--balance"),
-    ("pipeline_peer-mpiexec-balance-fewer-stages-than-ranks", "jobs.pipeline_peer", ["--balance", "4"], "--balance",
+    # jobs.bench.pipeline_peer's defaults (mlp, 4 layers, batch 64, 8 micro-batches, 12 steps) end in seconds.
+    ("pipeline_peer-mpiexec-balance-not-summing", "jobs.bench.pipeline_peer", ["--balance", "1,2"], "--balance", "mpiexec"),
+    ("pipeline_peer-balance-more-stages-than-ranks", "jobs.bench.pipeline_peer", ["--balance", "2,2"], "--balance"),
+    ("pipeline_peer-mpiexec-balance-fewer-stages-than-ranks", "jobs.bench.pipeline_peer", ["--balance", "4"], "--balance",
      "mpiexec"),
-    ("pipeline_peer-balance-not-numbers", "jobs.pipeline_peer", ["--balance", "a,b"], "--balance"),
-    ("pipeline_peer-mpiexec-microbatches-not-dividing", "jobs.pipeline_peer", ["--microbatches", "3"],
+    ("pipeline_peer-balance-not-numbers", "jobs.bench.pipeline_peer", ["--balance", "a,b"], "--balance"),
+    ("pipeline_peer-mpiexec-microbatches-not-dividing", "jobs.bench.pipeline_peer", ["--microbatches", "3"],
      "--microbatches", "mpiexec"),
-    ("pipeline_peer-mpiexec-1f1b-fewer-microbatches-than-stages", "jobs.pipeline_peer", ["--microbatches", "1"],
+    ("pipeline_peer-mpiexec-1f1b-fewer-microbatches-than-stages", "jobs.bench.pipeline_peer", ["--microbatches", "1"],
      "--microbatches", "mpiexec"),
-    ("pipeline_peer-model-not-sequential", "jobs.pipeline_peer", ["--model", "resnet50"], "--model"),
-    ("pipeline_peer-schedule-unknown", "jobs.pipeline_peer", ["--schedule", "zb"], "--schedule"),
-    ("pipeline_peer-mpiexec-json-is-a-directory", "jobs.pipeline_peer", ["--json", "{dir}"], "--json", "mpiexec"),
-    ("bench_pipeline-local-contender-unknown", "jobs.bench_pipeline", [*PIPE, "--contenders", "flush,gpipe"],
+    ("pipeline_peer-model-not-sequential", "jobs.bench.pipeline_peer", ["--model", "resnet50"], "--model"),
+    ("pipeline_peer-schedule-unknown", "jobs.bench.pipeline_peer", ["--schedule", "zb"], "--schedule"),
+    ("pipeline_peer-mpiexec-json-is-a-directory", "jobs.bench.pipeline_peer", ["--json", "{dir}"], "--json", "mpiexec"),
+    ("bench_pipeline-local-contender-unknown", "jobs.bench.pipeline", [*PIPE, "--contenders", "flush,gpipe"],
      "--contenders"),
-    ("bench_pipeline-bandwidth-unparseable", "jobs.bench_pipeline", ["--models", "mlp", "--bandwidths", "1gbit,junk"],
+    ("bench_pipeline-bandwidth-unparseable", "jobs.bench.pipeline", ["--models", "mlp", "--bandwidths", "1gbit,junk"],
      "--bandwidths", "cluster"),
-    ("bench_pipeline-local-with-bandwidths", "jobs.bench_pipeline", [*PIPE, "--bandwidths", "1gbit"], "--bandwidths"),
-    ("bench_pipeline-local-microbatches-not-dividing", "jobs.bench_pipeline", [*PIPE, "--microbatches", "3"],
+    ("bench_pipeline-local-with-bandwidths", "jobs.bench.pipeline", [*PIPE, "--bandwidths", "1gbit"], "--bandwidths"),
+    ("bench_pipeline-local-microbatches-not-dividing", "jobs.bench.pipeline", [*PIPE, "--microbatches", "3"],
      "--microbatches"),
-    ("bench_pipeline-local-batch-not-dividing-ranks", "jobs.bench_pipeline",
+    ("bench_pipeline-local-batch-not-dividing-ranks", "jobs.bench.pipeline",
      [*PIPE, "--hosts", "3", "--contenders", "flush,allreduce", "--json", "{out}/b.json"], "--batch-size"),
-    ("bench_pipeline-local-1f1b-fewer-microbatches-than-hosts", "jobs.bench_pipeline",
+    ("bench_pipeline-local-1f1b-fewer-microbatches-than-hosts", "jobs.bench.pipeline",
      [*PIPE, "--hosts", "4", "--contenders", "torch-1f1b"], "--microbatches"),
-    ("bench_pipeline-local-model-not-sequential", "jobs.bench_pipeline", [*PIPE, "--models", "mlp,resnet50"],
+    ("bench_pipeline-local-model-not-sequential", "jobs.bench.pipeline", [*PIPE, "--models", "mlp,resnet50"],
      "--models"),
-    ("bench_pipeline-local-model-unknown", "jobs.bench_pipeline", [*PIPE, "--models", "alexnet"], "--models"),
-    ("bench_pipeline-local-hidden-not-mlp", "jobs.bench_pipeline", [*PIPE, "--models", "vgg19", "--hidden", "64"],
+    ("bench_pipeline-local-model-unknown", "jobs.bench.pipeline", [*PIPE, "--models", "alexnet"], "--models"),
+    ("bench_pipeline-local-hidden-not-mlp", "jobs.bench.pipeline", [*PIPE, "--models", "vgg19", "--hidden", "64"],
      "--hidden"),
-    ("bench_pipeline-local-rounds-zero", "jobs.bench_pipeline", [*PIPE, "--rounds", "0"], "--rounds"),
-    ("bench_pipeline-hosts-zero", "jobs.bench_pipeline", ["--models", "mlp", "--hosts", "0"], "--hosts", "cluster"),
-    ("bench_pipeline-local-plot-under-a-file", "jobs.bench_pipeline", [*PIPE, "--plot", "{file}/p.png"], "--plot"),
-    ("bench_pipeline_worker-mpiexec-microbatches-not-dividing", "jobs.bench_pipeline_worker",
+    ("bench_pipeline-local-rounds-zero", "jobs.bench.pipeline", [*PIPE, "--rounds", "0"], "--rounds"),
+    ("bench_pipeline-hosts-zero", "jobs.bench.pipeline", ["--models", "mlp", "--hosts", "0"], "--hosts", "cluster"),
+    ("bench_pipeline-local-plot-under-a-file", "jobs.bench.pipeline", [*PIPE, "--plot", "{file}/p.png"], "--plot"),
+    ("bench_pipeline_worker-mpiexec-microbatches-not-dividing", "jobs.bench.pipeline_worker",
      ["--model", "mlp", "--batch-size", "8", "--microbatches", "3", "--rounds", "1", "--iters", "1"],
      "--microbatches", "mpiexec"),
-    ("bench_pipeline_worker-model-not-sequential", "jobs.bench_pipeline_worker", ["--model", "transformer"],
+    ("bench_pipeline_worker-model-not-sequential", "jobs.bench.pipeline_worker", ["--model", "transformer"],
      "--model"),
-    ("hybcomm_choice-local-layers-out-of-range", "jobs.bench_hybcomm_choice",
+    ("hybcomm_choice-local-layers-out-of-range", "jobs.bench.hybcomm_choice",
      ["--local", "--model", "mlp", "--ranks", "2", "--layers", "0,2", "--json", "{out}/c.json"], "--layers"),
-    ("hybcomm_choice-bandwidth-unshaped", "jobs.bench_hybcomm_choice", ["--model", "mlp", "--bandwidth", "none"],
+    ("hybcomm_choice-bandwidth-unshaped", "jobs.bench.hybcomm_choice", ["--model", "mlp", "--bandwidth", "none"],
      "--bandwidth", "cluster"),
-    ("hybcomm_choice_worker-mpiexec-layers-out-of-range", "jobs.bench_hybcomm_choice_worker",
+    ("hybcomm_choice_worker-mpiexec-layers-out-of-range", "jobs.bench.hybcomm_choice_worker",
      ["--model", "mlp", "--layers", "5", "--batch-sizes", "2", "--rounds", "1", "--iters", "1"], "--layers",
      "mpiexec"),
-    ("pipeline_accuracy-task-unknown", "jobs.bench_pipeline_accuracy", ["--tasks", "fc,resnet"], "--tasks"),
-    ("pipeline_accuracy-mpiexec-seeds-zero", "jobs.bench_pipeline_accuracy", ["--seeds", "0"], "--seeds", "mpiexec"),
+    ("pipeline_accuracy-task-unknown", "jobs.bench.pipeline_accuracy", ["--tasks", "fc,resnet"], "--tasks"),
+    ("pipeline_accuracy-mpiexec-seeds-zero", "jobs.bench.pipeline_accuracy", ["--seeds", "0"], "--seeds", "mpiexec"),
     # Good options on 2 ranks: a 4-stage pipeline needs 4.
-    ("pipeline_accuracy-mpiexec-2-ranks", "jobs.bench_pipeline_accuracy",
+    ("pipeline_accuracy-mpiexec-2-ranks", "jobs.bench.pipeline_accuracy",
      ["--tasks", "fc", "--seeds", "1", "--epochs", "1", "--train-samples", "512", "--json", "{out}/a.json"],
      "needs 4 ranks", "mpiexec"),
 ]
@@ -268,11 +268,11 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, job, args, o
 
 
 def test_the_jobs_names_are_runtimes():
-    """jobs.choices lets the jobs check names before runtime (and MPI) is imported: it must not drift."""
-    from jobs import choices
+    """jobs.common.choices lets the jobs check names before runtime (and MPI) is imported: it must not drift."""
+    from jobs.common import choices
     from runtime import SPARSE_STRATEGIES, STRATEGIES
-    from runtime.models import FIXED_CLASSES, MODELS
     from runtime.options import HYBCOMM_DENSE, HYBCOMM_FORCE
+    from runtime.workloads.models import FIXED_CLASSES, MODELS
 
     assert choices.MODELS == tuple(MODELS) and choices.FIXED_CLASSES == FIXED_CLASSES
     assert choices.EXACT_STRATEGIES == tuple(STRATEGIES) and choices.SPARSE_STRATEGIES == tuple(SPARSE_STRATEGIES)
@@ -297,7 +297,8 @@ def test_train_hands_hybcomm_its_options():
 
 
 def test_bench_worker_takes_hybcomm_and_its_forced_variants():
-    from jobs import bench_worker, contenders
+    from jobs.bench import contenders
+    from jobs.bench import strategies_worker as bench_worker
 
     args = bench_worker.parse_args([*WORKER, "--strategies", "hybcomm,hybcomm-sfb,hybcomm-ps+pto,ddp",
                                     "--bandwidth", "1gbit"])
@@ -310,7 +311,7 @@ def test_bench_worker_takes_hybcomm_and_its_forced_variants():
 
 
 def test_bench_scaling_takes_a_bandwidth_and_rank_counts():
-    from jobs import bench_scaling
+    from jobs.bench import scaling as bench_scaling
 
     args = bench_scaling.parse_args(["--models", "vgg19-22k", "--ranks", "1,2,4,8", "--bandwidth", "10gbit",
                                      "--strategies", "wfbp,p3,hybcomm,ddp"])
@@ -321,7 +322,7 @@ def test_bench_scaling_takes_a_bandwidth_and_rank_counts():
 
 @pytest.mark.parametrize("job,args,message", [
     ("train", [*TRAIN, "--strategy", "hybcomm", "--link-bandwidth", "fast"], "--link-bandwidth: cannot parse"),
-    ("bench_scaling", ["--models", "mlp", "--ranks", "1,2,128"], "--ranks: 128 ranks need more than 64 hosts"),
+    ("bench.scaling", ["--models", "mlp", "--ranks", "1,2,128"], "--ranks: 128 ranks need more than 64 hosts"),
 ], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts"])
 def test_checks_that_need_mpicomm(capsys, job, args, message):
     """In this process, which has imported mpicomm (torch) already: a job pays that only when the option is given."""

@@ -62,9 +62,12 @@ def test_uneven_hosts_refused_on_every_rank(tmp_path):
 
 
 def test_jobs_import_without_starting_mpi():
-    """Every job: importing it (and so checking its command line, which comes first) starts neither MPI nor torch."""
+    """Every job and helper, in every room of jobs/: importing it (and so checking its command line, which comes
+    first) starts neither MPI nor torch."""
     code = ("import importlib, pkgutil, sys, jobs\n"
-            "for m in pkgutil.iter_modules(jobs.__path__): importlib.import_module('jobs.' + m.name)\n"
+            "names = [m.name for m in pkgutil.walk_packages(jobs.__path__, 'jobs.')]\n"
+            "assert 'jobs.bench.pipeline_worker' in names and 'jobs.common.inputs' in names, names\n"
+            "for name in names: importlib.import_module(name)\n"
             "assert 'mpi4py.MPI' not in sys.modules and 'torch' not in sys.modules, 'MPI or torch started at import'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
@@ -72,7 +75,7 @@ def test_jobs_import_without_starting_mpi():
 def test_bench_collectives_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "res" / "c.json"
     cross = tmp_path / "cross.json"
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench_collectives", "--sizes", "4K,64K",
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench.collectives", "--sizes", "4K,64K",
            "--iters", "2", "--rounds", "2", "--latency-bytes", "16K", "--json", str(out), "--crossover", str(cross)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -104,7 +107,7 @@ def test_bench_collectives_writes_table_json_and_plot(tmp_path):
 def test_bench_collectives_rejects_bad_arguments():
     for args, msg in ((["--sizes", "4Q"], "not a size"), (["--ops", "alltoall"], "--ops: unknown 'alltoall'"),
                       (["--iters", "-1"], ">= 0")):
-        proc = subprocess.run([sys.executable, "-m", "jobs.bench_collectives", *args], capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "jobs.bench.collectives", *args], capture_output=True,
                               text=True, cwd=ROOT, timeout=60)
         assert proc.returncode == 2 and msg in proc.stderr, (args, proc.stderr)
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from datacache.idx import FASHION_ROOT, load_fashion_mnist
-from runtime.data import BatchPlan, to_tensor
-from runtime.models import MODELS, build_model, input_shape, loss_fn, model_input
+from runtime.workloads.data import BatchPlan, to_tensor
+from runtime.workloads.models import MODELS, build_model, input_shape, loss_fn, model_input
 
 torch.set_num_threads(1)
 

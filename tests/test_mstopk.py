@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-import numpy as np
-
-from runtime.sparse.mstopk import MSTopK, _first_true, exact_topk, k_for_density
+from runtime.sparse.mstopk import MSTopK, _first_true
+from runtime.sparse.selection import exact_topk, k_for_density
 
 torch.set_num_threads(1)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.sparse.mstopk import MSTopK, exact_topk, k_for_density
+from runtime.sparse.mstopk import MSTopK
 from runtime.sparse.mstopk_device import DeviceMSTopK
+from runtime.sparse.selection import exact_topk, k_for_density
 
 torch.set_num_threads(1)
 

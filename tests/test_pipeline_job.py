@@ -31,8 +31,8 @@ def one_process(epochs: int):
     """jobs.train's flush run as one process does it: the same model, batches and SGD (QUICK's settings)."""
     import torch.nn.functional as F
 
-    from runtime.data import BatchPlan
-    from runtime.models import build_model, model_input
+    from runtime.workloads.data import BatchPlan
+    from runtime.workloads.models import build_model, model_input
 
     (x,), y = model_input("mlp", 512, 0)
     torch.manual_seed(0)
@@ -133,8 +133,8 @@ def test_the_readme_pipeline_example_runs_and_learns(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine where torch sees no CUDA device")
 @pytest.mark.parametrize("job,args", [
     ("jobs.train", ["--parallel", "pipeline", "--device", "cuda"]),
-    ("jobs.bench_pipeline_worker", ["--model", "mlp", "--device", "cuda"]),
-    ("jobs.bench_pipeline", ["--local", "--models", "mlp", "--device", "cuda"]),
+    ("jobs.bench.pipeline_worker", ["--model", "mlp", "--device", "cuda"]),
+    ("jobs.bench.pipeline", ["--local", "--models", "mlp", "--device", "cuda"]),
 ])
 def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(job, args):
     proc = subprocess.run([sys.executable, "-m", job, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
@@ -144,9 +144,9 @@ def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(job, args):
 
 
 def test_device_cuda_leaves_torch_1f1b_out_of_the_benchmark_or_refuses_it():
-    from jobs import bench_pipeline_worker as worker
+    from jobs.bench import pipeline_worker as worker
 
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench_pipeline_worker", "--model", "mlp", "--device", "cuda",
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.pipeline_worker", "--model", "mlp", "--device", "cuda",
                            "--contenders", "flush,torch-1f1b"], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --contenders: torch-1f1b sends CPU tensors"), \
         proc.stderr

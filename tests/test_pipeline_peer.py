@@ -1,4 +1,4 @@
-"""jobs.pipeline_peer: torch's pipeline schedules over gloo train exactly as one process would, and report a rate."""
+"""jobs.bench.pipeline_peer: torch's pipeline schedules over gloo train as one process would, and report a rate."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import assert_everywhere
-from jobs.pipeline_peer import LAYERS, even_balance, model_layers, run_peer
-from runtime.models import build_model, loss_fn, model_input
+from jobs.bench.pipeline_peer import LAYERS, even_balance, model_layers, run_peer
+from runtime.workloads.models import build_model, loss_fn, model_input
 
 HIDDEN = [64, 64, 64]  # Flatten, 3 x (Linear, ReLU), Linear: 8 layers
 BATCH, MICRO, WARMUP, STEPS, LR, MOMENTUM = 32, 4, 1, 3, 0.05, 0.9
@@ -68,7 +68,7 @@ def test_stages_equal_one_process_sgd(world, schedule):
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
 def test_layer_counts_are_the_models(name):
-    """The job checks --balance against LAYERS before torch starts: it must match runtime.models."""
+    """The job checks --balance against LAYERS before torch starts: it must match runtime.workloads.models."""
     with torch.device("meta"):
         assert len(model_layers(build_model(name))) == LAYERS[name]
 

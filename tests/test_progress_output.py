@@ -1,4 +1,4 @@
-"""jobs.progress: a tqdm bar only on a terminal, plain periodic lines in a log file."""
+"""jobs.common.progress: a tqdm bar only on a terminal, plain periodic lines in a log file."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import os
 import pty
 
-from jobs.progress import BarProgress, LineProgress, epoch_progress
+from jobs.common.progress import BarProgress, LineProgress, epoch_progress
 
 
 def test_a_terminal_gets_a_bar_a_file_gets_lines(tmp_path):

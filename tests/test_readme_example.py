@@ -11,12 +11,17 @@ from conftest import ROOT
 from mpicomm.launch import mpiexec
 
 
-def test_first_training_example_runs(tmp_path):
-    readme = open(os.path.join(ROOT, "README.md")).read()
+def readme_program() -> str:
+    """The README's first complete program (section "Training:"), as printed."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
     section = readme[readme.index("## Training:"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_first_training_example_runs(tmp_path):
     script = tmp_path / "example.py"
-    script.write_text(code)
+    script.write_text(readme_program())
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

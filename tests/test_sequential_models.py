@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.models import FC_HEAVY_HIDDEN, TOKEN_MODELS, build_model, input_shape, loss_fn, model_input
-from runtime.sequential_models import CHAR_VOCAB, CharLSTM, LSTMLayer
+from runtime.workloads.models import FC_HEAVY_HIDDEN, TOKEN_MODELS, build_model, input_shape, loss_fn, model_input
+from runtime.workloads.sequential import CHAR_VOCAB, CharLSTM, LSTMLayer
 
 torch.set_num_threads(1)
 
@@ -106,7 +106,7 @@ def test_narrow_fc_heavy_forward_backward():
 
 
 def test_token_models_agree_with_jobs_choices_and_train_checks_the_data(capsys):
-    from jobs import choices
+    from jobs.common import choices
     from jobs.train import parse_args
 
     assert choices.TOKEN_MODELS == TOKEN_MODELS

@@ -138,7 +138,7 @@ def test_p3_gates_each_layer_and_beats_wfbp_when_the_link_is_the_limit():
 def test_ddp_buckets_are_torchs():
     from torch import distributed as dist
 
-    from runtime.models import build_model
+    from runtime.workloads.models import build_model
 
     model = build_model("vgg19")
     layers = []

@@ -32,8 +32,8 @@ def mlp_profile(tmp_path_factory):
 def test_take_profile_writes_every_layer_measured_on_every_rank(mlp_profile):
     import torch
 
-    from runtime.models import build_model
     from runtime.sim import Profile
+    from runtime.workloads.models import build_model
 
     p = Profile.load(str(mlp_profile))
     assert p.model == "mlp" and p.ranks_at_once == 2 and p.batch_size == 8 and len(p.extra["step_s_ranks"]) == 2

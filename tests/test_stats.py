@@ -1,4 +1,4 @@
-"""jobs.stats: the median's order-statistic CI covers what it says, for any distribution; few rounds say so."""
+"""jobs.common.stats: the median's order-statistic CI covers what it says, for any distribution; few rounds say so."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from jobs.stats import coverage_text, median_ci, summary
+from jobs.common.stats import coverage_text, median_ci, summary
 
 
 def binomial_coverage(n: int, j: int) -> float:

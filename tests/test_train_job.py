@@ -55,7 +55,7 @@ def test_plan_watch_says_each_new_plan_once():
     """As jobs.train's rank 0 calls it after every step: nothing before a plan or without one, each version once."""
     from types import SimpleNamespace
 
-    from jobs.plans import PlanWatch
+    from jobs.common.plans import PlanWatch
 
     said = []
     strategy = SimpleNamespace(plan=None, plan_version=0, plan_text=lambda: f"table {strategy.plan_version}")
@@ -116,7 +116,7 @@ def test_nan_gradient_stops_sparse_training_with_the_layer_named(tmp_path):
 
 def test_convergence_bench_rows_and_plot(tmp_path):
     out = tmp_path / "conv.json"
-    cmd = [sys.executable, "-m", "jobs.bench_convergence", "--configs", "allreduce,hier-topk:0.1:3", "--seeds", "0",
+    cmd = [sys.executable, "-m", "jobs.bench.convergence", "--configs", "allreduce,hier-topk:0.1:3", "--seeds", "0",
            "--epochs", "1", "--max-steps", "5", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     if "fashion-mnist" in proc.stderr.lower() and proc.returncode:
@@ -216,7 +216,7 @@ def test_device_cpu_is_the_default_and_is_reported(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason=NO_CUDA)
-@pytest.mark.parametrize("job", ["jobs.train", "jobs.bench_worker"])
+@pytest.mark.parametrize("job", ["jobs.train", "jobs.bench.strategies_worker"])
 def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(job):
     """Both ranks check; rank 0 alone says so, naming the torch build: no traceback, no hang."""
     cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", "2", sys.executable, "-m", job, "--device", "cuda"]

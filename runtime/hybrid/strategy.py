@@ -17,6 +17,8 @@ from mpicomm.agree import check_same_structure
 from mpicomm.progress import HandlesTask, HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
+from ..dense import WfbpSync
+from ..p3 import P3Sync
 from ..strategy import Strategy, StrategyContext
 from . import cost_model
 from .census import Census, CensusTask
@@ -27,9 +29,8 @@ DEFAULT_BANDWIDTH = 10e9  # bit/s of a node's link when neither the options nor 
 PLANS_KEPT = 64  # plans cached by their rows per layer
 
 
-def _dense_class(name: str):
-    from ..registry import strategy_class  # the registry imports this module
-    return strategy_class(name)
+# The dense path's classes, by the names HybCommOptions.dense accepts (the registry imports this module).
+DENSE_CLASSES = {"wfbp": WfbpSync, "p3": P3Sync}
 
 
 class HybCommSync(Strategy):
@@ -72,7 +73,7 @@ class HybCommSync(Strategy):
             sub = dataclasses.replace(ctx, params=[self.params[i] for i in self.rest],
                                       names=[ctx.names[i] for i in self.rest], buffers=self.buffers.subset(self.rest),
                                       options=o.dense_options())
-            self.inner = _dense_class(o.dense)(sub)
+            self.inner = DENSE_CLASSES[o.dense](sub)
         self.deferred = bool(self.inner and self.inner.deferred)  # p3: a layer's update waits for its forward
         try:
             self.progress = getattr(self.inner, "progress", None) or ProgressThread("mpitrain-hybcomm")
@@ -108,7 +109,7 @@ class HybCommSync(Strategy):
         _, _, fc_params = _factor_layers(model, params)
         taken = {i for idxs in fc_params for i in idxs}
         rest = [i for i in range(len(params)) if i not in taken]
-        inner = _dense_class(options.dense).layout([params[i] for i in rest], options.dense_options())
+        inner = DENSE_CLASSES[options.dense].layout([params[i] for i in rest], options.dense_options())
         ordered = [rest[j] for j in inner] if inner is not None else rest
         return ordered + [i for idxs in fc_params for i in idxs]
 

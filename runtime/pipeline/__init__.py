@@ -1,6 +1,7 @@
 """Pipeline model parallelism over MPI ranks: partition, stage-to-stage transport, 1F1B schedule, weight versions."""
 
-from .engine import DATA_PARALLEL, Pipeline, PipelineError
+from .checks import DATA_PARALLEL, PipelineError
+from .engine import Pipeline
 from .partition import PartitionError, as_layers, best_balance, plan_table, profile_layers
 from .placement import PLACEMENTS, PipelineLayout, PlacementError
 from .schedule import diagram

@@ -2,29 +2,21 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
-from mpi4py import MPI
 from torch import nn
 
 from mpicomm import Topology
 from mpicomm.agree import check_same_structure, fail_together
 from mpicomm.stall import StallPolicy
 from mpicomm.step_check import CLOSE, EXCHANGE, StepCheck, digest
-from runtime.device import staging_wanted
 
 from . import partition, schedule
-from .placement import PLACEMENTS, PipelineLayout
-from .staging import StagedLink, stage_device
+from .checks import PipelineError, check_arguments, check_same_values, describe_layers
+from .placement import PipelineLayout
+from .staging import StagedLink
 from .transport import StageLink, agree_boundaries, describe
-from .versions import MODES, SPECTRAIN_VARIANTS, WeightVersions, momentum_sgd_hyper, version_difference
-
-DATA_PARALLEL = ("allreduce", "wfbp")
-
-
-class PipelineError(RuntimeError):
-    """A pipeline that cannot be built or run as asked; raised on every rank."""
+from .versions import WeightVersions, momentum_sgd_hyper, version_difference
 
 
 class Pipeline:
@@ -72,7 +64,7 @@ class Pipeline:
         self.failed: BaseException | None = None
         self._closed = False
         try:
-            layers, self.device, self.staged = self._check_arguments(
+            layers, self.device, self.staged = check_arguments(
                 world, model, stages, balance, microbatches, mode, spectrain_variant, replicas, placement,
                 data_parallel, sample, device, staging, self.topology.local_rank)
             n_stages = len(balance) if balance is not None else stages
@@ -82,8 +74,8 @@ class Pipeline:
                         f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)}",
                         f"device={self.device.type}"]
             check_same_structure(world, settings, "pipeline setting")
-            check_same_structure(world, _describe_layers(layers), "layer parameter")
-            _check_same_values(world, layers)
+            check_same_structure(world, describe_layers(layers), "layer parameter")
+            check_same_values(world, layers)
             self.layout = PipelineLayout(self.topology, n_stages, replicas, placement)
             self.stage, self.stages = self.layout.stage, n_stages
             self.first, self.last = self.layout.first, self.layout.last
@@ -115,40 +107,6 @@ class Pipeline:
         self._meta = None  # [(shape, dtype)] of each stage's output, agreed at the first step
 
     # -- set-up ---------------------------------------------------------------------------
-    @staticmethod
-    def _check_arguments(world, model, stages, balance, microbatches, mode, variant, replicas, placement,
-                         data_parallel, sample, device, staging, local_rank):
-        """Local checks, then agreement: a rank with a bad argument stops every rank, each naming it."""
-        problem, layers, where, staged = None, [], None, False
-        try:
-            layers = partition.as_layers(model)
-            if mode not in MODES:
-                raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-            if variant not in SPECTRAIN_VARIANTS:
-                raise ValueError(f"spectrain_variant must be one of {SPECTRAIN_VARIANTS}, got {variant!r}")
-            if placement not in PLACEMENTS:
-                raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
-            if data_parallel not in DATA_PARALLEL:
-                raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}")
-            for name, value in (("microbatches", microbatches), ("replicas", replicas)):
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-            if (stages is None) == (balance is None):
-                raise ValueError("give stages=N (automatic partition) or balance=[layers per stage], not both")
-            if balance is not None:
-                partition.check_stages(len(partition.check_balance(balance, len(layers))), len(layers))
-            else:
-                partition.check_stages(stages, len(layers))
-                if sample is None:
-                    raise ValueError("the automatic partition times each layer on a sample micro-batch: pass "
-                                     "sample=<inputs of one micro-batch>, or balance=[layers per stage]")
-            where = stage_device(device, local_rank)
-            staged = bool(staging) or staging_wanted(where)  # a GPU stage always is; MPITRAIN_STAGING=force
-        except (ValueError, TypeError) as exc:
-            problem = str(exc)
-        fail_together(world, problem, PipelineError)
-        return layers, where, staged
-
     def _partition(self, world, layers, balance, stages, sample, bandwidth):
         """The balance (rank 0 times the layers and decides for everyone) and the plan's table."""
         plan = np.zeros(stages, dtype=np.int64)
@@ -410,23 +368,3 @@ class Pipeline:
             self._fail(exc)
         self.close()
 
-
-def _describe_layers(layers: list[nn.Module]) -> list[str]:
-    return [f"{i}:{type(m).__name__} {n} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
-            for i, m in enumerate(layers) for n, p in m.named_parameters()] or ["(no parameters)"]
-
-
-def _check_same_values(comm: MPI.Comm, layers: list[nn.Module]) -> None:
-    """Every rank built the same initial weights (same seed): one float64 sum per parameter, compared."""
-    params = [(f"{i}:{n}", p) for i, m in enumerate(layers) for n, p in m.named_parameters()]
-    if not params:
-        return
-    mine = np.array([float(p.detach().double().sum()) for _, p in params])
-    everyone = np.empty((comm.Get_size(), len(params)))
-    comm.Allgather(mine, everyone)
-    same = np.isclose(everyone, everyone[0], rtol=1e-12, atol=0.0).all(axis=0)
-    if not same.all():
-        j = int(np.argmin(same))
-        raise PipelineError(f"ranks built different initial weights (layer parameter {params[j][0]}: "
-                            + ", ".join(f"rank {r}: sum {everyone[r, j]:.6g}" for r in range(comm.Get_size()))
-                            + "); build the model with the same seed on every rank")

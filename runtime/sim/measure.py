@@ -156,7 +156,8 @@ def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: i
     error feedback and MSTopK's selection, the sum of every rank's pairs into the dense gradient, the
     average and DGC's masking; the exchange itself is the simulator's."""
     from runtime.sparse.error_feedback import ErrorFeedback
-    from runtime.sparse.mstopk import MSTopK, k_for_density
+    from runtime.sparse.mstopk import MSTopK
+    from runtime.sparse.selection import k_for_density
 
     x = torch.randn(n, device=device)
     velocity, out = torch.zeros_like(x), torch.empty_like(x)

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .mstopk import check_density, k_for_density
+from .selection import check_density, k_for_density
 
 TopK = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from .selection import check_index_dtype, check_topk
+
 PASSES = 6             # full compare-and-count passes: the sampled bracket's two ends, then bisection
 SAMPLE_HITS = 256      # sample n*256/k elements: about 256 of them fall above the k-th largest
 MIN_SAMPLE_HITS = 32   # below this (k < 256) the estimate is too loose: torch.topk, exact, instead
@@ -65,8 +67,7 @@ class DeviceMSTopK:
     def __init__(self, passes: int = PASSES, *, index_dtype: torch.dtype = torch.int64, seed: int = 0):
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 2:
             raise ValueError(f"passes must be an integer >= 2, got {passes!r}")
-        if index_dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"index_dtype must be torch.int64 or torch.int32, got {index_dtype}")
+        check_index_dtype(index_dtype)
         self.passes, self.index_dtype, self.seed = passes, index_dtype, seed
         self._cache: dict[tuple[torch.dtype, torch.device], _Workspace] = {}
         self._gens: dict[torch.device, torch.Generator] = {}
@@ -75,8 +76,7 @@ class DeviceMSTopK:
         self._cache.clear()
 
     def __call__(self, x: torch.Tensor, k: int):
-        from .mstopk import _check  # MSTopK's checks (imported here: mstopk imports this module)
-        _check(x, k)
+        check_topk(x, k)
         flat = x.detach().reshape(-1)
         n, dev = flat.numel(), flat.device
         ws = self._cache.get((flat.dtype, dev))

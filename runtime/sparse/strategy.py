@@ -11,7 +11,8 @@ from mpicomm.sparse_allreduce import SparseAllreduce
 
 from ..strategy import Strategy, StrategyContext, wait_handles
 from .error_feedback import DensitySchedule, ErrorFeedback
-from .mstopk import MSTopK, exact_topk, k_for_density
+from .mstopk import MSTopK
+from .selection import exact_topk, k_for_density
 
 
 class NonFiniteGradientError(FloatingPointError):

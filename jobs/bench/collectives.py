@@ -1,0 +1,370 @@
+"""Benchmark: mpicomm's ring collectives against the MPI library's native ones, nccl-tests style.
+
+    mpiexec -n 4 mpitrain bench collectives --json results/collectives.json
+    mpiexec -n 4 mpitrain bench collectives --crossover results/crossover.json
+    MPITRAIN_RING_LATENCY_BYTES=results/crossover.json mpitrain train ...   # Ring uses it
+
+For each op and message size, one row per implementation with
+op, impl, bytes, ranks, time_s, algbw_gbps, busbw_gbps. `bytes` is the whole
+buffer as nccl-tests counts it (allreduce/broadcast: the buffer; reduce_scatter:
+the input; allgather: the output). busbw = algbw x factor, the factor being
+2(P-1)/P for allreduce, (P-1)/P for reduce_scatter and allgather, 1 for broadcast.
+Implementations: ring (mpicomm's Ring as used: MPI's collective below its
+crossover, `--latency-bytes`), ring-only (the ring at every size), native
+(the MPI library's blocking collective), gloo (torch.distributed). They are
+timed in rounds, the order rotated every round, so that drifting load
+(a shared machine) cannot favour one; time_s is the median over rounds of
+the slowest rank's mean per call. The crossover per op is the smallest
+size from which ring-only beats native at every larger size measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from jobs.common.inputs import InputError, JobParser, at_least, comma_list, output_file, parse, positive
+from jobs.common.outputs import write_results, write_together
+from jobs.common.report import parse_size as _parse_size
+from jobs.common.report import run_metadata, save_figure, write_document
+
+OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
+IMPLS = ("ring", "ring-only", "native", "gloo")
+GLOO_OPS = ("allreduce", "allgather", "broadcast")  # gloo has no CPU reduce_scatter
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
+def parse_size(text: str) -> int:
+    return _parse_size(text, binary=True)
+
+
+def parse_bytes(text: str) -> int:
+    """A size that may be 0."""
+    if text.strip() == "0":
+        return 0
+    try:
+        return parse_size(text)
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (0 for none)") from None
+
+
+def bus_factor(op: str, ranks: int) -> float:
+    if op == "allreduce":
+        return 2 * (ranks - 1) / ranks
+    if op in ("reduce_scatter", "allgather"):
+        return (ranks - 1) / ranks
+    return 1.0
+
+
+def parse_args(argv=None):
+    p = JobParser(prog="python -m jobs.bench.collectives", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=DEFAULT_SIZES,
+                   help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--impls", default="ring,ring-only,native",
+                   help="comma-separated subset of ring (mpicomm, with its latency path), ring-only (no latency "
+                        "path), native (MPI), gloo (torch.distributed); default ring,ring-only,native")
+    p.add_argument("--iters", type=int, default=0,
+                   help="timed iterations per row and round (default: as many as fit ~1 GiB of traffic over "
+                        "the rounds, at least 3 per round, at most 100 in all)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds per size, implementations in a rotated order each round; medians (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations per row (default 1)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "int32"))
+    p.add_argument("--chunk-bytes", type=parse_size, default=None,
+                   help="ring pipelining chunk (default: mpicomm's)")
+    p.add_argument("--no-validate", action="store_true", help="skip the ring's cross-rank fingerprint check")
+    p.add_argument("--latency-bytes", type=parse_bytes, default=None,
+                   help="the ring impl's crossover: below it MPI's collective (default: mpicomm's, or "
+                        "$MPITRAIN_RING_LATENCY_BYTES; 0 = the ring everywhere)")
+    p.add_argument("--crossover", metavar="PATH",
+                   help="write the measured crossover per op here (JSON); point $MPITRAIN_RING_LATENCY_BYTES "
+                        "at it and Ring uses it (needs the ring-only and native impls)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="per-host link rate (Gbit/s) for the bandwidth bound; default: the emulated cluster's")
+    p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
+    p.add_argument("--plot", metavar="PNG", help="busbw-vs-size plot (default: the JSON path with .png)")
+    return parse(p, argv, check_args, mpi=True)
+
+
+def check_args(args) -> None:
+    args.sizes = comma_list("--sizes", args.sizes, parse=parse_size)
+    args.ops = comma_list("--ops", args.ops, OPS)
+    args.impls = comma_list("--impls", args.impls, IMPLS)
+    at_least(args, 0, "iters", "warmup")
+    at_least(args, 1, "rounds")
+    positive(args, "link_gbps")
+    if args.crossover and not {"ring-only", "native"} <= set(args.impls):
+        raise InputError("--crossover", "needs the ring-only and native impls in --impls")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    output_file(args, "json", "plot", "crossover")
+
+
+class Case:
+    """Buffers and the implementations of one (op, size); `rings`: the Ring each ring impl runs on."""
+
+    def __init__(self, op, nbytes, dtype, rings, comm):
+        P, r = comm.Get_size(), comm.Get_rank()
+        itemsize = np.dtype(dtype).itemsize
+        n = max(P, nbytes // itemsize)
+        per = n // P
+        self.op, self.comm, self.rings = op, comm, rings
+        self.nbytes = n * itemsize
+        rng = np.random.default_rng(r)
+        if op == "allreduce":
+            self.src, self.dst = rng.random(n).astype(dtype), np.empty(n, dtype)
+        elif op == "reduce_scatter":
+            n = per * P  # native Reduce_scatter_block wants equal blocks
+            self.nbytes = n * itemsize
+            self.src, self.dst = rng.random(n).astype(dtype), np.empty(per, dtype)
+        elif op == "allgather":
+            self.nbytes = per * P * itemsize
+            self.src, self.dst = rng.random(per).astype(dtype), np.empty(per * P, dtype)
+        else:
+            self.src = self.dst = rng.random(n).astype(dtype)
+
+    def run(self, impl: str) -> None:
+        c, s, d = self.comm, self.src, self.dst
+        if impl == "gloo":
+            self._gloo()
+            return
+        if impl == "native":
+            if self.op == "allreduce":
+                c.Allreduce(s, d)
+            elif self.op == "reduce_scatter":
+                c.Reduce_scatter_block(s, d)
+            elif self.op == "allgather":
+                c.Allgather(s, d)
+            else:
+                c.Bcast(d, root=0)
+            return
+        ring = self.rings[impl]
+        if self.op == "allreduce":
+            ring.allreduce(s, d).wait()
+        elif self.op == "reduce_scatter":
+            ring.reduce_scatter(s, d).wait()
+        elif self.op == "allgather":
+            ring.allgather(s, d).wait()
+        else:
+            ring.broadcast(d, root=0).wait()
+
+
+    def _gloo(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        s, d = torch.from_numpy(self.src), torch.from_numpy(self.dst)  # views: no copies
+        if self.op == "allreduce":
+            d.copy_(s)  # out of place, like the other two implementations
+            dist.all_reduce(d)
+        elif self.op == "allgather":
+            dist.all_gather(list(d.chunk(self.comm.Get_size())), s)
+        else:
+            dist.broadcast(d, src=0)
+
+
+def time_case(case: Case, impl: str, iters: int, warmup: int) -> float:
+    """Slowest rank's mean seconds per call, each call started together after a barrier."""
+    from mpi4py import MPI
+
+    comm = case.comm
+    for _ in range(warmup):
+        case.run(impl)
+    total = 0.0
+    for _ in range(iters):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        case.run(impl)
+        total += time.perf_counter() - t0
+    worst = np.empty(1)
+    comm.Allreduce(np.array([total / iters]), worst, op=MPI.MAX)
+    return float(worst[0])
+
+
+def auto_iters(nbytes: int, rounds: int) -> int:
+    """Per round: ~1 GiB of traffic over all rounds, at most 100 calls in all, at least 3 per round."""
+    return int(max(3, min(100, (1 << 30) // nbytes) // rounds))
+
+
+def rotated(items: list, k: int) -> list:
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def crossover(rows, op: str) -> int | None:
+    """Smallest size from which ring-only's busbw beats native's at every larger size measured.
+
+    None when the ring never wins at the largest size. A suffix, not the first
+    win: on a noisy machine one lucky small size must not send everything
+    above it to the ring.
+    """
+    by = {(r["bytes"], r["impl"]): r["busbw_gbps"] for r in rows if r["op"] == op}
+    sizes = sorted({b for b, impl in by if impl == "ring-only" and (b, "native") in by})
+    best = None
+    for b in reversed(sizes):
+        if by[(b, "ring-only")] <= by[(b, "native")]:
+            break
+        best = b
+    return best
+
+
+def format_table(rows) -> str:
+    head = (f"{'op':<15}{'impl':<10}{'bytes':>12}{'ranks':>6}{'time_ms':>11}{'algbw_GB/s':>12}{'busbw_GB/s':>12}"
+            f"{'x bound':>9}  path")
+    lines = [head, "-" * len(head)]
+    lines += [f"{r['op']:<15}{r['impl']:<10}{r['bytes']:>12}{r['ranks']:>6}{r['time_s'] * 1e3:>11.3f}"
+              f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}"
+              f"{(format(r['time_s'] / r['bound_s'], '9.2f') if r.get('bound_s') else ''):>9}"
+              f"{('  ' + r['path']) if r.get('path') else ''}" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = sorted({r["op"] for r in rows}, key=OPS.index)
+    fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        for impl, style in (("ring", "o-"), ("ring-only", "x-."), ("native", "s--"), ("gloo", "^:")):
+            pts = sorted((r["bytes"], r["busbw_gbps"]) for r in rows if r["op"] == op and r["impl"] == impl)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(op)
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    save_figure(fig, path)
+
+
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
+    from mpi4py import MPI  # here, not at import: importing a job must not start MPI
+
+    from mpicomm import Ring
+    from mpicomm.ring import DEFAULT_CHUNK_BYTES
+
+    comm = MPI.COMM_WORLD
+    P, rank = comm.Get_size(), comm.Get_rank()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    if P == 1:
+        say("note: 1 rank: nothing crosses a link; run under `mpiexec -n 4` for meaningful figures")
+    network = describe_network()
+    link_bps = args.link_gbps * 1e9 if args.link_gbps else network.get("bandwidth_bps")
+    if "gloo" in args.impls:
+        from mpicomm.torchdist import init_gloo
+
+        init_gloo(comm)
+    chunk = args.chunk_bytes or DEFAULT_CHUNK_BYTES
+    validate = not args.no_validate
+    rings = {}
+    if "ring" in args.impls:
+        rings["ring"] = Ring(comm, validate=validate, chunk_bytes=chunk, latency_bytes=args.latency_bytes)
+    if "ring-only" in args.impls:
+        rings["ring-only"] = Ring(comm, validate=validate, chunk_bytes=chunk, latency_bytes=0)
+    latency = rings["ring"].latency_bytes if "ring" in rings else None
+    bench_comm = comm.Dup()
+    rows = []
+    say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "
+        f"ring chunk {chunk} B, validate {'on' if validate else 'off'}, network {network['kind']}"
+        + (f", link {link_bps / 1e9:g} Gbit/s" if link_bps else "")
+        + (f", ring latency path below {_crossovers(latency, args.ops)}" if latency else "")
+        + f", {args.rounds} rounds")
+    say(format_table([]).splitlines()[0], flush=True)
+    for op in args.ops:
+        impls = [i for i in args.impls if i != "gloo" or op in GLOO_OPS]
+        for k, nbytes in enumerate(args.sizes):
+            case = Case(op, nbytes, np.dtype(args.dtype), rings, bench_comm)
+            iters = args.iters or auto_iters(case.nbytes, args.rounds)
+            times = {impl: [] for impl in impls}
+            native_calls = 0
+            for rnd in range(args.rounds):
+                for impl in rotated(impls, rnd + k):
+                    before = rings[impl].native.posted if impl in rings else 0
+                    times[impl].append(time_case(case, impl, iters, args.warmup))
+                    if impl == "ring":
+                        native_calls += rings[impl].native.posted - before
+            for impl in impls:
+                t = float(np.median(times[impl]))
+                algbw = case.nbytes / t / 1e9
+                row = dict(op=op, impl=impl, bytes=case.nbytes, ranks=P, time_s=t, algbw_gbps=algbw,
+                           busbw_gbps=algbw * bus_factor(op, P), iters=iters, rounds=args.rounds,
+                           round_times_s=times[impl])
+                if impl == "ring":  # which path the ring impl took (every rank took the same)
+                    row["path"] = "latency" if native_calls else "ring"
+                if link_bps:
+                    # Bandwidth bound with one rank per host: every rank moves busbw-worth of bytes over
+                    # its own link, e.g. 2(P-1)/P * S for a ring allreduce.
+                    row["bound_s"] = bus_factor(op, P) * case.nbytes * 8 / link_bps
+                rows.append(row)
+                say(format_table([row]).splitlines()[2], flush=True)
+            del case
+    for ring in rings.values():
+        ring.free()
+    bench_comm.Free()
+    if "gloo" in args.impls:
+        from mpicomm.torchdist import shutdown_gloo
+
+        shutdown_gloo(comm)
+    measured = {op: crossover(rows, op) for op in args.ops} if {"ring-only", "native"} <= set(args.impls) else {}
+    if rank == 0:
+        _summary(rows, measured, args.sizes, say)
+    meta = run_metadata("jobs.bench.collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
+                        ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=validate,
+                        network=network, link_bps=link_bps, latency_bytes=latency, rounds=args.rounds)
+    title = f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}"
+    write_results(comm, args, meta, rows, lambda path: plot(rows, path, title), say)
+    if args.crossover:
+        table = {op: (b if b is not None else 2 * max(args.sizes)) for op, b in measured.items()}
+        doc = dict(latency_bytes=table, meta=meta, note="below latency_bytes[op] a Ring takes MPI's collective; "
+                   "an op whose ring never won up to the largest size measured gets twice that size")
+        write_together(comm, "--crossover", args.crossover,
+                       lambda: write_document(args.crossover, doc, say),
+                       here=rank == 0)
+    return 0
+
+
+def _crossovers(latency: dict, ops) -> str:
+    return ", ".join(f"{op} {latency[op]} B" for op in ops)
+
+
+def describe_network() -> dict:
+    """Where this run's traffic went: the emulated cluster's links, or unshaped on one host."""
+    if os.environ.get("MPITRAIN_CLUSTER_IFACE"):
+        from mpicomm.emulation import read_state
+
+        state = read_state() or {}
+        return dict(kind="emulated-cluster", hosts=state.get("hosts"), bandwidth_bps=state.get("bandwidth_bps"))
+    return dict(kind="unshaped-local" if os.environ.get("MPITRAIN_UNSHAPED") else "local")
+
+
+def _summary(rows, measured: dict, sizes, say) -> None:
+    """Each ring impl's busbw over native's per op and size, then the measured crossovers."""
+    by = {(r["op"], r["bytes"], r["impl"]): r for r in rows}
+    for impl in ("ring", "ring-only"):
+        pairs = [(op, b) for (op, b, i) in by if i == impl and (op, b, "native") in by]
+        if pairs:
+            say(f"\n{impl} / native busbw:")
+            for op, b in pairs:
+                n = by[(op, b, "native")]["busbw_gbps"]
+                ratio = by[(op, b, impl)]["busbw_gbps"] / n if n else float("nan")
+                path = by[(op, b, impl)].get("path")
+                say(f"  {op:<15}{b:>12}  {ratio:5.2f}x" + (f"  ({path})" if path else ""))
+    if measured:
+        say("\ncrossover (ring-only beats native from this size on):")
+        for op, b in measured.items():
+            say(f"  {op:<15}" + (f"{b:>12}" if b is not None else f"  never up to {max(sizes)}"))
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # a bad input stops here, one line and exit 2, before MPI starts
+    from mpicomm.launch import run_main
+
+    run_main(lambda: main(args=ARGS))

@@ -1,0 +1,68 @@
+"""What each contender name of jobs.bench.strategies_worker stands for: runtime options, p3 variants, forced hybcomm."""
+
+from __future__ import annotations
+
+from jobs.common.choices import EXACT_STRATEGIES
+from jobs.common.choices import SPARSE_STRATEGIES as SPARSE
+from jobs.common.inputs import InputError, at_least, auto_or_count, comma_list, fraction
+
+# hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
+FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
+STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "ddp", *SPARSE)
+
+
+def check_settings(args) -> list[str]:
+    """The strategies to run, after checking what jobs.bench hands the worker under the same option names."""
+    strategies = comma_list("--strategies", args.strategies)
+    for s in strategies:
+        if s.startswith("p3@"):
+            check_p3_variant(s.removesuffix("+pto"))
+        elif s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto":
+            raise InputError("--strategies", f"unknown {s!r} (choose from {', '.join(STRATEGIES)}; "
+                                             "any but ddp may end in +pto)")
+    at_least(args, 1, "batch_size", "batches", "iters", "rounds", "threads")
+    auto_or_count(args, "slice_size", "credit")
+    at_least(args, 0, "warmup")
+    fraction(args, "density")
+    return strategies
+
+
+def p3_settings(name: str, args) -> tuple:
+    """(slice_size, credit) of "p3" (--slice-size, --credit) or of a variant "p3@SLICE/CREDIT" (each auto or a count)."""
+    if name == "p3":
+        return args.slice_size, args.credit
+    slice_size, _, credit = name.removeprefix("p3@").partition("/")
+    return tuple(v if v == "auto" else int(v) for v in (slice_size, credit))
+
+
+def check_p3_variant(name: str) -> None:
+    """'p3@65536/4', 'p3@auto/8': the variant's two settings, or an error naming it."""
+    slice_size, sep, credit = name.removeprefix("p3@").partition("/")
+    if not sep or not all(v == "auto" or (v.isdigit() and int(v) >= 1) for v in (slice_size, credit)):
+        raise InputError("--strategies", f"bad p3 variant {name!r}: write p3@SLICE/CREDIT, each auto or a "
+                                         "whole number >= 1 (e.g. p3@262144/8, p3@auto/4)")
+
+
+def hybcomm_options(args, force: str):
+    """hybcomm's options: the cost model is told the rate of the links it runs on (the --bandwidth label)."""
+    from mpicomm.emulation import EmulationError, parse_bandwidth
+    from runtime.options import HybCommOptions
+
+    try:
+        bps = parse_bandwidth(args.bandwidth)  # unshaped: None, the cost model's default
+    except EmulationError:  # a label such as local-unshaped
+        bps = None
+    return HybCommOptions(force=force, bandwidth=bps, slice_size=args.slice_size, credit=args.credit)
+
+
+def strategy_options(base: str, args):
+    """The runtime options (or name) a contender without its "+pto" suffix stands for."""
+    from runtime import P3Options, TopkOptions
+
+    if base.startswith("p3"):
+        return P3Options(*p3_settings(base, args))
+    if base in SPARSE:
+        return TopkOptions(density=args.density, hierarchical=base == "hier-topk")
+    if base == "hybcomm" or base in FORCED:
+        return hybcomm_options(args, FORCED.get(base, "auto"))
+    return base

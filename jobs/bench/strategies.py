@@ -1,0 +1,277 @@
+r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training throughput across link bandwidths.
+
+    mpitrain bench strategies --json results/bench.json                       # as root: emulated cluster
+    mpitrain bench strategies --models vgg19 --bandwidths 1gbit,2.5gbit,none --hosts 4
+    mpitrain bench strategies --local --models mlp                            # no root: this host, unshaped
+    mpitrain bench strategies --local --hosts 4 --models mlp --rounds 6       # 6 rounds: 95 % CIs of the medians
+    mpitrain bench strategies --models vgg19 --bandwidths 1gbit --hosts 2 --ranks-per-host 2 \
+        --strategies allreduce,topk,hier-topk --density 0.001             # sparse strategies, 2 nodes
+    mpitrain bench strategies --models vgg19,transformer --bandwidths 1gbit,2.5gbit,10gbit,none \
+        --strategies p3,p3@262144/8,p3@1048576/4,ddp --rounds 5      # p3's auto settings against fixed ones
+    mpitrain bench strategies --models vgg19-22k --bandwidths 1gbit,10gbit \
+        --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps                  # Poseidon's choice vs forced
+    mpitrain bench strategies --device cuda --models vgg19,resnet50 --hosts 2 --ranks-per-host 2 \
+        --bandwidths 1gbit,10gbit,none                                    # on GPUs (ranks may share one)
+
+For every bandwidth an emulated cluster of --hosts hosts (--ranks-per-host each) is
+brought up, jobs.bench.strategies_worker runs every model and strategy across it, and
+the cluster is taken down again. The worker measures in --rounds rounds, the
+contenders (the plain step and each strategy) interleaved in rotating order,
+so that a slow spell of a shared machine falls on all of them: every figure
+is the median over rounds, with its distribution-free CI (order statistics,
+jobs.common.stats; below 6 rounds the rounds' min-max, whose coverage the title
+states). Overlap is computed per round from that round's T_compute, T_comm
+and T_iter: the share of the shorter phase hidden behind the longer, in
+[0, 1] (jobs.bench.strategies_rows.overlap says why not max(T_compute, T_comm) /
+T_iter). Prints the machine (CPU model, cores, memory) and torch threads per
+rank (--threads) above a markdown table, writes JSON rows (model, strategy,
+bandwidth, ranks, rounds, threads, samples_per_s, ci (±, covering
+samples_per_s_ci), t_iter_s, t_compute_s, t_comm_s, overlap_efficiency, each
+with its _ci, compute_cpu_s, comm_cpu_s, comm_cpu_vs_ddp, the per-round values
+(*_rounds_s, overlap_rounds, t_iter_batches_s), wire_bytes_per_step,
+wire_bytes_per_host_per_step; hybcomm's rows: plan; meta: the machine) and a
+PNG of samples/s vs bandwidth. "step CPU s" is the CPU-seconds per training
+step of all ranks' processes (every thread, user and system: progress
+threads, polling and the system calls that move the bytes included), "comm
+CPU s" the same for the synchronisation alone, "× DDP's" that over DDP's (per
+round, median). "CPU bound" is (compute + communication CPU-seconds per
+step) / cores: on a machine where ranks and the network stack share few
+cores, no overlap can make a step shorter than that. "wire MB/step" is what
+the hosts' interfaces sent per step, all hosts together (the emulated
+cluster only). hybcomm's plan (sufficient factors or PS per layer) is
+printed under the table once per model and bandwidth. With --device cuda
+the ranks train on GPUs (local rank % GPUs); rows carry device, device_name,
+cuda and transport (how gradients reach the network), and the table's
+title line names the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jobs.bench.contenders import check_settings
+from jobs.common.choices import MODELS
+from jobs.common.cluster_sweep import sweep
+from jobs.common.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least, check_device,
+                                cluster_bench_outputs, comma_list, parse)
+from jobs.common.outputs import write_together
+from jobs.common.plans import plan_markdown
+from jobs.common.report import machine, machine_line, run_metadata, save_figure, write_json
+
+DEFAULT_BANDWIDTHS = "0.5gbit,1gbit,2.5gbit,10gbit,none"
+
+
+def parse_args(argv=None):
+    """The checked command line: everything the worker would refuse is refused here, before a cluster is up."""
+    p = JobParser(prog="python -m jobs.bench.strategies", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    add_worker_arguments(p, "vgg19,resnet50,transformer", "allreduce,wfbp,p3,ddp", batch_size=16)
+    p.add_argument("--hosts", type=int, default=4,
+                   help="default 4; with --local, emulated nodes of --ranks-per-host ranks on this host")
+    add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
+    return parse(p, argv, check_args)
+
+
+def add_worker_arguments(p, models: str, strategies: str, batch_size: int) -> None:
+    """What a driver of jobs.bench.strategies_worker hands it (strategies, scaling); check_worker_arguments checks."""
+    p.add_argument("--models", default=models, help=f"default {models}")
+    p.add_argument("--strategies", default=strategies, help=f"default {strategies}")
+    p.add_argument("--ranks-per-host", type=int, default=1)
+    p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--batch-size", type=int, default=batch_size,
+                   help=f"samples per rank per step (default {batch_size})")
+    p.add_argument("--batches", type=int, default=5, help="timed batches per contender and round (default 5)")
+    p.add_argument("--iters", type=int, default=2, help="steps per timed batch (default 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender and round (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds over the contenders, in rotating order (default 3; 95 %% CIs from 6)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--slice-size", default="auto", help="p3: elements per slice, or auto (default: from the link)")
+    p.add_argument("--credit", default="auto", help="p3: messages in flight, or auto (default: from the link)")
+    add_device_argument(p)
+
+
+def check_worker_arguments(args) -> None:
+    """What the worker would refuse; --device last (cuda imports torch)."""
+    args.models = comma_list("--models", args.models, MODELS)
+    check_settings(args)
+    at_least(args, 1, "ranks_per_host")
+    check_device(args)
+
+
+def check_args(args) -> None:
+    check_worker_arguments(args)
+    at_least(args, 1, "hosts")
+    cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
+
+
+def worker_cmd(args, model, label, ranks):
+    cmd = [sys.executable, "-m", "jobs.bench.strategies_worker", "--model", model, "--strategies", args.strategies,
+           "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
+           "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
+           "--optimizer", args.optimizer, "--device", args.device, "--rounds", str(args.rounds),
+           "--threads", str(args.threads)]
+    cmd += ["--slice-size", str(args.slice_size), "--credit", str(args.credit)]
+    # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
+    return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local and ranks > 1 else [])
+
+
+OVERLAP = ("overlap eff. = max(T_compute, T_comm) / T_iter (at most 1), hidden share = (T_compute + T_comm - T_iter) "
+           "/ min(T_compute, T_comm) (in [0, 1])")
+
+
+def markdown(rows) -> str:
+    """The rows' table: medians over rounds, (low-high) their CIs (title() says which); two header lines."""
+    head = ("| model | strategy | bandwidth | samples/s | (CI) | T_iter s | T_compute s | T_comm s "
+            "| overlap eff. | hidden share | compute CPU s | step CPU s | comm CPU s | comm CPU × DDP's "
+            "| CPU bound s | inter-node MB/step | wire MB/step |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | "
+            f"{spread(r['samples_per_s_ci'], 1)} | {with_ci(r, 't_iter', 4)} | {with_ci(r, 't_compute', 4)} | "
+            f"{with_ci(r, 't_comm', 4)} | {with_ci(r, 'overlap', 2, 'overlap_efficiency')} | "
+            f"{with_ci(r, 'hidden_share', 2, 'hidden_share')} | "
+            f"{r['compute_cpu_s']:.3f} | {num(r.get('step_cpu_s'), 3)} | {num(r['comm_cpu_s'], 3)} | "
+            f"{num(comm_cpu_vs_ddp(r, rows), 2)} | "
+            f"{cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | {mb(r, 'wire_bytes_per_step')} |"
+            for r in rows]
+    return "\n".join([head, *body])
+
+
+def title(rows, args) -> str:
+    """What the table is: the machine, the threads, the rounds and how to read the intervals and the overlap."""
+    from jobs.common.stats import coverage_text
+
+    rounds = sorted({r["rounds"] for r in rows})
+    how = ", ".join(coverage_text(n) for n in rounds)
+    return (f"{device_title(rows)}\n{machine_line(machine())}; {args.threads} torch thread"
+            f"{'s' * (args.threads > 1)} per rank\n"
+            f"median of {'/'.join(map(str, rounds))} rounds (contenders interleaved, rotating order); "
+            f"(low-high): the rounds' order statistics, for the median {how}; "
+            f"{OVERLAP}, each per round")
+
+
+def with_ci(row, key: str, digits: int, median_key: str | None = None) -> str:
+    """`0.0173 (0.0147-0.0199)`: a median and its CI; "-" where the worker could not measure it."""
+    value = row[median_key or f"{key}_s"]
+    return "-" if value is None else f"{value:.{digits}f} {spread(row[f'{key}_ci'], digits)}"
+
+
+def spread(ci, digits: int) -> str:
+    return f"({ci[0]:.{digits}f}-{ci[1]:.{digits}f})"
+
+
+def comm_cpu_vs_ddp(row, rows) -> float | None:
+    """The strategy's communication CPU-seconds per step over DDP's (same model and bandwidth): per-round ratio, median.
+
+    Each round's pair was measured in the same round, so a busy round weighs on both. A DDP round that
+    read 0 is left out; None without DDP or a reading.
+    """
+    import statistics
+
+    ddp = next((r for r in rows if r["strategy"] == "ddp" and (r["model"], r["bandwidth"]) ==
+                (row["model"], row["bandwidth"])), None)
+    if ddp is None or row.get("comm_cpu_rounds_s") is None:
+        return None
+    ratios = [a / b for a, b in zip(row["comm_cpu_rounds_s"], ddp["comm_cpu_rounds_s"]) if b > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def device_title(rows) -> str:
+    """`devices: cuda (NVIDIA H100 80GB HBM3), CUDA 12.8`: what the rows ran on (the workers report it)."""
+    seen = dict.fromkeys(r["device"] + (f" ({r['device_name']}), CUDA {r['cuda']}" if r["device"] == "cuda" else "")
+                         for r in rows)
+    return f"devices: {'; '.join(seen) or 'unknown'}"
+
+
+def num(value: float | None, digits: int) -> str:
+    """A measured figure, or "-" where the worker could not measure it (hybcomm's T_comm and overlap)."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def mb(row, key: str) -> str:
+    """A bytes-per-step column in MB; "-" where the row has none (inter-node: sparse only; wire: emulated hosts)."""
+    b = row.get(key)
+    return "-" if b is None else f"{b / 1e6:.2f}"
+
+
+def p3_lines(rows) -> str:
+    """What each p3 contender chose (auto or given) and what it cost per step: messages sent, polls."""
+    def count(value) -> str:
+        return "-" if value is None else f"{value:.0f}"
+    return "\n".join(f"{r['strategy']}, {r['model']} at {r['bandwidth']}: {r['p3_settings']}; per step "
+                     f"{count(r['p3_messages_per_step'])} messages sent and {count(r['p3_polls_per_step'])} polls "
+                     f"per rank ({count(r['p3_comm_polls_per_step'])} polls when only synchronising)"
+                     for r in rows if r.get("p3_settings"))
+
+
+def plans(rows) -> str:
+    """hybcomm's plan once per model and bandwidth: the cost model's own (hybcomm) if it ran, else a forced one."""
+    chosen: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["model"], r["bandwidth"])
+        if r.get("plan") is not None and (key not in chosen or r["strategy"] == "hybcomm"):
+            chosen[key] = r
+    return "\n\n".join(f"hybcomm plan, {model} at {bw} ({r['strategy']}):\n{plan_markdown(r['plan'])}"
+                       for (model, bw), r in chosen.items())
+
+
+def cpu_bound(row) -> str:
+    """Lowest T_iter the machine's cores allow: compute and communication CPU-seconds share them."""
+    if row.get("comm_cpu_s") is None:
+        return "-"
+    return f"{(row['compute_cpu_s'] + row['comm_cpu_s']) / row['cores']:.3f}"
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(4.5 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        labels = list(dict.fromkeys(r["bandwidth"] for r in rows if r["model"] == model))
+        for strategy in dict.fromkeys(r["strategy"] for r in rows):
+            pts = {r["bandwidth"]: r for r in rows if r["model"] == model and r["strategy"] == strategy}
+            xs = [i for i, b in enumerate(labels) if b in pts]
+            rates = [pts[labels[i]]["samples_per_s"] for i in xs]
+            cis = [pts[labels[i]]["samples_per_s_ci"] for i in xs]
+            ax.errorbar(xs, rates, yerr=[[r - lo for r, (lo, _) in zip(rates, cis)],
+                                         [hi - r for r, (_, hi) in zip(rates, cis)]],
+                        marker="o", capsize=3, label=strategy)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_title(model)
+        ax.set_xlabel("link bandwidth per host")
+        ax.set_ylabel("samples/s (median of rounds, CI)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = sweep(args, lambda model, label, ranks: worker_cmd(args, model, label, ranks), markdown,
+                 args.ranks_per_host)
+    if rows is None:
+        return 2
+    for r in rows:
+        r["comm_cpu_vs_ddp"] = comm_cpu_vs_ddp(r, rows)
+    print("\n" + title(rows, args) + "\n" + markdown(rows))
+    if plans(rows):
+        print("\n" + plans(rows))
+    if p3_lines(rows):
+        print("\n" + p3_lines(rows))
+    if args.json:
+        meta = run_metadata("jobs.bench", argv, machine=machine(), rounds=args.rounds, threads=args.threads,
+                            overlap_efficiency=OVERLAP,
+                            ci="order statistics of the rounds (jobs.common.stats.median_ci)")
+        write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
+    if args.plot and rows:
+        write_together(None, "--plot", args.plot, lambda: (plot(rows, args.plot), print(f"wrote {args.plot}")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""What every job shares: command-line checks, outputs written together, reports, statistics, progress, names."""

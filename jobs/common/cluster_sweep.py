@@ -1,0 +1,53 @@
+"""A benchmark driver's loop: its MPI worker across an emulated cluster at each bandwidth (or on this host), its ROWs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Callable
+
+
+def print_row(row: dict) -> None:
+    """One result, as the worker's rank 0 hands it to rows_from: a "ROW {json}" line."""
+    print("ROW " + json.dumps(row), flush=True)
+
+
+def rows_from(proc) -> list[dict]:
+    """The worker's "ROW {json}" lines; a failed worker raises with the end of its stderr."""
+    if proc.returncode:
+        raise RuntimeError(f"worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+
+
+def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[list[dict]], str],
+          ranks_per_host: int = 1, runs: list[tuple[str, int]] | None = None) -> list[dict] | None:
+    """Rows of command(name, bandwidth label, ranks) for every --bandwidths x run (--local: this host, unshaped).
+
+    runs: (name, ranks) pairs; by default (model, --hosts x ranks_per_host) for every --models. A run
+    of n ranks gets a cluster of ceil(n / ranks_per_host) hosts, brought up for it and taken down
+    after; a single rank sends nothing and runs on this host. The new rows are shown (show(rows) is a
+    markdown table) as they come. A failure ends the sweep with one `error:` line: the rows so far are
+    returned, or None when there are none.
+    """
+    from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
+
+    rows: list[dict] = []
+    try:
+        for bw in ["local-unshaped"] if args.local else args.bandwidths:
+            label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
+            for name, n in runs or [(model, args.hosts * ranks_per_host) for model in args.models]:
+                print(f"# {name} at {label}, {n} rank{'s' * (n > 1)} ...", flush=True)
+                cmd = command(name, label, n)
+                if args.local or n == 1:
+                    proc = run_local(cmd, n, args.timeout, capture=True)
+                else:
+                    with EmulatedCluster(-(-n // ranks_per_host), bw, ranks_per_host=ranks_per_host) as cluster:
+                        proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True)
+                new = rows_from(proc)
+                rows += new
+                print(show(new).split("\n", 2)[2], flush=True)
+    except (EmulationError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if not rows:
+            return None
+    return rows

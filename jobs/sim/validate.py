@@ -1,0 +1,271 @@
+r"""The simulator against the emulated cluster: measured and simulated T_iter for every model, strategy, size and link.
+
+    mpitrain simulate --validate --json results/validation.json             # as root: everything
+    mpitrain simulate --validate --ranks 4 --bandwidths 1gbit --models vgg19 --strategies wfbp,p3
+    mpitrain simulate --validate --measured benchmarks/issue15/measured-4r-1gbit.json,... \
+        --profiles benchmarks/issue15/profiles --calibration benchmarks/issue15/calibration.json
+
+Four stages, each skipped when its result is given:
+  1. profiles (--profiles DIR, files MODEL-bBATCH-rRANKS.json; missing ones are
+     taken): every model profiled on R ranks of this machine at once
+     (jobs.sim.worker profile), for each rank count R of the grid, so that the
+     profile carries what R ranks computing together cost each other here;
+  2. calibration (--calibration): jobs.sim.worker transport on the emulated
+     cluster, unshaped (one connection's rate, CPU time per byte, latency)
+     and at each bandwidth (the share of the line rate the ring's payload
+     gets), microbenchmarks only;
+  3. measurements (--measured): jobs.bench over the emulated cluster, R hosts
+     of one rank, every bandwidth, model and strategy;
+  4. simulation of each measured row from the profile, the calibration and
+     one figure per strategy from its synchronisation timed alone (jobs.bench's
+     T_comm and comm CPU): the cores its communication machinery took while
+     the link was busy (MPICH spinning in a wait, a progress thread polling),
+     which on a machine whose cores the ranks share slows whatever computes
+     beside it. The measured T_iter is never an input; the table shows the
+     simulation without that CPU figure too.
+Prints measured and simulated T_iter with the error per configuration, the
+worst case, writes JSON rows and a PNG (simulated against measured, the
++-10 % band shaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from jobs.common.inputs import InputError, JobParser, at_least, bench_outputs, comma_list, int_list, parse
+
+STRATEGIES = "allreduce,wfbp,p3,ddp,hybcomm,topk,allreduce+pto"
+
+
+def parse_args(argv=None):
+    p = JobParser(prog="python -m jobs.simulate --validate", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--ranks", default="4,8", help="emulated hosts of one rank each (default 4,8)")
+    p.add_argument("--bandwidths", default="1gbit,2.5gbit,10gbit")
+    p.add_argument("--models", default="vgg19,resnet50,transformer")
+    p.add_argument("--strategies", default=STRATEGIES, help=f"default {STRATEGIES}")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2, help="jobs.bench's (default 2)")
+    p.add_argument("--batches", type=int, default=2)
+    p.add_argument("--iters", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--profiles", metavar="DIR", default="benchmarks/issue15/profiles")
+    p.add_argument("--calibration", metavar="JSON", help="default: measured, and written beside --json")
+    p.add_argument("--measured", help="jobs.bench JSON files, comma-separated (default: measured now)")
+    p.add_argument("--timeout", type=float, default=7200)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
+    return parse(p, argv, check_args)
+
+
+def check_args(args) -> None:
+    args.ranks = int_list("--ranks", args.ranks, 2)
+    args.bandwidths = comma_list("--bandwidths", args.bandwidths)
+    args.models = comma_list("--models", args.models)
+    args.strategies = comma_list("--strategies", args.strategies)
+    args.measured = comma_list("--measured", args.measured) if args.measured else []
+    for path in args.measured + ([args.calibration] if args.calibration else []):
+        if not os.path.isfile(path):
+            raise InputError("--measured" if path in args.measured else "--calibration", f"no such file: {path}")
+    at_least(args, 1, "batch_size", "rounds", "batches", "iters")
+    at_least(args, 0, "warmup")
+    bench_outputs(args)
+
+
+def profiles(args) -> dict:
+    """{(model, ranks): Profile}, taking those not in --profiles."""
+    from jobs.sim.profiles import take_profile
+    from runtime.sim import Profile
+
+    out = {}
+    for ranks in args.ranks:
+        for model in args.models:
+            path = os.path.join(args.profiles, f"{model}-b{args.batch_size}-r{ranks}.json")
+            if not os.path.exists(path):
+                print(f"# profiling {model} on {ranks} ranks at once -> {path}", flush=True)
+                take_profile(model, ranks, path, args.batch_size, args.timeout)
+            out[model, ranks] = Profile.load(path)
+    return out
+
+
+def calibrate(args) -> dict:
+    """Microbenchmarks on the emulated cluster (the smallest even rank count of the grid, one rank a host):
+    unshaped, the transport's own costs; at each bandwidth, the share of the line rate the ring's payload
+    gets (headers, acknowledgements, the gaps between ring steps)."""
+    from jobs.common.cluster_sweep import rows_from
+    from mpicomm.emulation import EmulatedCluster, parse_bandwidth
+
+    hosts = min([r for r in args.ranks if r % 2 == 0] or [2])
+    cmd = [sys.executable, "-m", "jobs.sim.worker", "transport"]
+    found = {}
+    for bw in ["none", *args.bandwidths]:
+        print(f"# calibrating: {hosts} emulated hosts, {bw} ...", flush=True)
+        with EmulatedCluster(hosts, None if bw == "none" else bw) as cluster:
+            found[bw] = rows_from(cluster.run(cmd, np=hosts, timeout=args.timeout, capture=True))[0]
+    t = found["none"]
+    efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in args.bandwidths}
+    return {"transport": {"rate": t["rate"], "cpu_per_byte": t["cpu_per_byte"], "latency": t["latency"],
+                          "efficiency": 0.94}, "efficiency": efficiency, "raw": found}
+
+
+def measure(args) -> list[dict]:
+    """jobs.bench over the grid: one JSON per rank count, beside --json (or in the working directory)."""
+    from jobs.bench import strategies as bench
+
+    rows = []
+    stem = os.path.splitext(args.json)[0] if args.json else "validation"
+    for ranks in args.ranks:
+        path = f"{stem}-measured-{ranks}r.json"
+        bench.main(["--models", ",".join(args.models), "--bandwidths", ",".join(args.bandwidths), "--hosts",
+                    str(ranks), "--strategies", ",".join(args.strategies), "--rounds", str(args.rounds),
+                    "--batches", str(args.batches), "--iters", str(args.iters), "--warmup", str(args.warmup),
+                    "--batch-size", str(args.batch_size), "--timeout", str(args.timeout), "--json", path])
+        rows += _rows(path)
+    return rows
+
+
+def _rows(path: str) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
+def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float):
+    """The emulated cluster as runtime.sim sees it: `ranks` hosts of one rank sharing this machine's cores."""
+    from mpicomm.emulation import parse_bandwidth
+    from runtime.sim import Cluster
+
+    t = cal["transport"]
+    bps = parse_bandwidth(bandwidth)
+    return Cluster(nodes=ranks, ranks_per_node=1, bandwidth=bps if bps else 100e9, latency=t["latency"],
+                   efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"], cpu_per_byte=t["cpu_per_byte"],
+                   shared_cores=cores, device="cpu")
+
+
+POLLING = ("wfbp", "p3")  # strategies whose exchange a progress thread drives beside the training thread
+
+
+def comm_cores(rows: list[dict], cal: dict) -> dict:
+    """{(model, strategy, bandwidth, ranks): cores per rank} a progress thread took while its exchange was
+    pending, from the strategy's synchronisation timed alone (jobs.bench's T_comm and comm CPU): the
+    CPU-seconds per second per rank, less the copies the calibration already charges per byte. hybcomm has
+    no synchronisation alone: its dense path's (wfbp's) stands in. The others' waits block the training
+    thread itself (MPICH's spin, which the ring's calibrated rate already carries; gloo's blocking
+    reads; top-k's selection, which the profile times): nothing computes beside them."""
+    out = {}
+    for r in rows:
+        if r["strategy"] in POLLING and r.get("t_comm_s") and r.get("comm_cpu_s") is not None:
+            copies = cal["transport"]["cpu_per_byte"] * (r.get("wire_bytes_per_host_per_step") or 0) / r["t_comm_s"]
+            out[r["model"], r["strategy"], r["bandwidth"], r["ranks"]] = \
+                max(0.0, r["comm_cpu_s"] / (r["t_comm_s"] * r["ranks"]) - copies)
+    for (model, s, bw, ranks), v in list(out.items()):
+        if s == "wfbp":
+            for other in ("hybcomm", "hybcomm-sfb", "hybcomm-ps"):
+                out.setdefault((model, other, bw, ranks), v)
+    return out
+
+
+def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3) -> list[dict]:
+    """One row per measured one: simulated with and without the strategies' measured CPU while communicating."""
+    from runtime.sim import UnknownStrategyError, simulate
+
+    shares = comm_cores(measured, cal)
+    out, seen_compute = [], set()
+    for m in measured:
+        key = (m["model"], m["ranks"])
+        if key not in profs or m.get("t_iter_s") is None:
+            continue
+        prof = profs[key]
+        cluster = emulated_cluster(m["ranks"], m["bandwidth"], cal, prof.cores)
+        if (key, m["bandwidth"]) not in seen_compute and m.get("t_compute_s"):
+            seen_compute.add((key, m["bandwidth"]))
+            sim = simulate(prof, cluster, "compute").t_iter_s
+            out.append(_row(m, "compute", m["t_compute_s"], sim, sim, 0.0))
+        opts = {"density": density} if "topk" in m["strategy"] else {}
+        share = shares.get((m["model"], m["strategy"], m["bandwidth"], m["ranks"]), 0.0)
+        try:
+            bare = simulate(prof, cluster, m["strategy"], **opts).t_iter_s
+            sim = simulate(prof, cluster.with_(comm_cores=share), m["strategy"], **opts).t_iter_s if share else bare
+        except UnknownStrategyError:
+            continue
+        out.append(_row(m, m["strategy"], m["t_iter_s"], sim, bare, share))
+    return out
+
+
+def _row(m: dict, strategy: str, measured: float, simulated: float, bare: float, share: float) -> dict:
+    return dict(model=m["model"], strategy=strategy, bandwidth=m["bandwidth"], ranks=m["ranks"],
+                measured_s=measured, simulated_s=simulated, error=(simulated - measured) / measured,
+                comm_cores=share, simulated_without_comm_cpu_s=bare, error_without_comm_cpu=(bare - measured) / measured)
+
+
+def markdown(rows) -> str:
+    lines = ["| model | strategy | link | ranks | measured T_iter s | simulated s | error | comm cores/rank "
+             "| without them s | error |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['ranks']} | {r['measured_s']:.3f} | "
+                     f"{r['simulated_s']:.3f} | {100 * r['error']:+.1f} % | {r['comm_cores']:.2f} | "
+                     f"{r['simulated_without_comm_cpu_s']:.3f} | {100 * r['error_without_comm_cpu']:+.1f} % |")
+    return "\n".join(lines)
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from jobs.common.report import save_figure
+
+    fig, ax = plt.subplots(figsize=(6, 6))
+    for s in dict.fromkeys(r["strategy"] for r in rows):
+        pts = [r for r in rows if r["strategy"] == s]
+        ax.scatter([r["measured_s"] for r in pts], [r["simulated_s"] for r in pts], label=s, s=18)
+    lo = min(min(r["measured_s"], r["simulated_s"]) for r in rows) * 0.8
+    hi = max(max(r["measured_s"], r["simulated_s"]) for r in rows) * 1.2
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.fill_between([lo, hi], [0.9 * lo, 0.9 * hi], [1.1 * lo, 1.1 * hi], color="grey", alpha=0.2, label="±10 %")
+    ax.set(xscale="log", yscale="log", xlabel="measured T_iter (s)", ylabel="simulated T_iter (s)",
+           title="runtime.sim against the emulated cluster")
+    ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from jobs.common.report import machine, machine_line, run_metadata, write_document, write_json
+
+    if args.calibration:
+        with open(args.calibration) as f:
+            cal = json.load(f)
+    else:
+        cal = calibrate(args)
+        path = (os.path.splitext(args.json)[0] if args.json else "validation") + "-calibration.json"
+        write_document(path, cal)
+    profs = profiles(args)
+    measured = [r for p in args.measured for r in _rows(p)] if args.measured else measure(args)
+    measured = [r for r in measured if r["model"] in args.models and r["ranks"] in args.ranks
+                and r["bandwidth"] in args.bandwidths and r["strategy"] in args.strategies]
+    rows = compare(measured, profs, cal)
+    if not rows:
+        print("error: no measured row matches the grid (--models, --ranks, --bandwidths, --strategies)",
+              file=sys.stderr)
+        return 1
+    print(machine_line(machine()))
+    print(f"transport: {json.dumps(cal['transport'])}")
+    print(markdown(rows))
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    within = sum(abs(r["error"]) <= 0.10 for r in rows)
+    print(f"\nworst: {worst['model']} {worst['strategy']} {worst['bandwidth']} {worst['ranks']} ranks "
+          f"{100 * worst['error']:+.1f} %; {within} of {len(rows)} within 10 %")
+    if args.json:
+        write_json(args.json, run_metadata("jobs.simulate", ["--validate", *(argv or sys.argv[1:])],
+                                           machine=machine(), calibration=cal), rows)
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Parts of jobs.train: the pipeline-parallel branch (`--parallel pipeline`)."""

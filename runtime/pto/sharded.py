@@ -1,0 +1,306 @@
+"""PTO (MSTopK paper): each rank updates its 1/P of the parameters and optimizer state, then an allgather."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from itertools import accumulate
+
+import torch
+
+from mpicomm import IN_PLACE, Ring, block_counts
+from mpicomm.agree import fail_together
+
+from ..grad_buffers import memory_order
+from .groups import group_layout, group_members, identity
+from .state import laid_out_like, same_value, state_kind
+
+
+class ShardedUpdate:
+    """Apply `optimizer`'s update to this rank's shard of `params` only, then allgather the parameters.
+
+        pto = ShardedUpdate(optimizer, params, comm)
+        ... average the gradients (allreduce into p.grad, or reduce-scatter) ...
+        pto.step()               # or pto.step(grad_shard) with this rank's averaged slice
+        pto.consolidate_into(optimizer); torch.save(optimizer.state_dict(), ...)   # checkpoint
+        optimizer.load_state_dict(...); pto.load_from(optimizer)                   # resume
+
+    `params` (same order and shapes on every rank, one dtype) are viewed
+    as one flat vector of n elements, each parameter in its memory order (as
+    the gradient buffers lay it out); rank r owns elements [`shard`[0],
+    `shard`[1]), block r of `block_counts(n, P)`, so a shard may cut through
+    tensors. Each piece of a parameter inside the shard is a view of the
+    shard that a private optimizer of the same class steps, in the param
+    group of its parameter, with that group's hyper-parameters re-copied
+    before every step (schedulers are honoured). Only the private optimizer
+    holds state, 1/P of the total and per piece, so per-parameter state such
+    as Adam's step count stays per parameter. `optimizer` itself is used for
+    its hyper-parameters and as the unsharded state container for
+    checkpoints; it is never stepped.
+
+    The result equals an unsharded `optimizer.step()` on every rank only when
+    the update is elementwise within a parameter (SGD with momentum, weight
+    decay, nesterov; Adam; AdamW; ...). Optimizers that use per-tensor
+    quantities (LAMB's and LARS's trust ratios, Adafactor's factored moments,
+    gradient-norm clipping inside the optimizer) would compute them over the
+    pieces instead of whole tensors and give different results.
+
+    `step(skip=...)` leaves parameters out, as an unsharded step leaves out a
+    parameter whose .grad is None. The model parameters are the source of
+    truth: parameters changed between steps (loaded weights, in-place edits)
+    are re-read into the shard; see `refresh` for the writes that cannot be
+    noticed.
+
+    The shard, its optimizer state and the allgather live in host memory
+    whatever the parameters' device: MPI works on the host, and a GPU model
+    reads its shard from, and gets its parameters back to, the GPU with one
+    copy each (state tensors loaded from a GPU optimizer are moved to the host).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], comm):
+        self.optimizer = optimizer
+        self.params = list(params)
+        # Everything checked here is the same on every rank, so every rank raises alike before
+        # any collective (the Ring's Dup) is entered.
+        self._members = group_members(optimizer, self.params)
+        self._layout = group_layout(optimizer)
+        dtypes = sorted({str(p.dtype) for p in self.params})
+        if len(dtypes) != 1:
+            raise TypeError(f"ShardedUpdate needs parameters of one dtype, got {', '.join(dtypes)} "
+                            "(use one ShardedUpdate per dtype)")
+        self.dtype = self.params[0].dtype
+        self.numels = [p.numel() for p in self.params]
+        self.offsets = list(accumulate(self.numels, initial=0))
+        self.numel = self.offsets[-1]
+
+        self.ring = Ring(comm)
+        self.rank, self.size = self.ring.rank, self.ring.size
+        self.counts = block_counts(self.numel, self.size)
+        bounds = list(accumulate(self.counts, initial=0))
+        self._bounds = list(zip(bounds[:-1], bounds[1:]))
+        start, stop = self._bounds[self.rank]
+
+        # The allgather target: block r is this rank's shard, which the pieces are views of,
+        # so the update writes straight into what is sent.
+        self.flat = torch.empty(self.numel, dtype=self.dtype)
+        self._mine = self.flat[start:stop]
+        self._grad = torch.empty(stop - start, dtype=self.dtype)
+        # (param index, first, last element inside the param, position in the shard) of each
+        # parameter that overlaps this rank's shard, and the shard view the optimizer steps.
+        self._pieces = []
+        for i, (a, z) in enumerate(zip(self.offsets[:-1], self.offsets[1:])):
+            lo, hi = max(a, start), min(z, stop)
+            if lo < hi:
+                self._pieces.append((i, lo - a, hi - a, lo - start))
+        self._leaves = [self._mine[pos:pos + z - a] for _, a, z, pos in self._pieces]
+        group_of = {i: gi for gi, m in enumerate(self._members) for i in m}
+        self._written = [None] * len(self.params)  # see _read_params
+        self._opt = self._make_optimizer([
+            dict(self._hyper(g), params=[leaf for (i, *_), leaf in zip(self._pieces, self._leaves)
+                                         if group_of[i] == gi])
+            for gi, g in enumerate(optimizer.param_groups)])
+
+    # -- layout ----------------------------------------------------------------
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(start, stop): the elements of the flat parameter vector this rank updates."""
+        return self._bounds[self.rank]
+
+    def _make_optimizer(self, groups):
+        cls = type(self.optimizer)
+        sig = inspect.signature(cls.__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
+            kwargs = dict(self.optimizer.defaults)
+        else:
+            # defaults can hold keys the constructor does not take (AdamW's decoupled_weight_decay);
+            # the groups carry every hyper-parameter anyway.
+            kwargs = {k: v for k, v in self.optimizer.defaults.items() if k in sig}
+        return cls(groups, **kwargs)
+
+    @staticmethod
+    def _hyper(group) -> dict:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    def _check_same_groups(self, optimizer) -> None:
+        if group_layout(optimizer) == self._layout:
+            return  # the usual case, every step: the very same parameter objects in the same groups
+        try:
+            same, why = group_members(optimizer, self.params) == self._members, "parameters moved between groups"
+        except ValueError as exc:
+            same, why = False, str(exc)
+        if not same:
+            raise ValueError(f"the optimizer's param groups changed since ShardedUpdate was built: {why}")
+
+    # -- the update ----------------------------------------------------------------
+    def step(self, grad_shard: torch.Tensor | None = None, skip=()) -> None:
+        """One optimizer step: update this rank's shard, then allgather so every rank has all parameters.
+
+        grad_shard None: the averaged gradients are read from each param's .grad
+        (None as zeros). Otherwise it is the averaged gradient of exactly this
+        rank's shard (stop - start elements), e.g. a reduce-scatter's output.
+        skip: indices of parameters to leave untouched (no rank produced a
+        gradient for them), state included.
+        """
+        self.update_shard(grad_shard, skip)
+        self.allgather_params()
+
+    def update_shard(self, grad_shard: torch.Tensor | None = None, skip=()) -> None:
+        """The first half of `step`: run the private optimizer on this rank's shard (no communication)."""
+        self._check_same_groups(self.optimizer)
+        for sg, ug in zip(self._opt.param_groups, self.optimizer.param_groups):
+            sg.update(self._hyper(ug))
+        start, stop = self.shard
+        skip = set(skip)
+        with torch.no_grad():
+            self._read_params()
+            if grad_shard is None:
+                grad = self._grad
+                for i, a, z, pos in self._pieces:
+                    g = self.params[i].grad
+                    if g is None:
+                        grad[pos:pos + z - a].zero_()
+                    else:
+                        grad[pos:pos + z - a] = memory_order(g.detach())[a:z]
+            else:
+                if grad_shard.numel() != stop - start:
+                    raise ValueError(f"grad_shard has {grad_shard.numel()} elements, rank {self.rank}'s shard "
+                                     f"[{start}, {stop}) has {stop - start}")
+                grad = grad_shard.detach().reshape(-1)
+                if grad.dtype != self.dtype:
+                    grad = grad.to(self.dtype)
+            for (i, a, z, pos), leaf in zip(self._pieces, self._leaves):
+                leaf.grad = None if i in skip else grad[pos:pos + z - a]
+        self._opt.step()
+
+    def allgather_params(self) -> None:
+        """The second half of `step`: gather every rank's updated shard and copy it into the parameters."""
+        self.ring.allgatherv(IN_PLACE, self.flat, counts=self.counts).wait()
+        with torch.no_grad():
+            for p, a, z in zip(self.params, self.offsets[:-1], self.offsets[1:]):
+                memory_order(p.detach()).copy_(self.flat[a:z])
+        self._written = [identity(p) for p in self.params]
+
+    def refresh(self) -> None:
+        """Re-read the whole shard from the parameters at the next step.
+
+        Only needed after writes that autograd's version counter does not see
+        (`p.data.copy_(...)`, writes through numpy or MPI buffer views); ordinary
+        in-place writes (load_state_dict, torch.no_grad() ops) are noticed.
+        """
+        self._written = [None] * len(self.params)
+
+    def _read_params(self) -> None:
+        """Copy into the shard the parameters written since our last allgather.
+
+        The parameters are the source of truth, but re-reading the shard every
+        step would cost a copy of n/P elements; a parameter whose storage and
+        version counter are those we left it with still holds our values.
+        """
+        for i, a, z, pos in self._pieces:
+            if self._written[i] != identity(self.params[i]):
+                self._mine[pos:pos + z - a] = memory_order(self.params[i].detach())[a:z]
+
+    # -- checkpoints -----------------------------------------------------------------
+    def consolidate_into(self, optimizer: torch.optim.Optimizer) -> None:
+        """Collective: write the sharded state into `optimizer.state`, per parameter, unsharded.
+
+        Afterwards `optimizer.state_dict()` is what the unsharded optimizer
+        would hold (e.g. SGD's momentum_buffer, Adam's step/exp_avg/exp_avg_sq)
+        on every rank. Per-element state is allgathered; scalar state (Adam's
+        step) must be equal in every piece of a parameter, as it is when all
+        ranks step together.
+        """
+        self._check_same_groups(optimizer)
+        # What each rank's pieces hold, per parameter: scalars by value, per-element state by dtype.
+        mine, problem = {}, None
+        for (i, a, z, _), leaf in zip(self._pieces, self._leaves):
+            info = mine.setdefault(i, {})
+            for k, v in self._opt.state.get(leaf, {}).items():
+                kind = state_kind(v, z - a)
+                if kind == "other":
+                    problem = f"parameter #{i}: state {k!r} is neither per-element nor a scalar"
+                info[k] = ("elem", str(v.dtype)) if kind == "elem" else ("scalar", v)
+        fail_together(self.ring.comm, problem, ValueError)
+        merged: dict = {}
+        for r, infos in enumerate(self.ring.comm.allgather(mine)):  # checkpoints only: pickling is fine
+            for i, info in infos.items():
+                entry = merged.setdefault(i, {})
+                for k, v in info.items():
+                    if k in entry and not same_value(entry[k][1], v[1]):
+                        problem = (f"parameter #{i}: state {k!r} differs between its pieces "
+                                   f"({entry[k][1]!r} vs {v[1]!r} on rank {r}); did a rank skip a step?")
+                    entry[k] = v
+        if problem:
+            raise ValueError(problem)
+        # One allgather per per-element key: the shard with each piece's state (zeros where a piece has none).
+        keys = sorted({(k, dtype) for e in merged.values() for k, (kind, dtype) in e.items() if kind == "elem"})
+        full = {}
+        for k, dtype in keys:
+            local = torch.zeros(self._mine.numel(), dtype=getattr(torch, dtype.removeprefix("torch.")))
+            for (i, a, z, pos), leaf in zip(self._pieces, self._leaves):
+                v = self._opt.state.get(leaf, {}).get(k)
+                if v is not None:
+                    local[pos:pos + z - a] = v
+            full[k] = self.ring.allgatherv(local, torch.empty(self.numel, dtype=local.dtype), counts=self.counts).wait()
+        for i, p in enumerate(self.params):
+            entry = {}
+            for k, (kind, value) in merged.get(i, {}).items():  # the optimizer's own key order
+                if kind == "elem":
+                    entry[k] = torch.empty_like(p, dtype=full[k].dtype)  # the param's memory format
+                    memory_order(entry[k]).copy_(full[k][self.offsets[i]:self.offsets[i + 1]])
+                else:
+                    entry[k] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+            if entry:
+                optimizer.state[p] = entry
+            else:
+                optimizer.state.pop(p, None)
+
+    def load_from(self, optimizer: torch.optim.Optimizer) -> None:
+        """(Re)initialise the pieces' optimizer state from `optimizer`'s unsharded state (for --resume).
+
+        Local: every rank must hold the same unsharded state (e.g. loaded from
+        the same checkpoint) and picks out its own pieces. A parameter without
+        state starts fresh. `optimizer.state` can be cleared afterwards to save
+        memory. The shard's parameter values are re-read from the model too.
+        """
+        self._check_same_groups(optimizer)
+        self.refresh()
+        group_of = {i: gi for gi, m in enumerate(self._members) for i in m}
+        elementwise = [self._elementwise_keys(g) for g in optimizer.param_groups]
+        for (i, a, z, _), leaf in zip(self._pieces, self._leaves):
+            state = optimizer.state.get(self.params[i]) or {}
+            if not state:
+                self._opt.state.pop(leaf, None)
+                continue
+            piece = {}
+            for k, v in state.items():
+                if k in elementwise[group_of[i]]:
+                    if not torch.is_tensor(v) or v.numel() != self.numels[i]:
+                        raise ValueError(f"parameter #{i}: state {k!r} is not a tensor of {self.numels[i]} elements")
+                    piece[k] = memory_order(laid_out_like(v, self.params[i]))[a:z].to("cpu", copy=True)
+                else:
+                    piece[k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else copy.deepcopy(v)
+            self._opt.state[leaf] = piece
+
+    def _elementwise_keys(self, group) -> set:
+        """Which state keys this optimizer keeps per element, found by stepping a throwaway 2-element tensor.
+
+        Shapes alone cannot tell for a 0-dim parameter, whose exp_avg is as
+        0-dim as Adam's step.
+        """
+        probe = torch.zeros(2, dtype=self.dtype)
+        probe.grad = torch.zeros(2, dtype=self.dtype)
+        opt = self._make_optimizer([dict(self._hyper(group), params=[probe])])
+        opt.step()
+        return {k for k, v in opt.state[probe].items() if state_kind(v, 2) == "elem"}
+
+    def close(self) -> None:
+        """Free the ring's communicator (collective)."""
+        self.ring.free()
+
+    def __enter__(self) -> "ShardedUpdate":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

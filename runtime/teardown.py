@@ -1,0 +1,68 @@
+"""How a DistributedOptimizer ends: closing agreed with every rank, or released after a failure."""
+
+from __future__ import annotations
+
+from mpicomm.step_check import CLOSE
+
+
+def fail(dopt, exc: BaseException) -> None:
+    """Error path: tell the other ranks, cancel what is in flight, wait for nobody."""
+    if dopt.failed is None:
+        dopt.failed = exc
+        # Not when every rank raised together (a disagreement) or heard of it already.
+        dopt.check.notify_failure(f"{type(exc).__name__}: {exc}")
+        dopt.strategy.abort()
+        dopt.model_buffers.abandon()
+
+
+def close(dopt) -> None:
+    """Agree with every rank that training is over, apply what is owed, stop threads, free communicators."""
+    if dopt._closed:
+        return
+    if dopt.failed is not None:
+        release(dopt)
+        return
+    try:
+        dopt.check.run(CLOSE, dopt.steps, 0, describe=lambda: [])
+        if dopt._open:
+            dopt.strategy.abort()  # a backward without step() on every rank: nothing to finish
+        else:
+            dopt._flush()
+    except BaseException as exc:
+        fail(dopt, exc)
+        release(dopt)
+        raise
+    release(dopt)
+
+
+def release(dopt) -> None:
+    """Remove the hooks, stop the threads and free what may be freed; once."""
+    if dopt._closed:
+        return
+    dopt._closed = True
+    for h in dopt._hooks + dopt._capture_hooks:
+        h.remove()
+    dopt._hooks = dopt._capture_hooks = []
+    if dopt.gate is not None:
+        dopt.gate.remove()
+    for h in (dopt._forward_hook, dopt._state_hook):
+        if h is not None:
+            h.remove()
+    if dopt.staging is not None:
+        dopt.staging.close()
+    if dopt.failed is None:
+        dopt.strategy.close()
+        if dopt.pto is not None:
+            dopt.pto.close()
+        dopt.check.free()
+    else:
+        dopt.check.stop_listening()
+    # After a failure the strategy's and the agreement's communicators are deliberately not freed:
+    # messages other ranks sent before they learnt of the failure may still arrive, and MPI may
+    # reuse a freed communicator's context for the next one, which would then receive them.
+    release_topology(dopt)
+
+
+def release_topology(dopt) -> None:
+    if dopt._own_topology:
+        dopt.topology.free()
