@@ -28,7 +28,7 @@ NATIVE_CODES = {DTYPE_CODES[name] for name in MPI_TYPES}
 # Below this many bytes (as jobs.bench.collectives counts them: the buffer, reduce-scatter's input,
 # allgather's output) a collective takes the latency path. On the 2-vCPU VM the ring overtakes
 # MPICH from 16 MiB for allreduce and broadcast, from 64 MiB or more for reduce-scatter and
-# allgather (BENCHMARKS.md). Erring high is cheap: near the crossover both are about as fast.
+# allgather (benchmarks/collectives.md). Erring high is cheap: near the crossover both are about as fast.
 # `jobs.bench.collectives --crossover PATH` measures a machine's own.
 DEFAULT_LATENCY_BYTES = {"allreduce": 16 << 20, "reduce_scatter": 64 << 20, "allgather": 64 << 20,
                          "broadcast": 16 << 20}

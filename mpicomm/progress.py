@@ -70,7 +70,7 @@ class ProgressThread:
     the ranks that compute (four ranks on two cores here), so an idle loop
     backs off from `min_sleep` to `max_sleep`; any completion resets it.
     The cap trades latency for CPU: with 1 ms, P3's exchange of VGG-19 took
-    2.3 s instead of 0.8 s (50K-element slices, BENCHMARKS.md). A task that
+    2.3 s instead of 0.8 s (50K-element slices, benchmarks/strategies.md). A task that
     knows better sets the cap itself (`Task.idle_sleep`: p3 relaxes it while
     no layer waits and the wire is the limit), and `nudge()` ends a sleep
     early when a waiter needs completions seen at once.

@@ -23,7 +23,7 @@ from .requests import RequestLog
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
-DEFAULT_CHUNK_BYTES = 4 << 20  # measured best of 256K..16M for 4-64 MiB here (BENCHMARKS.md)
+DEFAULT_CHUNK_BYTES = 4 << 20  # measured best of 256K..16M for 4-64 MiB here (benchmarks/collectives.md)
 
 
 class Ring:

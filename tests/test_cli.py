@@ -91,3 +91,22 @@ def test_mpiexec_runs_the_command_on_every_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["ranks"] == 4 and [r["epoch"] for r in doc["epochs"]] == [1], doc
+
+
+def test_every_command_in_the_docs_exists():
+    """README, BENCHMARKS, benchmarks/*.md, slurm/ and the jobs' docstrings: each `mpitrain X ...` names a job."""
+    docs = ["README.md", "BENCHMARKS.md", "slurm/README.md"]
+    docs += [os.path.join("benchmarks", f) for f in os.listdir(os.path.join(ROOT, "benchmarks")) if f.endswith(".md")]
+    docs += [os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "jobs"))
+             for f in fs if f.endswith(".py")]
+    wrong = []
+    for doc in docs:
+        with open(os.path.join(ROOT, doc)) as f:
+            for n, line in enumerate(f, 1):
+                for words in re.findall(r"(?:^|[\s`(])mpitrain ((?:[a-z][\w-]*)(?: [a-z][\w-]*)?)", line):
+                    argv = words.split()
+                    if argv[0] in ("command", "COMMAND", "bench") and argv[1:2] in ([], ["NAME"], ["--help"]):
+                        continue
+                    if cli.resolve(argv) is None and cli.resolve(argv[:1]) is None:
+                        wrong.append(f"{doc}:{n}: mpitrain {words}")
+    assert wrong == [], "\n".join(wrong)

@@ -23,7 +23,7 @@ RANK_ENV = {"UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp", "GLOO_SOCKET_IFNAME": n
 # UCX's rendezvous protocol over its tcp transport stalls when both directions of a slow link are
 # busy: MPICH's default allreduce took 1.5-1.6x the bandwidth bound at 1 Gbit/s with it, 1.13-1.19x
 # with eager messages only. On fast links the wire is no longer the limit but the copies are: eager
-# cut the 10 Gbit/s ping-pong from 9.5 to 6.5 Gbit/s. So eager up to this rate (BENCHMARKS.md).
+# cut the 10 Gbit/s ping-pong from 9.5 to 6.5 Gbit/s. So eager up to this rate (benchmarks/cluster.md).
 EAGER_UP_TO_BPS = 2_500_000_000
 
 

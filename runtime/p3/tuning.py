@@ -23,7 +23,7 @@ MIN_CREDIT, MAX_CREDIT = 4, 16
 # no core, short enough that the wire never idles. MPI moves a message's bytes only inside its calls: an
 # eager send over TCP lies in the socket's buffer, and the rest waits for the next poll. At 2.5 Gbit/s,
 # sleeping a quarter of a 0.74 MiB slice (714 us) made p3's exchange of VGG-19 1.5x slower than with
-# 100 us (BENCHMARKS.md): so at most the time the link takes to drain SOCKET_BYTES, and at most a
+# 100 us (benchmarks/strategies.md): so at most the time the link takes to drain SOCKET_BYTES, and at most a
 # quarter of a slice's time.
 POLLS_PER_SLICE = 4
 SOCKET_BYTES = 64 << 10
