@@ -100,6 +100,8 @@ class DistributedOptimizer:
             check_settings(self.comm, settings, model, optimizer)
             self._build(cls, pto)
         except BaseException:
+            if getattr(self, "check", None) is not None:
+                self.check.stop_listening()  # its beacon receive is posted already
             self._release_topology()
             raise
         n = len(self.params)
@@ -149,7 +151,7 @@ class DistributedOptimizer:
         self.transport = describe_transport(self.device, self.staged, cls.on_device)
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)
-        self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy,
+        self.model_buffers = BufferSync(self.model, self.comm, self.buffer_mode, self.policy,
                                         self.check.interrupt)
 
     def register_comm_hook(self, state, hook) -> None:
@@ -370,6 +372,7 @@ class DistributedOptimizer:
             self.check.notify_failure(f"{type(exc).__name__}: {exc}")
             self.strategy.abort()
             self.model_buffers.abandon()
+            self.check.stop_listening()  # now, not at close(): a job may return without closing
 
     def abort(self, exc: BaseException) -> None:
         """This rank stops with `exc`: tell the other ranks (they raise PeerFailedError) and release everything."""
@@ -414,6 +417,7 @@ class DistributedOptimizer:
             self.strategy.close()
             if self.pto is not None:
                 self.pto.close()
+            self.model_buffers.free()
             self.check.free()
         else:
             self.check.stop_listening()
