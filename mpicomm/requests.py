@@ -1,4 +1,4 @@
-"""The MPI requests this layer has posted, so that error paths cancel and free them, tests count them, and none outlives MPI."""
+"""The MPI requests this layer posted: error paths cancel and free them, tests count them, none outlives MPI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Before MPI_Finalize: end leftover progress threads, cancel what request logs hold, complete abandoned collectives, and say so."""
+"""Before MPI_Finalize: stop leftover threads, cancel logged requests, complete abandoned collectives; say so."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Leaves MPI requests posted at exit on purpose, or releases them all, for tests/test_shutdown.py (run under mpiexec)."""
+"""Leaves MPI requests posted at exit on purpose, or releases them all: tests/test_shutdown.py runs it (mpiexec)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Requests posted through a RequestLog are counted while in flight, cancelled or freed on error paths, none left at exit."""
+"""Requests posted through a RequestLog: counted in flight, cancelled or freed on error paths, none left at exit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Nothing left posted at MPI_Finalize: jobs and failure paths run under mpiexec, and the check shown to catch a leak."""
+"""Nothing left posted at MPI_Finalize: jobs and failure paths under mpiexec, and the check shown to catch a leak."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class Census:
         return self.table[:, 1].tolist()
 
     def cancel(self) -> None:
-        """Error path: a collective request cannot be cancelled; it is completed in the background (mpicomm.requests)."""
+        """Error path: MPI cannot cancel a collective request; it is completed in the background (mpicomm.requests)."""
         abandon(self.request, "hybcomm census")
         self.request, self.complete = None, False
 
