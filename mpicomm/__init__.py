@@ -1,5 +1,6 @@
 """mpicomm: everything in mpitrain that talks MPI (topology, ring collectives, tags, validation)."""
 
+from . import shutdown  # noqa: F401 - registers the exit step that runs before MPI_Finalize
 from .buffers import BufferError, block_counts
 from .handle import Handle, wait_all
 from .ring import IN_PLACE, Ring

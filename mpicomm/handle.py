@@ -6,7 +6,7 @@ from typing import Callable, Generator, Iterable
 
 from mpi4py import MPI
 
-from .requests import RequestLog
+from .requests import RequestLog, abandon
 
 # An algorithm is a generator: it posts Isend/Irecv (through its RequestLog), yields the list of
 # requests it needs completed before its next local step, and returns its result. The
@@ -98,6 +98,9 @@ class Handle:
         self._gen.close()
         if self._log is not None:
             self._log.cancel()
+        if type(self._reqs) is list:  # left: collectives (fingerprints, MPI's own), which MPI cannot cancel
+            for r in self._reqs:
+                abandon(r, f"{self.name} (cancelled)")
         self._done, self._error, self._reqs = True, CancelledError(f"{self.name} was cancelled"), []
 
     def then(self, fn: Callable) -> "Then":

@@ -13,6 +13,7 @@ from mpi4py import MPI
 from . import validate as V
 from .buffers import DTYPE_CODES, OP_CODES, Buffer, is_torch
 from .handle import Handle, Step
+from .requests import abandon
 from .tags import TagError, check_tag
 from .validate import FIELDS, CollectiveMismatchError, agreed
 
@@ -253,7 +254,6 @@ class Sequencer:
         self.comm = comm.Dup()
         self._queue: collections.deque = collections.deque()
         self._lock = threading.Lock()
-        self._orphans: list = []  # native requests of cancelled handles: MPI cannot withdraw them
         self.posted = 0  # collectives that took the latency path (tests and benchmarks read it)
 
     def post(self, native):
@@ -287,10 +287,8 @@ class Sequencer:
                 finally:
                     head.settled = True  # after reqs: a handle on another thread reads it without the lock
                 self.posted += head.reqs is not None
-                if head.abandoned and head.reqs:
-                    self._orphans.extend(head.reqs)
-            if self._orphans:
-                self._orphans = [r for r in self._orphans if not r.Test()]
+                if head.abandoned:
+                    _orphan(head.reqs)
         finally:
             self._lock.release()
         return entry.settled
@@ -337,11 +335,20 @@ class Sequencer:
         with self._lock:
             if entry is not None:
                 entry.abandoned = True
-                if entry.settled and entry.reqs:
-                    self._orphans.extend(entry.reqs)
-            if reqs:
-                self._orphans.extend(r for r in reqs if r)
+                if entry.settled:
+                    _orphan(entry.reqs)
+            _orphan(reqs)
 
     def free(self) -> None:
+        with self._lock:  # collectives started, never settled (their handles were dropped): fingerprints only
+            for entry in self._queue:
+                abandon(entry.req, "ring latency path: fingerprints")
+            self._queue.clear()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
+
+
+def _orphan(reqs) -> None:
+    """MPI cannot withdraw a native collective that other ranks may have posted: it completes in the background."""
+    for r in reqs or ():
+        abandon(r, "ring latency path")

@@ -5,12 +5,19 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 
 from mpi4py import MPI
 
 
 # Sleeps this long or longer wait on an Event that nudge() sets; shorter ones are plain sleeps.
 NUDGE_FROM = 200e-6
+_RUNNING: "weakref.WeakSet[ProgressThread]" = weakref.WeakSet()  # started, neither stopped nor aborted
+
+
+def running() -> list["ProgressThread"]:
+    """Progress threads still running: at exit they would call MPI during and after MPI_Finalize."""
+    return [t for t in list(_RUNNING) if t._thread.is_alive()]
 
 
 class ThreadLevelError(RuntimeError):
@@ -83,8 +90,10 @@ class ProgressThread:
         self._stop = False
         self.min_sleep, self.max_sleep = min_sleep, max_sleep
         self._nudged = threading.Event()
+        self.name = name
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
 
     def submit(self, task: Task) -> Future:
         fut = Future(task)
@@ -149,6 +158,7 @@ class ProgressThread:
             self._stop = True
             self._cv.notify()
         self._thread.join()
+        _RUNNING.discard(self)
 
     def abort(self) -> None:
         """Error path: drop what is pending (its owner cancels the requests) and end the thread."""
@@ -157,6 +167,7 @@ class ProgressThread:
             self._stop = True
             self._cv.notify()
         self._thread.join()
+        _RUNNING.discard(self)
 
 
 class HandleTask(Task):

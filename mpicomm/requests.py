@@ -1,17 +1,102 @@
-"""The MPI requests this layer has posted, so that error paths cancel and free them and tests can count them."""
+"""The MPI requests this layer posted: error paths cancel and free them, tests count them, none outlives MPI."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 from mpi4py import MPI
 
 _ACTIVE: set = set()  # logs holding requests that may still be in flight
+_ABANDONED: list = []  # (owner, request): collectives an error path dropped, completed later (see abandon)
+_DRAINED: dict = {}  # id -> a communicator whose leftover messages are received at exit (see drain_at_exit)
+_LOCK = threading.Lock()  # error paths on progress threads abandon requests too
 
 
 def live_requests() -> int:
     """Point-to-point requests posted through a RequestLog and neither completed, cancelled nor freed."""
     return sum(log.live() for log in list(_ACTIVE))
+
+
+def left_posted() -> dict[str, list[int]]:
+    """Per owner, [sends, receives] posted through RequestLogs and still in flight (empty when none is)."""
+    found: dict[str, list[int]] = {}
+    for log in list(_ACTIVE):
+        sends, recvs = sum(1 for r in log.sends if r), sum(1 for r in log.recvs if r)
+        if sends or recvs:
+            counts = found.setdefault(log.owner, [0, 0])
+            counts[0] += sends
+            counts[1] += recvs
+    return found
+
+
+def cancel_all(grace: float = 1.0) -> None:
+    """Cancel and free whatever every RequestLog still holds (shutdown's safety net, mpicomm.shutdown)."""
+    for log in list(_ACTIVE):
+        log.cancel(grace)
+
+
+def abandon(request, owner: str) -> None:
+    """Error path for a non-blocking collective: MPI can neither cancel nor free one, so it is kept to be completed.
+
+    A collective that every rank posted completes once MPI progresses, but its
+    request must still be completed (tested) to be released: otherwise it is
+    still posted at MPI_Finalize. Those abandoned earlier are tested here
+    again, and mpicomm.shutdown waits a moment for the rest before MPI_Finalize.
+    """
+    if not request:
+        return
+    with _LOCK:
+        _ABANDONED[:] = [(o, r) for o, r in _ABANDONED if r is not request and not r.Test()]
+        _ABANDONED.append((owner, request))
+
+
+def abandoned() -> int:
+    """Abandoned collectives not seen complete yet."""
+    with _LOCK:
+        return sum(1 for _, r in _ABANDONED if r)
+
+
+def finish_abandoned(grace: float) -> list[str]:
+    """Test abandoned collectives for up to `grace` seconds; the owners of those that never completed."""
+    deadline = time.monotonic() + grace
+    while True:
+        with _LOCK:
+            _ABANDONED[:] = [(o, r) for o, r in _ABANDONED if not r.Test()]
+            if not _ABANDONED or time.monotonic() >= deadline:
+                return [o for o, _ in _ABANDONED]
+        time.sleep(1e-3)
+
+
+def drain_at_exit(comm: MPI.Comm) -> MPI.Comm:
+    """Mark a communicator of this layer's traffic: if it is still there at exit, what waits on it is received then.
+
+    After a failure owners keep their communicators (never freed, see
+    DistributedOptimizer), and peers' messages sent before they learnt of it
+    (a ring chunk, a p3 slice, a beacon) arrive where nothing receives them any
+    more: MPI_Finalize would find them unmatched.
+    """
+    for key in [k for k, c in _DRAINED.items() if c == MPI.COMM_NULL]:  # freed since: forget them
+        del _DRAINED[key]
+    _DRAINED[id(comm)] = comm
+    return comm
+
+
+def drain(limit: int = 1 << 16) -> int:
+    """Receive and drop the small messages waiting on marked communicators (shutdown); how many it took.
+
+    Larger messages stay: receiving one needs its sender, which may be gone.
+    """
+    taken, status = 0, MPI.Status()
+    for comm in list(_DRAINED.values()):
+        try:
+            while comm != MPI.COMM_NULL and comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status) \
+                    and status.Get_count(MPI.BYTE) <= limit:
+                comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], status.Get_source(), status.Get_tag())
+                taken += 1
+        except MPI.Exception:
+            pass  # freed meanwhile through another handle: nothing of ours is left there
+    return taken
 
 
 class RequestLog:
@@ -20,12 +105,14 @@ class RequestLog:
     MPI keeps a receive that nobody completes alive until the communicator is
     freed, and it can match a later message with the same tag: so a failed
     exchange must cancel its receives, and free (MPI cannot cancel sends
-    reliably) its sends, instead of dropping the Python objects.
+    reliably) its sends, instead of dropping the Python objects. `owner` names
+    the log in what shutdown reports about requests left posted at exit.
     """
 
-    __slots__ = ("sends", "recvs", "__weakref__")
+    __slots__ = ("owner", "sends", "recvs", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, owner: str = "unnamed"):
+        self.owner = owner
         self.sends: list = []
         self.recvs: list = []
 

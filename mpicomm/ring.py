@@ -19,7 +19,7 @@ from . import native as N
 from . import validate as V
 from .buffers import OP_CODES, Buffer, BufferError, block_counts, check_buffer, chunk_ranges, offsets, reduce_into
 from .handle import Handle
-from .requests import RequestLog
+from .requests import RequestLog, drain_at_exit
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
@@ -60,7 +60,7 @@ class Ring:
             table = N.latency_table(latency_bytes)
         except ValueError as exc:
             problem = exc
-        self.comm = comm.Dup()  # collective: keeps our traffic apart from the caller's
+        self.comm = drain_at_exit(comm.Dup())  # collective: keeps our traffic apart from the caller's
         try:
             N.agree_on_table(self.comm, table, problem)
         except Exception:
@@ -93,7 +93,7 @@ class Ring:
         lean = N.lean_allreduce(self, buf, out, op, tag)
         if lean is not None:
             return lean
-        log = RequestLog()
+        log = RequestLog("ring allreduce")
         return Handle("allreduce", self._allreduce(buf, out, op, tag, log), log)
 
     def reduce_scatter(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
@@ -103,7 +103,7 @@ class Ring:
         other blocks are left holding partial sums; the handle returns that
         block. Out of place, `buf` is left untouched.
         """
-        log = RequestLog()
+        log = RequestLog("ring reduce_scatter")
         return Handle("reduce_scatter", self._reduce_scatter(buf, out, op, tag, log), log)
 
     def allgather(self, buf, out=None, *, tag: int | None = None) -> Handle:
@@ -111,17 +111,17 @@ class Ring:
 
         Pass buf=IN_PLACE when this rank's block already sits in `out`.
         """
-        log = RequestLog()
+        log = RequestLog("ring allgather")
         return Handle("allgather", self._allgather(buf, out, None, tag, "allgather", log), log)
 
     def allgatherv(self, buf, out=None, *, counts=None, tag: int | None = None) -> Handle:
         """Concatenate blocks of different lengths; `counts` is exchanged when not given."""
-        log = RequestLog()
+        log = RequestLog("ring allgatherv")
         return Handle("allgatherv", self._allgather(buf, out, counts, tag, "allgatherv", log), log)
 
     def broadcast(self, buf, root: int = 0, *, tag: int | None = None) -> Handle:
         """Copy root's `buf` into every rank's `buf`, pipelined along the ring."""
-        log = RequestLog()
+        log = RequestLog("ring broadcast")
         return Handle("broadcast", self._broadcast(buf, root, tag, log), log)
 
     # -- argument handling -------------------------------------------------

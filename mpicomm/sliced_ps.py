@@ -27,7 +27,7 @@ import torch
 from mpi4py import MPI
 
 from .progress import Task
-from .requests import RequestLog
+from .requests import RequestLog, drain_at_exit
 from .stall import StallPolicy, wait_until
 from .tags import check_tag
 
@@ -96,7 +96,7 @@ class SlicedExchange(Task):
             raise ValueError(f"credit must be an integer >= 1, got {credit!r}")
         if not relaxed_sleep > 0:
             raise ValueError(f"relaxed_sleep must be > 0 seconds, got {relaxed_sleep!r}")
-        self.comm = comm.Dup()
+        self.comm = drain_at_exit(comm.Dup())
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.plan = plan = SlicePlan([b.numel() for b in buffers], segments, slice_size, self.size, self.comm)
         self.credit, self.timeline, self.relaxed_sleep = credit, timeline, relaxed_sleep
@@ -120,7 +120,7 @@ class SlicedExchange(Task):
         self._inbox: collections.deque = collections.deque()  # tensors handed over, not yet seen by the poller
         self.active = False
         self.error: BaseException | None = None
-        self.log = RequestLog()
+        self.log = RequestLog("p3 sliced exchange")
         self.messages = self.polls = 0  # sent and polled so far (benchmarks read them)
         self._reset()
 

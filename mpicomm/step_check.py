@@ -14,10 +14,18 @@ Horovod's coordinator, exactly the ranks that have not.
 A rank that fails sends every other rank a beacon with its error; each rank
 keeps a receive for it posted, and every wait of the runtime tests it
 (`interrupt`), so the others stop within a poll wherever they wait.
+
+No round may stay posted for ever: MPI cannot cancel a collective, and one
+still posted at MPI_Finalize is a leak. So a failing rank that was not in a
+round joins the next one the others may be waiting in, marked "stopped", and
+its beacon says how many rounds it posted: a rank hearing it joins up to that
+count. Every rank then completes the same rounds, in the background
+(mpicomm.requests.abandon) once it has stopped.
 """
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Callable
 
@@ -25,15 +33,16 @@ import numpy as np
 from mpi4py import MPI
 
 from .agree import group_by_value
-from .requests import RequestLog
+from .requests import RequestLog, abandon, drain_at_exit
 from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
 
 EXCHANGE, CLOSE = 1, 2
 _ACTION = {EXCHANGE: "step", CLOSE: "close()"}
-TEXT = 240  # bytes of error text in a failure beacon
+TEXT = 240  # bytes of a failure beacon: the rounds its sender posted (int64), then the error text
 _TAG_ARRIVED, _TAG_BEACON = 1, 3
-_HEAD = 8  # action, -action, step, -step, settings, -settings, problem, spare
+_HEAD = 8  # action, -action, step, -step, settings, -settings, problem, stopped (1 + the rank, in a joined round)
+_STOPPED = 7
 
 
 class PeerFailedError(RuntimeError):
@@ -53,7 +62,7 @@ class StepCheck:
 
     def __init__(self, comm: MPI.Comm, nbits: int, policy: StallPolicy | None = None, names=None,
                  watch: bool = False):
-        self.comm = comm.Dup()
+        self.comm = drain_at_exit(comm.Dup())
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.policy = policy or StallPolicy.from_env()
         self.nbits = nbits
@@ -63,14 +72,16 @@ class StepCheck:
         self._vec = np.zeros(_HEAD + nbits, dtype=np.int64)
         self._out = np.zeros_like(self._vec)
         self._arrivals = np.zeros(self.size, dtype=np.int64)
-        self._arrival_log = RequestLog()
+        self._arrival_log = RequestLog("step agreement: arrivals")
         self._round = None  # (action, step, settings, text, describe) of a round started, not finished
         self._arrived: list = []
         self._request = None
         self.broken = False  # a round failed: no more rounds
         self.everyone_knows = False  # ...and every rank raised (or heard of) it: nobody to tell
+        self.posted = 0  # rounds this rank posted, joined ones included
+        self._joined: list = []  # the buffers of rounds joined after a failure, alive until MPI is done
         self._beacon_in = np.zeros(TEXT, dtype=np.uint8)
-        self._beacon_log = RequestLog()
+        self._beacon_log = RequestLog("step agreement: failure beacon")
         self._beacon = self._beacon_log.irecv(self.comm, [self._beacon_in, MPI.BYTE], MPI.ANY_SOURCE, _TAG_BEACON) \
             if self.size > 1 else None
 
@@ -81,9 +92,21 @@ class StepCheck:
             self.comm.Free()
 
     def stop_listening(self) -> None:
-        """Cancel the beacon receive (a beacon arriving later stays unmatched on this never-freed communicator)."""
+        """Error path (or the end): post nothing more, cancel what is posted. Idempotent, never communicates.
+
+        The beacon receive and a round's arrival messages are cancelled (a
+        beacon arriving later stays unmatched on this never-freed
+        communicator); the round's allreduce, which MPI cannot cancel, is
+        completed in the background once every rank has posted it.
+        """
+        self.broken = True
         self._beacon_log.cancel()
         self._beacon = None
+        self._arrival_log.cancel()
+        self._arrived = []
+        if self._request is not None:
+            abandon(self._request, "step agreement: a round")
+            self._request = None
 
     # -- failures ---------------------------------------------------------------------
     def interrupt(self) -> None:
@@ -94,8 +117,19 @@ class StepCheck:
         if self._beacon.Test(status):
             self._beacon = None
             self.broken = self.everyone_knows = True
-            text = bytes(self._beacon_in[:status.Get_count(MPI.BYTE)]).decode(errors="replace")
+            self._join(int(self._beacon_in[:8].view(np.int64)[0]))
+            text = bytes(self._beacon_in[8:status.Get_count(MPI.BYTE)]).decode(errors="replace")
             raise PeerFailedError(f"rank {status.Get_source()} stopped with {text}")
+
+    def _join(self, rounds: int) -> None:
+        """Post rounds marked "stopped" until this rank has posted `rounds`: ranks waiting in them complete them."""
+        while self.posted < rounds:
+            vec = np.zeros_like(self._vec)
+            vec[_STOPPED] = self.rank + 1
+            out = np.empty_like(vec)
+            self._joined.append((vec, out))
+            abandon(self.comm.Iallreduce(vec, out, op=MPI.MAX), "step agreement: a round joined after a failure")
+            self.posted += 1
 
     def notify_failure(self, text: str, grace: float = 1.0) -> None:
         """This rank stops: tell every other rank, wherever it waits. Its messages are not waited for long."""
@@ -103,11 +137,17 @@ class StepCheck:
         if self.size == 1 or self.everyone_knows:
             return
         self.everyone_knows = True
-        raw = np.frombuffer(text.encode()[:TEXT], dtype=np.uint8).copy()
-        log = RequestLog()
+        # Not in a round (or in one complete already): the others may wait in the next one, which
+        # this rank would never start.
+        in_round = self._round is not None and self._request is not None and not self._request.Test()
+        rounds = self.posted + (not in_round)
+        raw = np.concatenate([np.array([rounds], dtype=np.int64).view(np.uint8),
+                              np.frombuffer(text.encode()[:TEXT - 8], dtype=np.uint8)])
+        log = RequestLog("step agreement: failure notice")
         for r in range(self.size):
             if r != self.rank:
                 log.isend(self.comm, [raw, MPI.BYTE], r, _TAG_BEACON)
+        self._join(rounds)  # after the beacons: a rank that completes the joined round finds one
         # Small messages leave at once (eager); after the grace period the sends are freed and
         # still delivered. The communicator is never freed after this (see DistributedOptimizer).
         log.cancel(grace)
@@ -138,6 +178,7 @@ class StepCheck:
         if self.size == 1:
             self._out[:] = vec
             return
+        self.posted += 1
         log = self._arrival_log
         if self.rank == 0:
             self._arrived = [log.irecv(self.comm, [self._arrivals[r:r + 1], MPI.INT64_T], r, _TAG_ARRIVED)
@@ -167,6 +208,8 @@ class StepCheck:
         self._round = None
         self.interrupt()  # a round can complete with a rank that has given up meanwhile
         out = self._out
+        if out[_STOPPED]:
+            self._stopped(int(out[_STOPPED]) - 1)
         if (out[0:6:2] != -out[1:6:2]).any() or out[6]:
             self._explain(action, step, settings, text, describe)
         return out[_HEAD:] > 0
@@ -194,6 +237,16 @@ class StepCheck:
         except (StallError, PeerFailedError):
             log.cancel()
             raise
+
+    def _stopped(self, rank: int, grace: float = 1.0) -> None:
+        """The round completed only because a rank that stopped joined it: its beacon, sent first, says why."""
+        self.broken = True
+        deadline = time.monotonic() + grace
+        while self._beacon is not None and time.monotonic() < deadline:
+            self.interrupt()  # raises PeerFailedError with the beacon's text
+            time.sleep(1e-3)
+        self.everyone_knows = True
+        raise PeerFailedError(f"rank {rank} stopped with an error (its failure beacon did not arrive)")
 
     # -- the rare path: name what differs ----------------------------------------------
     def _explain(self, action: int, step: int, settings: int, text: str, describe) -> None:

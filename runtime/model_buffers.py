@@ -6,6 +6,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from mpicomm.requests import abandon
 from mpicomm.stall import StallPolicy, wait_until
 
 MODES = ("average", "broadcast", "none")
@@ -29,8 +30,10 @@ class BufferSync:
             raise ValueError(f"buffers must be one of {MODES}, got {mode!r}")
         self.mode, self.policy, self.interrupt = mode, policy, interrupt
         self.buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()] if mode != "none" else []
-        self.comm = comm
         self.size = comm.Get_size()
+        # Its own communicator: after a failure the step agreement's collectives must be its alone
+        # (mpicomm.step_check joins rounds that a failed rank left), and MPI matches them in order.
+        self.comm = comm.Dup() if self.active else comm
         self.staging = np.zeros(sum(b.numel() for b in self.buffers), dtype=np.float64)
         self._views = np.split(self.staging, np.cumsum([b.numel() for b in self.buffers])[:-1]) if self.buffers else []
         self._request = None
@@ -64,6 +67,13 @@ class BufferSync:
             for b, v in zip(self.buffers, self._views):
                 b.copy_(torch.from_numpy(v * scale).view(b.shape))
 
+    def free(self) -> None:
+        """Normal end only (a failed run keeps the communicator: its collective may still be in flight)."""
+        if self.active:
+            self.finish()  # every rank posted the last one (step() does, after the step's agreement)
+            self.comm.Free()
+
     def abandon(self) -> None:
-        """Error path: a collective cannot be cancelled; dropping it is all that is left (the comm is freed)."""
+        """Error path: a collective cannot be cancelled; it is completed in the background (mpicomm.requests)."""
+        abandon(self._request, "module buffers")
         self._request = None

@@ -94,6 +94,8 @@ class DistributedOptimizer:
             check_settings(self.comm, settings, model, optimizer)
             self._build(cls, pto)
         except BaseException:
+            if getattr(self, "check", None) is not None:
+                self.check.stop_listening()  # its beacon receive is posted already
             teardown.release_topology(self)
             raise
         n = len(self.params)
@@ -143,7 +145,7 @@ class DistributedOptimizer:
         self.transport = describe_transport(self.device, self.staged, cls.on_device)
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)
-        self.model_buffers = BufferSync(self.model, self.check.comm, self.buffer_mode, self.policy,
+        self.model_buffers = BufferSync(self.model, self.comm, self.buffer_mode, self.policy,
                                         self.check.interrupt)
 
     def register_comm_hook(self, state, hook) -> None:

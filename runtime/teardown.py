@@ -13,6 +13,7 @@ def fail(dopt, exc: BaseException) -> None:
         dopt.check.notify_failure(f"{type(exc).__name__}: {exc}")
         dopt.strategy.abort()
         dopt.model_buffers.abandon()
+        dopt.check.stop_listening()  # now, not at close(): a job may return without closing
 
 
 def close(dopt) -> None:
@@ -54,6 +55,7 @@ def release(dopt) -> None:
         dopt.strategy.close()
         if dopt.pto is not None:
             dopt.pto.close()
+        dopt.model_buffers.free()
         dopt.check.free()
     else:
         dopt.check.stop_listening()

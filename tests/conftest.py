@@ -35,6 +35,24 @@ def pytest_configure(config):
     reporter._tw = create_terminal_writer(config, _quiet_report)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Under mpiexec: requests, threads or collectives that tests left behind fail the run, named on stderr.
+
+    mpicomm.shutdown would release them at exit anyway (and say so); here it
+    runs first, so that a leak fails the suite instead of scrolling by.
+    """
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    from mpicomm.shutdown import PREFIX, release_all
+
+    said = release_all()
+    if said:
+        sys.stderr.write(f"{PREFIX} of the tests (rank {MPI.COMM_WORLD.Get_rank()}): " + "; ".join(said) + "\n")
+        sys.stderr.flush()
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_unconfigure(config):
     if _quiet_report is not None and "failed" in _quiet_report.getvalue():
         rank = _launcher_rank()

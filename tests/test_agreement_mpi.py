@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from conftest import assert_everywhere
 from dp_helpers import batches, local, wrap
-from mpicomm.requests import live_requests
+from mpicomm.requests import finish_abandoned, live_requests
 from runtime import StallPolicy
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -114,6 +114,9 @@ def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
     assert_everywhere(world, time.monotonic() - t0 < 30, "took 30 s or more")
     # Nothing left in flight: receives cancelled, sends freed (a stale receive could match later traffic).
     assert_everywhere(world, live_requests() == 0, f"{live_requests()} MPI requests left")
+    # Rank 1 joined the agreement round the others waited in: every collective completes, none stays posted.
+    never = finish_abandoned(10.0)
+    assert_everywhere(world, not never, f"collectives never completed: {never}")
     # And the ranks can carry on with a new optimizer: nothing of the failed one interferes.
     model, opt = model_and_opt()
     with wrap(opt, model, strategy) as dopt:

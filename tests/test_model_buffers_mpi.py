@@ -64,4 +64,5 @@ def test_buffer_sync_modes(world, mode):
     want = {"average": (P - 1) / 2, "broadcast": 0.0, "none": float(r)}[mode]
     ok = torch.allclose(bn.running_mean, torch.full((8,), want)) and int(bn.num_batches_tracked) == 7 + r
     assert_everywhere(world, ok, f"{mode}: got {bn.running_mean.tolist()}")
+    sync.free()
     comm.Free()

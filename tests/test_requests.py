@@ -1,11 +1,13 @@
-"""Requests posted through a RequestLog are counted while in flight, and cancelled or freed on error paths."""
+"""Requests posted through a RequestLog: counted in flight, cancelled or freed on error paths, none left at exit."""
 
 from __future__ import annotations
 
 import numpy as np
 from mpi4py import MPI
 
-from mpicomm.requests import RequestLog, live_requests
+from mpicomm.progress import ProgressThread, running
+from mpicomm.requests import (RequestLog, abandon, abandoned, cancel_all, drain, drain_at_exit, finish_abandoned,
+                              left_posted, live_requests)
 
 
 def test_counted_until_complete_then_released():
@@ -39,3 +41,37 @@ def test_cancel_drops_receives_that_no_message_will_match():
     req.Wait()
     assert np.all(got == 1) and np.all(bufs[0] == 0)
     comm.Free()
+
+
+def test_left_posted_names_the_owner_until_cancelled():
+    comm = MPI.COMM_SELF.Dup()
+    log = RequestLog("a test's receive")
+    log.irecv(comm, np.zeros(2), 0, 5)
+    assert left_posted() == {"a test's receive": [0, 1]}
+    cancel_all()
+    assert left_posted() == {} and live_requests() == 0
+    comm.Free()
+
+
+def test_an_abandoned_collective_is_completed_later():
+    comm = MPI.COMM_SELF.Dup()
+    req = comm.Ibarrier()
+    abandon(req, "a test's barrier")
+    assert finish_abandoned(5.0) == [] and abandoned() == 0 and not req
+    comm.Free()
+
+
+def test_messages_nobody_receives_are_drained_where_marked():
+    comm = drain_at_exit(MPI.COMM_SELF.Dup())
+    send = comm.Isend(np.ones(3), 0, 4)  # nothing receives it
+    assert drain() == 1 and not comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+    send.Wait()
+    comm.Free()
+    assert drain() == 0  # a freed communicator is skipped
+
+
+def test_running_progress_threads_are_known_until_stopped():
+    thread = ProgressThread("a test's thread")
+    assert thread in running()
+    thread.stop()
+    assert thread not in running()

@@ -6,6 +6,7 @@ import numpy as np
 
 from mpicomm.agree import group_by_value
 from mpicomm.progress import Task
+from mpicomm.requests import abandon
 from mpicomm.validate import CollectiveMismatchError
 
 
@@ -58,7 +59,8 @@ class Census:
         return self.table[:, 1].tolist()
 
     def cancel(self) -> None:
-        """Error path: a collective request cannot be cancelled; it is abandoned with its communicator."""
+        """Error path: MPI cannot cancel a collective request; it is completed in the background (mpicomm.requests)."""
+        abandon(self.request, "hybcomm census")
         self.request, self.complete = None, False
 
     def free(self) -> None:

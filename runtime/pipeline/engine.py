@@ -309,6 +309,8 @@ class Pipeline:
                 self.dopt.abort(exc)
             if self.link is not None:
                 self.link.cancel()
+            if self.check is not None:
+                self.check.stop_listening()  # now: a failed pipeline may never be closed
 
     def stats(self) -> dict:
         """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from mpicomm import Topology
+from mpicomm.requests import drain_at_exit
 
 PLACEMENTS = ("within-node", "across-nodes")
 
@@ -41,7 +42,7 @@ class PipelineLayout:
             self.stage, self.replica = position // replicas, position % replicas
         self.stages, self.replicas, self.placement = stages, replicas, placement
         self.world = world
-        self.pipeline = world.Split(self.replica, self.stage)
+        self.pipeline = drain_at_exit(world.Split(self.replica, self.stage))  # the stages' messages (StageLink)
         self.replica_group = world.Split(self.stage, self.replica)
         # Which world rank runs each stage of this replica (for messages and reports).
         self.stage_ranks = self.pipeline.allgather(topology.rank)

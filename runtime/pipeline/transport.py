@@ -102,7 +102,7 @@ class StageLink:
         self.interrupt, self.policy, self.timeline = interrupt, policy or StallPolicy.from_env(), timeline
         for tag in (TAG_ACTIVATION, TAG_GRADIENT, TAG_EVAL):
             check_tag(comm, tag)
-        self.log = RequestLog()
+        self.log = RequestLog("pipeline stage link")
         self.bytes_sent = self.messages_sent = 0
         # Inputs stay alive until their backward (they are autograd leaves): one buffer per micro-batch
         # in flight, plus the one being received ahead.
