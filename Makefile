@@ -8,7 +8,9 @@ MPITRAIN := $(VENV)/bin/mpitrain
 NP ?= 4
 # Outer limits so that no MPI run can hang the build, whatever happens inside it.
 MPI_TIMEOUT ?= 900
-PYTEST_MPI := $(PY) -m mpi4py -m pytest -m mpi -p no:cacheprovider -q
+# A hang shows where every rank waits: each dumps its threads' stacks after 45 s in one test (none
+# takes 10 s), before pytest-timeout ends the first rank and with it the job.
+PYTEST_MPI := $(PY) -m mpi4py -m pytest -m mpi -p no:cacheprovider -q -o faulthandler_timeout=45
 FAKE_HOSTS := -hosts n1:2,n2:2 -launcher ssh -launcher-exec mpicomm/launcher/fake-ssh
 STAMP := $(VENV)/.mpitrain-setup
 
