@@ -33,8 +33,10 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     """Exit with main()'s status; an uncaught exception on any rank aborts every rank of the job.
 
     An exception ends only its own rank: the others would wait for it in their next collective
-    forever. So, as `python -m mpi4py` does for scripts, the traceback is printed (each line
-    prefixed with the rank) and MPI_COMM_WORLD is aborted. SystemExit passes through: a job that
+    forever. So the traceback is printed (each line prefixed with the rank) and, with fail-stop on
+    (mpicomm.failstop, installed by importing runtime), every other rank is told and prints why
+    before the job ends; otherwise MPI_COMM_WORLD is aborted, as `python -m mpi4py` does for
+    scripts. SystemExit passes through: a job that
     exits with a status chose it on every rank. Without MPI started, or on one rank, the exception
     propagates as usual.
     """
@@ -45,6 +47,9 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     except BaseException:  # KeyboardInterrupt too: one rank interrupted leaves the others waiting as well
         MPI = sys.modules.get("mpi4py.MPI")
         if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized() or MPI.COMM_WORLD.Get_size() == 1:
+            raise
+        from . import failstop
+        if failstop.fail(sys.exc_info()[1]):  # does not return
             raise
         rank = MPI.COMM_WORLD.Get_rank()
         lines = traceback.format_exc().rstrip("\n").split("\n")

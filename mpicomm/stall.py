@@ -67,6 +67,13 @@ class StallPolicy:
 SPIN_SECONDS = 1e-3
 DRIVE, WATCH = float("inf"), 0.0
 MIN_SLEEP, MAX_SLEEP = 10e-6, 1e-3
+_job_check: Callable[[], None] | None = None  # raises when the job is over (set by mpicomm.failstop)
+
+
+def set_job_check(check: Callable[[], None] | None) -> None:
+    """Every wait calls `check()` between polls, as it calls its own interrupt (None: no such check)."""
+    global _job_check
+    _job_check = check
 
 
 def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str] = lambda: "",
@@ -79,7 +86,8 @@ def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str]
     itself blocks for a short while (a condition variable), so no sleeping here.
     interrupt(): called between polls; it raises to abandon the wait (another
     rank's failure beacon). spin: seconds of yielding polls before sleeping
-    ones (DRIVE: never sleep; WATCH: sleep from the start).
+    ones (DRIVE: never sleep; WATCH: sleep from the start). The job-wide check
+    (mpicomm.failstop: any rank of the job that stopped) is called too.
     """
     if done():
         return
@@ -90,6 +98,8 @@ def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str]
     while not done():
         if interrupt is not None:
             interrupt()
+        if _job_check is not None:
+            _job_check()
         polls += 1
         if not blocking:
             if spinning:

@@ -33,20 +33,17 @@ import numpy as np
 from mpi4py import MPI
 
 from .agree import group_by_value
+from .failstop import PeerFailedError
 from .requests import RequestLog, abandon, drain_at_exit
 from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
 
-EXCHANGE, CLOSE = 1, 2
-_ACTION = {EXCHANGE: "step", CLOSE: "close()"}
+EXCHANGE, CLOSE, METRIC = 1, 2, 3
+_ACTION = {EXCHANGE: "step", CLOSE: "close()", METRIC: "sum_over_ranks()"}
 TEXT = 240  # bytes of a failure beacon: the rounds its sender posted (int64), then the error text
 _TAG_ARRIVED, _TAG_BEACON = 1, 3
 _HEAD = 8  # action, -action, step, -step, settings, -settings, problem, stopped (1 + the rank, in a joined round)
 _STOPPED = 7
-
-
-class PeerFailedError(RuntimeError):
-    """Another rank stopped with an error; raised on the ranks that were waiting for it."""
 
 
 class ReportedProblem(RuntimeError):
@@ -119,6 +116,8 @@ class StepCheck:
             self.broken = self.everyone_knows = True
             self._join(int(self._beacon_in[:8].view(np.int64)[0]))
             text = bytes(self._beacon_in[8:status.Get_count(MPI.BYTE)]).decode(errors="replace")
+            if text.startswith("PeerFailedError: "):  # it was passing another rank's failure on: name that one
+                raise PeerFailedError(text.removeprefix("PeerFailedError: "))
             raise PeerFailedError(f"rank {status.Get_source()} stopped with {text}")
 
     def _join(self, rounds: int) -> None:
@@ -226,9 +225,9 @@ class StepCheck:
                 return "a rank has not reached this point; rank 0's report names it"
             # Testall leaves every request untouched unless all completed: ask each one.
             late = [r + 1 for r, req in enumerate(arrived) if not req.Test()]
-            return f"rank(s) {late} have not reached this point (step {step}); the others wait for them"
+            return f"rank(s) {late} have not reached this point (step #{step + 1}); the others wait for them"
         try:
-            wait_until(request.Test, what=f"agreement on step {step}", report=missing, policy=policy,
+            wait_until(request.Test, what=f"agreement on step #{step + 1}", report=missing, policy=policy,
                        who=f"rank {self.rank}: ", interrupt=self.interrupt, spin=self.spin)
             # Sent before each rank's allreduce began: delivered by now, or nearly.
             wait_until(lambda: MPI.Request.Testall(arrived), what="arrivals", policy=policy,

@@ -1,7 +1,8 @@
 """runtime: the training runtime on mpicomm: DistributedOptimizer, its strategies, checkpoints, tracing, models."""
 
+from mpicomm import failstop
+from mpicomm.failstop import PeerFailedError
 from mpicomm.stall import StallError, StallPolicy
-from mpicomm.step_check import PeerFailedError
 from mpicomm.validate import CollectiveMismatchError
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
@@ -11,6 +12,9 @@ from .options import (AUTO, DEFAULT_FUSE_BYTES, AllreduceOptions, HybCommOptions
                       StrategyOptions, TopkOptions, WfbpOptions)
 from .registry import ALL_STRATEGIES, SPARSE_STRATEGIES, STRATEGIES
 from .sparse import NonFiniteGradientError
+
+# From here on, one rank's uncaught exception or early exit stops every rank (MPITRAIN_FAILSTOP=0: off).
+failstop.install()
 
 __all__ = [
     "ALL_STRATEGIES", "AllreduceOptions", "CheckpointError", "CollectiveMismatchError", "CompressionState",

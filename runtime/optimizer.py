@@ -7,11 +7,11 @@ import contextlib
 import numpy as np
 import torch
 
-from mpicomm import Topology
+from mpicomm import Topology, failstop
 from mpicomm.stall import StallPolicy
 from mpicomm.step_check import EXCHANGE, ReportedProblem, StepCheck, digest
 
-from . import checkpoint, teardown
+from . import checkpoint, metrics, teardown
 from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
 from .device import GradientStaging, describe_transport, model_device, staging_wanted
@@ -33,15 +33,12 @@ class DistributedOptimizer:
             opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
         opt.close()
 
-    strategy: a name ("allreduce", "wfbp", "p3", "topk", "hier-topk", "hybcomm")
-    or an options object (runtime.options: AllreduceOptions, WfbpOptions,
-    P3Options, TopkOptions, HybCommOptions). Wrapping is collective: every setting (strategy and its
-    options, pto, backward_passes_per_step, buffers) and the model's structure
-    are compared across ranks (an error names ranks and values), and rank 0's
-    parameters, buffers and optimizer state are broadcast. Every step agrees
-    across ranks on the step number and the hyper-parameters, so a rank that
-    steps more often, closes early, fails or trains with another learning rate
-    stops every rank with an error instead of a hang or silent drift.
+    strategy: a name ("allreduce", "wfbp", "p3", "topk", "hier-topk", "hybcomm") or an options
+    object (runtime.options). Wrapping is collective: every setting and the model's structure are
+    compared across ranks (an error names ranks and values), and rank 0's parameters, buffers and
+    optimizer state are broadcast. Every step agrees across ranks on the step number and the
+    hyper-parameters, so a rank that steps more often, closes early, fails or trains with another
+    learning rate stops every rank with an error instead of a hang or silent drift.
 
     - comm / topology: the ranks to train on (default MPI.COMM_WORLD; a
       communicator is duplicated, never used directly);
@@ -118,6 +115,7 @@ class DistributedOptimizer:
             if self.model_buffers.active else None
         self._state_hook = model.register_state_dict_pre_hook(lambda *a: self._before_reading())
         self._capture_hooks = capture_hooks(self.strategy)
+        failstop.register(self)  # its step goes into this rank's failure notice; open at exit is said
 
     # -- set-up --------------------------------------------------------------
     def _build(self, cls, pto: bool) -> None:
@@ -359,14 +357,11 @@ class DistributedOptimizer:
             raise
 
     def _fail(self, exc: BaseException) -> None:
-        """Error path: tell the other ranks, cancel what is in flight, wait for nobody."""
-        teardown.fail(self, exc)
+        teardown.fail(self, exc)  # tell the other ranks, cancel what is in flight, wait for nobody
 
     def abort(self, exc: BaseException) -> None:
         """This rank stops with `exc`: tell the other ranks (they raise PeerFailedError) and release everything."""
-        if not self._closed:
-            self._fail(exc)
-            self._release()
+        teardown.abort(self, exc)
 
     def close(self) -> None:
         """Agree with every rank that training is over, apply what is owed, stop threads, free communicators."""
@@ -383,6 +378,10 @@ class DistributedOptimizer:
             self.abort(exc)
         else:
             self.close()
+
+    def sum_over_ranks(self, values):
+        """Collective, agreed like a step: `values` (numbers, array, tensor) summed element-wise over ranks."""
+        return metrics.sum_over_ranks(self, values)
 
     # -- checkpoints ---------------------------------------------------------
     def state_dict(self) -> dict:

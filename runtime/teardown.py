@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mpicomm import failstop
 from mpicomm.step_check import CLOSE
 
 
@@ -14,6 +15,13 @@ def fail(dopt, exc: BaseException) -> None:
         dopt.strategy.abort()
         dopt.model_buffers.abandon()
         dopt.check.stop_listening()  # now, not at close(): a job may return without closing
+
+
+def abort(dopt, exc: BaseException) -> None:
+    """This rank stops with `exc`: tell the other ranks (they raise PeerFailedError) and release everything."""
+    if not dopt._closed:
+        fail(dopt, exc)
+        release(dopt)
 
 
 def close(dopt) -> None:
@@ -41,6 +49,7 @@ def release(dopt) -> None:
     if dopt._closed:
         return
     dopt._closed = True
+    failstop.unregister(dopt)
     for h in dopt._hooks + dopt._capture_hooks:
         h.remove()
     dopt._hooks = dopt._capture_hooks = []

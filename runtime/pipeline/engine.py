@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mpicomm import Topology
+from mpicomm import Topology, failstop
 from mpicomm.agree import check_same_structure, fail_together
 from mpicomm.stall import StallPolicy
 from mpicomm.step_check import CLOSE, EXCHANGE, StepCheck, digest
@@ -105,6 +105,7 @@ class Pipeline:
         self._inflight: dict[int, tuple] = {}
         self.steps = 0
         self._meta = None  # [(shape, dtype)] of each stage's output, agreed at the first step
+        failstop.register(self)  # its step goes into this rank's failure notice; open at exit is said
 
     # -- set-up ---------------------------------------------------------------------------
     def _partition(self, world, layers, balance, stages, sample, bandwidth):
@@ -351,6 +352,7 @@ class Pipeline:
             self._release()
 
     def _release(self) -> None:
+        failstop.unregister(self)
         if self.link is not None:
             self.link.close() if self.failed is None else self.link.cancel()
         if self.dopt is not None and self.failed is None:

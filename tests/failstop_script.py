@@ -1,0 +1,51 @@
+"""A user's own training script, launched as `mpiexec -n 4 python failstop_script.py MODE STRATEGY`, that goes
+wrong on one rank in the way MODE says (tests/test_failstop.py runs it; not a test module itself)."""
+
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from mpi4py import MPI
+
+from runtime import DistributedOptimizer
+
+mode, strategy = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "p3"
+rank = MPI.COMM_WORLD.Get_rank()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+x, y = torch.randn(64, 20), torch.randint(0, 4, (64,))
+
+if mode == "pipeline":
+    from runtime.pipeline import Pipeline
+
+    model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    pipe = Pipeline(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), loss_fn=F.cross_entropy,
+                    balance=[2, 1, 1, 1], microbatches=4, mode="flush")
+    for step in range(40):
+        if step == 20 and rank == 1:
+            raise OSError("disk gone")
+        pipe.train_step(x, y)
+    pipe.close()
+    sys.exit(0)
+
+if mode == "before-wrap" and rank == 1:
+    raise OSError("disk gone")
+opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+                           "nope" if mode == "unknown-strategy" and rank == 1 else strategy)
+steps = 9 if mode.startswith("uneven") and rank == 3 else 10 if mode.startswith("uneven") else 40
+for step in range(steps):
+    if mode == "raise" and step == 20 and rank == 1:
+        raise OSError("disk gone")
+    if mode == "exit" and step == 5 and rank == 2:
+        sys.exit(0)
+    opt.zero_grad()
+    F.cross_entropy(model(x[rank * 16:(rank + 1) * 16]), y[rank * 16:(rank + 1) * 16]).backward()
+    opt.step()
+if mode == "uneven":  # the README's evaluation: a metric summed over ranks, agreed like a step
+    print(f"[rank {rank}] sums {opt.sum_over_ranks([1.0, 2.0]).tolist()}", flush=True)
+elif mode == "uneven-allreduce":  # the user's own collective: only the stall limit can name the rank
+    MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, torch.zeros(2).numpy())
+if mode != "no-close":
+    opt.close()
+print(f"[rank {rank}] done", flush=True)

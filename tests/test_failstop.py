@@ -1,0 +1,93 @@
+"""A user's plain `mpiexec -n 4 python train.py`: whatever one rank does wrong, every rank stops within 30 s,
+non-zero, each printing the rank at fault and why; a script that ends well still ends well (mpicomm.failstop)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from mpicomm.launch import mpiexec
+
+SCRIPT = os.path.join(ROOT, "tests", "failstop_script.py")
+LIMIT = 30  # seconds every rank has to be gone in
+
+
+def run(*args, env=None):
+    """The script under a plain mpiexec (no `-m mpi4py`, no run_main), inside `timeout LIMIT`."""
+    env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))  # a file's own directory comes first on sys.path
+    cmd = ["timeout", "-k", "5", str(LIMIT), mpiexec(), "-n", "4", sys.executable, SCRIPT, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=LIMIT + 30)
+
+
+def lines_of(proc, rank: int) -> str:
+    return "\n".join(line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith(f"[rank {rank}]"))
+
+
+def assert_everyone_says(proc, culprit: int, *words):
+    """A failed job (not timeout's 124), and every rank printed a line naming the culprit (the culprit: its error).
+
+    Each rank leaves with status 1; mpiexec reports 1, or 9 for the ranks it killed once the first had gone."""
+    assert proc.returncode in (1, 9), f"status {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    for rank in range(4):
+        said = lines_of(proc, rank)
+        assert all(w in said for w in words), f"rank {rank} said:\n{said}\n--- all:\n{proc.stderr[-3000:]}"
+        if rank != culprit:
+            assert re.search(rf"rank {culprit}\b", said), f"rank {rank} does not name rank {culprit}:\n{said}"
+    assert "left at exit" not in proc.stderr  # nothing was left posted either
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "hybcomm", "topk", "hier-topk"])
+def test_a_rank_raising_mid_training_stops_every_rank(strategy):
+    proc = run("raise", strategy)
+    assert_everyone_says(proc, 1, "OSError: disk gone")
+    assert "Traceback" in lines_of(proc, 1) and "after 20 steps" in lines_of(proc, 0)
+
+
+def test_a_pipeline_stage_raising_stops_every_rank():
+    assert_everyone_says(run("pipeline"), 1, "OSError: disk gone")
+
+
+def test_a_rank_raising_before_wrapping_stops_the_ranks_waiting_in_wrap():
+    proc = run("before-wrap")
+    assert_everyone_says(proc, 1, "OSError: disk gone")
+    assert "blocked in" in lines_of(proc, 0)  # the watcher thread stopped it: it waited in wrapping's Dup
+
+
+def test_an_unknown_strategy_on_one_rank_stops_every_rank():
+    assert_everyone_says(run("unknown-strategy"), 1, "unknown strategy 'nope'")
+
+
+def test_a_rank_with_a_step_fewer_is_named_with_the_step_it_stopped_at():
+    proc = run("uneven")
+    assert_everyone_says(proc, 3, "CollectiveMismatchError", "rank 3: sum_over_ranks() after 9 steps",
+                         "step #10")
+
+
+def test_a_rank_with_a_step_fewer_in_a_users_own_collective_is_found_by_the_stall_limit():
+    proc = run("uneven-allreduce", env={"MPITRAIN_STALL_TIMEOUT": "6", "MPITRAIN_STALL_WARNING": "3"})
+    assert_everyone_says(proc, 0, "StallError", "rank(s) [3] have not reached this point (step #10)")
+    assert "failstop_script.py" in lines_of(proc, 3)  # where rank 3 was blocked: the user's Allreduce
+
+
+def test_a_rank_leaving_early_stops_every_rank():
+    proc = run("exit")
+    assert_everyone_says(proc, 2, "exited", "after 5 steps")
+
+
+@pytest.mark.parametrize("mode", ["fine", "no-close"])
+def test_a_script_that_ends_well_still_ends_well(mode):
+    """Closing is agreed; a script that forgets close() on every rank still ends with status 0 on all."""
+    proc = run(mode, "p3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(f"[rank {r}] done" in proc.stdout for r in range(4)) and "stopped" not in proc.stderr
+
+
+def test_fail_stop_can_be_turned_off():
+    """MPITRAIN_FAILSTOP=0: the old behaviour (the ranks waiting for the failed one are ended by the limit)."""
+    proc = run("raise", "allreduce", env={"MPITRAIN_FAILSTOP": "0", "MPITRAIN_STALL_TIMEOUT": "4"})
+    assert proc.returncode != 0 and "PeerFailedError: rank 1" not in proc.stderr
