@@ -17,8 +17,9 @@ a notice (the failing rank, its error, its step):
   sits in MPI_Finalize while the others still need it.
 
 Every wait of the runtime (mpicomm.stall.wait_until) calls check(), which
-raises PeerFailedError once a notice has arrived: a FAILED one, or an EXIT one
-(the rank is gone; whoever still waits for it waits in vain). A rank blocked
+raises PeerFailedError once a notice has arrived: a FAILED one at once, an EXIT
+one once the wait has gone on EXIT_GRACE seconds after it (the rank is gone:
+what it took part in has arrived by then, what it never joins never will). A rank blocked
 where nothing polls (a user's own collective, comm.Dup() at wrap) is stopped by
 the watcher thread PICKUP seconds later, if its main thread did not take the
 notice up (and, for an EXIT notice, only while it is inside this library).
@@ -49,6 +50,9 @@ ENV = "MPITRAIN_FAILSTOP"
 POLL = 0.05  # seconds between the watcher's tests of the notice receive
 PICKUP = 3.0  # seconds a notice may wait for the main thread before the watcher stops the rank
 GRACE = 10.0  # seconds a stopping rank waits for every other rank's notice
+# Seconds a wait goes on after a rank exited: a wait it took part in completes (the exiting rank keeps
+# MPI going until every rank has exited), one it never joins would wait for ever.
+EXIT_GRACE = 2.0
 FAILED, EXIT = 1, 2
 _HEADER = struct.Struct("<iiq")  # origin rank, kind, its step (-1: none)
 TEXT = 2048
@@ -117,9 +121,13 @@ class _Guard:
         if self._watcher is None and time.monotonic() - self._last_poll > POLL:
             self._last_poll = time.monotonic()
             self._poll()
-        if self.failure is not None and not self.stopping:
-            self.raised = True
-            raise PeerFailedError(describe(self.failure))
+        notice = self.failure
+        if notice is None or self.stopping:
+            return
+        if notice[1] == EXIT and (self.exiting or time.monotonic() - notice[4] < EXIT_GRACE):
+            return  # what it sent before leaving is still arriving; past the grace, nobody will answer
+        self.raised = True
+        raise PeerFailedError(describe(notice))
 
     # -- stopping -----------------------------------------------------------------------------
     def stop(self, origin: int, text: str, step: int, say: str = "") -> None:
