@@ -34,12 +34,10 @@ class Task:
 
 
 def build_cnn():
-    from torch import nn
+    from runtime.workloads.models import build_model
 
-    return nn.Sequential(nn.Conv2d(1, 8, 5), nn.ReLU(), nn.MaxPool2d(2),   # stage 0
-                         nn.Conv2d(8, 16, 5), nn.ReLU(), nn.MaxPool2d(2),  # stage 1
-                         nn.Flatten(), nn.Linear(16 * 4 * 4, 64),          # stage 2
-                         nn.ReLU(), nn.Linear(64, 10))                     # stage 3
+    # Conv, ReLU, pool | conv, ReLU, pool | Flatten, Linear | ReLU, Linear: `mpitrain train --model cnn`'s model.
+    return build_model("cnn", num_classes=10)
 
 
 def build_fc():
