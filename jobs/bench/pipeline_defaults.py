@@ -16,6 +16,8 @@ mean and its gap to flush (the synchronous mode, equal to one process); with
 --baseline, an earlier run's means beside them (before a change). A run
 that stops (the job's divergence stop, exit 3) is a row marked "stopped".
 Writes JSON rows (per-epoch curves, the balance each run got) and a PNG.
+--balance (not a default) replaces the automatic partition, which puts all
+of cnn but its first convolution on the last stage, where nothing is stale.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--ranks", type=int, default=4, help="one per stage (default 4)")
+    p.add_argument("--balance", help="not a default: layers per stage instead of the automatic partition (one "
+                                     "model), e.g. 3,3,2,2 to spread cnn's parameters over the stages")
     p.add_argument("--timeout", type=float, default=900, help="seconds allowed per training run")
     p.add_argument("--baseline", metavar="JSON", help="an earlier run of this benchmark, shown beside (before)")
     p.add_argument("--json", metavar="PATH")
@@ -61,6 +65,12 @@ def check_args(args) -> None:
     if min(args.seeds) < 0:
         raise InputError("--seeds", f"must be >= 0, got {min(args.seeds)}")
     at_least(args, 1, "epochs", "ranks")
+    if args.balance is not None:
+        if len(args.models) != 1:
+            raise InputError("--balance", "cuts one model: give one --models")
+        parts = comma_list("--balance", args.balance, parse=int)
+        if len(parts) != args.ranks or min(parts) < 1:
+            raise InputError("--balance", f"needs {args.ranks} positive layer counts (one per rank), got {args.balance}")
     positive(args, "timeout")
     if args.baseline:
         try:
@@ -78,7 +88,7 @@ def command(args, model: str, mode: str, seed: int, out: str) -> list[str]:
 
     return [mpiexec(), "-n", str(args.ranks), sys.executable, "-m", "jobs.train", "--parallel", "pipeline",
             "--pipeline-mode", mode, "--model", model, "--stages", str(args.ranks), "--epochs", str(args.epochs),
-            "--seed", str(seed), "--no-progress", "--json", out]
+            "--seed", str(seed), "--no-progress", "--json", out] + (["--balance", args.balance] if args.balance else [])
 
 
 def run(args, model: str, mode: str, seed: int) -> dict:
@@ -136,7 +146,7 @@ def gap(mean, base, mode) -> str:
     return f"{points:+.2f} points" + ("" if abs(points) <= TARGET_POINTS else " ✗")
 
 
-def plot(rows, models, modes, path, baseline=None) -> None:
+def plot(rows, models, modes, path, baseline=None, note: str = "job defaults") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,7 +170,7 @@ def plot(rows, models, modes, path, baseline=None) -> None:
         ax.set_xticks(range(len(modes)), modes)
         ax.set_ylim(0, 100)
         ax.set_ylabel("test accuracy % (last epoch)")
-        ax.set_title(f"{model}, Fashion-MNIST, job defaults (dots: seeds)", fontsize=9)
+        ax.set_title(f"{model}, Fashion-MNIST, {note} (dots: seeds)", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
     save_figure(fig, path)
@@ -190,7 +200,9 @@ def main(argv=None) -> int:
         write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot:
         write_together(None, "--plot", args.plot,
-                       lambda: (plot(rows, args.models, args.modes, args.plot, baseline), print(f"wrote {args.plot}")))
+                       lambda: (plot(rows, args.models, args.modes, args.plot, baseline,
+                                     f"balance {args.balance}" if args.balance else "job defaults"),
+                                print(f"wrote {args.plot}")))
     return 0
 
 
