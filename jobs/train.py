@@ -275,8 +275,7 @@ def main(argv=None, args=None) -> int:
         return 2
 
     if args.parallel == "pipeline":
-        status = train_pipeline.run(args, (x, y, tx, ty), topo)
-        return status if status else topo.free() or 0  # after a failure the pipeline keeps its communicators
+        return train_pipeline.run(args, (x, y, tx, ty), topo)  # frees topo when it ends well
     device = rank_device(args.device, topo)
     torch.manual_seed(args.seed)
     classes = CLASSES.get(args.model, 1000 if args.model == "transformer" else 10)  # as the data's (model_input)

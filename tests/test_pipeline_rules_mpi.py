@@ -71,12 +71,13 @@ def test_one_stage_updates_per_micro_batch_at_lr_over_m_and_flush_per_step_at_lr
                       f"{mode}: off by {err:.3g}, {updates} updates, lr kept {lr_kept}")
 
 
-def test_replicas_average_each_micro_batch_then_apply_lr_over_m(world):
+@pytest.mark.parametrize("data_parallel", ["allreduce", "wfbp"])
+def test_replicas_average_each_micro_batch_then_apply_lr_over_m(world, data_parallel):
     needs_four(world)
     comm = split(world, 2)  # two pipelines of 1 stage x 2 replicas
     steps = data(4, 8, replicas=2)
     pipe = Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=[7], replicas=2, microbatches=M, mode="vanilla",
-                    comm=comm, say=None)
+                    comm=comm, say=None, data_parallel=data_parallel)
     for parts in steps:
         pipe.train_step(*parts[pipe.replica])
     err = error(pipe, sgd_per_micro_batch(steps, LR / M))

@@ -64,7 +64,7 @@ def check_arguments(args, launched: int) -> None:
 
 
 def run(args, data, topo) -> int:
-    """The training loop of jobs.train for --parallel pipeline; data = (x, y, test x, test y) as tuples of tensors."""
+    """jobs.train's loop for --parallel pipeline; data = (x, y, test x, test y), tuples of tensors; exit status."""
     import numpy as np
     import torch
     from mpi4py import MPI
@@ -96,7 +96,7 @@ def run(args, data, topo) -> int:
                     placement=args.placement, data_parallel=args.strategy if args.strategy != "p3" else "allreduce",
                     topology=topo, timeline=timeline, say=say, device=args.device)
     start_epoch = resume(args, pipe, comm, say) if args.resume else 0
-    replica, R = pipe.layout.replica, args.replicas
+    replica, R = pipe.replica, pipe.replicas
     plan = BatchPlan(len(x[0]), args.batch_size, R, replica, args.seed)
     steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
     shows = pipe.last and replica == 0  # the rank that has the loss shows progress
@@ -151,6 +151,7 @@ def run(args, data, topo) -> int:
     pipe.close()
     write_training_outputs(comm, args, timeline, dict(args=vars(args), ranks=P, parallel="pipeline",
                                                       balance=pipe.balance, epochs=history), say)
+    topo.free()  # not after a failure: the pipeline keeps its communicators then (runtime.pipeline.engine)
     return 0
 
 
