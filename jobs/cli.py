@@ -35,6 +35,7 @@ BENCHMARKS = (
     ("overhead", "jobs.bench.overhead", "MPI", "what the runtime itself costs per step and per wrap"),
     ("pipeline", "jobs.bench.pipeline", "alone", "pipeline modes against data parallel and torch's 1F1B"),
     ("pipeline-accuracy", "jobs.bench.pipeline_accuracy", "MPI", "SpecTrain's accuracy table: asynchronous pipelines"),
+    ("pipeline-defaults", "jobs.bench.pipeline_defaults", "alone", "train's pipeline modes at its defaults, vs flush"),
     ("hybcomm-choice", "jobs.bench.hybcomm_choice", "alone", "does hybcomm's cost model pick the faster path"),
     ("mstopk", "jobs.bench.mstopk", "alone", "MSTopK against torch.topk, CPU or CUDA"),
     ("pto", "jobs.bench.pto", "MPI", "PTO's sharded optimizer step against the unsharded one"),

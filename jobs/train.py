@@ -68,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate of a step (default 0.05; asynchronous "
+                                                          "pipeline modes: lr / --microbatches per micro-batch)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic-samples", type=int, default=4096, help="size of the synthetic training set")
@@ -274,9 +275,7 @@ def main(argv=None, args=None) -> int:
         return 2
 
     if args.parallel == "pipeline":
-        status = train_pipeline.run(args, (x, y, tx, ty), topo)
-        topo.free()
-        return status
+        return train_pipeline.run(args, (x, y, tx, ty), topo)  # frees topo when it ends well
     device = rank_device(args.device, topo)
     torch.manual_seed(args.seed)
     classes = CLASSES.get(args.model, 1000 if args.model == "transformer" else 10)  # as the data's (model_input)

@@ -38,8 +38,8 @@ from .requests import RequestLog, abandon, drain_at_exit
 from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
 
-EXCHANGE, CLOSE, METRIC = 1, 2, 3
-_ACTION = {EXCHANGE: "step", CLOSE: "close()", METRIC: "sum_over_ranks()"}
+EXCHANGE, CLOSE, METRIC, BARRIER, GATHER = 1, 2, 3, 4, 5
+_ACTION = {EXCHANGE: "step", CLOSE: "close()", METRIC: "sum_over_ranks()", BARRIER: "barrier()", GATHER: "a gather"}
 TEXT = 240  # bytes of a failure beacon: the rounds its sender posted (int64), then the error text
 _TAG_ARRIVED, _TAG_BEACON = 1, 3
 _HEAD = 8  # action, -action, step, -step, settings, -settings, problem, stopped (1 + the rank, in a joined round)

@@ -17,6 +17,7 @@ torch.set_num_threads(1)
 # Exact parameter counts with the defaults (10 classes, 3 input channels, vocab 1000).
 PARAM_COUNTS = {
     "mlp": 203_530,          # 784*256+256 + 256*10+10
+    "cnn": 20_522,           # 1*8*25+8 + 8*16*25+16 + 256*64+64 + 64*10+10
     "vgg19": 38_947_914,     # 20,024,384 conv + 18,923,530 classifier
     "resnet50": 23_520_842,
     "transformer": 6_043_624,  # tied: the 256,000-value output weight is the target embedding

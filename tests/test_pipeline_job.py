@@ -117,17 +117,50 @@ def test_bad_pipeline_input_is_one_line_and_exit_2(args, option):
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {option}"), proc.stderr
 
 
+# Appended to the README's program: each rank saves what its stage holds, to compare with the gathered model.
+STAGE_FILES = textwrap.dedent("""
+    torch.save(dict(pipe.state_dict(), replica=pipe.replica), f"stage{pipe.stage}-replica{pipe.replica}.pt")
+""")
+
+
 @pytest.mark.timeout(300)
-def test_the_readme_pipeline_example_runs_and_learns(tmp_path):
+def test_the_readme_pipeline_program_learns_and_gathers_the_stages(tmp_path):
+    """2 stages x 2 replicas as printed: it learns, rank 0 prints the plan, cnn.pt is every stage's weights."""
     readme = open(os.path.join(ROOT, "README.md")).read()
     section = readme[readme.index("## Pipeline model parallelism"):]
-    script = tmp_path / "example.py"
-    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1))
+    script = tmp_path / "prog.py"
+    script.write_text(re.search(r"```python\n(.*?)```", section, re.S).group(1) + STAGE_FILES)
     proc = subprocess.run([mpiexec(), "-n", "4", sys.executable, str(script)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
+                          cwd=tmp_path, timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    accuracies = [float(a) for a in re.findall(r"accuracy ([0-9.]+)", proc.stdout)]
-    assert len(accuracies) == 2 and accuracies[-1] > 0.8, proc.stdout
+    assert proc.stdout.count("| stage |") == 1, proc.stdout  # the plan, once (rank 0)
+    lines = re.findall(r"replica (\d), epoch (\d): loss [0-9.]+, accuracy ([0-9.]+)", proc.stdout)
+    assert sorted((r, e) for r, e, _ in lines) == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")], proc.stdout
+    assert all(float(a) > 0.8 for r, e, a in lines if e == "2"), proc.stdout
+    gathered = torch.load(tmp_path / "cnn.pt")
+    covered = set()
+    for path in tmp_path.glob("stage*-replica*.pt"):
+        stage = torch.load(path, weights_only=False)
+        a, b = stage["layers"]
+        assert stage["balance"][stage["stage"]] == b - a
+        for key, value in stage["module"].items():
+            j, name = key.split(".", 1)
+            assert torch.equal(gathered[f"{a + int(j)}.{name}"], value), (path.name, key)
+            covered.add(f"{a + int(j)}.{name}")
+    assert len(list(tmp_path.glob("stage*-replica*.pt"))) == 4 and covered == set(gathered)
+
+
+def test_a_diverging_run_says_so_on_every_rank_and_exits_3():
+    """--lr far too large: the loss explodes; each rank prints one line naming the step and the loss."""
+    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "jobs.train", *QUICK, "--pipeline-mode", "spectrain",
+           "--lr", "1e4", "--epochs", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    said = re.findall(r"error: rank (\d): training diverged at step (\d+) \(micro-batch \d\): loss (\S+) is "
+                      r"(?:not finite|over 100 x)", proc.stderr)
+    assert sorted(rank for rank, _, _ in said) == ["0", "1", "2", "3"], proc.stderr
+    assert len({(step, loss) for _, step, loss in said}) == 1, proc.stderr  # the same step and loss everywhere
+    assert "epoch 1: loss" not in proc.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine where torch sees no CUDA device")

@@ -154,8 +154,11 @@ def test_spectrain_predicts_by_the_formula(world, variant):
             if op == "B" and variant == "once":
                 want = log[("F", i)]["used"][j]
             else:
+                # The rate of the update each micro-batch really applies: lr / microbatches.
                 s = s_f if op == "F" else s_b
-                want = e["live"][j] - s * e["lr"][j] * e["velocity"][j]
+                want = e["live"][j] - s * (LR / pipe.microbatches) * e["velocity"][j]
+                if e["lr"][j] != LR / pipe.microbatches:
+                    problems.append(f"{op}{i} param {j}: predicted at rate {e['lr'][j]}")
             if not torch.allclose(used, want, atol=1e-7, rtol=0):
                 problems.append(f"{op}{i} param {j}: off by {(used - want).abs().max().item():.3g}")
             predicted += bool(e["velocity"][j].abs().sum() > 0) and not torch.equal(used, e["live"][j])

@@ -3,15 +3,25 @@
     mpiexec -n 4 mpitrain bench pipeline-accuracy --json results/acc.json --markdown results/acc.md
     mpiexec -n 4 mpitrain bench pipeline-accuracy --tasks fc --methods dp,spectrain --seeds 1 --epochs 2
 
-Tasks (jobs.bench.pipeline_accuracy_tasks): a CNN and an MLP on a Fashion-MNIST subset, a
-character-level LSTM on Jane Austen's novels. Methods, all with the same
+Tasks (jobs.bench.pipeline_accuracy_tasks): a CNN (`mpitrain train --model cnn`'s) and an MLP on
+a Fashion-MNIST subset, a character-level LSTM on Jane Austen's novels. Methods, all with the same
 momentum SGD and learning-rate schedule (warm-up, then a linear decay to 0),
 per-update batch and number of updates, on the same data order (a
 permutation per seed and epoch) from the same initial weights: dp, gradients averaged
 over 4 ranks (a global batch of --batch-size, a quarter per rank); vanilla,
 stash (PipeDream's weight stashing) and spectrain (weight prediction), the
 model cut into 4 stages, one update per micro-batch of --batch-size,
---microbatches per pipeline step. Per run: per epoch the mean training loss
+--microbatches per pipeline step. --lr is the rate of a step of --microbatches
+updates, as in `mpitrain train`: every update, dp's too, applies lr / --microbatches
+(runtime.pipeline's rule for the asynchronous modes).
+
+What it shares with `mpitrain train`'s defaults: that rule, momentum 0.9, 4 micro-batches per
+step. What it keeps of its own, SpecTrain's protocol: dp as the baseline making the very same
+updates (not flush), a learning rate tuned for dp per task with warm-up and linear decay, 32
+samples per update, a subset and 5-6 epochs (the 13-minute table on 2 cores). The job's
+own defaults are measured by `mpitrain bench pipeline-defaults`.
+
+Per run: per epoch the mean training loss
 of its updates and the validation loss and accuracy; then the minimum
 training loss, minimum validation loss and maximum validation accuracy.
 Prints a markdown table of their means over the seeds (± std) and each
@@ -46,8 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, help="every task (default: each task's, cnn 3, fc 3, lstm 6)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per update, every method (default 32)")
     p.add_argument("--microbatches", type=int, default=4, help="pipeline: updates per step (default 4)")
-    p.add_argument("--lr", type=float, help="peak learning rate, every task (default: each task's, "
-                                            "cnn 0.02, fc 0.02, lstm 2)")
+    p.add_argument("--lr", type=float, help="peak learning rate of a step, every task; each update applies "
+                                            "lr / --microbatches (default: each task's, cnn 0.08, fc 0.08, lstm 8)")
     p.add_argument("--warmup", type=float, default=0.1,
                    help="fraction of the run over which the learning rate rises linearly to --lr (default 0.1)")
     p.add_argument("--lr-schedule", choices=("linear", "constant"), default="linear",
@@ -92,10 +102,11 @@ def check_args(args) -> None:
 class DataParallel:
     """dp: the whole model on every rank, gradients averaged (allreduce); a rank takes 1/P of each batch."""
 
-    def __init__(self, model, make_optimizer, loss, topo):
+    def __init__(self, model, make_optimizer, loss, topo, microbatches: int):
         from runtime import DistributedOptimizer
 
         self.model, self.loss, self.comm = model, loss, topo.world
+        self.divisor = microbatches  # each update applies lr / microbatches, as the pipelines' do
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.dopt = DistributedOptimizer(make_optimizer(model.parameters()), model, "allreduce", topology=topo)
         self.loss_ranks = self.size  # each rank's loss is the mean over its share
@@ -141,8 +152,9 @@ class Pipelined:
         from runtime.pipeline import Pipeline
 
         self.pipe = Pipeline(model, make_optimizer, loss_fn=loss, balance=list(balance), microbatches=microbatches,
-                             mode=mode, topology=topo)
+                             mode=mode, topology=topo, say=None)
         self.loss_ranks = 1  # the last stage alone has the loss
+        self.divisor = 1  # the engine applies lr / microbatches per micro-batch itself
 
     def step(self, x, y, updates: int) -> float:
         loss = self.pipe.train_step(x if self.pipe.first else None, y if self.pipe.last else None)
@@ -181,7 +193,7 @@ def run(args, task, method, seed, data, topo, say) -> list[dict]:
         return optimizers[-1]
     loss = loss_fn(TASKS[task].model)
     M, b = args.microbatches, args.batch_size
-    trainer = DataParallel(model, make_optimizer, loss, topo) if method == "dp" else \
+    trainer = DataParallel(model, make_optimizer, loss, topo, M) if method == "dp" else \
         Pipelined(model, make_optimizer, loss, topo, TASKS[task].balance, M, method)
     steps = len(x) // (M * b)  # each of M updates on b samples: the same updates for every method
     curve = []
@@ -191,7 +203,7 @@ def run(args, task, method, seed, data, topo, say) -> list[dict]:
         total = 0.0
         for k, idx in enumerate(order[:steps * M * b].split(M * b)):
             for group in (g for opt in optimizers for g in opt.param_groups):
-                group["lr"] = lr * lr_factor(args, epoch * steps + k, epochs * steps)
+                group["lr"] = lr * lr_factor(args, epoch * steps + k, epochs * steps) / trainer.divisor
             total += trainer.step(x[idx], y[idx], M)
         scores = trainer.evaluate(vx, vy, 500)
         sums = np.array([total])
@@ -244,7 +256,8 @@ def task_settings(args, task: str) -> dict:
 
 
 def markdown(args, rows, seconds: float) -> str:
-    tasks = "\n".join(f"- {t}: {s['title']}; stages of {s['balance']} layers; lr {s['lr']:g}, {s['epochs']} epochs"
+    tasks = "\n".join(f"- {t}: {s['title']}; stages of {s['balance']} layers; lr {s['lr']:g} per step "
+                      f"({s['lr'] / args.microbatches:g} per update), {s['epochs']} epochs"
                       for t, s in ((t, task_settings(args, t)) for t in args.tasks))
     return (f"# Pipeline accuracy (SpecTrain's table)\n\n"
             f"4 ranks: dp = data parallel (allreduce), vanilla / stash / spectrain = a 4-stage pipeline. "

@@ -223,7 +223,7 @@ class Runner:
 
         pipe = Pipeline(as_layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
                         loss_fn=self.loss, balance=self.balance, microbatches=self.args.microbatches, mode=name,
-                        topology=self.topo, device=self.device)
+                        topology=self.topo, device=self.device, say=None)
         secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: None, pipe.drain,
                                       lambda: pipe.stats()["bytes_sent"], steady=name in ASYNC_MODES)
         st, mem = pipe.stats(), memory_mb()

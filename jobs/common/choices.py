@@ -2,7 +2,7 @@
 
 # tests/test_job_inputs.py checks these against runtime.workloads.models and runtime's strategy and option tables,
 # tests/test_sequential_models.py TOKEN_MODELS against runtime.workloads.models.TOKEN_MODELS.
-MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k")
+MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k", "cnn")
 # Those that take token sequences, not images (runtime.workloads.models.TOKEN_MODELS).
 TOKEN_MODELS = ("transformer", "char-lstm")
 EXACT_STRATEGIES = ("allreduce", "wfbp", "p3", "hybcomm")
@@ -15,4 +15,4 @@ HYBCOMM_FORCE = ("auto", "sfb", "ps")
 FIXED_CLASSES = {"vgg19-22k": 21_841}
 # runtime.pipeline.MODES, and the models whose forward is a chain a pipeline can cut (pipeline_layers()).
 PIPELINE_MODES = ("flush", "vanilla", "stash", "spectrain")
-SEQUENTIAL_MODELS = ("mlp", "vgg19", "fc-heavy", "char-lstm")
+SEQUENTIAL_MODELS = ("mlp", "cnn", "vgg19", "fc-heavy", "char-lstm")

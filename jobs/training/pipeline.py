@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 from jobs.common.choices import PIPELINE_MODES, SEQUENTIAL_MODELS
@@ -17,7 +18,9 @@ def add_arguments(p) -> None:
     g.add_argument("--parallel", choices=("data", "pipeline"), default="data",
                    help="data: every rank holds the model (--strategy); pipeline: the model is cut into --stages")
     g.add_argument("--pipeline-mode", choices=PIPELINE_MODES, default=PIPELINE_DEFAULTS["pipeline_mode"],
-                   help="flush (synchronous), vanilla, stash (PipeDream) or spectrain (default flush)")
+                   help="flush (synchronous: one update per step at --lr), or vanilla, stash (PipeDream), "
+                        "spectrain (asynchronous: one update per micro-batch at --lr / --microbatches); "
+                        "default flush")
     g.add_argument("--spectrain-variant", choices=("paper", "once"), default="paper")
     g.add_argument("--stages", type=int, help="pipeline stages (default: ranks / --replicas)")
     g.add_argument("--replicas", type=int, default=PIPELINE_DEFAULTS["replicas"],
@@ -61,14 +64,14 @@ def check_arguments(args, launched: int) -> None:
 
 
 def run(args, data, topo) -> int:
-    """The training loop of jobs.train for --parallel pipeline; data = (x, y, test x, test y) as tuples of tensors."""
+    """jobs.train's loop for --parallel pipeline; data = (x, y, test x, test y), tuples of tensors; exit status."""
     import numpy as np
     import torch
     from mpi4py import MPI
 
     from jobs.common.outputs import write_training_outputs
     from jobs.common.progress import epoch_progress
-    from runtime.pipeline import Pipeline
+    from runtime.pipeline import DivergenceError, Pipeline
     from runtime.workloads.data import BatchPlan
     from runtime.workloads.models import build_model, loss_fn
 
@@ -93,7 +96,7 @@ def run(args, data, topo) -> int:
                     placement=args.placement, data_parallel=args.strategy if args.strategy != "p3" else "allreduce",
                     topology=topo, timeline=timeline, say=say, device=args.device)
     start_epoch = resume(args, pipe, comm, say) if args.resume else 0
-    replica, R = pipe.layout.replica, args.replicas
+    replica, R = pipe.replica, pipe.replicas
     plan = BatchPlan(len(x[0]), args.batch_size, R, replica, args.seed)
     steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
     shows = pipe.last and replica == 0  # the rank that has the loss shows progress
@@ -107,15 +110,23 @@ def run(args, data, topo) -> int:
         comm.Barrier()
         t0 = time.perf_counter()
         loss_sum = 0.0
-        for idx in plan.epoch(epoch)[:steps]:
-            idx = torch.as_tensor(idx)
-            loss = pipe.train_step(x[0][idx] if pipe.first else None, y[idx] if pipe.last else None)
-            if loss is not None:
-                loss_sum += loss
-                if bar is not None:
-                    bar.update(loss)
-        pipe.drain()  # the epoch's weights are complete before they are scored and saved
-        comm.Barrier()
+        try:
+            for idx in plan.epoch(epoch)[:steps]:
+                idx = torch.as_tensor(idx)
+                loss = pipe.train_step(x[0][idx] if pipe.first else None, y[idx] if pipe.last else None)
+                if loss is not None:
+                    loss_sum += loss
+                    if bar is not None:
+                        bar.update(loss)
+            pipe.drain()  # the epoch's weights are complete before they are scored and saved
+            pipe.barrier()  # not comm.Barrier(): a stage that never waits for the last one hears of its failure here
+        except DivergenceError as exc:  # raised on every rank: each says so, and the job stops
+            if bar is not None:
+                bar.close()
+            # One write per line: ranks share stderr, and print() writes the newline apart.
+            sys.stderr.write(f"error: rank {rank}: {exc} (epoch {epoch + 1}; --lr {args.lr:g})\n")
+            sys.stderr.flush()
+            return 3
         elapsed = time.perf_counter() - t0
         if bar is not None:
             bar.close()
@@ -140,6 +151,7 @@ def run(args, data, topo) -> int:
     pipe.close()
     write_training_outputs(comm, args, timeline, dict(args=vars(args), ranks=P, parallel="pipeline",
                                                       balance=pipe.balance, epochs=history), say)
+    topo.free()  # not after a failure: the pipeline keeps its communicators then (runtime.pipeline.engine)
     return 0
 
 

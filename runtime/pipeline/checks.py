@@ -22,7 +22,7 @@ class PipelineError(RuntimeError):
 
 
 def check_arguments(world, model, stages, balance, microbatches, mode, variant, replicas, placement,
-                     data_parallel, sample, device, staging, local_rank):
+                     data_parallel, sample, device, staging, local_rank, diverge_factor=None):
     """Local checks, then agreement: a rank with a bad argument stops every rank, each naming it."""
     problem, layers, where, staged = None, [], None, False
     try:
@@ -38,6 +38,8 @@ def check_arguments(world, model, stages, balance, microbatches, mode, variant, 
         for name, value in (("microbatches", microbatches), ("replicas", replicas)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if diverge_factor is not None and not (isinstance(diverge_factor, (int, float)) and diverge_factor > 1):
+            raise ValueError(f"diverge_factor must be a number > 1, or None, got {diverge_factor!r}")
         if (stages is None) == (balance is None):
             raise ValueError("give stages=N (automatic partition) or balance=[layers per stage], not both")
         if balance is not None:

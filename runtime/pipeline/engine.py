@@ -9,10 +9,11 @@ from torch import nn
 from mpicomm import Topology, failstop
 from mpicomm.agree import check_same_structure, fail_together
 from mpicomm.stall import StallPolicy
-from mpicomm.step_check import CLOSE, EXCHANGE, StepCheck, digest
+from mpicomm.step_check import BARRIER, CLOSE, EXCHANGE, GATHER, StepCheck, digest
 
-from . import partition, schedule
+from . import model_state, partition, schedule
 from .checks import PipelineError, check_arguments, check_same_values, describe_layers
+from .divergence import DIVERGE_FACTOR, LossWatch, heard
 from .placement import PipelineLayout
 from .staging import StagedLink
 from .transport import StageLink, agree_boundaries, describe
@@ -27,6 +28,7 @@ class Pipeline:
         for x, y in batches:
             loss = pipe.train_step(x, y)      # inputs used on the first stage, targets on the last
         print(pipe.evaluate(test_x, test_y))  # {'loss', 'accuracy', 'count'} on every rank
+        state = pipe.gather_state_dict()      # the whole trained model's state_dict on rank 0
         pipe.close()
 
     model: nn.Sequential, a list of modules, or an object with pipeline_layers(); every rank
@@ -34,14 +36,25 @@ class Pipeline:
     optimizer_factory(params) -> torch optimizer for one stage's parameters.
     balance: layers per stage; or stages=N with sample= (one micro-batch of inputs) to
     partition by measured layer time (and bandwidth=bits/s for the activations' transfer).
+    say(text): given the plan's table on world rank 0 (default print; None: not shown).
     microbatches: per train_step; the batch is cut into this many equal micro-batches.
     mode: "flush" (synchronous: gradients of all micro-batches summed, one update per
-    step, equal to one process), "vanilla", "stash" (PipeDream) or "spectrain"
-    (asynchronous: one update per micro-batch, the pipeline never drained between steps);
-    spectrain_variant "paper" or "once" (runtime.pipeline.versions).
+    step at the optimizer's lr, equal to one process), "vanilla", "stash" (PipeDream) or
+    "spectrain" (asynchronous: one update per micro-batch at lr / microbatches, the
+    pipeline never drained between steps); spectrain_variant "paper" or "once"
+    (runtime.pipeline.versions says what each mode does per micro-batch and per step).
+    diverge_factor: a last stage's micro-batch loss that is not finite, or above this
+    times the first one's, raises DivergenceError on every rank before its backward
+    (None: only a non-finite loss; runtime.pipeline.divergence).
     replicas: copies of each stage (world = stages x replicas) averaging their gradients
     with `data_parallel` ("allreduce" or "wfbp") on a sub-communicator; placement:
-    "within-node" or "across-nodes" (runtime.pipeline.placement).
+    "within-node" or "across-nodes" (runtime.pipeline.placement). Each replica must be
+    given its own share of the data: pipe.replica of pipe.replicas.
+    Attributes: stage, stages, first, last, replica, replicas, balance, plan (the table, on
+    rank 0), layers (the model's, in order) and layer_range (this stage's: layers[a:b]),
+    module (this stage's nn.Sequential), optimizer.
+    Received activations land in buffers reused every few micro-batches: a tensor hook
+    on a stage's input stays on its buffer and fires again for later micro-batches.
     device: "cpu", or "cuda": each rank's stage on GPU local_rank mod the GPUs it sees
     (ranks may share one; "cuda:N" pins it), inputs and targets moved there, boundary
     tensors crossing through pinned host buffers (runtime.pipeline.staging).
@@ -53,8 +66,8 @@ class Pipeline:
                  microbatches: int = 4, mode: str = "flush", spectrain_variant: str = "paper", replicas: int = 1,
                  placement: str = "within-node", data_parallel: str = "allreduce", sample=None,
                  bandwidth: float | None = None, comm=None, topology: Topology | None = None, timeline=None,
-                 stall: StallPolicy | None = None, say=None, record_versions: bool = False, device="cpu",
-                 staging: bool | None = None):
+                 stall: StallPolicy | None = None, say=print, record_versions: bool = False, device="cpu",
+                 staging: bool | None = None, diverge_factor: float | None = DIVERGE_FACTOR):
         self._own_topology = topology is None
         self.topology = topology or (Topology(comm) if comm is not None else Topology())
         world = self.topology.world
@@ -66,23 +79,26 @@ class Pipeline:
         try:
             layers, self.device, self.staged = check_arguments(
                 world, model, stages, balance, microbatches, mode, spectrain_variant, replicas, placement,
-                data_parallel, sample, device, staging, self.topology.local_rank)
+                data_parallel, sample, device, staging, self.topology.local_rank, diverge_factor)
             n_stages = len(balance) if balance is not None else stages
             settings = [f"mode={mode}", f"spectrain_variant={spectrain_variant}", f"stages={n_stages}",
                         f"balance={'auto' if balance is None else list(balance)}", f"microbatches={microbatches}",
                         f"replicas={replicas}", f"placement={placement}", f"data_parallel={data_parallel}",
                         f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)}",
-                        f"device={self.device.type}"]
+                        f"device={self.device.type}", f"diverge_factor={diverge_factor}"]
             check_same_structure(world, settings, "pipeline setting")
             check_same_structure(world, describe_layers(layers), "layer parameter")
             check_same_values(world, layers)
             self.layout = PipelineLayout(self.topology, n_stages, replicas, placement)
             self.stage, self.stages = self.layout.stage, n_stages
+            self.replica, self.replicas = self.layout.replica, replicas
             self.first, self.last = self.layout.first, self.layout.last
-            self.balance, self.plan = self._partition(world, layers, balance, n_stages, sample, bandwidth)
-            if say is not None:
+            self.balance, self.plan = partition.decide(world, layers, balance, n_stages, sample, bandwidth, self.device,
+                                                       PipelineError)
+            if say is not None and world.Get_rank() == 0:
                 say(self.plan)
             a = sum(self.balance[:self.stage])
+            self.model, self.layers, self.layer_range = model, layers, range(a, a + self.balance[self.stage])
             # Only this stage's layers go to the device; the caller's model keeps the others where they were.
             self.module = nn.Sequential(*layers[a:a + self.balance[self.stage]]).to(self.device)
             ends = np.cumsum([0] + self.balance)
@@ -94,8 +110,12 @@ class Pipeline:
             self.in_flight = schedule.warmup(self.stage, self.stages) + 1
             shifts = version_difference(self.stage, self.stages, spectrain_variant) if mode == "spectrain" else (0, 0)
             self.version_log: list | None = [] if record_versions else None
+            # The asynchronous modes update per micro-batch at the micro-batch's share of the rate.
             self.versions = WeightVersions(self.params, mode, self.in_flight, self.optimizer, shifts,
-                                           once=spectrain_variant == "once", log=self.version_log)
+                                           once=spectrain_variant == "once", log=self.version_log,
+                                           divisor=1 if mode == "flush" else microbatches)
+            self.watch = LossWatch(diverge_factor, f"stage {self.stage}, replica {self.replica}, rank "
+                                                   f"{world.Get_rank()}") if self.last else None
             self.check = StepCheck(world, 0, self.policy)
         except BaseException:
             self._release()
@@ -108,24 +128,6 @@ class Pipeline:
         failstop.register(self)  # its step goes into this rank's failure notice; open at exit is said
 
     # -- set-up ---------------------------------------------------------------------------
-    def _partition(self, world, layers, balance, stages, sample, bandwidth):
-        """The balance (rank 0 times the layers and decides for everyone) and the plan's table."""
-        plan = np.zeros(stages, dtype=np.int64)
-        table, problem = "", None
-        if world.Get_rank() == 0:
-            try:
-                profile = partition.profile_layers(layers, sample, device=self.device) if sample is not None \
-                    else None
-                chosen = balance if balance is not None else partition.best_balance(profile, stages, bandwidth)
-                plan[:] = chosen
-                table = partition.plan_table(profile, list(chosen), bandwidth) if profile else \
-                    f"balance {list(chosen)} (no sample given: layer times not measured)"
-            except Exception as exc:  # the user's layers failing on the sample
-                problem = f"partition: {type(exc).__name__}: {exc}"
-        fail_together(world, problem, PipelineError)
-        world.Bcast(plan, root=0)
-        return [int(b) for b in plan], table
-
     def _build_optimizer(self, world, factory, data_parallel):
         problem = None
         try:
@@ -197,11 +199,9 @@ class Pipeline:
                 self._base = self._next
                 self._update()
             self.steps += 1
-            # The step's one host synchronisation on a GPU, on the last stage only: the mean loss.
-            return float(torch.stack(losses).double().mean()) if self.last else None
+            return sum(losses) / len(losses) if self.last else None
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            raise self._fail(exc)
 
     def _split(self, batch, what: str) -> list[torch.Tensor]:
         if isinstance(batch, (tuple, list)) and len(batch) == 1:
@@ -224,7 +224,10 @@ class Pipeline:
             out = self.module(x)
         if self.last:
             loss = self.loss_fn(out, target)
-            losses.append(loss.detach())
+            # Read before the backward, so that a diverged loss is never applied (on a GPU: one host
+            # synchronisation per micro-batch, on the last stage only).
+            losses.append(float(loss.detach()))
+            self.watch.check(losses[-1], self.steps + 1, len(losses) - 1)
             out = loss / self.microbatches if self.mode == "flush" else loss
         else:
             self.link.send_activation(i, out)
@@ -249,12 +252,13 @@ class Pipeline:
             self._update()
 
     def _update(self) -> None:
-        if self.dopt is not None:
-            self.dopt.step()
-            self.dopt.zero_grad()
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=False)  # in place: no new gradient tensors every update
+        with self.versions.applied_lr():  # flush: lr; the asynchronous modes: lr / microbatches
+            if self.dopt is not None:
+                self.dopt.step()
+                self.dopt.zero_grad()
+            else:
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=False)  # in place: no new gradient tensors every update
         self.versions.updates += 1
 
     def drain(self) -> None:
@@ -268,8 +272,7 @@ class Pipeline:
             self.link.post_sends()
             self._base = self._next
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            raise self._fail(exc)
 
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, inputs=None, targets=None, batch_size: int = 256) -> dict:
@@ -280,8 +283,30 @@ class Pipeline:
         try:
             return evaluate(self, inputs, targets, batch_size)
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            raise self._fail(exc)
+
+    def barrier(self) -> None:
+        """Every rank of the pipeline's world gets here (collective); a rank that failed makes it raise, never hang."""
+        self._usable()
+        try:
+            self._round(BARRIER)
+            self.check.finish()
+        except BaseException as exc:
+            raise self._fail(exc)
+
+    def gather_state_dict(self, root: int = 0) -> dict | None:
+        """The whole trained model's state_dict on world rank `root`, None elsewhere (collective; drains first).
+
+        Keys as the given model's state_dict(); on `root` that model holds the
+        trained weights too (runtime.pipeline.model_state.gather_state_dict).
+        """
+        self.drain()
+        try:
+            self._round(GATHER)
+            self.check.finish()
+            return model_state.gather_state_dict(self, root)
+        except BaseException as exc:
+            raise self._fail(exc)
 
     # -- agreement, failure, end --------------------------------------------------------------
     def _round(self, action: int) -> None:
@@ -301,7 +326,9 @@ class Pipeline:
         if self.failed is not None:
             raise RuntimeError(f"this Pipeline stopped after an error: {self.failed}")
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, exc: BaseException) -> BaseException:
+        """Stop this pipeline (the other ranks hear of it); the exception to raise (another rank's divergence: ours)."""
+        exc = heard(exc)
         if self.failed is None:
             self.failed = exc
             if self.check is not None:
@@ -312,6 +339,7 @@ class Pipeline:
                 self.link.cancel()
             if self.check is not None:
                 self.check.stop_listening()  # now: a failed pipeline may never be closed
+        return exc
 
     def stats(self) -> dict:
         """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held."""
@@ -321,17 +349,16 @@ class Pipeline:
                     parameter_bytes=sum(p.numel() * p.element_size() for p in self.params))
 
     def state_dict(self) -> dict:
-        """This stage's weights and optimizer state (drain() first for a consistent asynchronous run)."""
-        return dict(stage=self.stage, stages=self.stages, balance=self.balance, mode=self.mode,
-                    module=self.module.state_dict(), optimizer=self.optimizer.state_dict())
+        """This stage's weights and optimizer state, and its layers (drain() first in an asynchronous mode).
+
+        Keys of "module": this stage's layers as an nn.Sequential ("0.weight" is
+        layers[layer_range.start]); runtime.pipeline.load_stages puts every
+        stage's state into one model.
+        """
+        return model_state.stage_state(self)
 
     def load_state_dict(self, state: dict) -> None:
-        if (state.get("stage"), state.get("stages"), state.get("balance")) != (self.stage, self.stages, self.balance):
-            raise ValueError(f"state of stage {state.get('stage')} of {state.get('stages')} (balance "
-                             f"{state.get('balance')}) does not fit stage {self.stage} of {self.stages} "
-                             f"(balance {self.balance})")
-        self.module.load_state_dict(state["module"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        model_state.load_stage_state(self, state)
 
     def close(self) -> None:
         """Drain, agree that every rank got here after as many steps, release everything (collective)."""
@@ -345,8 +372,7 @@ class Pipeline:
                 self._round(CLOSE)
                 self.check.finish()
         except BaseException as exc:
-            self._fail(exc)
-            raise
+            raise self._fail(exc)
         finally:
             self._closed = True
             self._release()

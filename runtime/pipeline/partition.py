@@ -160,3 +160,25 @@ def plan_table(profile: list[LayerProfile], balance: list[int], bandwidth_bps: f
                     f"{out / 1e3:.1f} | {transfer:.2f} |")
         a += count
     return "\n".join(rows)
+
+
+def decide(world, layers, balance, stages: int, sample, bandwidth, device, error=PartitionError):
+    """(balance, the plan's table): rank 0 times the layers and decides for every rank; the table on rank 0 only."""
+    import numpy as np
+
+    from mpicomm.agree import fail_together
+
+    plan = np.zeros(stages, dtype=np.int64)
+    table, problem = "", None
+    if world.Get_rank() == 0:
+        try:
+            profile = profile_layers(layers, sample, device=device) if sample is not None else None
+            chosen = balance if balance is not None else best_balance(profile, stages, bandwidth)
+            plan[:] = chosen
+            table = plan_table(profile, list(chosen), bandwidth) if profile else \
+                f"balance {list(chosen)} (no sample given: layer times not measured)"
+        except Exception as exc:  # the user's layers failing on the sample
+            problem = f"partition: {type(exc).__name__}: {exc}"
+    fail_together(world, problem, error)
+    world.Bcast(plan, root=0)
+    return [int(b) for b in plan], table

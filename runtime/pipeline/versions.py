@@ -1,6 +1,24 @@
 """Which weights a stage's forward and backward compute with: live (vanilla), stashed (PipeDream), predicted (SpecTrain).
 
-The stage's optimizer updates its parameters in place after every backward,
+What each mode does, for a step of M micro-batches at the optimizer's
+learning rate lr (the rate chosen for the whole batch, as with one process):
+
+- flush: per micro-batch, forward and backward with the live weights, the
+  gradient of loss/M accumulated; per step, the pipeline drained and one
+  update at lr with the batch's mean gradient (equal to one process);
+- vanilla, stash, spectrain: per micro-batch, one update as soon as its
+  backward is done, at lr/M (the micro-batch's share of the batch); per step,
+  M such updates and no drain. lr/M is the linear scaling rule (Goyal et al.
+  2017): M updates of lr/M move the weights as far per step as one of lr, and
+  momentum is left per update (its horizon 1/(1 - momentum) updates is then
+  M times shorter in steps, the same in samples, as for SGD on micro-batches).
+  At lr itself each step made M full-rate updates with up to N - k - 1 of
+  staleness, and momentum SGD that flush trains at did not converge.
+
+The rate the engine applies is group["lr"] / M, set only for the optimizer's
+step (group["lr"] stays what the caller set: schedules keep working).
+
+A stage's optimizer updates its parameters in place after every backward,
 while up to N - k micro-batches are between their forward and backward. A
 backward computes with the tensors its forward saved; autograd saves
 parameters by reference, so left alone it would see the updated values (and
@@ -13,9 +31,10 @@ backward time:
 - stash: a copy taken at the forward (PipeDream's weight stashing: one copy
   of each saved parameter per micro-batch in flight, in a reused pool);
 - spectrain: no copy is kept. The forward computes with weights predicted
-  s_f updates ahead, Ŵ = W - s·lr·v (v: SGD's momentum buffer, so that s
-  updates of the momentum optimizer would move W by about s·lr·v), and the
-  backward with weights predicted s_b updates ahead of the live ones;
+  s_f updates ahead, Ŵ = W - s·η·v (v: SGD's momentum buffer, η = lr/M the
+  rate each update really applies, so that s updates of the momentum
+  optimizer would move W by about s·η·v), and the backward with weights
+  predicted s_b updates ahead of the live ones;
 - spectrain-once: the forward's prediction (s = N - k - 1) is kept, as a
   stash, and reused by the backward.
 
@@ -66,15 +85,17 @@ class WeightVersions:
     """The weights one stage computes with, per mode; forward(slot) and backward(slot) wrap the stage's passes.
 
     slot: the micro-batch's place in the stage's in-flight window (id mod in_flight).
+    divisor: what the group's lr is divided by for each update (M in the asynchronous modes, see
+    applied_lr); spectrain predicts with that rate.
     log: a list to append what each pass used (tests), or None.
     """
 
     def __init__(self, params: list[torch.Tensor], mode: str, in_flight: int, optimizer: torch.optim.Optimizer,
-                 shifts: tuple[int, int] = (0, 0), once: bool = False, log: list | None = None):
+                 shifts: tuple[int, int] = (0, 0), once: bool = False, log: list | None = None, divisor: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.params, self.mode, self.optimizer, self.log = params, mode, optimizer, log
-        self.shifts, self.once = shifts, once
+        self.shifts, self.once, self.divisor = shifts, once, divisor
         self.in_flight = in_flight
         devices = {p.device for p in params}
         if len(devices) > 1:
@@ -103,6 +124,24 @@ class WeightVersions:
         self.updates = 0  # optimizer steps so far (versions), counted by the engine
 
     # -- what the engine calls ---------------------------------------------------------
+    @contextlib.contextmanager
+    def applied_lr(self):
+        """Around the optimizer's step: each group's lr divided by `divisor`, then put back as the caller set it."""
+        groups = self.optimizer.param_groups
+        configured = [g["lr"] for g in groups]
+        if self.divisor != 1:
+            for g in groups:
+                g["lr"] = g["lr"] / self.divisor
+        try:
+            yield
+        finally:
+            for g, lr in zip(groups, configured):
+                g["lr"] = lr
+
+    def _rate(self, p) -> float:
+        """The learning rate an update applies to p (the same division as applied_lr's)."""
+        return self._lr[id(p)]["lr"] / self.divisor
+
     def forward(self, slot: int, micro: int):
         if self.mode == "flush":
             return contextlib.nullcontext()
@@ -148,14 +187,14 @@ class WeightVersions:
                     p.data.copy_(live)  # .data: the live weights come back without a version bump
 
     def _predict_into_params(self, s: int) -> bool:
-        """Params become W - s·lr·v for the forward; the live W waits in the spare buffers. False if v is unset."""
+        """Params become W - s·η·v for the forward; the live W waits in the spare buffers. False if v is unset."""
         velocities = self._velocities()
         if velocities is None:
             return False  # before the first update v = 0: the prediction is W itself
         for p, spare, v in zip(self.params, self._spares(), velocities):
             spare.copy_(p.detach())
             if v is not None:
-                p.data.add_(v, alpha=-s * self._lr[id(p)]["lr"])
+                p.data.add_(v, alpha=-s * self._rate(p))
         return True
 
     def _velocities(self) -> list | None:
@@ -190,7 +229,7 @@ class WeightVersions:
             self._backward_views, self._used = None, None
 
     def _prediction(self, s: int) -> list[torch.Tensor] | None:
-        """W - s·lr·v in the spare buffers (None before the first update: the live W)."""
+        """W - s·η·v in the spare buffers (None before the first update: the live W)."""
         velocities = self._velocities()
         if velocities is None:
             return None
@@ -199,7 +238,7 @@ class WeightVersions:
             if v is None:
                 spare.copy_(p.detach())
             else:
-                torch.add(p.detach(), v, alpha=-s * self._lr[id(p)]["lr"], out=spare)
+                torch.add(p.detach(), v, alpha=-s * self._rate(p), out=spare)
         return out
 
     def _unpack(self, packed):
@@ -218,4 +257,4 @@ class WeightVersions:
                              live=[p.detach().clone() for p in live],
                              velocity=[state.get(p, {}).get("momentum_buffer", torch.zeros_like(p)).clone()
                                        for p in self.params],
-                             lr=[self._lr[id(p)]["lr"] for p in self.params]))
+                             lr=[self._rate(p) for p in self.params]))

@@ -1,4 +1,4 @@
-"""The benchmark models (MLP, fc-heavy, VGG-19, ResNet-50, Transformer NMT, char-LSTM), synthetic inputs, losses."""
+"""The benchmark models (MLP, fc-heavy, small CNN, VGG-19, ResNet-50, Transformer NMT, char-LSTM), inputs, losses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 from runtime.workloads.data import PAD, synthetic_classification, synthetic_seq2seq
 from runtime.workloads.sequential import CHAR_VOCAB, CharLSTM, synthetic_text
 
-MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k")
+MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k", "cnn")
 # Models whose output is [B, T, vocab] logits scored against [B, T] next tokens.
 TOKEN_MODELS = ("transformer", "char-lstm")
 
@@ -53,6 +53,24 @@ class MLP(nn.Module):
     def pipeline_layers(self) -> nn.Sequential:
         """The chain of layers forward() applies, for a pipeline to cut into stages."""
         return self.net
+
+
+# ----------------------------------------------------------------------------- small CNN
+
+class SmallCNN(nn.Sequential):
+    """Two 5x5 convolutions (8, 16 channels) with ReLU and 2x2 max-pools, then 256 -> 64 -> classes; 1x28x28 in.
+
+    A convolutional network small enough to train for epochs on a CPU, and a chain a pipeline can
+    cut (10 layers): the CNN of SpecTrain's accuracy table (jobs.bench.pipeline_accuracy).
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 1):
+        super().__init__(nn.Conv2d(in_channels, 8, 5), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 16, 5), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, num_classes))
+
+    def pipeline_layers(self) -> nn.Sequential:
+        return self
 
 
 # ----------------------------------------------------------------------------- VGG-19
@@ -223,6 +241,7 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
     """Build a benchmark model by name (see MODELS); extra keywords go to its constructor.
 
     mlp: hidden=256 (int or list), in_features=784 (in_channels is ignored: input is 28x28 flat).
+    cnn: none (in_channels is ignored: input is 1x28x28, Fashion-MNIST's gray images).
     vgg19: dropout=0.0, batch_norm=False; vgg19-22k: the same, 21,841 classes whatever num_classes says.
     resnet50: none.
     transformer: vocab=1000, d_model=256, nhead=4, num_encoder_layers=3, num_decoder_layers=3,
@@ -232,6 +251,8 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
     """
     if name == "mlp":
         return MLP(num_classes, **kw)
+    if name == "cnn":
+        return SmallCNN(num_classes, **kw)
     if name == "vgg19":
         return VGG19(num_classes, in_channels, **kw)
     if name == "vgg19-22k":
@@ -248,12 +269,15 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
 
 
 def input_shape(name: str, in_channels: int = 3) -> tuple[int, ...]:
-    """Per-sample input shape of an image model: (784,) for the MLPs, (C, 32, 32) for the CNNs."""
+    """Per-sample input shape of an image model: (784,) for the MLPs, (1, 28, 28) for cnn, (C, 32, 32) for the others."""
     if name in ("mlp", "fc-heavy"):
         return (784,)
+    if name == "cnn":
+        return (1, 28, 28)
     if name in ("vgg19", "vgg19-22k", "resnet50"):
         return (in_channels, 32, 32)
-    raise ValueError(f"model {name!r} has no image input shape; image models are mlp, fc-heavy, vgg19, vgg19-22k, resnet50")
+    raise ValueError(f"model {name!r} has no image input shape; image models are mlp, fc-heavy, cnn, vgg19, "
+                     "vgg19-22k, resnet50")
 
 
 def model_input(name: str, batch: int, seed: int = 0, num_classes: int | None = None, in_channels: int = 3,

@@ -1,0 +1,52 @@
+"""A diverged training loss (not finite, or exploding), found on a last stage and raised on every rank."""
+
+from __future__ import annotations
+
+import math
+
+from mpicomm.failstop import PeerFailedError
+
+from .checks import PipelineError
+
+DIVERGE_FACTOR = 100.0
+
+
+class DivergenceError(PipelineError, FloatingPointError):
+    """The training loss diverged; raised on every rank with the last stage's words (the step and the loss)."""
+
+
+# How another rank's DivergenceError reaches this one: its failure beacon, "rank R stopped with <Class>: <text>".
+_HEARD = f"stopped with {DivergenceError.__name__}: "
+
+
+class LossWatch:
+    """Checks each micro-batch's loss on a last stage before its backward, so a diverged one is never applied.
+
+    Diverged: not finite, or above `factor` times the first micro-batch's loss
+    (the untrained model's; only when that is positive). factor None: only a
+    non-finite loss stops training.
+    """
+
+    def __init__(self, factor: float | None, where: str):
+        if factor is not None and not factor > 1:
+            raise ValueError(f"diverge_factor must be > 1 or None, got {factor!r}")
+        self.factor, self.where = factor, where
+        self.reference: float | None = None
+
+    def check(self, loss: float, step: int, micro: int) -> None:
+        at = f"training diverged at step {step} (micro-batch {micro}): loss {loss:.4g}"
+        if not math.isfinite(loss):
+            raise DivergenceError(f"{at} is not finite ({self.where}); lower the learning rate")
+        if self.reference is None:
+            self.reference = loss
+        elif self.factor is not None and self.reference > 0 and loss > self.factor * self.reference:
+            raise DivergenceError(f"{at} is over {self.factor:g} x the first micro-batch's {self.reference:.4g} "
+                                  f"({self.where}); lower the learning rate")
+
+
+def heard(exc: BaseException) -> BaseException:
+    """The exception this rank raises for `exc`: another rank's divergence becomes a DivergenceError here too."""
+    text = str(exc)
+    if isinstance(exc, PeerFailedError) and _HEARD in text:
+        return DivergenceError(text.split(_HEARD, 1)[1])
+    return exc
