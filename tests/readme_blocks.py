@@ -6,6 +6,7 @@ fence say otherwise (invisible on GitHub, plain in the source, next to what they
     <!-- not run: REASON -->         not run here, and why (specific: what it needs, what tests it instead)
     <!-- run with: CODE -->          python: CODE (one line or several) runs first, in the same program;
                                      for fragments that use a model or data defined elsewhere
+    <!-- run on N ranks -->          python: mpiexec -n N (default 2), for a program that needs more
     <!-- run appending to "CMD": ARGS -->
                                      bash: ARGS goes at the end of every command line holding CMD (before
                                      its comment; not on --help lines); options given twice take the last
@@ -54,6 +55,7 @@ class Plan:
     """How a block runs: `skip` (the reason) or `prelude`, `appends` [(command, args)], `expect` [regex]."""
 
     skip: str | None = None
+    ranks: int = 2
     prelude: str = ""
     appends: list = field(default_factory=list)
     expect: list = field(default_factory=list)
@@ -63,7 +65,11 @@ class Plan:
 def blocks(doc: str) -> list[Block]:
     """Every fenced block of `doc` (a path under the repository root), with the section it sits in."""
     with open(os.path.join(ROOT, doc)) as f:
-        lines = f.read().split("\n")
+        return parse(f.read(), doc)
+
+
+def parse(text: str, doc: str) -> list[Block]:
+    lines = text.split("\n")
     found, heading, i = [], "", 0
     while i < len(lines):
         m = re.match(r"^```(\S*)\s*$", lines[i])
@@ -105,9 +111,11 @@ def plan(block: Block) -> Plan:
     for text in block.markers:
         appending = re.match(r'run appending to "([^"]+)":\s*(.+)$', text, re.S)
         if text.startswith("not run:"):
-            p.skip = text.removeprefix("not run:").strip()
+            p.skip = " ".join(text.removeprefix("not run:").split())
             if len(p.skip) < MIN_REASON:
                 p.problems.append(f"<!-- not run: {p.skip} -->: say what it needs and what tests it instead")
+        elif re.fullmatch(r"run on [1-9][0-9]* ranks", text) and block.lang == "python":
+            p.ranks = int(text.split()[2])
         elif text.startswith("run with:") and block.lang == "python":
             p.prelude += textwrap.dedent(text.removeprefix("run with:").strip("\n")).strip() + "\n"
         elif appending and block.lang == "bash":
@@ -123,7 +131,7 @@ def plan(block: Block) -> Plan:
         else:
             p.problems.append(f"<!-- {text[:60]} -->: not a marker for a ```{block.lang} block "
                               "(see tests/readme_blocks.py)")
-    if p.skip is not None and (p.prelude or p.appends or p.expect):
+    if p.skip is not None and (p.prelude or p.appends or p.expect or p.ranks != 2):
         p.problems.append("a block that is not run takes no other marker")
     return p
 
@@ -136,7 +144,7 @@ def _holding(code: str, command: str) -> list[int]:
 
 def logical_lines(code: str) -> list[str]:
     """The shell's command lines: a backslash at the end of a line continues it."""
-    return re.sub(r"\\\n\s*", " ", code).split("\n")
+    return re.sub(r"[ \t]*\\\n\s*", " ", code).split("\n")
 
 
 def split_comment(line: str) -> tuple[str, str]:

@@ -1,7 +1,8 @@
 """Every ```python and ```bash block of README.md and slurm/README.md runs as printed here, or says right above it
 why not (the markers: tests/readme_blocks.py).
 
-Python blocks run as MPI programs, `timeout 120 mpiexec -n 2 python FILE`, after their `run with:` prelude.
+Python blocks run as MPI programs, `timeout 120 mpiexec -n 2 python FILE` (`run on N ranks`: -n N), after their
+`run with:` prelude.
 Shell blocks run with `bash -e` in an empty directory holding `.venv` (a link to this interpreter's venv, so
 that `source .venv/bin/activate` works as the README says) and that venv's bin first on PATH, so `mpitrain`
 and `mpiexec` are its own; PYTHONPATH is this checkout, which the venv's editable install points at anyway.
@@ -17,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from readme_blocks import DOCS, RUNNABLE, blocks, plan, shell_script
+from readme_blocks import DOCS, RUNNABLE, blocks, parse, plan, shell_script
 
 from conftest import ROOT
 from mpicomm.launch import mpiexec
@@ -48,6 +49,42 @@ def test_the_docs_have_the_blocks_this_test_expects():
     assert any(b.heading.startswith("Training:") and b.lang == "python" and not plan(b).skip for b in readme)
 
 
+WRONG = """
+# A section
+<!-- not run: slow -->
+```bash
+mpitrain train
+```
+<!-- note: an editor's comment -->
+```python
+print(1)
+```
+```sh
+mpitrain --help
+```
+```
+mpiexec -n 4 mpitrain train
+```
+<!-- run appending to "mpitrain bench": --rounds 1 -->
+```bash
+mpitrain train --help
+mpiexec -n 2 mpitrain train \\
+    --epochs 3 --json 'a#b.json'   # two epochs more
+```
+"""
+
+
+def test_a_block_that_neither_runs_nor_says_why_fails():
+    """The ways a new block could slip through: each one is a problem of that block, named."""
+    problems = [" ".join(plan(b).problems) for b in parse(WRONG, "WRONG.md")]
+    assert "say what it needs" in problems[0] and "not a marker" in problems[1]
+    assert "write ```bash" in problems[2] and "tag it ```bash" in problems[3]
+    assert "no command line of the block holds it" in problems[4]
+    last = parse(WRONG.replace("mpitrain bench", "mpitrain train"), "WRONG.md")[-1]
+    assert shell_script(last, plan(last)).split("\n")[:2] == [
+        "mpitrain train --help", "mpiexec -n 2 mpitrain train --epochs 3 --json 'a#b.json' --rounds 1  # two epochs more"]
+
+
 @pytest.mark.timeout(BLOCK_TIMEOUT + 60)
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.id}-{b.lang}" for b in BLOCKS])
 def test_block_runs_or_says_why_not(block, tmp_path):
@@ -58,7 +95,7 @@ def test_block_runs_or_says_why_not(block, tmp_path):
     if block.lang == "python":
         program = tmp_path / "snippet.py"
         program.write_text(p.prelude + block.code)
-        cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", "2", sys.executable, str(program)]
+        cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", str(p.ranks), sys.executable, str(program)]
         code, out, err = run(cmd, tmp_path, 120)
         shown = program.read_text()
     else:
