@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .partition import epoch_batches, partition, steps_per_epoch
+from . import repair
 from .pipeline import FORMAT_VERSION as PIPELINE_FORMAT
 from .shard import ShardError, ShardReader, ShardWriter, check_writable, shard_lock
 from .sources import Source, UnreadableSample
@@ -41,7 +42,10 @@ class SampleCache:
     lock: two jobs sharing the directory never write the same shard) and
     keeps what fits in `memory_bytes`; later epochs read memory first, then
     the shard. A shard that is truncated, corrupt, foreign or unfinished is
-    never served: it is removed and rebuilt from the source. If the cache
+    never served: it is removed and rebuilt from the source. A shard changed
+    on disk while its samples came from memory (which no read would notice)
+    is found at the end of the epoch and rewritten from the verified copies
+    in memory (repair.py), or else removed and rebuilt. If the cache
     directory cannot be written (read-only, full) the source is read every
     epoch, with a warning.
 
@@ -70,6 +74,7 @@ class SampleCache:
         self._writing = False  # this epoch writes the shard (lock held)
         self._lock = None
         self._sample_shape: tuple = (0,)  # known once a sample decodes
+        self._identity = None  # the shard's files as opened (repair.identity)
         if cache_dir is not None:
             name = f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}-s{seed}.h5"
             self.path = os.path.join(cache_dir, name)
@@ -96,6 +101,7 @@ class SampleCache:
     def _open(self) -> None:
         """Use the shard if it is complete and ours; remove it (to rebuild) if it is anything else."""
         try:
+            self._identity = repair.identity(self.path)  # before reading: a change while reading is seen later
             reader = ShardReader(self.path, self.meta)
         except ShardError as exc:
             if exc.reason != "missing":
@@ -160,6 +166,30 @@ class SampleCache:
                 yield self._decode(positions)
                 continue
             yield torch.from_numpy(x), torch.from_numpy(self._labels[sp])
+        self.check_disk()  # still in the read-ahead thread: the consumer trains on the last batches meanwhile
+
+    def check_disk(self) -> None:
+        """If the shard's files changed since opened, verify them; if damaged, rewrite the shard from memory and
+        verified reads, else remove it (the next epoch rebuilds it). Reads verify what they read, but samples
+        held in memory are never read again: without this, damage to them would outlive the run."""
+        if self.reader is None or repair.identity(self.path) == self._identity:
+            return
+        why = repair.damage(self.path, self.meta)
+        if why is None:  # touched, or rebuilt soundly by another job sharing the directory
+            self._identity = repair.identity(self.path)
+            return
+        self._event(f"shard damaged on disk during the run ({why}); rewriting it from memory and verified reads")
+        try:
+            repair.rewrite(self.path, self.meta, self.reader, self._labels, self.memory)
+        except TimeoutError:
+            self._event("another job holds the shard's lock: leaving the shard to that job")
+            return
+        except (ShardError, OSError) as exc:
+            self._invalidate(f"cannot rewrite it: {exc}")
+            return
+        self.reader.close()
+        self.reader = None
+        self._open()  # the new file, verified as any shard at open
 
     def _read(self, sp: np.ndarray) -> np.ndarray:
         """Samples at shard positions `sp`, from memory where held; counted only once read (a failed read is
@@ -283,6 +313,8 @@ class SampleCache:
             pass
 
     def close(self) -> None:
+        """The end of the run: a shard damaged in its last epoch is repaired now (see check_disk)."""
+        self.check_disk()
         if self.reader is not None:
             self.reader.close()
 

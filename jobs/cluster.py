@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from jobs.common.inputs import InputError, JobParser, at_least, between, parse, positive
+from jobs.common.inputs import InputError, JobParser, at_least, between, parse, positive, runnable
 
 
 def parse_args(argv):
@@ -51,6 +51,7 @@ def check_args(args) -> None:
         args.cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not args.cmd:
             raise InputError(args.action, "needs a command after --")
+        runnable(args.action, args.cmd)  # same file system and PATH inside the hosts' namespaces
     if args.action == "run":
         at_least(args, 1, "np")
         positive(args, "timeout")

@@ -201,11 +201,11 @@ def main(argv=None) -> int:
 
     try:
         profile = Profile.load(args.profile or default_profile(args.model, args.batch_size))
+        if args.compute_scale != 1:
+            profile = profile.scaled(args.compute_scale)
     except ProfileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.compute_scale != 1:
-        profile = profile.scaled(args.compute_scale)
     t = time.perf_counter()
     rows = project(args, profile)
     took = time.perf_counter() - t

@@ -27,6 +27,7 @@ from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_l
                                 existing_dir, fraction, launched_ranks, link_rate, one_of, option, output_dir,
                                 output_file, parse)
 from jobs.training import pipeline as train_pipeline
+from jobs.training import resume
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
@@ -81,7 +82,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-memory-mb", type=int, default=256, help="in-memory cache level per rank")
     p.add_argument("--prefetch", type=int, default=4, help="with --cache-dir: batches read ahead (default 4)")
     p.add_argument("--checkpoint", metavar="PATH", help="save model+optimizer after every epoch (atomically)")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint if it exists")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --checkpoint; if the file does not exist yet, start from scratch and say so "
+                        "(a requeued job keeps one command line)")
     p.add_argument("--timeline", metavar="PATH", help="Chrome-trace JSON of the run, one track per rank")
     p.add_argument("--json", metavar="PATH", help="write per-epoch metrics here")
     p.add_argument("--no-progress", action="store_true",
@@ -249,7 +252,7 @@ def main(argv=None, args=None) -> int:
     from jobs.common.progress import epoch_progress
     from mpicomm import Topology
     from mpicomm.agree import fail_together
-    from runtime import CheckpointError, DistributedOptimizer, load_checkpoint, save_checkpoint
+    from runtime import CheckpointError, DistributedOptimizer, save_checkpoint
     from runtime.device import DeviceFeed
     from runtime.workloads.data import BatchPlan
     from runtime.workloads.models import FIXED_CLASSES as CLASSES
@@ -292,18 +295,10 @@ def main(argv=None, args=None) -> int:
         timeline = Timeline(rank)
         instrument(model, timeline)
     dopt = DistributedOptimizer(opt, model, strategy_options(args), topology=topo, pto=args.pto, timeline=timeline)
-    start_epoch = 0
-    if args.resume:
-        try:
-            # Rank 0 reads the file and decides for every rank: node-local checkpoints work.
-            extra = load_checkpoint(args.checkpoint, model, dopt)
-        except CheckpointError as exc:
-            say(f"error: --resume: {exc}", file=sys.stderr)
-            dopt.close()
-            return 2
-        if extra is not None:
-            start_epoch = extra["epoch"] + 1
-            say(f"resumed from {args.checkpoint} after epoch {extra['epoch'] + 1}")
+    start_epoch = resume.start_epoch(args, model, dopt, say) if args.resume else 0
+    if start_epoch is None:
+        dopt.close()
+        return 2
     criterion = loss_fn(args.model)
     plan = None if cache else BatchPlan(len(x[0]), args.batch_size, P, rank, args.seed)
     full = cache.steps(args.batch_size) if cache else len(plan)

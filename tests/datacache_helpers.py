@@ -86,3 +86,20 @@ def flip_label_byte(shard_path, position: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0x01]))  # 3 becomes 2: a wrong label that still looks valid
+
+
+def flip_sample_byte(shard_path, position: int) -> None:
+    """Flip one byte of a stored sample in the HDF5 file on disk, in place (same inode, as a failing disk or a
+    stray writer would); the manifest is untouched."""
+    import h5py
+
+    with h5py.File(shard_path, "r", locking=False) as f:  # the cache may hold it open (without HDF5's lock)
+        samples = f["samples"]
+        c = samples.chunks[0]
+        chunk = samples.id.get_chunk_info_by_coord((position // c * c,) + (0,) * (samples.ndim - 1)).byte_offset
+        offset = chunk + (position % c) * samples.dtype.itemsize * int(np.prod(samples.shape[1:]))
+    with open(shard_path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))

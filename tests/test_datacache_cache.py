@@ -14,7 +14,7 @@ import torch
 from datacache import CachedDataset, EpochBatchSampler, Pipeline, SampleCache
 from datacache.shard import shard_lock
 from datacache.sources import LabelsCsvSource, UnreadableSample
-from datacache_helpers import flip_label_byte, fresh_digests, make_png_dataset, served_digests
+from datacache_helpers import flip_label_byte, flip_sample_byte, fresh_digests, make_png_dataset, served_digests
 
 PIPE = Pipeline(mode="L", mean=(0.5,), std=(0.25,))
 
@@ -317,3 +317,36 @@ def test_a_corrupt_sample_found_while_loading_memory_is_rebuilt_at_open(source, 
     d = cache(source, tmp_path)  # the memory level reads (and verifies) every sample at open
     assert d.state == "cold" and any("invalid" in e for e in d.stats.events)
     assert sorted(served_digests(epoch(d, 0))) == fresh_digests(source, PIPE) and d.state == "warm"
+
+
+@pytest.mark.parametrize("memory_bytes", [256 << 20, 20 * 64 * 4])  # all of the shard in memory; its first 20
+def test_a_shard_damaged_during_the_run_under_memory_is_rewritten_by_that_run(source, tmp_path, memory_bytes):
+    """Memory serves position 5 correctly and never reads it on disk again: the epoch's end finds the change and
+    rewrites the shard from memory (and verified reads of the rest), not from the source."""
+    c = cache(source, tmp_path, memory_bytes=memory_bytes)
+    want = fresh_digests(source, PIPE)
+    assert sorted(served_digests(epoch(c, 0))) == want and c.state == "warm"  # cold: built from the source
+    flip_sample_byte(c.path, 5)
+    assert ShardReaderFor(c).verify() == [5]  # what `mpitrain cache verify` would report now
+    decoded = c.stats.from_source
+    assert sorted(served_digests(epoch(c, 1))) == want and c.stats.from_source == decoded
+    assert any("damaged on disk during the run" in e for e in c.stats.events), c.stats.events
+    assert c.state == "warm" and ShardReaderFor(c).verify() == []
+    assert sorted(served_digests(epoch(cache(source, tmp_path), 2))) == want  # a new job opens it without a rebuild
+
+
+def test_a_shard_damaged_in_the_last_epoch_is_rewritten_when_the_cache_closes(source, tmp_path):
+    c = cache(source, tmp_path)
+    c.warm()
+    epoch(c, 0)
+    flip_sample_byte(c.path, 3)
+    with c.batches(1, 10) as it:  # left early, as --max-steps does: the epoch's end is never reached
+        next(it)
+    c.close()
+    assert any("damaged on disk" in e for e in c.stats.events) and ShardReaderFor(c).verify() == []
+
+
+def ShardReaderFor(c):
+    from datacache.shard import ShardReader
+
+    return ShardReader(c.path, c.meta)

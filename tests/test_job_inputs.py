@@ -160,6 +160,14 @@ CASES = [
     ("cluster-up-hosts-zero", "jobs.cluster", ["up", "--hosts", "0"], "--hosts"),
     ("cluster-up-bandwidth-unparseable", "jobs.cluster", ["up", "--bandwidth", "junk"], "--bandwidth"),
     ("cluster-run-local-np-zero", "jobs.cluster", ["run", "--local", "-n", "0", "--", "true"], "--np"),
+    # The program is resolved before mpiexec starts (it would print execvp errors per rank and exit 255).
+    ("cluster-run-local-no-such-file", "jobs.cluster", ["run", "--local", "-n", "2", "--", "{missing}/cmd"],
+     "run: {missing}/cmd: no such command"),
+    ("cluster-run-local-not-on-path", "jobs.cluster", ["run", "--local", "-n", "2", "--", "mpitrain-no-such", "-x"],
+     "run: mpitrain-no-such: no such command"),
+    ("cluster-run-local-not-executable", "jobs.cluster", ["run", "--local", "--", "{file}"], "not an executable"),
+    ("cluster-run-no-such-file", "jobs.cluster", ["run", "--", "{missing}/cmd"], "no such command"),
+    ("cluster-exec-no-such-file", "jobs.cluster", ["exec", "0", "--", "{missing}/cmd"], "no such command"),
     ("topology-expect-nodes-zero", "jobs.topology", ["--expect-nodes", "0"], "--expect-nodes"),
     ("topology-json-is-a-directory", "jobs.topology", ["--json", "{dir}"], "--json"),
     # jobs.bench.pipeline_peer's defaults (mlp, 4 layers, batch 64, 8 micro-batches, 12 steps) end in seconds.
@@ -263,12 +271,20 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, job, args, o
         problems.append("traceback")
     if len(lines) != 1:
         problems.append(f"{len(lines)} stderr lines")
-    elif not (lines[0].startswith("error: ") and option in lines[0]):
+    elif not (lines[0].startswith("error: ") and option.format(**places) in lines[0]):
         problems.append(f"stderr line does not start with 'error: ' and name {option}")
     changed = sorted(set(tree(tmp_path)) ^ set(before))
     if changed:
         problems.append(f"wrote {[p for p, _ in changed][:4]}")
     assert not problems, f"{'; '.join(problems)}\nstderr: {stderr[-1500:]}\nstdout: {stdout[-500:]}"
+
+
+def test_cluster_run_local_starts_commands_found_as_mpiexec_finds_them():
+    """A bare word through PATH, an absolute path as it is: both pass the check and run on every rank."""
+    for cmd in (["true"], [sys.executable, "-c", "print('ran')"]):
+        proc = subprocess.run([sys.executable, "-m", "jobs.cluster", "run", "--local", "-n", "2", "--", *cmd],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.count("ran") == (2 if len(cmd) > 1 else 0), proc.stderr
 
 
 def test_the_jobs_names_are_runtimes():

@@ -48,3 +48,13 @@ def test_node_local_checkpoint_on_rank_0_only(tmp_path):
     assert a["epoch"] == b["epoch"] == 2
     for k in a["model"]:
         assert torch.allclose(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7), k
+
+
+def test_resume_without_a_checkpoint_says_it_starts_from_scratch(tmp_path):
+    """A requeued job's first run: --resume finds no file, trains from epoch 1 saying so once, and writes it."""
+    path = tmp_path / "ckpt.pt"
+    proc = train("--epochs", "1", "--max-steps", "2", "--checkpoint", str(path), "--resume")
+    assert proc.stdout.count(f"no checkpoint at {path}: starting from scratch") == 1, proc.stdout
+    assert "epoch 1: loss" in proc.stdout and path.exists()
+    proc = train("--epochs", "2", "--max-steps", "2", "--checkpoint", str(path), "--resume")
+    assert f"resumed from {path} after epoch 1" in proc.stdout and "starting from scratch" not in proc.stdout

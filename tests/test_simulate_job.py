@@ -61,6 +61,23 @@ def test_projection_to_128_nodes_table_json_and_plot(mlp_profile, tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("change,message", [
+    ("zero", "take no time: not a measured step"),  # was a ZeroDivisionError (speed-up against 0 samples/s)
+    ("negative", "negative or missing times (net.1 forward -0.001 s, "),
+])
+def test_a_profile_without_compute_is_one_line_and_exit_2(mlp_profile, tmp_path, change, message):
+    doc = json.loads(mlp_profile.read_text())
+    for layer in doc["layers"]:
+        layer["fwd_s"] = layer["bwd_s"] = 0.0 if change == "zero" else -0.001
+    doc.update(step_s=0.0, optimizer_s=0.0, other_s=0.0, select_s_per_element=0.0)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    proc = run("--profile", str(bad), "--nodes", "1,2", "--ranks-per-node", "1", "--strategies", "allreduce")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error: profile of 'mlp': ") and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("args,message", [
     (["--strategies", "gossip"], "no simulated schedule for 'gossip'"),
     (["--nodes", "0"], "--nodes"),

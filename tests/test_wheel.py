@@ -13,7 +13,7 @@ import sysconfig
 import zipfile
 
 import pytest
-from test_readme_example import readme_program
+from readme_blocks import readme_program
 
 from conftest import ROOT
 from mpicomm.launch import mpiexec

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from typing import Callable, Iterable
 
@@ -198,6 +199,22 @@ def existing_dir(args, *names: str) -> None:
             raise InputError(opt, f"{path} does not exist")
         if not os.path.isdir(path):
             raise InputError(opt, f"{path} is not a directory")
+
+
+def runnable(opt: str, cmd: list[str]) -> None:
+    """The program `cmd` starts (its first word, as mpiexec and the shell resolve it) exists and is executable.
+
+    Checked before launching: mpiexec would print its own `execvp error` lines, one per rank, and exit 255.
+    """
+    word = cmd[0]
+    if os.sep not in word:
+        if shutil.which(word) is None:
+            raise InputError(opt, f"{word}: no such command (not found on PATH)")
+        return
+    if not os.path.exists(word):
+        raise InputError(opt, f"{word}: no such command")
+    if os.path.isdir(word) or not os.access(word, os.X_OK):
+        raise InputError(opt, f"{word}: not an executable file")
 
 
 def launched_ranks() -> int:

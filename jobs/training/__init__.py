@@ -1,1 +1,1 @@
-"""Parts of jobs.train: the pipeline-parallel branch (`--parallel pipeline`)."""
+"""Parts of jobs.train: the pipeline-parallel branch (`--parallel pipeline`) and data-parallel `--resume`."""

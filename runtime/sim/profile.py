@@ -102,9 +102,19 @@ class Profile:
             d["layers"] = tuple(Layer(**{**l, "params": tuple(l["params"]),
                                          "linear": tuple(l["linear"]) if l.get("linear") else None})
                                 for l in d["layers"])
-            return cls(**d)
+            profile = cls(**d)
         except (KeyError, TypeError) as e:
             raise ProfileError(f"profile of {d.get('model')!r} is incomplete: {e}") from None
+        # A file is a measurement: a step of no time, or a layer of negative time, is a broken one (and every
+        # speed-up against it a division by zero). Built in code, a zero profile still lays out buckets.
+        times = {f"{l.name} {k}": t for l in profile.layers for k, t in (("forward", l.fwd_s), ("backward", l.bwd_s))}
+        bad = [f"{k} {t!r} s" for k, t in {**times, "other": profile.other_s}.items() if not t >= 0]
+        if bad:
+            raise ProfileError(f"profile of {profile.model!r}: negative or missing times ({', '.join(bad[:3])})")
+        if not profile.compute_s > 0:
+            raise ProfileError(f"profile of {profile.model!r}: its layers, optimizer step and the rest take no time: "
+                               "not a measured step (nothing to project or compare against)")
+        return profile
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
