@@ -23,7 +23,7 @@ what it took part in has arrived by then, what it never joins never will). A ran
 where nothing polls (a user's own collective, comm.Dup() at wrap) is stopped by
 the watcher thread PICKUP seconds later, if its main thread did not take the
 notice up (and, for an EXIT notice, only while it is inside this library).
-A stopping rank waits up to GRACE seconds for every other rank's notice, so
+A stopping rank waits up to GRACE seconds for every other rank's FAILED notice, so
 that each prints its line before the first exit makes mpiexec end the job,
 then leaves with os._exit(1): no MPI_Finalize that could block.
 
@@ -141,11 +141,16 @@ class _Guard:
         sys.stdout.flush()
         sys.stderr.flush()
         self._send(origin, FAILED, step, text)
+        # Wait for a FAILED notice from every rank, not any notice: a rank that exited early sent EXIT and
+        # prints its own line only once it hears ours; leaving sooner lets mpiexec kill it first.
         deadline = time.monotonic() + GRACE
-        while len(self.heard) < self.size - 1 and time.monotonic() < deadline:
+        while not self._all_stopping() and time.monotonic() < deadline:
             self._poll()
             time.sleep(POLL / 10)
         os._exit(1)
+
+    def _all_stopping(self) -> bool:
+        return all(self.heard.get(r, (0, 0))[1] == FAILED for r in range(self.size) if r != self.rank)
 
     def _excepthook(self, kind, exc, tb) -> None:
         if self.stopping or self.size == 1:
