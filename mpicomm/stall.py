@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -93,6 +94,23 @@ def wait_until(done: Callable[[], bool], *, what: str, report: Callable[[], str]
         return
     policy = policy or StallPolicy.from_env()
     start = time.monotonic()
+    try:
+        _wait_loop(done, what, report, policy, who, blocking, interrupt, spin, start)
+    finally:
+        _blocked.seconds = blocked_seconds() + time.monotonic() - start
+
+
+# Seconds each thread has spent in wait_until's loop (blocked on other ranks): an emulated accelerator
+# (runtime.emulate) lets host work overlap its queue, but not a wait for data.
+_blocked = threading.local()
+
+
+def blocked_seconds() -> float:
+    """Seconds this thread has waited in wait_until so far."""
+    return getattr(_blocked, "seconds", 0.0)
+
+
+def _wait_loop(done, what, report, policy, who, blocking, interrupt, spin, start) -> None:
     next_warning = policy.warn_after
     polls, sleep, spinning = 0, MIN_SLEEP, spin > 0
     while not done():

@@ -1,0 +1,85 @@
+"""The emulated accelerator of this process: its compute model, its clocks and what each kind of its work cost."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+
+from .clock import Clock
+from .compute_model import ComputeModel
+
+__all__ = ["Accelerator", "active", "activate", "deactivate"]
+
+
+class Accelerator:
+    """One per process while emulating. Work on the main thread runs on its compute stream's clock; a
+    strategy's thread (progress, staging) gets a clock of its own, as work on a side stream overlaps."""
+
+    def __init__(self, model: ComputeModel, scale: float = 1.0):
+        if not scale > 0:
+            raise ValueError(f"compute scale must be > 0, got {scale}")
+        self.model, self.scale = model, scale
+        self._clocks = threading.local()
+        self.seconds: dict[str, float] = defaultdict(float)  # modelled seconds per kind of work
+        self.calls: dict[str, int] = defaultdict(int)
+        self.real: set[str] = set()  # kinds of accelerator work that ran for real (not emulated)
+
+    @property
+    def clock(self) -> Clock:
+        c = getattr(self._clocks, "clock", None)
+        if c is None:
+            c = self._clocks.clock = Clock()
+        return c
+
+    def run(self, kind: str, seconds: float) -> None:
+        """Wait out `seconds` of modelled work (times the compute scale), accounted under `kind`."""
+        seconds *= self.scale
+        self.seconds[kind] += seconds
+        self.calls[kind] += 1
+        self.clock.run(seconds)
+
+    @contextlib.contextmanager
+    def device_work(self, kind: str, seconds: float = 0.0):
+        """Host work that stands in for the device's (zeroing gradient buffers in host memory, say): its host
+        time does not delay the device's timeline; `seconds` of modelled time run instead."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.clock.absorb(time.perf_counter() - t)
+            self.clock.begin()
+            self.run(kind, seconds)
+
+    def ran_for_real(self, kind: str) -> None:
+        self.real.add(kind)
+
+    def describe(self) -> dict:
+        """What the figures were measured under: the model, the scale, what was emulated and what was real."""
+        return dict(compute=self.model.label, device=self.model.device_name, compute_scale=self.scale,
+                    emulated=sorted(self.seconds), real=sorted(self.real - set(self.seconds)))
+
+
+_active: Accelerator | None = None
+
+
+def active() -> Accelerator | None:
+    """The process's emulated accelerator, or None: the strategies then do their work for real."""
+    return _active
+
+
+def activate(acc: Accelerator) -> Accelerator:
+    global _active
+    if _active is not None and _active is not acc:
+        if _active.model.label != acc.model.label or _active.scale != acc.scale:
+            raise ValueError(f"an emulated accelerator is active already ({_active.model.label}, scale "
+                             f"{_active.scale}): one per process")
+        return _active
+    _active = acc
+    return acc
+
+
+def deactivate() -> None:
+    global _active
+    _active = None

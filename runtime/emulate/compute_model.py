@@ -1,0 +1,143 @@
+"""Compute models: the seconds each traced unit takes forward and backward, and the accelerator's other work."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from .devices import Device, device
+from .flops import Work, work_of
+from .trace import EmulationError, Trace
+
+__all__ = ["ComputeModel", "RooflineModel", "ProfileModel", "compute_model"]
+
+
+class ComputeModel:
+    """What emulate() and the strategies ask: per-unit times, and the accelerator's own work by kind."""
+
+    label = "compute model"
+    device_name = "?"
+
+    def unit_times(self, trace: Trace) -> list[tuple[float, float]]:
+        raise NotImplementedError
+
+    def optimizer_s(self, elements: int, tensors: int, state_per_element: int) -> float:
+        """An optimizer step over `elements` in `tensors` tensors, each element reading and writing
+        its parameter and `state_per_element` state values (SGD with momentum: 1; Adam: 2)."""
+        raise NotImplementedError
+
+    def gemm_s(self, m: int, n: int, k: int) -> float:
+        raise NotImplementedError
+
+    def select_s(self, elements: int) -> float:
+        """Top-k selection and its bookkeeping over `elements` gradient elements (MSTopK on the device)."""
+        raise NotImplementedError
+
+    def copy_s(self, nbytes: int) -> float:
+        """One host <-> device copy over PCIe."""
+        raise NotImplementedError
+
+    def memset_s(self, nbytes: int) -> float:
+        """Zeroing `nbytes` of device memory."""
+        return 0.0
+
+
+class RooflineModel(ComputeModel):
+    def __init__(self, dev: Device):
+        self.device = dev
+        self.device_name = dev.name
+        self.label = f"emulated {dev.label}, roofline"
+
+    def unit_times(self, trace: Trace) -> list[tuple[float, float]]:
+        itemsize = 4
+        out = []
+        for call in trace.calls:
+            fwd, bwd = work_of(call, itemsize)
+            out.append((self.device.seconds(fwd), self.device.seconds(bwd)))
+        return out
+
+    def optimizer_s(self, elements: int, tensors: int, state_per_element: int) -> float:
+        # Read parameter, gradient and state, write parameter and state; multi-tensor kernels of ~24 tensors.
+        nbytes = elements * 4 * (3 + 2 * state_per_element)
+        return self.device.seconds(Work("memory", 4.0 * elements, nbytes, 2 * math.ceil(tensors / 24)))
+
+    def gemm_s(self, m: int, n: int, k: int) -> float:
+        return self.device.seconds(Work("gemm", 2.0 * m * n * k, 4.0 * (m * k + k * n + m * n), 1))
+
+    def select_s(self, elements: int) -> float:
+        # MSTopK: a few passes over |g| (threshold search), error feedback and velocity: ~8 passes.
+        return self.device.seconds(Work("memory", 8.0 * elements, 8 * 4.0 * elements, 24))
+
+    def copy_s(self, nbytes: int) -> float:
+        return nbytes / (self.device.pcie_gbs * 1e9) + 10e-6
+
+    def memset_s(self, nbytes: int) -> float:
+        return self.device.seconds(Work("memory", 0.0, nbytes, 1))
+
+
+class ProfileModel(ComputeModel):
+    """Times measured by `mpitrain simulate --take-profile` (runtime.sim.measure), CPU or CUDA.
+
+    A profile times the modules that own parameters, each forward from its start to the next one's (the
+    parameter-free modules between are in it), each backward up to its last gradient: the owner carries
+    the time, the units without parameters take none.
+    """
+
+    def __init__(self, profile, path: str = ""):
+        self.profile = profile
+        self.device_name = f"profile:{profile.device}"
+        where = f" {os.path.basename(path)}" if path else ""
+        self.label = f"emulated from the profile{where} ({profile.model}, {profile.device}, batch {profile.batch_size})"
+        self._elements = sum(l.elements for l in profile.layers)
+
+    def unit_times(self, trace: Trace) -> list[tuple[float, float]]:
+        layers = {l.name: l for l in self.profile.layers}
+        owners = [c.name for c in trace.calls if c.params]
+        missing = [n for n in owners if n not in layers]
+        unknown = [n for n in layers if n not in owners]
+        if missing or unknown:
+            raise EmulationError(
+                f"the profile of {self.profile.model!r} was not taken from this model: "
+                + (f"no times for {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "")
+                + ("; " if missing and unknown else "")
+                + (f"layers {', '.join(unknown[:4])} are not in it" if unknown else ""))
+        for c in trace.calls:
+            if c.params and tuple(p.numel() for p in c.params if p.requires_grad) != layers[c.name].params:
+                raise EmulationError(f"the profile of {self.profile.model!r} was not taken from this model: "
+                                     f"{c.name} has parameters of {[p.numel() for p in c.params]} elements, "
+                                     f"the profile's {list(layers[c.name].params)}")
+        seen: set[str] = set()
+        out = []
+        for c in trace.calls:
+            if c.params and c.name not in seen:
+                seen.add(c.name)
+                out.append((layers[c.name].fwd_s, layers[c.name].bwd_s))
+            else:
+                out.append((0.0, 0.0))
+        # The rest of the measured step (input, loss, zero_grad) goes with the first unit's forward.
+        out[0] = (out[0][0] + self.profile.other_s, out[0][1])
+        return out
+
+    def optimizer_s(self, elements: int, tensors: int, state_per_element: int) -> float:
+        return self.profile.optimizer_s * elements / max(1, self._elements)
+
+    def gemm_s(self, m: int, n: int, k: int) -> float:
+        return 2.0 * m * n * k / (self.profile.gflops * 1e9)
+
+    def select_s(self, elements: int) -> float:
+        return self.profile.select_s_per_element * elements
+
+    def copy_s(self, nbytes: int) -> float:
+        return 0.0 if self.profile.device == "cpu" else nbytes / 12e9
+
+
+def compute_model(spec: str) -> ComputeModel:
+    """'h100', 'v100:amp' (a named device, roofline) or 'PATH.json' (a measured profile)."""
+    if spec.endswith(".json") or os.sep in spec:
+        from runtime.sim.profile import Profile, ProfileError
+
+        try:
+            return ProfileModel(Profile.load(spec), spec)
+        except ProfileError as e:
+            raise EmulationError(str(e)) from None
+    return RooflineModel(device(spec))
