@@ -10,11 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.workloads.data import PAD, synthetic_classification, synthetic_seq2seq
+# PAPER_BATCH is unused here but re-exported: the jobs find the papers' batches beside the models' names.
+from runtime.workloads.paper_models import (IMAGENET_CLASSES, IMAGENET_SIZE, PAPER_BATCH, PAPER_MODELS,
+                                            TRANSFORMER_BASE, WMT_SENTENCE_LEN, paper_images)
 from runtime.workloads.sequential import CHAR_VOCAB, CharLSTM, synthetic_text
 
-MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k", "cnn")
+MODELS = ("mlp", "vgg19", "resnet50", "transformer", "fc-heavy", "char-lstm", "vgg19-22k", "cnn", *PAPER_MODELS)
 # Models whose output is [B, T, vocab] logits scored against [B, T] next tokens.
-TOKEN_MODELS = ("transformer", "char-lstm")
+TOKEN_MODELS = ("transformer", "char-lstm", "transformer-big")
 
 # VGG configuration E: output channels of the 16 conv layers, "M" = 2x2 max-pool.
 VGG19_CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
@@ -28,7 +31,9 @@ FC_HEAVY_HIDDEN = (8192,) * 4
 # layer): Poseidon's hardest case for data parallelism, the case for sufficient-factor broadcasting.
 VGG19_22K_CLASSES = 21841
 # Classes of a model whose head is part of its definition (the others take num_classes).
-FIXED_CLASSES = {"vgg19-22k": VGG19_22K_CLASSES}
+FIXED_CLASSES = {"vgg19-22k": VGG19_22K_CLASSES, "vgg19-224": IMAGENET_CLASSES, "vgg19-22k-224": VGG19_22K_CLASSES,
+                 "resnet50-224": IMAGENET_CLASSES}
+IMAGENET_MODELS = ("vgg19-224", "vgg19-22k-224", "resnet50-224")  # 224x224 inputs
 
 
 # ----------------------------------------------------------------------------- MLP
@@ -76,11 +81,18 @@ class SmallCNN(nn.Sequential):
 # ----------------------------------------------------------------------------- VGG-19
 
 class VGG19(nn.Module):
-    """VGG-19 (configuration E) for 32x32 inputs with the ImageNet-size 4096-4096 classifier."""
+    """VGG-19 (configuration E) with the ImageNet-size 4096-4096 classifier, for 32x32 or 224x224 inputs.
+
+    image_size=32: five pools leave 1x1, so the classifier sees 512 features. image_size=224: five
+    pools leave 7x7, an adaptive 7x7 average pool follows (the usual ImageNet layout; it also takes
+    other input sizes to 7x7) and the classifier sees 25,088 features: 143.7 M parameters with 1000 classes.
+    """
 
     def __init__(self, num_classes: int = 10, in_channels: int = 3, dropout: float = 0.0,
-                 batch_norm: bool = False):
+                 batch_norm: bool = False, image_size: int = 32):
         super().__init__()
+        if image_size not in (32, IMAGENET_SIZE):
+            raise ValueError(f"image_size must be 32 or {IMAGENET_SIZE}, got {image_size}")
         layers: list[nn.Module] = []
         prev = in_channels
         for c in VGG19_CONFIG:
@@ -93,10 +105,12 @@ class VGG19(nn.Module):
                 layers.append(nn.BatchNorm2d(c))
             layers.append(nn.ReLU())
             prev = c
+        if image_size == IMAGENET_SIZE:
+            # In `features`, so that pipeline_layers() (features then classifier) holds it too.
+            layers.append(nn.AdaptiveAvgPool2d((7, 7)))
         self.features = nn.Sequential(*layers)
-        # Five pools take 32x32 to 1x1, so the classifier sees 512 features.
         head: list[nn.Module] = [nn.Flatten()]
-        for fan_in in (512, 4096):
+        for fan_in in (512 if image_size == 32 else 512 * 7 * 7, 4096):
             head += [nn.Linear(fan_in, 4096), nn.ReLU()]
             if dropout > 0:
                 head.append(nn.Dropout(dropout))
@@ -151,18 +165,28 @@ class Bottleneck(nn.Module):
 
 
 class ResNet50(nn.Module):
-    """ResNet-50 (bottleneck blocks 3, 4, 6, 3) with a CIFAR stem: one 3x3 conv, no max-pool."""
+    """ResNet-50 (bottleneck blocks 3, 4, 6, 3; the stride on the 3x3 conv, "v1.5").
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3):
+    image_size=32: a CIFAR stem, one 3x3 conv and no max-pool. image_size=224: the ImageNet stem,
+    7x7 conv stride 2 then 3x3 max-pool stride 2 (224 -> 56), 25.6 M parameters with 1000 classes.
+    """
+
+    def __init__(self, num_classes: int = 10, in_channels: int = 3, image_size: int = 32):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(64), nn.ReLU())
+        if image_size == 32:
+            self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, padding=1, bias=False),
+                                      nn.BatchNorm2d(64), nn.ReLU())
+        elif image_size == IMAGENET_SIZE:
+            self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 7, stride=2, padding=3, bias=False),
+                                      nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1))
+        else:
+            raise ValueError(f"image_size must be 32 or {IMAGENET_SIZE}, got {image_size}")
         stages: list[nn.Module] = []
         prev = 64
         for i, (blocks, width) in enumerate(zip(RESNET50_BLOCKS, RESNET50_WIDTHS)):
             stage = []
             for b in range(blocks):
-                # The first block of stages 2-4 halves the resolution (32 -> 16 -> 8 -> 4).
+                # The first block of stages 2-4 halves the resolution (32 -> 16 -> 8 -> 4; 56 -> 28 -> 14 -> 7).
                 stride = 2 if (b == 0 and i > 0) else 1
                 stage.append(Bottleneck(prev, width, stride))
                 prev = width * Bottleneck.expansion
@@ -197,12 +221,13 @@ class TransformerNMT(nn.Module):
 
     With tie_weights the output projection's weight *is* the target embedding's weight: one
     Parameter registered in two modules (tgt_embed.weight and out.weight), so it is listed once
-    by parameters() but receives gradient from both uses.
+    by parameters() but receives gradient from both uses. With share_embeddings (one vocabulary for
+    both languages) the source embedding's weight is that Parameter too.
     """
 
     def __init__(self, vocab: int = 1000, d_model: int = 256, nhead: int = 4, num_encoder_layers: int = 3,
                  num_decoder_layers: int = 3, dim_feedforward: int = 1024, dropout: float = 0.0,
-                 max_len: int = 512, tie_weights: bool = True):
+                 max_len: int = 512, tie_weights: bool = True, share_embeddings: bool = False):
         super().__init__()
         self.d_model = d_model
         self.src_embed = nn.Embedding(vocab, d_model)
@@ -219,6 +244,8 @@ class TransformerNMT(nn.Module):
         self.out = nn.Linear(d_model, vocab)
         if tie_weights:
             self.out.weight = self.tgt_embed.weight
+        if share_embeddings:
+            self.src_embed.weight = self.tgt_embed.weight
 
     def _embed(self, emb: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]
@@ -248,6 +275,18 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
     dim_feedforward=1024, dropout=0.0, max_len=512, tie_weights=True (num_classes, in_channels ignored).
     fc-heavy: the MLP with hidden=FC_HEAVY_HIDDEN (override with hidden=), in_features=784.
     char-lstm: vocab=CHAR_VOCAB, embed=64, hidden=512, layers=3 (num_classes, in_channels ignored).
+
+    At the papers' sizes (PAPER_MODELS; per-GPU batches in PAPER_BATCH), whatever num_classes says:
+    vgg19-224: VGG-19 on 224x224 ImageNet inputs, 1000 classes, dropout=0.5 before the 2nd and 3rd
+    FC layers (143,667,240 parameters, as the ImageNet network); the vgg19 options apply.
+    vgg19-22k-224: the same with 21,841 classes, Poseidon's VGG19-22K (229,052,817 parameters).
+    resnet50-224: ResNet-50 with the ImageNet stem, 1000 classes (25,557,032 parameters).
+    transformer-big: TransformerNMT with TRANSFORMER_BASE, the "Transformer base" of Vaswani et al.
+    2017 (d_model 512, 8 heads, 6 + 6 layers, feed-forward 2048, dropout 0.1) on a shared vocabulary
+    of 32,000 whose one embedding matrix is the source and target embedding and the output
+    projection (60,556,544 parameters); "big" next to `transformer`, not Vaswani's Transformer big.
+    It stands for a Transformer NMT model as Sockeye trains them (P3's artifact itself ran Sockeye's
+    2-layer LSTM model on IWSLT15); the transformer keywords override any of TRANSFORMER_BASE.
     """
     if name == "mlp":
         return MLP(num_classes, **kw)
@@ -259,6 +298,12 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
         return VGG19(VGG19_22K_CLASSES, in_channels, **kw)
     if name == "resnet50":
         return ResNet50(num_classes, in_channels, **kw)
+    if name in ("vgg19-224", "vgg19-22k-224"):
+        return VGG19(FIXED_CLASSES[name], in_channels, **{"dropout": 0.5, **kw}, image_size=IMAGENET_SIZE)
+    if name == "resnet50-224":
+        return ResNet50(FIXED_CLASSES[name], in_channels, **kw, image_size=IMAGENET_SIZE)
+    if name == "transformer-big":
+        return TransformerNMT(**{**TRANSFORMER_BASE, **kw})
     if name == "transformer":
         return TransformerNMT(**kw)
     if name == "fc-heavy":
@@ -269,35 +314,45 @@ def build_model(name: str, num_classes: int = 10, in_channels: int = 3, **kw) ->
 
 
 def input_shape(name: str, in_channels: int = 3) -> tuple[int, ...]:
-    """Per-sample input shape of an image model: (784,) for the MLPs, (1, 28, 28) for cnn, (C, 32, 32) for the others."""
+    """Per-sample input shape of an image model: (784,) for the MLPs, (1, 28, 28) for cnn, (C, 224, 224) for
+    IMAGENET_MODELS, (C, 32, 32) for the others."""
     if name in ("mlp", "fc-heavy"):
         return (784,)
     if name == "cnn":
         return (1, 28, 28)
     if name in ("vgg19", "vgg19-22k", "resnet50"):
         return (in_channels, 32, 32)
+    if name in IMAGENET_MODELS:
+        return (in_channels, IMAGENET_SIZE, IMAGENET_SIZE)
     raise ValueError(f"model {name!r} has no image input shape; image models are mlp, fc-heavy, cnn, vgg19, "
-                     "vgg19-22k, resnet50")
+                     f"vgg19-22k, resnet50, {', '.join(IMAGENET_MODELS)}")
 
 
 def model_input(name: str, batch: int, seed: int = 0, num_classes: int | None = None, in_channels: int = 3,
-                vocab: int | None = None, src_len: int = 16, tgt_len: int = 16,
+                vocab: int | None = None, src_len: int | None = None, tgt_len: int | None = None,
                 seq_len: int = 64) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """A synthetic batch (inputs, target) for model `name`; call it as loss_fn(name)(model(*inputs), target).
 
-    Image models: inputs = (x,), target = class ids [batch]. Transformer: inputs = (src [batch,
-    src_len], tgt_in [batch, tgt_len]), target = next tokens [batch, tgt_len] (the reversal task;
-    vocab 1000 by default). char-lstm: inputs = (tokens [batch, seq_len],), target = next tokens
-    [batch, seq_len] (vocab CHAR_VOCAB by default).
+    Image models: inputs = (x,), target = class ids [batch] (IMAGENET_MODELS: [batch, C, 224, 224]
+    from paper_images). Transformer: inputs = (src [batch, src_len], tgt_in [batch, tgt_len]),
+    target = next tokens [batch, tgt_len] (the reversal task; vocab 1000, lengths 16 by default;
+    transformer-big: vocab 32,000, lengths WMT_SENTENCE_LEN = 32, a typical WMT training sentence).
+    char-lstm: inputs = (tokens [batch, seq_len],), target = next tokens [batch, seq_len] (vocab
+    CHAR_VOCAB by default).
     """
-    if name == "transformer":
-        src, tgt = synthetic_seq2seq(batch, src_len, tgt_len, 1000 if vocab is None else vocab, seed)
+    if name in ("transformer", "transformer-big"):
+        big = name == "transformer-big"
+        length, default_vocab = (WMT_SENTENCE_LEN, TRANSFORMER_BASE["vocab"]) if big else (16, 1000)
+        src_len = length if src_len is None else src_len
+        tgt_len = length if tgt_len is None else tgt_len
+        src, tgt = synthetic_seq2seq(batch, src_len, tgt_len, default_vocab if vocab is None else vocab, seed)
         return (src, tgt[:, :-1]), tgt[:, 1:].contiguous()
     if name == "char-lstm":
         x, y = synthetic_text(batch, seq_len, CHAR_VOCAB if vocab is None else vocab, seed)
         return (x,), y
     classes = FIXED_CLASSES.get(name, 10 if num_classes is None else num_classes)
-    x, y = synthetic_classification(batch, input_shape(name, in_channels), classes, seed)
+    make = paper_images if name in IMAGENET_MODELS else synthetic_classification
+    x, y = make(batch, input_shape(name, in_channels), classes, seed)
     return (x,), y
 
 
