@@ -37,14 +37,21 @@ class Device:
     def seconds(self, work: Work) -> float:
         """Modelled seconds of one unit of work on this device at its precision."""
         peak = self.peak_tflops[self.precision] * 1e12
-        # Element-wise and normalisation work runs on the vector units at the FP32/FP16 rate, not the
-        # tensor cores: AMP's gain there is halved bytes, not flops.
+        # Element-wise and normalisation work runs on the vector units at the FP32 rate, not the tensor
+        # cores: AMP's gain there is halved bytes, not flops.
         if work.kind == "memory":
             peak = self.peak_tflops["fp32"] * 1e12
-        compute = work.flops / (peak * self.efficiency.get(work.kind, 0.5)) if work.flops else 0.0
+        compute = work.flops / (peak * self.efficiency_of(work.kind)) if work.flops else 0.0
         itemsize_ratio = 0.5 if self.precision == "amp" else 1.0
         memory = work.bytes * itemsize_ratio / (self.bandwidth_gbs * 1e9 * self.memory_efficiency)
         return max(compute, memory) + work.kernels * self.launch_s
+
+    def efficiency_of(self, kind: str) -> float:
+        """The fitted fraction of the peak a kind sustains; each precision has its own (attention and recurrent
+        layers are GEMMs)."""
+        base = "gemm" if kind in ("attention", "recurrent") else kind
+        key = base if self.precision == "fp32" else f"{base}:{self.precision}"
+        return self.efficiency.get(key, self.efficiency.get(base, 0.5))
 
     @property
     def label(self) -> str:
@@ -52,22 +59,33 @@ class Device:
 
 
 # Fitted to published single-GPU training throughputs (calibration.py checks every one within 15 %):
-# name -> (launch seconds per kernel, efficiency per matrix kind, memory efficiency, default precision).
-FITTED: dict[str, tuple] = {}
+# name -> (launch seconds per kernel, efficiency per matrix kind, memory efficiency, default precision,
+# host <-> device GB/s: PCIe 5.0 x16 for the H100, 3.0 x16 for the others, as measured by bandwidthTest).
+FITTED: dict[str, tuple] = {
+    "h100": (12e-6, {"conv:tf32": 0.124, "conv3x3:tf32": 1.355, "gemm:tf32": 0.6,
+                     "conv:amp": 0.079, "conv3x3:amp": 0.192, "gemm:amp": 0.6, "gemm": 0.75}, 0.871, "tf32", 50.0),
+    "v100": (24e-6, {"conv": 0.819, "conv3x3": 1.355, "gemm": 0.75,
+                     "conv:amp": 1.5, "conv3x3:amp": 0.457, "gemm:amp": 0.6}, 0.714, "fp32", 12.0),
+    "titanx-maxwell": (6e-6, {"conv": 0.671, "conv3x3": 1.684, "gemm": 0.75}, 0.4, "fp32", 12.0),
+    "p4000": (3e-6, {"conv": 0.671, "conv3x3": 1.355, "gemm": 0.75}, 0.4, "fp32", 12.0),
+    "1080ti": (24e-6, {"conv": 0.819, "conv3x3": 1.355, "gemm": 0.75}, 0.557, "fp32", 12.0),
+}
+# Poseidon's "Titan X": the Maxwell card (see published.PAPERS); P3's P4000 is fitted on its sibling GTX 1080.
+ALIASES = {"titanx": "titanx-maxwell"}
 
 
 def _build() -> dict[str, Device]:
     from .published import SPECS
 
     out = {}
-    for name, (launch, eff, mem_eff, precision) in FITTED.items():
+    for name, (launch, eff, mem_eff, precision, pcie) in FITTED.items():
         s = SPECS[name]
         peaks = {"fp32": s.peak_fp32_tflops}
         if s.peak_tf32_tflops:
             peaks["tf32"] = s.peak_tf32_tflops
         if s.peak_fp16_tflops:
             peaks["amp"] = s.peak_fp16_tflops
-        out[name] = Device(name, s.full_name, peaks, s.mem_bandwidth_gbs, s.pcie_gbs, launch, eff, mem_eff, precision)
+        out[name] = Device(name, s.full_name, peaks, s.mem_bandwidth_gbs, pcie, launch, eff, mem_eff, precision)
     return out
 
 
@@ -79,8 +97,15 @@ def device(spec: str) -> Device:
     if not DEVICES:
         DEVICES.update(_build())
     name, _, precision = spec.lower().partition(":")
+    name = ALIASES.get(name, name)
     if name not in DEVICES:
         raise EmulationError(f"unknown device {name!r}; named devices: {', '.join(sorted(DEVICES))} "
                              "(or give a profile: a .json file that mpitrain simulate --take-profile wrote)")
     d = DEVICES[name]
     return d.at(precision) if precision else d
+
+
+def device_names() -> list[str]:
+    if not DEVICES:
+        DEVICES.update(_build())
+    return sorted(DEVICES)

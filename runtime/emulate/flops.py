@@ -11,7 +11,9 @@ from .trace import Call
 __all__ = ["Work", "work_of", "KINDS"]
 
 # The op kinds a device rates separately: matrix engines (conv, gemm, attention, recurrent) and memory.
-KINDS = ("conv", "gemm", "attention", "recurrent", "memory")
+# 3x3 stride-1 convolutions are a kind of their own: cuDNN runs them as Winograd or FFT transforms, with
+# fewer multiplications than the direct count here (so their sustained "efficiency" may pass 1).
+KINDS = ("conv", "conv3x3", "gemm", "attention", "recurrent", "memory")
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,10 @@ def work_of(call: Call, itemsize: int = 4) -> tuple[Work, Work]:
     if isinstance(m, nn.modules.conv._ConvNd):
         per_out = (m.in_channels // m.groups) * _prod(m.kernel_size)
         f = 2.0 * out.numel * per_out
-        fwd = Work("conv", f, act + weights, 1 + (m.bias is not None))
+        kind = "conv3x3" if tuple(m.kernel_size) == (3, 3) and tuple(m.stride) == (1, 1) and m.groups == 1 else "conv"
+        fwd = Work(kind, f, act + weights, 1 + (m.bias is not None))
         # wgrad always, dgrad unless the input is the data (the first layer): cuDNN skips it.
-        return fwd, Work("conv", f * (1 + needs_dx), 2 * act + 2 * weights, 1 + needs_dx + (m.bias is not None))
+        return fwd, Work(kind, f * (1 + needs_dx), 2 * act + 2 * weights, 1 + needs_dx + (m.bias is not None))
     if isinstance(m, nn.Linear):
         rows = out.numel // m.out_features
         f = 2.0 * rows * m.in_features * m.out_features

@@ -1,0 +1,97 @@
+"""--compute real | emulated:DEVICE | emulated:PROFILE.json and --compute-scale: what every benchmark and job accepts."""
+
+from __future__ import annotations
+
+import argparse
+
+from jobs.common.inputs import InputError
+
+__all__ = ["add_compute_arguments", "check_compute", "Compute"]
+
+
+def add_compute_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compute", default="real",
+                   help="real (default: the model computes), or emulated:DEVICE (a named GPU's modelled time per "
+                        "layer: h100, v100, titanx, p4000, 1080ti, ...; DEVICE:amp for mixed precision) or "
+                        "emulated:PROFILE.json (times measured by mpitrain simulate --take-profile)")
+    p.add_argument("--compute-scale", type=float, default=1.0,
+                   help="emulated compute: every modelled time times this (10: a GPU ten times slower; with links "
+                        "ten times slower, the compute-to-communication ratio of links ten times faster)")
+
+
+def check_compute(args) -> None:
+    """A bad --compute is one line and exit 2, on every rank, before MPI or a model."""
+    spec = args.compute
+    if not args.compute_scale > 0:
+        raise InputError("--compute-scale", f"must be > 0, got {args.compute_scale}")
+    if spec == "real":
+        if args.compute_scale != 1.0:
+            raise InputError("--compute-scale", "applies to emulated compute only (--compute emulated:...)")
+        return
+    if not spec.startswith("emulated:") or not spec.removeprefix("emulated:"):
+        raise InputError("--compute", f"{spec!r}: write real, emulated:DEVICE or emulated:PROFILE.json")
+    from runtime.emulate import EmulationError, compute_model
+
+    try:
+        compute_model(spec.removeprefix("emulated:"))
+    except EmulationError as e:
+        raise InputError("--compute", str(e)) from None
+    if getattr(args, "device", "cpu") == "cuda":
+        raise InputError("--compute", "emulated compute runs on the host: leave --device at cpu")
+
+
+class Compute:
+    """What a job does with a model, its optimizer and its loss under the chosen compute."""
+
+    def __init__(self, spec: str = "real", scale: float = 1.0):
+        self.spec, self.scale = spec, scale
+        self.emulated = spec != "real"
+        self._model = None
+        if self.emulated:
+            from runtime.emulate import compute_model
+
+            self._model = compute_model(spec.removeprefix("emulated:"))
+
+    @classmethod
+    def from_args(cls, args) -> "Compute":
+        return cls(args.compute, args.compute_scale)
+
+    def model(self, model, inputs: tuple):
+        """The model itself (real), or emulated in place, traced with these example inputs."""
+        if not self.emulated:
+            return model
+        from runtime.emulate import emulate
+
+        return emulate(model, self._model, inputs, scale=self.scale)
+
+    def optimizer(self, optimizer):
+        if not self.emulated:
+            return optimizer
+        from runtime.emulate import emulate_optimizer
+
+        return emulate_optimizer(optimizer)
+
+    def loss(self, loss_fn):
+        if not self.emulated:
+            return loss_fn
+        from runtime.emulate import emulated_loss
+
+        return emulated_loss
+
+    def describe(self) -> dict:
+        """For every row, table title and plot: the compute mode, the device model, the scale, what was emulated."""
+        if not self.emulated:
+            return dict(compute="real", compute_device=None, compute_scale=1.0, emulated_parts=[], real_parts=[])
+        from runtime.emulate import active
+
+        acc = active()
+        d = acc.describe() if acc is not None else {}
+        return dict(compute=f"emulated ({self._model.label})", compute_device=self._model.device_name,
+                    compute_scale=self.scale, emulated_parts=d.get("emulated", []), real_parts=d.get("real", []))
+
+    @property
+    def label(self) -> str:
+        if not self.emulated:
+            return "real compute"
+        scale = f", compute x{self.scale:g}" if self.scale != 1 else ""
+        return f"emulated compute: {self._model.label}{scale}"
