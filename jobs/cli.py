@@ -38,6 +38,7 @@ BENCHMARKS = (
     ("pipeline-defaults", "jobs.bench.pipeline_defaults", "alone", "train's pipeline modes at its defaults, vs flush"),
     ("hybcomm-choice", "jobs.bench.hybcomm_choice", "alone", "does hybcomm's cost model pick the faster path"),
     ("mstopk", "jobs.bench.mstopk", "alone", "MSTopK against torch.topk, CPU or CUDA"),
+    ("emulation", "jobs.bench.emulation", "alone", "emulated devices vs published figures; wait and step precision"),
     ("pto", "jobs.bench.pto", "MPI", "PTO's sharded optimizer step against the unsharded one"),
     ("convergence", "jobs.bench.convergence", "alone", "test accuracy of topk / hier-topk against dense"),
     ("cache", "jobs.bench.cache", "MPI", "data loading through datacache against a plain DataLoader"),

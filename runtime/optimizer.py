@@ -14,7 +14,7 @@ from mpicomm.step_check import EXCHANGE, ReportedProblem, StepCheck, digest
 from . import checkpoint, metrics, teardown
 from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
-from .emulate.accelerator import active as emulated_accelerator
+from .emulate.accelerator import device_work
 from .device import GradientStaging, describe_transport, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
 from .model_buffers import BufferSync
@@ -232,11 +232,7 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the strategy's buffers; set_to_none is not honoured)."""
         self._usable()
-        acc = emulated_accelerator()
-        if acc is None:
-            self.deferred.zero_grad()
-            return
-        with acc.device_work("zero_grad", acc.model.memset_s(4 * self.buffers.numel())):  # a memset kernel on a GPU
+        with device_work("zero_grad", lambda model: model.memset_s(4 * self.buffers.numel())):  # a GPU's memset
             self.deferred.zero_grad()
 
     def step(self, closure=None):

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from runtime.emulate.published import ALIASES, PAPERS, SIBLINGS, SPECS, THROUGHPUTS, Spec, Throughput
+from runtime.emulate.papers import PAPERS
+from runtime.emulate.published import ALIASES, SIBLINGS, SPECS, THROUGHPUTS, Spec, Throughput
 
 PRECISIONS = {"fp32", "tf32", "amp"}
 

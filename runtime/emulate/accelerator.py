@@ -10,7 +10,7 @@ from collections import defaultdict
 from .clock import Clock
 from .compute_model import ComputeModel
 
-__all__ = ["Accelerator", "active", "activate", "deactivate"]
+__all__ = ["Accelerator", "active", "activate", "deactivate", "device_work"]
 
 
 class Accelerator:
@@ -48,8 +48,8 @@ class Accelerator:
         try:
             yield
         finally:
+            # Queued after the last work; the host's time here does not delay the next pass's start.
             self.clock.absorb(time.perf_counter() - t)
-            self.clock.begin()
             self.run(kind, seconds)
 
     def ran_for_real(self, kind: str) -> None:
@@ -83,3 +83,11 @@ def activate(acc: Accelerator) -> Accelerator:
 def deactivate() -> None:
     global _active
     _active = None
+
+
+def device_work(kind: str, seconds_of=None):
+    """Accelerator.device_work on the active accelerator (seconds_of(its compute model) of modelled time), or
+    nothing when not emulating."""
+    if _active is None:
+        return contextlib.nullcontext()
+    return _active.device_work(kind, seconds_of(_active.model) if seconds_of else 0.0)

@@ -64,10 +64,10 @@ class Clock:
         blocked = blocked_seconds()
         if self._fresh:
             start = max(self.deadline, now - self._absorbed)
+            self._fresh, self._absorbed = False, 0.0
         else:
             start = self.deadline + (blocked - self._blocked_at)
         self.idle += max(0.0, start - self.deadline) if self.deadline else 0.0
-        self._fresh, self._absorbed = False, 0.0
         self.deadline = start + seconds
         self.busy += seconds
         left = self.deadline - now

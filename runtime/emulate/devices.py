@@ -70,7 +70,7 @@ FITTED: dict[str, tuple] = {
     "p4000": (3e-6, {"conv": 0.671, "conv3x3": 1.355, "gemm": 0.75}, 0.4, "fp32", 12.0),
     "1080ti": (24e-6, {"conv": 0.819, "conv3x3": 1.355, "gemm": 0.75}, 0.557, "fp32", 12.0),
 }
-# Poseidon's "Titan X": the Maxwell card (see published.PAPERS); P3's P4000 is fitted on its sibling GTX 1080.
+# Poseidon's "Titan X": the Maxwell card (see papers.PAPERS); P3's P4000 is fitted on its sibling GTX 1080.
 ALIASES = {"titanx": "titanx-maxwell"}
 
 

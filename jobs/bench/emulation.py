@@ -1,0 +1,214 @@
+"""Benchmark: how faithful emulated compute is: the named devices against published throughputs, wait precision,
+and one rank's emulated step against its model, with the host CPU it costs.
+
+    mpitrain bench emulation --json results/emulation.json
+    mpitrain bench emulation --models resnet50-224 --devices v100 --steps 5
+
+Three tables. Calibration: every published single-GPU training throughput of
+a model we build (runtime.emulate.published) against the named device's
+prediction (runtime.emulate.calibration), with the error. Waits: --waits
+modelled waits adding up to 0.1 s, run --repeats times with plain
+time.sleep and with the accelerator's deadline clock (runtime.emulate.clock):
+the total's median error and the CPU-seconds each used. Steps: for each
+model and device (batch: the paper's, PAPER_BATCH), --steps emulated
+training steps on one rank after --warmup (zero_grad, forward, backward,
+optimizer step, the way DistributedOptimizer's user runs them): median
+T_iter against the modelled time per step, the error, and the host's
+CPU-seconds per step, beside what landing the gradients in host memory once
+costs here (one copy of every gradient, timed: what a GPU's staging copies
+would put there) and the rest as a share of the modelled compute. All
+figures: emulated compute, on this machine, one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import time
+
+from jobs.common.inputs import JobParser, at_least, comma_list, output_file, parse
+from jobs.common.outputs import write_results
+from jobs.common.report import machine, machine_line, run_metadata, save_figure
+
+MODELS = ("resnet50-224", "vgg19-224", "transformer-big")
+
+
+def parse_args(argv=None):
+    p = JobParser(prog="python -m jobs.bench.emulation", description=__doc__.split("\n\n")[0],
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help=f"default {','.join(MODELS)}")
+    p.add_argument("--devices", default="h100,v100", help="named devices (default h100,v100)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per model and device (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--waits", default="10,100,1000", help="waits per 0.1 s in the wait table (default 10,100,1000)")
+    p.add_argument("--repeats", type=int, default=5, help="repeats of each wait row (default 5)")
+    p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
+    p.add_argument("--plot", metavar="PNG", help="plot (default: the JSON path with .png)")
+    return parse(p, argv, check_args)
+
+
+def check_args(args) -> None:
+    from jobs.common.choices import MODELS as ALL
+    from runtime.emulate import EmulationError, device
+
+    args.models = comma_list("--models", args.models, ALL)
+    args.devices = comma_list("--devices", args.devices)
+    for d in args.devices:
+        try:
+            device(d)
+        except EmulationError as e:
+            from jobs.common.inputs import InputError
+            raise InputError("--devices", str(e)) from None
+    args.waits = [int(w) for w in comma_list("--waits", args.waits)]
+    at_least(args, 1, "steps", "repeats")
+    at_least(args, 0, "warmup")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    output_file(args, "json", "plot")
+
+
+def cpu_s() -> float:
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return use.ru_utime + use.ru_stime
+
+
+def calibration_rows() -> list[dict]:
+    from runtime.emulate.calibration import predictions
+
+    return [dict(table="calibration", device=p.device, model=p.point.model, batch=p.point.batch,
+                 precision=p.point.precision, published=p.point.samples_per_s, unit=p.point.unit,
+                 predicted=round(p.predicted, 2), error=p.error, framework=p.point.framework, source=p.point.source)
+            for p in predictions()]
+
+
+def wait_rows(counts: list[int], repeats: int) -> list[dict]:
+    from runtime.emulate.clock import Clock
+
+    rows = []
+    for n in counts:
+        dt = 0.1 / n
+        for how in ("time.sleep", "deadline clock"):
+            errors, cpus = [], []
+            for _ in range(repeats):
+                clock = Clock()
+                c0, t0 = cpu_s(), time.perf_counter()
+                for _ in range(n):
+                    time.sleep(dt) if how == "time.sleep" else clock.run(dt)
+                errors.append((time.perf_counter() - t0) / 0.1 - 1)
+                cpus.append(cpu_s() - c0)
+            rows.append(dict(table="waits", how=how, waits=n, wait_s=dt, error=statistics.median(errors),
+                             error_max=max(errors), cpu_s_per_modelled_s=statistics.median(cpus) / 0.1))
+    return rows
+
+
+def step_row(name: str, dev: str, steps: int, warmup: int) -> dict:
+    import torch
+
+    from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
+    from runtime.workloads.models import PAPER_BATCH, build_model, model_input
+
+    accelerator.deactivate()
+    batch = PAPER_BATCH[name]
+    model = build_model(name)
+    inputs, _ = model_input(name, batch)
+    emulate(model, dev, inputs)
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    acc = accelerator.active()
+
+    def step():
+        opt.zero_grad()
+        emulated_loss(model(*inputs)).backward()
+        opt.step()
+    for _ in range(warmup):
+        step()
+    times, cpus, modelled = [], [], []
+    for _ in range(steps):
+        m0, c0, t0 = sum(acc.seconds.values()), cpu_s(), time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+        cpus.append(cpu_s() - c0)
+        modelled.append(sum(acc.seconds.values()) - m0)
+    grads = [p.grad for p in model.parameters()]
+    copies = [torch.empty_like(g) for g in grads]
+    copy_times = []
+    for _ in range(3):  # landing every gradient in host memory once: what a GPU's staging copies cost here
+        c0 = cpu_s()
+        for c, g in zip(copies, grads):
+            c.copy_(g)
+        copy_times.append(cpu_s() - c0)
+    t_model = statistics.median(modelled)
+    t_iter = statistics.median(times)
+    host = statistics.median(cpus)
+    copy = min(copy_times)
+    row = dict(table="steps", model=name, device=acc.model.label, batch=batch,
+               params=sum(p.numel() for p in model.parameters()), modelled_s=t_model, t_iter_s=t_iter,
+               error=t_iter / t_model - 1, host_cpu_s=host, grad_copy_cpu_s=copy,
+               host_rest_share=max(0.0, host - copy) / t_model, steps=steps, parts=acc.describe())
+    del model, opt, grads, copies
+    accelerator.deactivate()
+    return row
+
+
+def format_tables(rows) -> str:
+    out = ["| device | model | batch | precision | published /s | predicted /s | error | source |",
+           "|---|---|---:|---|---:|---:|---:|---|"]
+    out += [f"| {r['device']} | {r['model']} | {r['batch']} | {r['precision']} | {r['published']:.1f} "
+            f"| {r['predicted']:.1f} | {r['error'] * 100:+.1f} % | {r['framework']} |"
+            for r in rows if r["table"] == "calibration"]
+    out += ["", "| waits per 0.1 s | how | total error (median) | max | CPU s per modelled s |", "|---:|---|---:|---:|---:|"]
+    out += [f"| {r['waits']} | {r['how']} | {r['error'] * 100:+.2f} % | {r['error_max'] * 100:+.2f} % "
+            f"| {r['cpu_s_per_modelled_s']:.3f} |" for r in rows if r["table"] == "waits"]
+    out += ["", "| model | device | batch | modelled s/step | T_iter s | error | host CPU s/step | of which "
+            "gradient copy | rest / modelled |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {r['model']} | {r['device']} | {r['batch']} | {r['modelled_s']:.4f} | {r['t_iter_s']:.4f} "
+            f"| {r['error'] * 100:+.2f} % | {r['host_cpu_s']:.4f} | {r['grad_copy_cpu_s']:.4f} "
+            f"| {r['host_rest_share'] * 100:.2f} % |" for r in rows if r["table"] == "steps"]
+    return "\n".join(out)
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cal = [r for r in rows if r["table"] == "calibration"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for dev in sorted({r["device"] for r in cal}):
+        mine = [r for r in cal if r["device"] == dev]
+        ax.scatter([r["published"] for r in mine], [r["predicted"] for r in mine], label=dev)
+    top = max(max(r["published"], r["predicted"]) for r in cal) * 1.1
+    ax.plot([1, top], [1, top], "k-", lw=0.8)
+    ax.plot([1, top], [1.15, 1.15 * top], "k:", lw=0.8)
+    ax.plot([1, top], [0.85, 0.85 * top], "k:", lw=0.8, label="+-15 %")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("published samples/s (single GPU)")
+    ax.set_ylabel("predicted by the device model")
+    ax.set_title("Emulated devices against published training throughputs")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main(argv=None, args=None) -> int:
+    args = parse_args(argv) if args is None else args
+    import torch
+
+    torch.set_num_threads(1)
+    print(f"# {machine_line(machine())}; emulated compute, one process", flush=True)
+    rows = calibration_rows()
+    rows += wait_rows(args.waits, args.repeats)
+    for name in args.models:
+        for dev in args.devices:
+            print(f"# {name} on {dev}: {args.warmup} + {args.steps} steps", flush=True)
+            rows.append(step_row(name, dev, args.steps, args.warmup))
+    print(format_tables(rows))
+    meta = run_metadata("jobs.bench.emulation", argv, machine=machine(), compute="emulated", torch=torch.__version__)
+    write_results(None, args, meta, rows, lambda path: plot(rows, path))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,187 @@
+"""runtime.emulate: true shapes and dtypes, the real gradient order, fixed gradients, waits, and clear errors."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from runtime.emulate import (EmulationError, ProfileModel, RooflineModel, compute_model, device, device_names,
+                             emulate, emulate_optimizer, emulated_loss)
+from runtime.emulate import accelerator
+from runtime.emulate.clock import Clock
+from runtime.emulate.trace import trace
+from runtime.sim.profile import Layer, Profile
+from runtime.workloads.models import build_model, loss_fn, model_input
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    accelerator.deactivate()
+    yield
+    accelerator.deactivate()
+
+
+def grad_order(model, inputs, loss):
+    order = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, name=name: order.append(name))
+    loss(model(*inputs)).backward()
+    return order
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "vgg19", "resnet50", "transformer", "char-lstm"])
+def test_shapes_dtypes_and_gradient_order_are_the_real_models(name):
+    torch.manual_seed(0)
+    real = build_model(name)
+    inputs, target = model_input(name, 4)
+    real_out = real(*inputs)
+    real_order = grad_order(real, inputs, lambda out: loss_fn(name)(out, target))
+
+    model = build_model(name)
+    before = {n: (p.shape, p.dtype) for n, p in model.named_parameters()}
+    buffers = {n: (b.shape, b.dtype) for n, b in model.named_buffers()}
+    emulate(model, "v100", inputs)
+    out = model(*inputs)
+    assert out.shape == real_out.shape and out.dtype == real_out.dtype
+    assert out.untyped_storage().nbytes() <= 8  # no activation memory: one zero, stride 0
+    order = grad_order(model, inputs, emulated_loss)
+    assert {n: (p.shape, p.dtype) for n, p in model.named_parameters()} == before
+    assert {n: (b.shape, b.dtype) for n, b in model.named_buffers()} == buffers
+    if name == "char-lstm":  # the CPU's fused LSTM hands its four tensors over in another order than meta's
+        module = [n.rsplit(".", 1)[0] for n in order]
+        assert module == [n.rsplit(".", 1)[0] for n in real_order]
+    else:
+        assert order == real_order
+    for n, p in model.named_parameters():
+        assert p.grad is not None and p.grad.shape == p.shape and torch.isfinite(p.grad).all()
+        assert p.grad.abs().sum() > 0, f"{n}: an emulated gradient must hold values top-k can select from"
+
+
+def test_the_same_gradient_every_step_and_no_growth():
+    model = build_model("mlp")
+    inputs, _ = model_input("mlp", 8)
+    emulate(model, "v100", inputs)
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = []
+    for _ in range(3):
+        opt.zero_grad()
+        emulated_loss(model(*inputs)).backward()
+        opt.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[2]))
+    # The update is emulated: the parameters keep their values (only time passes).
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    acc = accelerator.active()
+    assert set(acc.describe()["emulated"]) >= {"layers", "optimizer", "zero_grad"}
+
+
+def test_hooks_and_hybcomm_shapes_see_true_inputs():
+    model = build_model("vgg19")
+    inputs, _ = model_input("vgg19", 4)
+    seen = {}
+    emulate(model, "v100", inputs)
+    def keep(name):
+        def hook(mod, args, out):
+            seen.setdefault(name, (tuple(args[0].shape), tuple(out.shape)))
+        return hook
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            m.register_forward_hook(keep(name))
+    model(*inputs)
+    assert seen == {"classifier.1": ((4, 512), (4, 4096)), "classifier.3": ((4, 4096), (4, 4096)),
+                    "classifier.5": ((4, 4096), (4, 10))}
+
+
+def test_modelled_times_are_waited_and_accounted():
+    model = build_model("mlp", hidden=[256, 256])
+    inputs, _ = model_input("mlp", 8)
+    cm = RooflineModel(device("v100"))
+    n = len(trace(model, inputs).calls)
+    times = [(0.002, 0.004)] * n
+    emulate(model, cm, inputs, times=times)
+    acc = accelerator.active()
+    t = time.perf_counter()
+    emulated_loss(model(*inputs)).backward()
+    elapsed = time.perf_counter() - t
+    # The first unit (a Flatten of the data) has nothing to differentiate: no backward runs, as on a GPU.
+    assert acc.seconds["layers"] == pytest.approx(0.002 * n + 0.004 * (n - 1))
+    assert elapsed >= 0.002 * n + 0.004 * (n - 1)  # a wait never ends before its deadline
+
+
+def test_the_clock_never_ends_work_early_and_counts_it():
+    clock = Clock()
+    t = time.perf_counter()
+    for _ in range(50):
+        clock.run(0.0002)
+    assert time.perf_counter() - t >= 50 * 0.0002
+    assert clock.busy == pytest.approx(0.01)
+
+
+def test_compute_scale_multiplies_every_time():
+    model = build_model("mlp")
+    inputs, _ = model_input("mlp", 8)
+    emulate(model, "v100", inputs, scale=10.0)
+    emulated_loss(model(*inputs)).backward()
+    e = model._emulation
+    assert accelerator.active().seconds["layers"] == pytest.approx(10 * (e.forward_s + e.backward_s))
+
+
+def test_named_devices_and_their_errors():
+    assert {"h100", "v100", "titanx-maxwell", "p4000", "1080ti"} <= set(device_names())
+    assert device("titanx").name == "titanx-maxwell"
+    assert device("v100:amp").precision == "amp"
+    with pytest.raises(EmulationError, match="unknown device 'k80'.*h100"):
+        compute_model("k80")
+    with pytest.raises(EmulationError, match="no tf32 rate"):
+        device("v100:tf32")
+
+
+def test_twice_is_refused():
+    model = build_model("mlp")
+    inputs, _ = model_input("mlp", 2)
+    emulate(model, "v100", inputs)
+    with pytest.raises(EmulationError, match="emulated already"):
+        emulate(model, "v100", inputs)
+
+
+def profile_of(model, inputs, **changes) -> Profile:
+    layers = [Layer(c.name, 0.001, 0.002, tuple(p.numel() for p in c.params)) for c in trace(model, inputs).calls
+              if c.params]
+    for name, layer in changes.items():
+        layers = [layer if l.name == name else l for l in layers] if layer else [l for l in layers if l.name != name]
+    return Profile("mlp", 8, "cuda", tuple(layers), step_s=0.01, optimizer_s=0.001, other_s=0.0)
+
+
+def test_a_profile_times_the_owners_and_names_what_does_not_fit(tmp_path):
+    model = build_model("mlp")
+    inputs, _ = model_input("mlp", 8)
+    good = profile_of(model, inputs)
+    times = ProfileModel(good).unit_times(trace(model, inputs))
+    assert sum(f for f, _ in times) == pytest.approx(0.001 * len(good.layers))
+    with pytest.raises(EmulationError, match="not taken from this model: no times for net.3"):
+        ProfileModel(profile_of(model, inputs, **{"net.3": None})).unit_times(trace(model, inputs))
+    other = build_model("mlp", hidden=[128])
+    with pytest.raises(EmulationError, match="not taken from this model: net.1 has parameters"):
+        ProfileModel(good).unit_times(trace(other, inputs))
+    bad = good.to_json()
+    bad["layers"][0]["fwd_s"] = -1.0
+    path = tmp_path / "bad.json"
+    path.write_text(__import__("json").dumps(bad))
+    with pytest.raises(EmulationError, match="negative"):
+        compute_model(str(path))
+    with pytest.raises(EmulationError, match="cannot read profile"):
+        compute_model(str(tmp_path / "missing.json"))
+
+
+def test_the_paper_models_emulate_at_224_without_activation_memory():
+    model = build_model("resnet50-224")
+    inputs, _ = model_input("resnet50-224", 2)
+    emulate(model, "h100", inputs)
+    out = model(*inputs)
+    assert out.shape == (2, 1000)
+    emulated_loss(out).backward()
+    assert all(p.grad is not None for p in model.parameters())
