@@ -232,7 +232,7 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the strategy's buffers; set_to_none is not honoured)."""
         self._usable()
-        with device_work("zero_grad", lambda model: model.memset_s(4 * self.buffers.numel())):  # a GPU's memset
+        with device_work("zero_grad", lambda model: model.memset_s(4 * self.buffers.numel)):  # a GPU's memset
             self.deferred.zero_grad()
 
     def step(self, closure=None):
