@@ -46,6 +46,26 @@ def test_local_run_measures_both_paths_and_the_models_pick(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_local_run_under_emulated_compute_prices_the_rebuild_at_the_devices_rate(tmp_path):
+    out = tmp_path / "choice.json"
+    proc = subprocess.run([*JOB, "--local", "--model", "mlp", "--ranks", "2", "--batch-sizes", "4", "--layers", "0",
+                           "--rounds", "1", "--iters", "1", "--warmup", "0", "--compute", "emulated:v100",
+                           "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    (r,) = doc["rows"]
+    assert (r["layer"], r["K"], r["P"]) == ("net.1", 4, 2) and r["predicted"] in ("sfb", "ps")
+    assert r["compute_device"] == "v100" and {"layers", "optimizer"} <= set(r["emulated_parts"])
+    # Not this host's GEMM rate: the device's, modelled on the strategy's probe shape (64 rows of 1024 x 1024).
+    from runtime.emulate import compute_model
+
+    v100 = compute_model("v100")
+    assert r["gflops"] == pytest.approx(2 * 64 * 1024 ** 2 / v100.gemm_s(1024, 1024, 64) / 1e9)
+    assert r["gflops_source"].startswith("modelled") and r["rebuild_modelled_s"] == pytest.approx(
+        v100.gemm_s(256, 784, 2 * 4))
+    assert doc["meta"]["compute_device"] == "v100" and "\nemulated compute: " in proc.stdout
+
+
 @pytest.mark.parametrize("args, option", [
     (("--ranks", "0"), "--ranks"),
     (("--ranks", "1,2"), "--ranks"),
@@ -62,6 +82,9 @@ def test_local_run_measures_both_paths_and_the_models_pick(tmp_path):
     (("--rounds", "0"), "--rounds"),
     (("--warmup", "-1"), "--warmup"),
     (("--ranks", "128"), "--ranks"),  # 128 hosts: more than an emulated cluster has
+    (("--compute", "emulated:v99"), "--compute"),
+    (("--compute", "gpu"), "--compute"),
+    (("--compute-scale", "2"), "--compute-scale"),  # real compute takes no scale
 ])
 def test_bad_input_is_one_line_and_exit_2(args, option, capsys):
     # In this process: a subprocess would spend its time importing torch for the layer and bandwidth checks.

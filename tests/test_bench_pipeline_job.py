@@ -56,3 +56,34 @@ def test_worker_rejects_unknown_contender():
     proc = subprocess.run([sys.executable, "-m", "jobs.bench.pipeline_worker", "--contenders", "gpipe"],
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 2 and "--contenders: unknown 'gpipe'" in proc.stderr
+
+
+def test_local_bench_pipeline_under_emulated_compute(tmp_path):
+    """Every pipeline mode, data parallelism and torch's 1F1B under one compute model; rows, meta and title say so."""
+    out = tmp_path / "emulated.json"
+    contenders = ["flush", "vanilla", "stash", "spectrain", "allreduce", "torch-1f1b"]
+    cmd = [sys.executable, "-m", "jobs.bench.pipeline", "--local", "--hosts", "4", "--models", "mlp",
+           "--hidden", "64,64,64", "--batch-size", "16", "--microbatches", "4", "--rounds", "1", "--iters", "2",
+           "--warmup", "1", "--contenders", ",".join(contenders), "--compute", "emulated:v100", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["contender"] for r in rows] == contenders
+    for r in rows:
+        assert r["compute_device"] == "v100" and r["compute_scale"] == 1.0 and "v100" in r["compute"]
+        assert {"layers", "optimizer"} <= set(r["emulated_parts"]) and r["samples_per_s"] > 0, r
+    by = {r["contender"]: r for r in rows}
+    # The same activations cross the stages as with real compute: the true bytes, whatever the weight mode.
+    assert len({by[c]["bytes_per_step"] for c in contenders[:4] + ["torch-1f1b"]}) == 1
+    assert by["flush"]["bytes_per_step"] > 0 and len({tuple(by[c]["balance"]) for c in ("flush", "torch-1f1b")}) == 1
+    assert "weight versions" in by["stash"]["emulated_parts"] and "weight versions" not in by["flush"]["emulated_parts"]
+    assert doc["meta"]["compute_device"] == "v100" and "emulated compute" in doc["meta"]["compute_label"]
+    assert "\nemulated compute: " in proc.stdout and "| mlp | torch-1f1b | local-unshaped |" in proc.stdout
+
+
+def test_bad_compute_is_one_line_and_exit_2():
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.pipeline", "--local", "--models", "mlp", "--compute",
+                           "emulated:v99"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: --compute: unknown device 'v99'") and len(proc.stderr.splitlines()) == 1

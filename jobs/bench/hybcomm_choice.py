@@ -3,6 +3,7 @@
     mpitrain bench hybcomm-choice --bandwidth 1gbit --json results/hybcomm_choice.json   # root: emulated cluster
     mpitrain bench hybcomm-choice --ranks 4,8 --ranks-per-host 2 --layers 0,1 --rounds 5
     mpitrain bench hybcomm-choice --local --model mlp --ranks 2          # no root: this host, unshaped
+    mpitrain bench hybcomm-choice --compute emulated:v100 --layers 0,1   # each rank a modelled V100
 
 Issue 12's target: the cost model picks, for every FC layer (default vgg19-22k's classifier:
 512×4096, 4096×4096, 4096×21841) at every K in --batch-sizes (rows per rank per step) and P in
@@ -24,15 +25,22 @@ against K (log-log), measured sfb and ps per P, the predicted crossover K marked
 Memory: the 4096×21841 layer holds over 1 GB per rank (weights, gradients, momentum), and every
 rank of the emulated cluster runs on this one machine: P=8 wants about 10 GB free (--layers
 0,1 leaves it out).
+
+--compute emulated:DEVICE (or emulated:PROFILE.json, --compute-scale): the layer, its loss and optimizer
+wait a modelled GPU's time (runtime.emulate) and the cost model prices the rebuild at the device's
+modelled GEMM rate, not this host's; rows add rebuild_modelled_s (the device's time for each rebuild).
+The table's title, the JSON (rows and meta) and the plot name the compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from jobs.bench import hybcomm_choice_worker as worker
 from jobs.common.cluster_sweep import sweep
+from jobs.common.compute import Compute
 from jobs.common.inputs import InputError, JobParser, add_run_arguments, at_least, bench_outputs, int_list, parse
 from jobs.common.outputs import write_results
 from jobs.common.report import run_metadata, save_figure
@@ -74,7 +82,8 @@ def worker_cmd(args, label: str) -> list[str]:
     cmd = [sys.executable, "-m", "jobs.bench.hybcomm_choice_worker", "--model", args.model, "--layers", layers,
            "--batch-sizes", ",".join(map(str, args.batch_sizes)), "--rounds", str(args.rounds),
            "--iters", str(args.iters), "--warmup", str(args.warmup), "--bandwidth", args.bandwidth,
-           "--label", label, "--seed", str(args.seed)]
+           "--label", label, "--seed", str(args.seed), "--compute", args.compute,
+           "--compute-scale", repr(args.compute_scale)]
     # Locally every rank is on this one host: the hosts become emulated nodes, as on the cluster.
     return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local else [])
 
@@ -106,10 +115,13 @@ def summarize(rows) -> dict:
 def miss_line(r) -> str:
     """A miss with what it takes to see why: both measurements, both prices, the rebuild priced and measured."""
     noise = ", within noise: the rounds' ranges overlap" if not r["separated"] else ""
+    modelled = r.get("rebuild_modelled_s")  # emulated compute: the device's own time for this rebuild
+    priced = "priced at wrap" if modelled is None else r["gflops_source"]
     return (f"- {r['layer']} {r['M']}×{r['N']} K={r['K']} P={r['P']}: measured sfb {spread(r, 'sfb')} ms, "
             f"ps {spread(r, 'ps')} ms: {r['measured_faster']} faster{noise}; predicted sfb "
             f"{ms(r['predicted_sfb_s'])} ms (rebuild {ms(r['predicted_rebuild_s'])} ms at {r['gflops']:.1f} GFLOP/s "
-            f"priced at wrap; alone it took {ms(r['rebuild_s'])} ms, {r['rebuild_gflops']:.1f} GFLOP/s), ps "
+            f"{priced}; alone it took {ms(r['rebuild_s'])} ms, {r['rebuild_gflops']:.1f} GFLOP/s"
+            + (f", the device's model {modelled * 1e3:.3f} ms" if modelled is not None else "") + "), ps "
             f"{ms(r['predicted_ps_s'])} ms: {r['predicted']}; measured/predicted sfb "
             f"×{r['sfb_s'] / r['predicted_sfb_s']:.2f}, ps ×{r['ps_s'] / r['predicted_ps_s']:.2f}")
 
@@ -133,7 +145,7 @@ def crossover(rows) -> tuple[float, float] | None:
     return r["K"] * r["predicted_ps_s"] / r["predicted_sfb_s"], r["predicted_ps_s"]
 
 
-def plot(rows, path):
+def plot(rows, path, title: str = ""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -169,21 +181,26 @@ def plot(rows, path):
         ax.set_ylabel("seconds per step (median, min–max)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
+    if title:  # wrapped to the figure's width: the compute's label is long
+        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 14)), fontsize=8)
     save_figure(fig, path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compute = Compute.from_args(args).label
+    print(f"# {compute}", flush=True)
     runs = [(args.model, P) for P in args.ranks]
     rows = sweep(args, lambda _model, label, _ranks: worker_cmd(args, label), markdown, args.ranks_per_host,
                  runs)
     if rows is None:
         return 2
     summary = summarize(rows)
-    print("\n" + markdown(rows) + "\n\n" + report(rows, summary))
+    print(f"\n{compute}\n" + markdown(rows) + "\n\n" + report(rows, summary))
     meta = run_metadata("jobs.bench.hybcomm_choice", argv, model=args.model, bandwidth_bps=args.bps,
-                        ranks_per_host=args.ranks_per_host, local=args.local, summary=summary)
-    write_results(None, args, meta, rows, lambda path: plot(rows, path))
+                        ranks_per_host=args.ranks_per_host, local=args.local, summary=summary, compute_label=compute,
+                        **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")})
+    write_results(None, args, meta, rows, lambda path: plot(rows, path, compute))
     return 0
 
 

@@ -22,7 +22,12 @@ weights, as much again in gradients and in momentum per rank). Rank 0 prints a "
 per (layer, K): sfb_s and ps_s (medians over rounds; _min_s/_max_s the spread, _rounds_s
 each), measured_faster, separated (the rounds' ranges do not overlap: the measurement
 decides, not the noise), predicted, predicted_sfb_s/_ps_s/_rebuild_s, gflops (priced),
-rebuild_s and rebuild_gflops (measured), agree.
+rebuild_s and rebuild_gflops (measured), agree, and the compute fields (jobs.common.compute).
+
+--compute emulated:DEVICE: the layer is emulated (runtime.emulate; a fresh one per K, traced at K rows),
+its loss and optimizer too, and the cost model prices the rebuild at the device's modelled GEMM rate on
+measure_gflops' shape (64 rows of 1024 x 1024; gflops_source says which) instead of the CPU probe;
+rebuild_modelled_s is the device's time for this rebuild (N x P·K by P·K x M).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from jobs.bench.strategies_worker import slowest, timed_batches
 from jobs.common.choices import MODELS
 from jobs.common.cluster_sweep import print_row
+from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import InputError, JobParser, at_least, int_list, link_rate, one_of, parse
 
 LR, MOMENTUM = 0.01, 0.9
@@ -50,6 +56,7 @@ def add_settings(p) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per path per round (default 1)")
     p.add_argument("--bandwidth", default="1gbit", help="the link rate: the cost model's, and the emulated cluster's (default 1gbit)")
     p.add_argument("--seed", type=int, default=0)
+    add_compute_arguments(p)
 
 
 def check_settings(args) -> None:
@@ -61,6 +68,7 @@ def check_settings(args) -> None:
     wanted = None if args.layers.strip() == "all" else int_list("--layers", args.layers, 0)
     args.bps = link_rate("--bandwidth", args.bandwidth)
     args.fc = pick_layers(args.model, wanted)
+    check_compute(args)
 
 
 def pick_layers(model: str, wanted: list[int] | None) -> list[tuple[int, object]]:
@@ -109,21 +117,30 @@ class ChoiceBench:
         self.args, self.torch = args, torch
         self.topo = Topology(ranks_per_node=args.ranks_per_node)
         self.comm, self.P, self.rank = self.topo.world, self.topo.size, self.topo.rank
+        self.compute = Compute.from_args(args)
+        self.loss = self.compute.loss(lambda out, _target=None: out.square().mean())
+        self.gflops = None  # the cost model's GEMM rate: measured by the strategy at wrap (real compute)
+        if self.compute.emulated:
+            from runtime.emulate import compute_model
+
+            # The device's, not this host's: its modelled rate on the strategy's probe shape, slowed by the scale.
+            gemm_s = compute_model(args.compute.removeprefix("emulated:")).gemm_s(1024, 1024, 64) * args.compute_scale
+            self.gflops = 2 * 64 * 1024 * 1024 / gemm_s / 1e9
 
     def wrap(self, module, force: str):
         """DistributedOptimizer(SGD) over `module` with hybcomm forced to `force` (a context manager: closes)."""
         from runtime import DistributedOptimizer, HybCommOptions
 
         opt = self.torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)  # fresh: no momentum to broadcast
-        return DistributedOptimizer(opt, module, HybCommOptions(force=force, bandwidth=float(self.args.bps)),
-                                    topology=self.topo)
+        options = HybCommOptions(force=force, bandwidth=float(self.args.bps), gflops=self.gflops)
+        return DistributedOptimizer(self.compute.optimizer(opt), module, options, topology=self.topo)
 
     def run(self, module, x, force: str, measure: bool = True):
         """Seconds per step of one round through `force` (measure), or the strategy after one step (not)."""
         with self.wrap(module, force) as dopt:
             def step():
                 dopt.zero_grad()
-                module(x).square().mean().backward()
+                self.loss(module(x)).backward()
                 dopt.step()
             if measure:
                 out = timed_batches(self.comm, step, dopt.synchronize, self.args.warmup, 1, self.args.iters)[0]
@@ -154,22 +171,29 @@ class ChoiceBench:
         """Rows of one layer shape, one per K."""
         torch, args = self.torch, self.args
         torch.manual_seed(args.seed)
-        module = torch.nn.Linear(layer.M, layer.N, bias=layer.has_bias)
+        module = None if self.compute.emulated else torch.nn.Linear(layer.M, layer.N, bias=layer.has_bias)
         rows = []
         for K in args.batch_sizes:
             x = torch.randn(K, layer.M, generator=torch.Generator().manual_seed(args.seed * 7919 + self.rank))
+            if self.compute.emulated:  # traced at these K rows: a fresh layer per K, its values never read
+                module = None
+                gc.collect()
+                fc = torch.nn.Linear(layer.M, layer.N, bias=layer.has_bias, device="meta").to_empty(device="cpu")
+                module = self.compute.model(torch.nn.Sequential(fc), (x,))  # emulate() emulates a model's units
             plan, gflops = self.run(module, x, "auto", measure=False)
             times = {path: [] for path in PATHS}
             for r in range(args.rounds):
                 for path in PATHS if r % 2 == 0 else PATHS[::-1]:
                     times[path].append(self.run(module, x, path))
-            rows.append(row(args, index, layer, K, self.P, plan, gflops, times, self.rebuild_seconds(layer, K)))
+            rows.append(row(args, index, layer, K, self.P, plan, gflops, times, self.rebuild_seconds(layer, K),
+                            self.compute))
         del module
         gc.collect()
         return rows
 
 
-def row(args, index: int, layer, K: int, P: int, plan, gflops: float, times: dict, rebuild_s: float) -> dict:
+def row(args, index: int, layer, K: int, P: int, plan, gflops: float, times: dict, rebuild_s: float,
+        compute: Compute) -> dict:
     """One (layer, K): both paths measured, the cost model's pick and prices, and whether they agree."""
     from runtime.hybrid.cost_model import rebuild_flop
 
@@ -186,7 +210,14 @@ def row(args, index: int, layer, K: int, P: int, plan, gflops: float, times: dic
                predicted_sfb_s=plan.sfb_seconds, predicted_ps_s=plan.ps_seconds,
                predicted_rebuild_s=flop / (gflops * 1e9), gflops=gflops, rebuild_s=rebuild_s,
                rebuild_gflops=flop / max(rebuild_s, 1e-9) / 1e9, agree=plan.choice == faster,
-               rounds=args.rounds, iters=args.iters, warmup=args.warmup)
+               rounds=args.rounds, iters=args.iters, warmup=args.warmup, gflops_source="measured at wrap",
+               rebuild_modelled_s=None, **compute.describe())
+    if compute.emulated:
+        from runtime.emulate import active
+
+        acc = active()
+        out.update(gflops_source=f"modelled: {acc.model.device_name} on 64 x 1024 x 1024",
+                   rebuild_modelled_s=acc.model.gemm_s(layer.N, layer.M, P * K) * acc.scale)
     return out
 
 

@@ -4,6 +4,7 @@
     mpitrain bench pipeline --models fc-heavy --bandwidths 1gbit --rounds 3 --iters 5
     mpitrain bench pipeline --local --models mlp --rounds 1             # no root: this host, unshaped
     mpitrain bench pipeline --local --device cuda --models fc-heavy,vgg19  # ranks on GPUs (may share one)
+    mpitrain bench pipeline --local --models char-lstm --compute emulated:v100  # each rank a modelled V100
 
 For every bandwidth an emulated cluster of --hosts hosts (one rank each: one pipeline
 stage per host) is brought up and jobs.bench.pipeline_worker runs every model across
@@ -25,6 +26,13 @@ allreduce's 2(P-1)/P x gradient bytes ("computed"). Memory: weight_copy_bytes (w
 versions a mode keeps beyond the live weights: stash's stashed versions, spectrain's
 predicted ones), RSS after the timed steps, and VmHWM, the process's peak so far, which
 only grows across the contenders of one process.
+
+--compute emulated:DEVICE (or emulated:PROFILE.json, --compute-scale): every contender under the same
+compute model (runtime.emulate): each pipeline stage, each torch-1f1b stage and data parallelism's model
+wait a modelled GPU's time instead of computing, the balance comes from the modelled layer times, and a
+rank's CPU is free while it "computes", so several ranks on few cores measure communication as GPU hosts
+would. The tables' title, every JSON row (compute, compute_device, compute_scale, emulated_parts,
+real_parts), the meta and the plot name the compute.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from jobs.bench import pipeline_worker as worker
 from jobs.common.cluster_sweep import sweep
+from jobs.common.compute import Compute, add_compute_arguments
 from jobs.common.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least,
                                 cluster_bench_outputs, comma_list, parse)
 from jobs.common.outputs import write_together
@@ -63,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", help=argparse.SUPPRESS)  # the mlp's widths, e.g. 64,64,64 (tests)
     add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
+    add_compute_arguments(p)
     return parse(p, argv, check_args)
 
 
@@ -78,7 +89,8 @@ def worker_cmd(args, model, label):
     cmd = [sys.executable, "-m", "jobs.bench.pipeline_worker", "--model", model,
            "--contenders", ",".join(args.contenders), "--batch-size", str(args.batch_size),
            "--microbatches", str(args.microbatches), "--rounds", str(args.rounds), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--bandwidth", label, "--seed", str(args.seed), "--device", args.device]
+           "--warmup", str(args.warmup), "--bandwidth", label, "--seed", str(args.seed), "--device", args.device,
+           "--compute", args.compute, "--compute-scale", repr(args.compute_scale)]
     return cmd + (["--hidden", ",".join(map(str, args.hidden))] if args.hidden else [])
 
 
@@ -138,7 +150,7 @@ def summary_markdown(summary) -> str:
     return "\n".join([head, *body])
 
 
-def plot(rows, path):
+def plot(rows, path, title: str = ""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -161,6 +173,8 @@ def plot(rows, path):
         ax.set_ylabel("samples/s (mean ± 95 % CI)")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
+    if title:  # wrapped to the figure's width: the compute's label is long
+        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 14)), fontsize=8)
     save_figure(fig, path)
 
 
@@ -168,17 +182,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     load = os.getloadavg()
     print(f"# load average before: {load[0]:.2f} (other work on this machine skews the figures)", flush=True)
+    compute = Compute.from_args(args).label
+    print(f"# {compute}", flush=True)
     rows = sweep(args, lambda model, label, _ranks: worker_cmd(args, model, label), markdown)
     if rows is None:
         return 2
     summary = summarize(rows)
-    print("\n" + markdown(rows) + "\n\n" + summary_markdown(summary))
+    print(f"\n{compute}\n" + markdown(rows) + "\n\n" + summary_markdown(summary))
     if args.json:
         meta = run_metadata("jobs.bench.pipeline", argv, load_average_before=load, summary=summary,
-                            targets=dict(TARGETS, case=TARGET_CASE))
+                            targets=dict(TARGETS, case=TARGET_CASE), compute_label=compute,
+                            **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")})
         write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot and rows:
-        write_together(None, "--plot", args.plot, lambda: (plot(rows, args.plot), print(f"wrote {args.plot}")))
+        write_together(None, "--plot", args.plot,
+                       lambda: (plot(rows, args.plot, compute), print(f"wrote {args.plot}")))
     return 0
 
 

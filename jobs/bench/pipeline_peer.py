@@ -1,4 +1,8 @@
-"""The pipeline benchmark's peer: torch.distributed.pipelining (1F1B or GPipe) over gloo, one stage per rank."""
+"""The pipeline benchmark's peer: torch.distributed.pipelining (1F1B or GPipe) over gloo, one stage per rank.
+
+--compute emulated:DEVICE: each rank's stage module is emulated alone at its input's shape (runtime.emulate)
+before torch's PipelineStage takes it, the loss is runtime.emulate.emulated_loss and the optimizer emulated.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import time
 
 from jobs.common.choices import MODELS
 from jobs.common.cluster_sweep import print_row
+from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import InputError, JobParser, at_least, comma_list, launched_ranks, one_of, output_file, parse
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -29,8 +34,26 @@ def model_layers(model) -> list:
     return as_layers(model)
 
 
+def Contiguous():  # noqa: N802 (a class, made on first use: torch is imported late)
+    """Identity whose output and gradient are contiguous: torch's pipelining allocates a stage's receive
+    buffers with the sender's strides, and gloo refuses non-contiguous ones (the char-LSTM's layers
+    return transposed views, and so do their input gradients; an emulated stage's are zero-stride)."""
+    import torch
+
+    class Grad(torch.autograd.Function):
+        forward = staticmethod(lambda ctx, x: x.view_as(x))
+        backward = staticmethod(lambda ctx, g: g.contiguous())
+
+    class Contiguous(torch.nn.Module):
+        def forward(self, x):
+            x = x.contiguous()
+            return Grad.apply(x) if x.requires_grad else x
+    return Contiguous()
+
+
 def run_peer(layers, balance: list[int], loss_fn, make_batch, *, microbatches: int, schedule: str = "1f1b",
-             warmup: int = 2, steps: int = 10, lr: float = 0.01, momentum: float = 0.9, comm=None) -> dict:
+             warmup: int = 2, steps: int = 10, lr: float = 0.01, momentum: float = 0.9, comm=None,
+             compute: Compute | None = None, example=None) -> dict:
     """Train `layers` split by `balance` with torch's own pipeline schedule, one stage per rank of `comm`; time it.
 
     Collective over `comm` (rank i holds stage i). Every rank passes the same layers (the whole
@@ -45,6 +68,11 @@ def run_peer(layers, balance: list[int], loss_fn, make_batch, *, microbatches: i
     here) the stage divides its gradients by n_microbatches after the last backward
     (_PipelineStageBase.perform_reduce_grad -> scale_grads). With a mean-reduced loss and equal
     micro-batches, the gradient is the mean over the global batch: one process's full-batch step.
+
+    compute: emulated compute (jobs.common.compute.Compute): this rank's stage emulated alone, traced at
+    `example` (its input: a tensor of the true shape and dtype, the meta device will do) or, by default, at
+    what layers[:a] make of one micro-batch; between Contiguous modules, so that the true bytes cross; the
+    loss emulated_loss, the optimizer emulated. The timed steps then measure torch's schedule and gloo.
 
     Returns samples_per_s (mean over the timed steps, of the slowest rank's step time), ci
     (1.96 stdev / sqrt(n)), t_iter_s, microbatches, stages, balance, batch (global, per step),
@@ -88,6 +116,12 @@ def run_peer(layers, balance: list[int], loss_fn, make_batch, *, microbatches: i
     first, last = rank == 0, rank == n - 1
     a = sum(balance[:rank])
     stage_module = nn.Sequential(*layers[a:a + balance[rank]])
+    if compute is not None and compute.emulated:
+        from runtime.pipeline.emulation import stage_input
+
+        x0 = example if example is not None else stage_input(layers, a, inputs[0][:batch // microbatches])
+        stage_module = nn.Sequential(Contiguous(), compute.model(stage_module, (x0,)), Contiguous())
+        loss_fn = compute.loss(loss_fn)
     sent = [0]  # bytes of this stage's output for one micro-batch (what goes forward, and its gradient back)
     hook = stage_module.register_forward_hook(
         lambda _m, _i, out: sent.__setitem__(0, out.numel() * out.element_size()))
@@ -96,6 +130,8 @@ def run_peer(layers, balance: list[int], loss_fn, make_batch, *, microbatches: i
     pipe = kind(stage, n_microbatches=microbatches, loss_fn=loss_fn)  # scale_grads=True: see the docstring
     params = [p for p in stage_module.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, momentum=momentum) if params else None  # a stage may have none (Flatten)
+    if opt is not None and compute is not None:
+        opt = compute.optimizer(opt)
 
     losses: list = []
 
@@ -157,6 +193,7 @@ def parse_args(argv=None):
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the row here too")
+    add_compute_arguments(p)
     return parse(p, argv, check_args, mpi=True)
 
 
@@ -189,6 +226,7 @@ def check_args(args) -> None:
     if args.schedule == "1f1b" and args.microbatches < ranks:
         raise InputError("--microbatches", f"1f1b needs at least one per stage ({ranks}), got {args.microbatches}")
     output_file(args, "json")
+    check_compute(args)
 
 
 def main(argv=None, args=None) -> int:
@@ -210,10 +248,11 @@ def main(argv=None, args=None) -> int:
     torch.manual_seed(args.seed)
     layers = model_layers(build_model(args.model))
     (x,), y = model_input(args.model, args.batch_size, args.seed)
+    compute = Compute.from_args(args)
     row = run_peer(layers, args.balance, loss_fn(args.model), lambda _step: (x, y),
                    microbatches=args.microbatches, schedule=args.schedule, warmup=args.warmup, steps=args.steps,
-                   lr=args.lr, momentum=args.momentum, comm=comm)
-    row = dict(model=args.model, **row)
+                   lr=args.lr, momentum=args.momentum, comm=comm, compute=compute)
+    row = dict(model=args.model, **row, **compute.describe())
     if comm.Get_rank() == 0:
         print_row(row)
     if args.json:

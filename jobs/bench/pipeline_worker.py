@@ -16,6 +16,11 @@ synchronize() count in the last step (torch-1f1b times its own steps, a barrier 
 each). Rank 0 prints a "ROW {json}" per contender; jobs.bench.pipeline says what the
 columns measure. --device cuda: every contender's model on the rank's GPU (local rank
 mod the GPUs it sees); torch-1f1b (gloo, CPU tensors) is left out of the default contenders.
+--compute emulated:DEVICE: every contender under the same compute model (runtime.emulate): each
+pipeline rank's stage emulated alone at its input's shape (runtime.Pipeline(compute=...)), as is
+each torch-1f1b stage before torch's PipelineStage takes it, and data parallelism's whole model;
+losses and optimizers emulated; the balance from the modelled layer times. Rows carry the compute
+fields (jobs.common.compute.Compute.describe).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 
 from jobs.common.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.common.cluster_sweep import print_row
+from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list,
                                 launched_ranks, one_of, parse)
 
@@ -55,6 +61,7 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", default="unshaped", help="the link's rate (label in the rows; partitioner)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", help=argparse.SUPPRESS)  # mlp widths, e.g. 64,64,64 (the tests' small model)
+    add_compute_arguments(p)
     return parse(p, argv, check_args, mpi=True)
 
 
@@ -95,6 +102,7 @@ def check_settings(args, models: list[str], ranks: int) -> None:
         if min(args.hidden) < 1:
             raise InputError("--hidden", f"widths must be >= 1, got {args.hidden}")
     check_device(args)  # last: it imports torch
+    check_compute(args)
 
 
 def memory_mb() -> tuple[float, float]:
@@ -102,23 +110,6 @@ def memory_mb() -> tuple[float, float]:
     with open("/proc/self/status") as f:
         found = {line[:5]: int(line.split()[1]) / 1024 for line in f if line.startswith(("VmRSS:", "VmHWM:"))}
     return found["VmRSS"], found["VmHWM"]
-
-
-def Contiguous():  # noqa: N802 (a class, made on first use: torch is imported late)
-    """Identity whose output and gradient are contiguous: torch's pipelining allocates a stage's receive
-    buffers with the sender's strides, and gloo refuses non-contiguous ones (the char-LSTM's layers
-    return transposed views, and so do their input gradients)."""
-    import torch
-
-    class Grad(torch.autograd.Function):
-        forward = staticmethod(lambda ctx, x: x.view_as(x))
-        backward = staticmethod(lambda ctx, g: g.contiguous())
-
-    class Contiguous(torch.nn.Module):
-        def forward(self, x):
-            x = x.contiguous()
-            return Grad.apply(x) if x.requires_grad else x
-    return Contiguous()
 
 
 def pooled(groups: list[tuple[int, float, float]]) -> tuple[int, float, float]:
@@ -151,6 +142,8 @@ class Runner:
         self.dp_inputs = tuple(t.to(self.device) for t in self.dp_inputs)
         self.dp_target = self.dp_target.to(self.device)
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")  # set by the emulated cluster: alone in a namespace
+        self.compute = Compute.from_args(args)
+        self.micro = self.x[:args.batch_size // args.microbatches]  # one micro-batch: partition, emulated stages
         self.balance = self._balance()
 
     def build(self):
@@ -164,6 +157,7 @@ class Runner:
         from mpicomm.agree import fail_together
         from mpicomm.emulation import EmulationError, parse_bandwidth
         from runtime.pipeline import as_layers, best_balance, plan_table, profile_layers
+        from runtime.pipeline.partition import modelled_profile
 
         balance = problem = None
         if self.rank == 0:
@@ -172,8 +166,9 @@ class Runner:
             except EmulationError:  # a label such as local-unshaped
                 bps = None
             try:  # a model of fewer layers than ranks, for one
-                micro = self.x[:self.args.batch_size // self.args.microbatches]
-                profile = profile_layers(as_layers(self.build()), micro, device=self.device)
+                layers, c = as_layers(self.build()), self.compute
+                profile = modelled_profile(layers, self.micro, c.spec.removeprefix("emulated:"), c.scale) \
+                    if c.emulated else profile_layers(layers, self.micro, device=self.device)
                 balance = best_balance(profile, self.P, bps)
                 print(plan_table(profile, balance, bps), flush=True)
             except ValueError as exc:
@@ -221,9 +216,12 @@ class Runner:
     def pipeline(self, name: str) -> dict:
         from runtime.pipeline import Pipeline, as_layers
 
+        c = self.compute
+        emulated = dict(compute=c.spec.removeprefix("emulated:"), compute_scale=c.scale, sample=self.micro) \
+            if c.emulated else {}
         pipe = Pipeline(as_layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
                         loss_fn=self.loss, balance=self.balance, microbatches=self.args.microbatches, mode=name,
-                        topology=self.topo, device=self.device, say=None)
+                        topology=self.topo, device=self.device, say=None, **emulated)
         secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: None, pipe.drain,
                                       lambda: pipe.stats()["bytes_sent"], steady=name in ASYNC_MODES)
         st, mem = pipe.stats(), memory_mb()
@@ -232,14 +230,16 @@ class Runner:
                     parameter_bytes=st["parameter_bytes"], updates_per_step=st["updates"] / pipe.steps)
 
     def data_parallel(self, name: str) -> dict:
-        model = self.build().to(self.device)
-        opt = self.torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        # Emulated (or not) before DDP or a strategy hooks into it; the same compute model as the pipelines'.
+        model = self.compute.model(self.build().to(self.device), self.dp_inputs)
+        opt = self.compute.optimizer(self.torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM))
         grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        loss = self.compute.loss(self.loss)
 
         def steps(net, o):
             def step():
                 o.zero_grad()
-                self.loss(net(*self.dp_inputs), self.dp_target).backward()
+                loss(net(*self.dp_inputs), self.dp_target).backward()
                 o.step()
             return step
         if name == "ddp":
@@ -261,18 +261,23 @@ class Runner:
     def peer(self, name: str) -> dict:
         from torch import nn
 
-        from jobs.bench.pipeline_peer import run_peer
+        from jobs.bench.pipeline_peer import Contiguous, run_peer
         from runtime.pipeline import as_layers
+        from runtime.pipeline.emulation import stage_input
 
         a, b = sum(self.balance[:self.rank]), sum(self.balance[:self.rank + 1])
+        full = as_layers(self.build())
+        example = stage_input(full, a, self.micro) if self.compute.emulated else None  # the stage's input shape
         # Only this rank's stage is used: the other layers' weights need not stay in memory.
-        layers = [m if a <= i < b else nn.Identity() for i, m in enumerate(as_layers(self.build()))]
-        layers[a] = nn.Sequential(Contiguous(), layers[a])
-        layers[b - 1] = nn.Sequential(layers[b - 1], Contiguous())
+        layers = [m if a <= i < b else nn.Identity() for i, m in enumerate(full)]
+        del full
+        if not self.compute.emulated:  # run_peer puts an emulated stage between Contiguous modules itself
+            layers[a] = nn.Sequential(Contiguous(), layers[a])
+            layers[b - 1] = nn.Sequential(layers[b - 1], Contiguous())
         tx0 = self.tx_bytes() if self.iface else 0
         res = run_peer(layers, self.balance, self.loss, lambda _i: ((self.x,), self.y),
                        microbatches=self.args.microbatches, warmup=self.args.warmup, steps=self.args.iters,
-                       lr=LR, momentum=MOMENTUM, comm=self.comm)
+                       lr=LR, momentum=MOMENTUM, comm=self.comm, compute=self.compute, example=example)
         ran = self.args.warmup + self.args.iters  # run_peer's warm-up is inside the traffic window
         tx = (self.tx_bytes() - tx0) * self.args.iters / ran if self.iface else None
         n, sd = res["steps"], res["ci"] * res["steps"] ** 0.5 / 1.96  # its CI back to a standard deviation
@@ -281,7 +286,12 @@ class Runner:
 
     def run(self, name: str) -> dict:
         """One round of one contender, built and destroyed here: its timed steps, traffic and memory."""
+        from runtime.emulate import active
+
+        before = dict(active().seconds) if active() else {}
         out = getattr(self, kind(name).replace("-", "_"))(name)
+        # The accelerator is the process's, shared by the contenders: the kinds of work this one emulated.
+        out["parts"] = sorted(k for k, v in active().seconds.items() if v > before.get(k, 0.0)) if active() else []
         gc.collect()
         if "group" not in out:
             rates = [self.args.batch_size / s for s in out["secs"]]
@@ -314,7 +324,10 @@ def row(args, runner, name: str, rounds: list[dict]) -> dict:
                weight_copy_bytes=most("weight_copy_bytes"), parameter_bytes=most("parameter_bytes"),
                rss_mb=max(r["rss_mb"] for r in rounds), hwm_mb=max(r["hwm_mb"] for r in rounds),
                updates_per_step=rounds[0]["updates_per_step"],
-               balance=runner.balance if kind(name) != "data-parallel" else None, cores=os.cpu_count())
+               balance=runner.balance if kind(name) != "data-parallel" else None, cores=os.cpu_count(),
+               **runner.compute.describe())
+    if runner.compute.emulated:
+        out["emulated_parts"] = sorted({k for r in rounds for k in r["parts"]})
     if kind(name) == "peer" and not measured:
         out["bytes_per_step_max"] = None  # the peer counts all ranks together
     return out
@@ -324,6 +337,8 @@ def main(argv=None, args=None) -> int:
     args = parse_args(argv) if args is None else args
     t_start = time.perf_counter()
     runner = Runner(args)
+    if runner.rank == 0:
+        print(f"# {runner.compute.label}", flush=True)
     gloo = any(c in ("ddp", "torch-1f1b") for c in args.contenders)
     if gloo:
         from mpicomm.torchdist import init_gloo

@@ -3,6 +3,7 @@ r"""Benchmark: the scaling curve, each strategy's samples/s on 1, 2, 4, 8 ... ra
     mpitrain bench scaling --models vgg19-22k --strategies wfbp,p3,hybcomm,ddp --ranks 1,2,4,8 \
         --ranks-per-host 1 --bandwidth 10gbit --batch-size 8 --json results/scaling.json   # as root
     mpitrain bench scaling --local --models mlp --strategies allreduce,wfbp --ranks 1,2  # no root
+    mpitrain bench scaling --models vgg19-224 --strategies wfbp,ddp --compute emulated:v100   # modelled V100s
 
 For every bandwidth and rank count n, an emulated cluster of ceil(n / --ranks-per-host)
 hosts runs jobs.bench.strategies_worker with every strategy (one rank alone runs on this host,
@@ -11,15 +12,22 @@ with no cluster; --local runs every count here, unshaped). Prints a table: sampl
 and the scaling efficiency samples/s(n) / (n / n0 x samples/s(n0)); writes the
 worker's JSON rows with speedup and efficiency added, and a PNG of samples/s
 against ranks, one line per strategy, linear scaling dashed.
+
+--compute emulated:DEVICE (or emulated:PROFILE.json, --compute-scale): every rank's model, loss and
+optimizer wait a modelled GPU's time instead of computing (runtime.emulate, in the strategies worker), so
+the ranks' CPUs stay free for the communication as a GPU host's do. The table's title, the JSON (rows:
+compute, compute_device, compute_scale, emulated_parts, real_parts; the meta) and the plot name the compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from jobs.bench import strategies as bench
 from jobs.common.cluster_sweep import sweep
+from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import (InputError, JobParser, add_cluster_bench_arguments, cluster_bench_outputs, int_list,
                                 parse)
 from jobs.common.outputs import write_results
@@ -35,6 +43,7 @@ def parse_args(argv=None):
     bench.add_worker_arguments(p, "vgg19-22k", "wfbp,p3,hybcomm,ddp", batch_size=8)
     p.add_argument("--ranks", default="1,2,4,8", help="world sizes, increasing (default 1,2,4,8)")
     add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
+    add_compute_arguments(p)
     return parse(p, argv, check_args)
 
 
@@ -43,6 +52,7 @@ def check_args(args) -> None:
     args.ranks = check_ranks(args.ranks, args.ranks_per_host)
     args.hosts = None  # the clusters' sizes come from --ranks
     cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
+    check_compute(args)
     if not args.local:
         from mpicomm.emulation.netns import MAX_HOSTS
 
@@ -60,6 +70,14 @@ def check_ranks(text: str, per_host: int) -> list[int]:
     if uneven:
         raise InputError("--ranks", f"{uneven[0]} ranks do not fill hosts of --ranks-per-host {per_host}")
     return ranks
+
+
+def worker_cmd(args, model: str, label: str, ranks: int) -> list[str]:
+    """The strategies worker's command for `ranks` ranks, with the compute (unless its driver passed it on)."""
+    cmd = bench.worker_cmd(args, model, label, ranks)
+    if args.compute != "real" and "--compute" not in cmd:
+        cmd += ["--compute", args.compute, "--compute-scale", repr(args.compute_scale)]
+    return cmd
 
 
 def add_scaling(rows: list[dict]) -> None:
@@ -82,7 +100,7 @@ def markdown(rows) -> str:
     return "\n".join([head, *body])
 
 
-def plot(rows, path):
+def plot(rows, path, title: str = ""):
     """One panel per model and bandwidth: samples/s against ranks per strategy, and n / n0 x the best n0 rate."""
     import matplotlib
     matplotlib.use("Agg")
@@ -107,19 +125,28 @@ def plot(rows, path):
         ax.set_ylabel("samples/s")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
+    if title:  # wrapped to the figure's width: the compute's label is long
+        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 14)), fontsize=8)
     save_figure(fig, path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    compute = Compute.from_args(args)
+    print(f"# {compute.label}", flush=True)
     runs = [(model, n) for n in args.ranks for model in args.models]
-    rows = sweep(args, lambda model, label, n: bench.worker_cmd(args, model, label, n), bench.markdown,
+    rows = sweep(args, lambda model, label, n: worker_cmd(args, model, label, n), bench.markdown,
                  args.ranks_per_host, runs)
     if rows is None:
         return 2
     add_scaling(rows)
-    print("\n" + markdown(rows))
-    write_results(None, args, run_metadata("jobs.bench.scaling", argv), rows, lambda path: plot(rows, path))
+    for r in rows:  # the worker's own fields first (its accelerator knows what it emulated)
+        for k, v in compute.describe().items():
+            r.setdefault(k, v)
+    print(f"\n{compute.label}\n" + markdown(rows))
+    meta = run_metadata("jobs.bench.scaling", argv, compute_label=compute.label,
+                        **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")})
+    write_results(None, args, meta, rows, lambda path: plot(rows, path, compute.label))
     return 0
 
 

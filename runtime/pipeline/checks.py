@@ -22,7 +22,8 @@ class PipelineError(RuntimeError):
 
 
 def check_arguments(world, model, stages, balance, microbatches, mode, variant, replicas, placement,
-                     data_parallel, sample, device, staging, local_rank, diverge_factor=None):
+                     data_parallel, sample, device, staging, local_rank, diverge_factor=None, compute=None,
+                     compute_scale=1.0):
     """Local checks, then agreement: a rank with a bad argument stops every rank, each naming it."""
     problem, layers, where, staged = None, [], None, False
     try:
@@ -49,12 +50,39 @@ def check_arguments(world, model, stages, balance, microbatches, mode, variant, 
             if sample is None:
                 raise ValueError("the automatic partition times each layer on a sample micro-batch: pass "
                                  "sample=<inputs of one micro-batch>, or balance=[layers per stage]")
+        if compute is not None:
+            from runtime.emulate import compute_model
+
+            if isinstance(compute, str):
+                compute_model(compute)  # an unknown device or a bad profile: EmulationError, a ValueError
+            if sample is None:
+                raise ValueError("emulated compute traces each stage at the shape of its input: pass sample=<inputs "
+                                 "of one micro-batch> on every rank")
+            if not (isinstance(compute_scale, (int, float)) and compute_scale > 0):
+                raise ValueError(f"compute_scale must be a number > 0, got {compute_scale!r}")
         where = stage_device(device, local_rank)
+        if compute is not None and where.type != "cpu":
+            raise ValueError(f"emulated compute runs on the host: leave device at cpu, not {where}")
         staged = bool(staging) or staging_wanted(where)  # a GPU stage always is; MPITRAIN_STAGING=force
     except (ValueError, TypeError) as exc:
         problem = str(exc)
     fail_together(world, problem, PipelineError)
     return layers, where, staged
+
+
+def split_batch(batch, what: str, stage: int, microbatches: int, device) -> list:
+    """A stage's batch cut into `microbatches` equal micro-batches on the stage's device."""
+    import torch
+
+    if isinstance(batch, (tuple, list)) and len(batch) == 1:
+        batch = batch[0]
+    if not isinstance(batch, torch.Tensor):
+        raise TypeError(f"{what} must be a tensor on stage {stage}, got {type(batch).__name__}")
+    if batch.shape[0] % microbatches:
+        raise ValueError(f"{what}: a batch of {batch.shape[0]} does not split into {microbatches} "
+                         "equal micro-batches")
+    batch = batch.to(device, non_blocking=True)  # one copy per step; none on the CPU
+    return list(batch.split(batch.shape[0] // microbatches))
 
 
 def describe_layers(layers: list[nn.Module]) -> list[str]:

@@ -11,8 +11,8 @@ from mpicomm.agree import check_same_structure, fail_together
 from mpicomm.stall import StallPolicy
 from mpicomm.step_check import BARRIER, CLOSE, EXCHANGE, GATHER, StepCheck, digest
 
-from . import model_state, partition, schedule
-from .checks import PipelineError, check_arguments, check_same_values, describe_layers
+from . import emulation, model_state, partition, schedule
+from .checks import PipelineError, check_arguments, check_same_values, describe_layers, split_batch
 from .divergence import DIVERGE_FACTOR, LossWatch, heard
 from .placement import PipelineLayout
 from .staging import StagedLink
@@ -60,6 +60,9 @@ class Pipeline:
     tensors crossing through pinned host buffers (runtime.pipeline.staging).
     staging: True forces that host-staged transport on the CPU too (tests; also
     MPITRAIN_STAGING=force); None: staged on a GPU only.
+    compute: emulated compute (runtime.emulate: a ComputeModel or its spec, "v100"; times x
+    compute_scale; needs sample= on every rank): each stage emulated alone at its input's shape, the
+    loss emulated_loss, the optimizer emulated, the partition by modelled times (pipeline.emulation).
     """
 
     def __init__(self, model, optimizer_factory, *, loss_fn, stages: int | None = None, balance=None,
@@ -67,7 +70,8 @@ class Pipeline:
                  placement: str = "within-node", data_parallel: str = "allreduce", sample=None,
                  bandwidth: float | None = None, comm=None, topology: Topology | None = None, timeline=None,
                  stall: StallPolicy | None = None, say=print, record_versions: bool = False, device="cpu",
-                 staging: bool | None = None, diverge_factor: float | None = DIVERGE_FACTOR):
+                 staging: bool | None = None, diverge_factor: float | None = DIVERGE_FACTOR, compute=None,
+                 compute_scale: float = 1.0):
         self._own_topology = topology is None
         self.topology = topology or (Topology(comm) if comm is not None else Topology())
         world = self.topology.world
@@ -79,13 +83,15 @@ class Pipeline:
         try:
             layers, self.device, self.staged = check_arguments(
                 world, model, stages, balance, microbatches, mode, spectrain_variant, replicas, placement,
-                data_parallel, sample, device, staging, self.topology.local_rank, diverge_factor)
+                data_parallel, sample, device, staging, self.topology.local_rank, diverge_factor, compute,
+                compute_scale)
             n_stages = len(balance) if balance is not None else stages
             settings = [f"mode={mode}", f"spectrain_variant={spectrain_variant}", f"stages={n_stages}",
                         f"balance={'auto' if balance is None else list(balance)}", f"microbatches={microbatches}",
                         f"replicas={replicas}", f"placement={placement}", f"data_parallel={data_parallel}",
                         f"loss_fn={getattr(loss_fn, '__name__', type(loss_fn).__name__)}",
-                        f"device={self.device.type}", f"diverge_factor={diverge_factor}"]
+                        f"device={self.device.type}", f"diverge_factor={diverge_factor}",
+                        f"compute={emulation.label(compute)} x{compute_scale:g}"]
             check_same_structure(world, settings, "pipeline setting")
             check_same_structure(world, describe_layers(layers), "layer parameter")
             check_same_values(world, layers)
@@ -94,13 +100,18 @@ class Pipeline:
             self.replica, self.replicas = self.layout.replica, replicas
             self.first, self.last = self.layout.first, self.layout.last
             self.balance, self.plan = partition.decide(world, layers, balance, n_stages, sample, bandwidth, self.device,
-                                                       PipelineError)
+                                                       PipelineError, compute, compute_scale)
             if say is not None and world.Get_rank() == 0:
                 say(self.plan)
             a = sum(self.balance[:self.stage])
             self.model, self.layers, self.layer_range = model, layers, range(a, a + self.balance[self.stage])
             # Only this stage's layers go to the device; the caller's model keeps the others where they were.
             self.module = nn.Sequential(*layers[a:a + self.balance[self.stage]]).to(self.device)
+            self.acc = None
+            if compute is not None:  # before anything hooks into the stage (a replica group's optimizer)
+                self.acc, self.loss_fn, wrap = emulation.emulate_stage(world, self.stage, self.module, layers, a,
+                                                                       sample, compute, compute_scale)
+                optimizer_factory = wrap(optimizer_factory)
             ends = np.cumsum([0] + self.balance)
             # Gradients flow back across boundary k only if a stage before it has something to train.
             self._trains_before = [any(p.requires_grad for layer in layers[:ends[k]] for p in layer.parameters())
@@ -113,7 +124,7 @@ class Pipeline:
             # The asynchronous modes update per micro-batch at the micro-batch's share of the rate.
             self.versions = WeightVersions(self.params, mode, self.in_flight, self.optimizer, shifts,
                                            once=spectrain_variant == "once", log=self.version_log,
-                                           divisor=1 if mode == "flush" else microbatches)
+                                           divisor=1 if mode == "flush" else microbatches, acc=self.acc)
             self.watch = LossWatch(diverge_factor, f"stage {self.stage}, replica {self.replica}, rank "
                                                    f"{world.Get_rank()}") if self.last else None
             self.check = StepCheck(world, 0, self.policy)
@@ -175,8 +186,8 @@ class Pipeline:
         self._usable()
         try:
             self._round(EXCHANGE)
-            xs = self._split(inputs, "inputs") if self.first else None
-            ys = self._split(targets, "targets") if self.last else None
+            xs = split_batch(inputs, "inputs", self.stage, self.microbatches, self.device) if self.first else None
+            ys = split_batch(targets, "targets", self.stage, self.microbatches, self.device) if self.last else None
             if self.link is None:
                 self._setup_link(xs[0] if self.first else None)
             elif self.first and (tuple(xs[0].shape), xs[0].dtype) != self._input_meta:
@@ -202,17 +213,6 @@ class Pipeline:
             return sum(losses) / len(losses) if self.last else None
         except BaseException as exc:
             raise self._fail(exc)
-
-    def _split(self, batch, what: str) -> list[torch.Tensor]:
-        if isinstance(batch, (tuple, list)) and len(batch) == 1:
-            batch = batch[0]
-        if not isinstance(batch, torch.Tensor):
-            raise TypeError(f"{what} must be a tensor on stage {self.stage}, got {type(batch).__name__}")
-        if batch.shape[0] % self.microbatches:
-            raise ValueError(f"{what}: a batch of {batch.shape[0]} does not split into {self.microbatches} "
-                             "equal micro-batches")
-        batch = batch.to(self.device, non_blocking=True)  # one copy per step; none on the CPU
-        return list(batch.split(batch.shape[0] // self.microbatches))
 
     def _forward(self, i: int, x, target, losses) -> None:
         if not self.first:

@@ -113,6 +113,37 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor, repeats: int =
     return out
 
 
+def layer_traces(layers: list[nn.Module], sample: torch.Tensor) -> list:
+    """Each layer's trace (runtime.emulate.trace: its units, its output) on the meta device, fed the previous
+    layer's output: the shapes every stage sees, at no cost."""
+    from runtime.emulate.trace import trace
+
+    x, out = torch.empty(sample.shape, dtype=sample.dtype, device="meta"), []
+    for i, layer in enumerate(layers):
+        try:
+            t = trace(nn.Sequential(layer), (x,))  # wrapped: a leaf layer is then a unit of its own
+        except ValueError as exc:
+            raise PartitionError(f"layer {i} ({type(layer).__name__}): {exc}") from None
+        out.append(t)
+        x = torch.empty(t.output.shape, dtype=t.output.dtype, device="meta")
+    return out
+
+
+def modelled_profile(layers: list[nn.Module], sample: torch.Tensor, compute, scale: float = 1.0) -> list[LayerProfile]:
+    """profile_layers under emulated compute: each layer's modelled forward + backward time on `compute`
+    (a runtime.emulate ComputeModel or its spec, 'v100'), times `scale`; nothing runs."""
+    from runtime.emulate import compute_model
+
+    model = compute_model(compute) if isinstance(compute, str) else compute
+    out = []
+    for i, (layer, t) in enumerate(zip(layers, layer_traces(layers, sample))):
+        params = list(layer.parameters())
+        out.append(LayerProfile(f"{i}:{type(layer).__name__}", sum(f + b for f, b in model.unit_times(t)) * scale,
+                                t.output.nbytes, sum(p.numel() * p.element_size() for p in params),
+                                sum(p.numel() for p in params)))
+    return out
+
+
 def best_balance(profile: list[LayerProfile], stages: int, bandwidth_bps: float | None = None) -> list[int]:
     """The split minimising the slowest stage (compute + its boundary's transfer time); ties: earlier cuts."""
     L = check_stages(stages, len(profile))  # stages
@@ -162,8 +193,12 @@ def plan_table(profile: list[LayerProfile], balance: list[int], bandwidth_bps: f
     return "\n".join(rows)
 
 
-def decide(world, layers, balance, stages: int, sample, bandwidth, device, error=PartitionError):
-    """(balance, the plan's table): rank 0 times the layers and decides for every rank; the table on rank 0 only."""
+def decide(world, layers, balance, stages: int, sample, bandwidth, device, error=PartitionError, compute=None,
+           scale: float = 1.0):
+    """(balance, the plan's table): rank 0 times the layers and decides for every rank; the table on rank 0 only.
+
+    compute: under emulated compute (a ComputeModel or its spec), the layers' modelled times instead.
+    """
     import numpy as np
 
     from mpicomm.agree import fail_together
@@ -172,7 +207,12 @@ def decide(world, layers, balance, stages: int, sample, bandwidth, device, error
     table, problem = "", None
     if world.Get_rank() == 0:
         try:
-            profile = profile_layers(layers, sample, device=device) if sample is not None else None
+            if sample is None:
+                profile = None
+            elif compute is not None:
+                profile = modelled_profile(layers, sample, compute, scale)
+            else:
+                profile = profile_layers(layers, sample, device=device)
             chosen = balance if balance is not None else best_balance(profile, stages, bandwidth)
             plan[:] = chosen
             table = plan_table(profile, list(chosen), bandwidth) if profile else \

@@ -88,10 +88,14 @@ class WeightVersions:
     divisor: what the group's lr is divided by for each update (M in the asynchronous modes, see
     applied_lr); spectrain predicts with that rate.
     log: a list to append what each pass used (tests), or None.
+    acc: the process's emulated accelerator (runtime.emulate) when the stage is emulated: nothing is saved
+    for the backward and the optimizer keeps no momentum, so no copy is made or predicted; each pass waits
+    instead what the copies and predictions above would take on the device (passes over every parameter).
     """
 
     def __init__(self, params: list[torch.Tensor], mode: str, in_flight: int, optimizer: torch.optim.Optimizer,
-                 shifts: tuple[int, int] = (0, 0), once: bool = False, log: list | None = None, divisor: int = 1):
+                 shifts: tuple[int, int] = (0, 0), once: bool = False, log: list | None = None, divisor: int = 1,
+                 acc=None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.params, self.mode, self.optimizer, self.log = params, mode, optimizer, log
@@ -122,6 +126,9 @@ class WeightVersions:
         self._spare: list[torch.Tensor | None] = [None] * len(params)
         self._backward_views: list[torch.Tensor] | None = None
         self.updates = 0  # optimizer steps so far (versions), counted by the engine
+        self.acc = acc
+        if acc is not None:  # one read or write pass over the weights: a third of the optimizer's three
+            self._pass_s = acc.model.optimizer_s(sum(p.numel() for p in params), len(params), 0) / 3
 
     # -- what the engine calls ---------------------------------------------------------
     @contextlib.contextmanager
@@ -145,15 +152,35 @@ class WeightVersions:
     def forward(self, slot: int, micro: int):
         if self.mode == "flush":
             return contextlib.nullcontext()
+        if self.acc is not None:
+            return self._emulated(True)
         return self._forward(slot, micro)
 
     def backward(self, slot: int, micro: int):
         if self.mode == "flush":
             return contextlib.nullcontext()
+        if self.acc is not None:
+            return self._emulated(False)
         return self._backward(slot, micro)
 
+    def _emulated(self, forward: bool):
+        """The device time of this pass's weight versions: spectrain predicts once it has momentum (forward: copy
+        the live W aside, W - s·η·v in place, put W back: 7 passes; backward: into the spare, 3), a stash copies
+        the weights (2: read, write; spectrain-once stashes its forward's prediction)."""
+        keeps = bool(self._stash)
+        predicts = self.mode == "spectrain" and self.updates > 0 and self.shifts[0 if forward else 1] > 0
+        passes = (7 if forward else 3) * (predicts and (forward or not keeps)) + 2 * (forward and keeps)
+        if passes:
+            self.acc.run("weight versions", passes * self._pass_s)
+        return contextlib.nullcontext()
+
     def held_bytes(self) -> int:
-        """Bytes of weight copies this mode holds now (stash pool, spectrain's buffers)."""
+        """Bytes of weight copies this mode holds now (stash pool, spectrain's buffers); emulated: would hold."""
+        if self.acc is not None:
+            size = sum(p.numel() * p.element_size() for p in self.params)
+            spare = self.mode == "spectrain" and self.updates > 0 and \
+                (self.shifts[0] > 0 or (self.shifts[1] > 0 and not self._stash))
+            return size * (len(self._stash) + spare)
         tensors = [t for row in self._stash for t in row if t is not None] + [t for t in self._spare if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
