@@ -74,6 +74,18 @@ def test_every_mode_trains_emulated_stages_and_sends_the_true_bytes(mode):
     assert stats["bytes_sent"] == 2 * (BATCH // MICRO) * per_micro
 
 
+def test_host_staged_links_send_the_true_bytes_too():
+    """The staged transport (a GPU's, forced on the CPU) copies the zero-stride outputs into its host buffers."""
+    x, y = batch()
+    with pipeline("vanilla", staging=True) as pipe:
+        pipe.train_step(x, y)
+        pipe.drain()
+        sent = pipe.stats()["bytes_sent"]
+    k = pipe.stage
+    per_micro = 4 * MICRO * ((WIDTHS[sum(BALANCE[:k + 1])] if k < 3 else 0) + (WIDTHS[sum(BALANCE[:k])] if k else 0))
+    assert sent == (BATCH // MICRO) * per_micro
+
+
 def test_automatic_partition_uses_the_modelled_layer_times():
     said = []
     with pipeline("flush", balance=None, stages=4, say=said.append) as pipe:
