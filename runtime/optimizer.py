@@ -15,7 +15,7 @@ from . import checkpoint, metrics, teardown
 from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
 from .emulate.accelerator import device_work
-from .device import GradientStaging, describe_transport, model_device, staging_wanted
+from .device import describe_transport, gradient_staging, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
 from .model_buffers import BufferSync
 from .options import StrategyOptions, resolve
@@ -139,8 +139,7 @@ class DistributedOptimizer:
                               self.policy, shard_gradients=pto and cls.can_shard_gradients,
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
-        self.staging = GradientStaging(self.buffers, self._deliver, self.check.interrupt, self.timeline) \
-            if self.staged and not cls.on_device else None
+        self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device)
         self.transport = describe_transport(self.device, self.staged, cls.on_device)
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)

@@ -8,6 +8,10 @@ import torch
 
 from mpicomm.cuda_support import describe_cuda_support
 
+from ..emulate.accelerator import active as emulated_accelerator
+from .emulated_staging import EmulatedStaging
+from .staging import GradientStaging
+
 STAGING_ENV = "MPITRAIN_STAGING"  # "force": a CPU model goes through the staged path too (tests without a GPU)
 SUPPORTED = ("cpu", "cuda")
 
@@ -41,6 +45,17 @@ def staging_wanted(device: torch.device) -> bool:
     if value not in ("", "auto", "force"):
         raise ValueError(f"{STAGING_ENV} must be 'auto' or 'force', got {value!r}")
     return device.type != "cpu" or value == "force"
+
+
+def gradient_staging(buffers, deliver, interrupt, timeline, on_device: bool):
+    """What moves the wrapper's gradients to the host for MPI and back: GradientStaging for a staged model,
+    EmulatedStaging (the copies' modelled time) under emulated compute (runtime.emulate), else nothing."""
+    if on_device:  # the strategy moves (index, value) pairs itself
+        return None
+    if buffers.staged:
+        return GradientStaging(buffers, deliver, interrupt, timeline)
+    acc = emulated_accelerator()
+    return EmulatedStaging(acc, buffers, deliver, interrupt, timeline) if acc is not None else None
 
 
 def describe_transport(device, staged: bool, on_device: bool) -> str:

@@ -3,8 +3,9 @@
 from .accelerator import Accelerator, active
 from .compute_model import ComputeModel, ProfileModel, RooflineModel, compute_model
 from .devices import device, device_names
-from .emulated import emulate, emulate_optimizer, emulated_loss
+from .emulated import emulate, emulate_optimizer, emulated_loss, optimizer_state
 from .trace import EmulationError
 
 __all__ = ["Accelerator", "ComputeModel", "EmulationError", "ProfileModel", "RooflineModel", "active",
-           "compute_model", "device", "device_names", "emulate", "emulate_optimizer", "emulated_loss"]
+           "compute_model", "device", "device_names", "emulate", "emulate_optimizer", "emulated_loss",
+           "optimizer_state"]

@@ -25,6 +25,7 @@ class Accelerator:
         self.seconds: dict[str, float] = defaultdict(float)  # modelled seconds per kind of work
         self.calls: dict[str, int] = defaultdict(int)
         self.real: set[str] = set()  # kinds of accelerator work that ran for real (not emulated)
+        self._lock = threading.Lock()  # the accounts: the main, progress and staging threads all run work
 
     @property
     def clock(self) -> Clock:
@@ -36,9 +37,17 @@ class Accelerator:
     def run(self, kind: str, seconds: float) -> None:
         """Wait out `seconds` of modelled work (times the compute scale), accounted under `kind`."""
         seconds *= self.scale
-        self.seconds[kind] += seconds
-        self.calls[kind] += 1
+        with self._lock:
+            self.seconds[kind] += seconds
+            self.calls[kind] += 1
         self.clock.run(seconds)
+
+    def issue(self, kind: str, seconds: float) -> None:
+        """Work the host issues now, after waiting for something (a gradient, a message, its last copy): it
+        starts now or when this thread's stream is free, whichever is later, not at the stream's last deadline
+        (a side stream idle since the last step would otherwise owe nothing)."""
+        self.clock.begin()
+        self.run(kind, seconds)
 
     @contextlib.contextmanager
     def device_work(self, kind: str, seconds: float = 0.0):

@@ -13,7 +13,7 @@ from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
 from .trace import Call, EmulationError, TensorSpec, trace
 
-__all__ = ["emulate", "emulated_loss", "emulate_optimizer", "Emulation"]
+__all__ = ["emulate", "emulated_loss", "emulate_optimizer", "optimizer_state", "Emulation"]
 
 
 @dataclass
@@ -176,21 +176,28 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
     return model
 
 
+def optimizer_state(optimizer: torch.optim.Optimizer) -> int:
+    """State values per element that the update reads and writes (ComputeModel.optimizer_s): Adam's two moments."""
+    return 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 1
+
+
 def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer, its step() waiting the modelled time of the update instead of computing it."""
     acc = active()
     if acc is None:
         raise EmulationError("emulate the model first: the optimizer's step runs on its accelerator")
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 1
-    seconds = acc.model.optimizer_s(sum(p.numel() for p in params), len(params), state)
+    state = optimizer_state(optimizer)
 
     zero_grad = optimizer.zero_grad
 
     def step(closure=None):
         loss = closure() if closure is not None else None
+        # What this call updates, as torch's step would: the param groups as they are now (a wrapper's per-layer
+        # update, runtime.updates.ParamUpdater, swaps in a layer's parameters), those with a gradient.
+        stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         acc.clock.begin()  # after whatever the host waited for (a DDP's last all-reduce, say)
-        acc.run("optimizer", seconds)
+        acc.run("optimizer", acc.model.optimizer_s(sum(p.numel() for p in stepped), len(stepped), state))
         return loss
 
     def emulated_zero_grad(set_to_none: bool = False):

@@ -177,6 +177,12 @@ def measure_gflops(rows: int = 64, size: int = 1024, seconds: float = 0.2) -> fl
             return 2 * rows * size * size * products / elapsed / 1e9
 
 
+def emulated_gflops(acc, rows: int = 64, size: int = 1024) -> float:
+    """An emulated accelerator's GFLOP/s on measure_gflops' shape: 2 x rows x size² flop over its modelled
+    GEMM time (runtime.emulate: ComputeModel.gemm_s), slowed by its compute scale."""
+    return 2 * rows * size * size / (acc.model.gemm_s(size, size, rows) * acc.scale) / 1e9
+
+
 def totals(costs: Iterable[LayerCost], dense_bytes: float | None = None) -> dict:
     """Bytes per step over the busiest link: the FC layers by the plan and all through PS (plus dense_bytes).
 

@@ -7,6 +7,8 @@ import torch
 from mpicomm.buffers import offsets
 from mpicomm.ring import IN_PLACE
 
+from ..emulate.accelerator import active as emulated_accelerator
+
 
 class FactorExchange:
     """One layer's factors for one step, and the buffers they travel in (kept across steps, resized when K changes).
@@ -17,6 +19,11 @@ class FactorExchange:
     computes the same product δ_allᵀ u_all on the same data in the same order,
     so the weights stay identical across ranks (a sum of local gradient and
     peers' products would differ in the last bits from rank to rank).
+
+    Under emulated compute (runtime.emulate) the rows are still packed and
+    gathered for real (they are what goes on the wire), after the modelled
+    copy of this rank's rows off the device; the rebuild waits the device's
+    GEMM time instead of computing (see `rebuild`).
     """
 
     def __init__(self, name: str, M: int, N: int, dtype: torch.dtype, tag: int):
@@ -61,6 +68,9 @@ class FactorExchange:
             u[at:].zero_()
             d[at:].zero_()
         self.drop()
+        acc = emulated_accelerator()
+        if acc is not None:  # the rows leave the GPU for MPI's host memory: the caller's thread waits for the copy
+            acc.issue("d2h", acc.model.copy_s(mine * (self.M + self.N) * u.element_size()))
         handles = [ring.allgatherv(IN_PLACE, self.u_all, counts=[r * self.M for r in rows], tag=self.tag),
                    ring.allgatherv(IN_PLACE, self.d_all, counts=[r * self.N for r in rows], tag=self.tag + 1)]
         return handles
@@ -68,6 +78,14 @@ class FactorExchange:
     def rebuild(self, grad_weight: torch.Tensor, grad_bias: torch.Tensor | None, size: int) -> None:
         """The averaged gradient from everyone's factors: W = δ_allᵀ u_all / P, b = Σ δ_all / P."""
         total = self.u_all.numel() // self.M
+        acc = emulated_accelerator()
+        if acc is not None:
+            # Emulated: the device's GEMM (N x ΣK by ΣK x M; Σ δ and the divisions are small beside it) on the
+            # calling thread's stream, the progress thread's: its own clock, as a side stream overlaps
+            # backward. grad_weight and grad_bias keep what they hold (this rank's fixed emulated gradient):
+            # nothing reads their values but an emulated optimizer, and the factors were exchanged for real.
+            acc.issue("rebuild", acc.model.gemm_s(self.N, self.M, total))
+            return
         u = self.u_all.view(total, self.M)
         d = self.d_all.view(total, self.N)
         torch.mm(d.t(), u, out=grad_weight)

@@ -18,6 +18,7 @@ from mpicomm.progress import HandlesTask, HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
 from ..dense import WfbpSync
+from ..emulate.accelerator import active as emulated_accelerator
 from ..p3 import P3Sync
 from ..strategy import Strategy, StrategyContext
 from . import cost_model
@@ -136,8 +137,12 @@ class HybCommSync(Strategy):
         if o.gflops is not None or o.force != "auto" or not self.layers:
             gflops = float(o.gflops or math.inf)
         else:
-            self.ctx.topology.world.Barrier()  # every rank at work at once: the rate a step will see
-            mine = np.array([cost_model.measure_gflops()])
+            acc = emulated_accelerator()
+            if acc is None:
+                self.ctx.topology.world.Barrier()  # every rank at work at once: the rate a step will see
+                mine = np.array([cost_model.measure_gflops()])
+            else:  # the rebuild runs on the emulated device: its modelled rate, not this host's
+                mine = np.array([cost_model.emulated_gflops(acc)])
             self.ctx.topology.world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MIN)
             gflops = float(mine[0])
         return cost_model.Links(inter_bps=bandwidth, intra_bps=float(o.intra_bandwidth), gflops=gflops)

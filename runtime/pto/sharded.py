@@ -11,6 +11,8 @@ import torch
 from mpicomm import IN_PLACE, Ring, block_counts
 from mpicomm.agree import fail_together
 
+from ..emulate.accelerator import active as emulated_accelerator
+from ..emulate.emulated import optimizer_state
 from ..grad_buffers import memory_order
 from .groups import group_layout, group_members, identity
 from .state import laid_out_like, same_value, state_kind
@@ -55,6 +57,14 @@ class ShardedUpdate:
     whatever the parameters' device: MPI works on the host, and a GPU model
     reads its shard from, and gets its parameters back to, the GPU with one
     copy each (state tensors loaded from a GPU optimizer are moved to the host).
+
+    Under emulated compute (runtime.emulate) the shard's update waits the
+    device's modelled optimizer time for its elements (kind "optimizer", as
+    PTO runs it on the GPU in the MSTopK paper) instead of stepping, and the
+    gathered parameters' copy back to the device waits its modelled time
+    (kind "h2d") instead of copying; the allgather is real. The pieces'
+    optimizer then holds no state, and the parameters keep their values
+    (every rank's shard holds them already).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], comm):
@@ -151,6 +161,13 @@ class ShardedUpdate:
             sg.update(self._hyper(ug))
         start, stop = self.shard
         skip = set(skip)
+        acc = emulated_accelerator()
+        if acc is not None:
+            with torch.no_grad():
+                self._read_params()  # what the allgather sends: the first step only, unless weights were loaded
+            stepped = [z - a for i, a, z, _ in self._pieces if i not in skip]
+            acc.issue("optimizer", acc.model.optimizer_s(sum(stepped), len(stepped), optimizer_state(self.optimizer)))
+            return
         with torch.no_grad():
             self._read_params()
             if grad_shard is None:
@@ -175,6 +192,11 @@ class ShardedUpdate:
     def allgather_params(self) -> None:
         """The second half of `step`: gather every rank's updated shard and copy it into the parameters."""
         self.ring.allgatherv(IN_PLACE, self.flat, counts=self.counts).wait()
+        acc = emulated_accelerator()
+        if acc is not None:  # the parameters did not change (no update ran): only the copy's time is owed
+            acc.issue("h2d", acc.model.copy_s(self.numel * self.flat.element_size()))
+            self._written = [identity(p) for p in self.params]
+            return
         with torch.no_grad():
             for p, a, z in zip(self.params, self.offsets[:-1], self.offsets[1:]):
                 memory_order(p.detach()).copy_(self.flat[a:z])

@@ -9,7 +9,9 @@ import torch
 from mpicomm import Ring
 from mpicomm.sparse_allreduce import SparseAllreduce
 
+from ..emulate.accelerator import active as emulated_accelerator
 from ..strategy import Strategy, StrategyContext, wait_handles
+from .emulated import EmulatedSelection
 from .error_feedback import DensitySchedule, ErrorFeedback
 from .mstopk import MSTopK
 from .selection import exact_topk, k_for_density
@@ -48,6 +50,13 @@ class TopkSync(Strategy):
     to the host for the exchange and back (see SparseAllreduce, staged). The
     averaged gradient is in `device_flats` when finish() returns (queued on
     the current stream, ahead of the optimizer's update).
+
+    Under emulated compute (runtime.emulate) the device's part waits its
+    modelled time instead: the selection with its error feedback and velocity
+    (runtime.sparse.emulated), and the copies the staged path makes. The
+    exchange is real, and so is what the host does here in place of the
+    device: the finiteness check and summing every rank's pairs into the
+    dense average (single passes, said as "sparse sum").
     """
 
     name = "topk"
@@ -73,6 +82,7 @@ class TopkSync(Strategy):
         self.velocity = [torch.zeros_like(f) for f in self.buffers.device_flats] if self.momentum else None
         self.steps = 0
         self._handles: list = []
+        self._emulated: EmulatedSelection | None = None
 
     @property
     def traffic(self):
@@ -104,40 +114,66 @@ class TopkSync(Strategy):
         tl = self.timeline
         span = tl.begin(f"{self.name} step {step}", "sync", track="comm") if tl else None
         density = self.schedule(step)
+        acc = emulated_accelerator()  # once per step: the real path pays one global read
+        if acc is not None:
+            acc.ran_for_real("sparse sum")
+            if self._emulated is None:
+                self._emulated = EmulatedSelection(acc)
         for b, flat in enumerate(self.buffers.device_flats):
-            # What gets exchanged: the gradients, or under momentum correction this rank's velocity.
-            local = flat if self.velocity is None else self.velocity[b].mul_(self.momentum).add_(flat)
+            # What gets exchanged: the gradients, or under momentum correction this rank's velocity
+            # (emulated: its two passes are in the selection's modelled time).
+            local = flat if self.velocity is None or acc is not None else \
+                self.velocity[b].mul_(self.momentum).add_(flat)
             # Staged, the host mirror of this buffer is free for MPI's dense work (on_device: nobody copies it).
             mirror = self.buffers.flats[b] if self.staged else None
             if self.schedule.dense(step):
                 host = flat if mirror is None else mirror
                 if local is not host:
                     host.copy_(local)
+                self._copy(acc, "d2h", flat)
                 self._handles = [self.dense.allreduce(host, tag=b)]
                 wait_handles(self._handles, f"{self.name} dense warm-up allreduce", self.ctx)
+                self._copy(acc, "h2d", flat)
                 if host is not flat:
                     flat.copy_(host)
                 flat.div_(self.size)
             elif self.granularity == "model":
-                self.sparse(local, lambda x, b=b: self.ef.select(("model", b), x, density), out=flat,
-                            k_of=lambda n: k_for_density(n, density), host=mirror)
-                self._mask(self.velocity and self.velocity[b], density)
+                self._exchange(acc, ("model", b), local, flat, mirror, density)
+                self._mask(self.velocity and self.velocity[b], density, acc)
                 flat.div_(self.size)
             else:
                 for i, (bi, a, z) in enumerate(self.buffers.segments):
                     if bi != b or a == z:
                         continue
                     g = flat[a:z]
-                    self.sparse(local[a:z], lambda x, i=i: self.ef.select(i, x, density), out=g,
-                                k_of=lambda n: k_for_density(n, density),
-                                host=mirror[a:z] if mirror is not None else None)
-                    self._mask(self.velocity and self.velocity[b][a:z], density)
+                    self._exchange(acc, i, local[a:z], g, mirror[a:z] if mirror is not None else None, density)
+                    self._mask(self.velocity and self.velocity[b][a:z], density, acc)
                     g.div_(self.size)
         self._handles = []
         if span is not None:
             tl.end(span)
 
-    def _mask(self, velocity, density) -> None:
+    def _exchange(self, acc, key, local, out, mirror, density) -> None:
+        """One sparse allreduce of `local` into `out`, selecting under `key` (emulated: see EmulatedSelection)."""
+        if acc is None:
+            self.sparse(local, lambda x: self.ef.select(key, x, density), out=out,
+                        k_of=lambda n: k_for_density(n, density), host=mirror)
+            return
+        # The staged path's copies: hier-topk's node reduce-scatter takes the dense vector to the host and
+        # its shard back; the pairs go to the host after the selection, every rank's come back to be summed.
+        node_scatter = self.hierarchical and self.ctx.topology.local_size > 1
+        if node_scatter:
+            self._copy(acc, "d2h", local)
+        self.sparse(local, lambda x: self._emulated.select(key, x, density, from_host=node_scatter), out=out,
+                    k_of=lambda n: k_for_density(n, density), host=mirror)
+        acc.issue("h2d", acc.model.copy_s(2 * self.sparse.applied.numel() * local.element_size()))
+
+    @staticmethod
+    def _copy(acc, kind: str, t) -> None:
+        if acc is not None:
+            acc.issue(kind, acc.model.copy_s(t.numel() * t.element_size()))
+
+    def _mask(self, velocity, density, acc=None) -> None:
         """DGC's momentum factor masking: forget the velocity of entries that were just applied.
 
         Masked where any rank's entry was applied (the indices of the sum),
@@ -146,7 +182,7 @@ class TopkSync(Strategy):
         density 1 nothing was delayed and there is nothing stale to forget:
         not masked, so the strategy stays exactly momentum SGD there.
         """
-        if velocity is not None and self.masking and density < 1.0:
+        if velocity is not None and self.masking and density < 1.0 and acc is None:
             velocity.index_fill_(0, self.sparse.applied, 0)
 
     def state_dict(self) -> dict:

@@ -1,0 +1,143 @@
+"""Every strategy on an emulated model: the accelerator's work inside it is waited as modelled, and steps complete."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+from conftest import assert_everywhere
+from mpicomm import Topology
+from runtime import DistributedOptimizer, HybCommOptions, TopkOptions
+from runtime.emulate import active, emulate, emulate_optimizer, emulated_loss
+from runtime.emulate.accelerator import deactivate
+from runtime.hybrid.cost_model import emulated_gflops
+from runtime.workloads.models import build_model, model_input
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+STEPS, BATCH = 5, 16
+# Every run: the layers, the optimizer's update and zero_grad on the device.
+DEVICE_WORK = {"layers", "optimizer", "zero_grad"}
+# Dense strategies: each gradient to the host for MPI, its average back (EmulatedStaging).
+STAGED = {"d2h", "h2d"}
+
+
+def agree(ok: bool, message: str = "") -> None:
+    assert_everywhere(MPI.COMM_WORLD, ok, message)
+
+
+@pytest.fixture
+def fresh():
+    """One emulated accelerator per process: each test starts and ends without one."""
+    deactivate()
+    yield
+    deactivate()
+
+
+def emulated_model(name="mlp"):
+    torch.manual_seed(0)
+    model = build_model(name)
+    (x,), y = model_input(name, BATCH)
+    emulate(model, "v100", (x,))
+    return model, x, y
+
+
+def train(strategy, pto=False, topology=None, name="mlp"):
+    """STEPS steps of an emulated model under DistributedOptimizer; returns (model, optimizer wrapper, accelerator)."""
+    model, x, y = emulated_model(name)
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    dopt = DistributedOptimizer(opt, model, strategy, pto=pto, topology=topology)
+    try:
+        for _ in range(STEPS):
+            dopt.zero_grad()
+            emulated_loss(model(x), y).backward()
+            dopt.step()
+        dopt.synchronize()
+    finally:
+        dopt.close()
+    return model, dopt, active()
+
+
+def check(model, acc, kinds, real=()):
+    bad = [n for n, p in model.named_parameters() if p.grad is None or not bool(torch.isfinite(p.grad).all())]
+    agree(not bad, f"gradients missing or not finite: {bad}")
+    missing = set(kinds) - {k for k, s in acc.seconds.items() if s > 0}
+    agree(not missing, f"no modelled time for {sorted(missing)}: {dict(acc.seconds)}")
+    d = acc.describe()
+    agree(set(kinds) <= set(d["emulated"]) and set(real) <= set(d["real"]), f"describe(): {d}")
+    agree(all(bool(torch.isfinite(p).all()) for p in model.parameters()), "parameters stay finite")
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+def test_dense(fresh, strategy):
+    model, _, acc = train(strategy)
+    check(model, acc, DEVICE_WORK | STAGED)
+    agree("select" not in acc.seconds and "rebuild" not in acc.seconds, f"{dict(acc.seconds)}")
+
+
+def test_p3_updates_layer_by_layer_at_their_size(fresh):
+    """p3 steps the optimizer per layer (ParamUpdater): each call waits for its own parameters, not the model's."""
+    model, _, acc = train("p3")
+    sizes = [p.numel() for p in model.parameters()]
+    whole = acc.model.optimizer_s(sum(sizes), len(sizes), 1)
+    agree(acc.calls["optimizer"] > STEPS, f"{acc.calls['optimizer']} optimizer calls in {STEPS} steps")
+    # Per layer, the kernels' launches add up; a step waiting the whole model's time per layer would be 3x.
+    agree(acc.seconds["optimizer"] < 2 * STEPS * whole + 1e-3, f"{acc.seconds['optimizer']} s")
+
+
+def test_hybcomm_sufficient_factors(fresh):
+    model, dopt, acc = train(HybCommOptions(force="sfb"))
+    agree(all(c.choice == "sfb" for c in dopt.strategy.plan), dopt.strategy.plan_text())
+    check(model, acc, DEVICE_WORK | STAGED | {"rebuild"})
+
+
+def test_hybcomm_prices_the_rebuild_at_the_emulated_rate(fresh):
+    model, dopt, acc = train(HybCommOptions())
+    agree(dopt.strategy.links.gflops == emulated_gflops(acc), f"{dopt.strategy.links}")
+    check(model, acc, DEVICE_WORK | STAGED)
+
+
+@pytest.mark.parametrize("granularity", ["model", "layer"])
+def test_topk(fresh, granularity):
+    model, dopt, acc = train(TopkOptions(density=0.05, granularity=granularity))
+    check(model, acc, DEVICE_WORK | {"select", "d2h", "h2d"}, real={"sparse sum"})
+    # The wire carries what real top-k sends: k pairs per rank per exchange, at the values' width.
+    n = sum(p.numel() for p in model.parameters())
+    agree(dopt.strategy.traffic.intra + dopt.strategy.traffic.inter > 0, "pairs were sent")
+    agree(not dopt.strategy.ef.residuals, "no error-feedback residuals are kept under emulation")
+    agree(0 < dopt.strategy.sparse.applied.numel() <= 4 * n, "pairs were summed")
+
+
+def test_hier_topk(fresh):
+    topo = Topology(ranks_per_node=2)
+    try:
+        model, dopt, acc = train(TopkOptions(density=0.05, hierarchical=True), topology=topo)
+    finally:
+        topo.free()
+    check(model, acc, DEVICE_WORK | {"select", "d2h", "h2d"}, real={"sparse sum"})
+
+
+def test_allreduce_pto(fresh):
+    model, dopt, acc = train("allreduce", pto=True)
+    check(model, acc, DEVICE_WORK | {"h2d"})
+    agree(not dopt.pto._opt.state, "the shard's optimizer never stepped for real")
+
+
+def test_ddp_over_gloo(fresh):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from mpicomm.torchdist import init_gloo, shutdown_gloo
+
+    init_gloo()
+    try:
+        model, x, y = emulated_model("cnn")
+        ddp = DDP(model)
+        opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+        for _ in range(STEPS):
+            opt.zero_grad()
+            emulated_loss(ddp(x), y).backward()
+            opt.step()
+    finally:
+        shutdown_gloo()
+    check(model, active(), DEVICE_WORK)
