@@ -236,7 +236,7 @@ class DistributedOptimizer:
         if acc is None:
             self.deferred.zero_grad()
             return
-        with acc.device_work("zero_grad", acc.model.memset_s(4 * self.buffers.numel())):  # a memset kernel on a GPU
+        with acc.device_work("zero_grad", acc.model.memset_s(4 * self.buffers.numel)):  # a memset kernel on a GPU
             self.deferred.zero_grad()
 
     def step(self, closure=None):
