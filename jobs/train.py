@@ -14,6 +14,13 @@ the run equals single-process SGD on batches of batch-size x ranks. Rank 0
 shows progress and prints per-epoch loss, test accuracy and samples/s.
 With --device cuda each rank trains on GPU local_rank % GPUs (ranks may
 share one); batches reach it through pinned buffers, non-blocking.
+With --compute emulated:DEVICE (--compute-scale; jobs.common.compute) the
+model, loss and optimizer wait the time DEVICE would take instead of
+computing (runtime.emulate), and the gradients exchanged have the true sizes
+and order: samples/s is the figure, loss and accuracy mean nothing and are
+not computed (null in --json; no scoring), and with --data synthetic each
+rank holds one batch that every step takes. The epoch lines and --json name
+the compute mode.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from jobs.common.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MOD
 from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
                                 existing_dir, fraction, launched_ranks, link_rate, one_of, option, output_dir,
                                 output_file, parse)
+from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.training import pipeline as train_pipeline
 from jobs.training import resume
+from jobs.training.data import batch_plan, evaluate, example_inputs, load_data, open_cache, train_batches
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
@@ -90,12 +99,15 @@ def parse_args(argv=None):
     p.add_argument("--no-progress", action="store_true",
                    help="no progress (else a bar on a terminal, a line every ~10 %% of an epoch in a log file)")
     train_pipeline.add_arguments(p)
+    add_compute_arguments(p)
     return parse(p, argv, check_args, mpi=True)
 
 
 def check_args(args) -> None:
     """Everything that can be known wrong before MPI starts, from the cheapest check on."""
     one_of("--strategy", args.strategy, STRATEGIES)
+    if args.compute != "real" and args.parallel == "pipeline":
+        raise InputError("--compute", "emulated compute trains data parallel only for now: drop --parallel pipeline")
     at_least(args, 1, "batch_size", "epochs", "threads", "synthetic_samples", "prefetch")
     auto_or_count(args, "slice_size", "credit")
     at_least(args, 0, "max_steps", "dense_warmup_steps", "density_ramp_steps", "lr", "momentum", "seed",
@@ -122,6 +134,7 @@ def check_args(args) -> None:
     output_file(args, "checkpoint", "timeline", replaced=True)  # both written to a temp file, then renamed
     train_pipeline.check_arguments(args, launched_ranks())
     check_device(args)  # imports torch when cuda is asked: last
+    check_compute(args)  # imports torch when emulating
 
 
 def check_hybcomm(args) -> None:
@@ -137,88 +150,6 @@ def check_hybcomm(args) -> None:
     args.link_bandwidth_bps = None
     if args.link_bandwidth is not None:  # link_rate imports torch (mpicomm): only paid when the option is given
         args.link_bandwidth_bps = link_rate("--link-bandwidth", args.link_bandwidth)
-
-
-def load_data(args, rank):
-    """(train inputs, train targets, test inputs, test targets); inputs are tuples of tensors: model(*inputs)."""
-    import torch
-
-    from datacache.idx import load_fashion_mnist
-    from runtime.workloads import data as D
-    from runtime.workloads.models import input_shape, model_input
-
-    if args.data == "austen":
-        from datacache.austen import CharCorpus, load_austen_text
-
-        corpus = CharCorpus(load_austen_text())
-        (x, y), (tx, ty) = corpus.tensors("train"), corpus.tensors("val")
-        return (x,), y, (tx,), ty
-    if args.data == "synthetic":
-        # The test samples must come from the training set's distribution: the same seed (the
-        # class prototypes are drawn first), the tail of a larger draw. A second seed gave the
-        # classes other centres, and test accuracy sat at chance.
-        n = args.synthetic_samples
-        x, y = model_input(args.model, n, args.seed)
-        txs, tys = model_input(args.model, n + max(256, n // 8), args.seed)
-        return x, y, tuple(t[n:] for t in txs), tys[n:]
-    shape = input_shape(args.model)
-    txs, tys = load_fashion_mnist("test")
-    test = (D.to_tensor(txs, shape),), torch.as_tensor(tys)
-    if args.cache_dir:  # the training set comes through the cache
-        return (None, None, *test)
-    xs, ys = load_fashion_mnist("train")
-    return (D.to_tensor(xs, shape),), torch.as_tensor(ys), *test
-
-
-def open_cache(args, rank, ranks):
-    """The training set through datacache: Fashion-MNIST's preprocessing, this rank's part."""
-    from datacache import Pipeline, SampleCache, open_source
-    from datacache.sources import IdxSource
-
-    source = open_source(args.data_dir, "train") if args.data_dir else IdxSource.fashion_mnist("train")
-    # One fixed partition (seed 0) whatever --seed is: a sweep over seeds reuses the same shards.
-    return SampleCache(source, Pipeline.fashion_mnist(), args.cache_dir, rank, ranks,
-                       memory_bytes=args.cache_memory_mb << 20, seed=0,
-                       log=lambda text: print(text, file=sys.stderr, flush=True))
-
-
-def train_batches(args, epoch, steps, x, y, plan, cache, shape, feed):
-    """This epoch's (inputs, target) batches on the training device: from the in-memory arrays, or read ahead
-    through the cache; `feed` (runtime.device.DeviceFeed) hands them over (pinned, non-blocking on a GPU)."""
-    from runtime.workloads.data import fit_to_shape
-
-    if cache is None:
-        for idx in plan.epoch(epoch)[:steps]:
-            *inputs, target = feed.take((*x, y), idx)
-            yield tuple(inputs), target
-        return
-    # Leaving early (--max-steps, an error) closes the read-ahead thread.
-    with cache.batches(epoch, args.batch_size, args.prefetch, shuffle_seed=args.seed) as ahead:
-        for _, (xb, yb) in zip(range(steps), ahead):
-            xb, yb = feed((fit_to_shape(xb, shape), yb))
-            yield (xb,), yb
-
-
-def evaluate(model, x, y, comm, feed, batch=512):
-    """(accuracy, targets scored) over the test set, each rank scoring a 1/P share (tokens for the transformer)."""
-    import numpy as np
-    import torch
-
-    P, r = comm.Get_size(), comm.Get_rank()
-    idx = np.array_split(np.arange(len(x[0])), P)[r]
-    correct = torch.zeros((), dtype=torch.int64, device=feed.device)  # summed where computed: no wait per batch
-    total = 0
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for a in range(0, len(idx), batch):
-            *inputs, target = feed.take((*x, y), idx[a:a + batch])
-            correct += (model(*inputs).argmax(-1) == target).sum()
-            total += target.numel()
-    model.train(was_training)
-    counts = np.array([int(correct), total], dtype=np.int64)
-    comm.Allreduce(np.copy(counts), counts)
-    return counts[0] / max(1, counts[1]), int(counts[1])
 
 
 def strategy_options(args):
@@ -254,7 +185,6 @@ def main(argv=None, args=None) -> int:
     from mpicomm.agree import fail_together
     from runtime import CheckpointError, DistributedOptimizer, save_checkpoint
     from runtime.device import DeviceFeed
-    from runtime.workloads.data import BatchPlan
     from runtime.workloads.models import FIXED_CLASSES as CLASSES
     from runtime.workloads.models import build_model, input_shape, loss_fn
 
@@ -284,10 +214,13 @@ def main(argv=None, args=None) -> int:
     classes = CLASSES.get(args.model, 1000 if args.model == "transformer" else 10)  # as the data's (model_input)
     model = build_model(args.model, num_classes=classes,
                         **({"in_channels": 3} if args.model in ("vgg19", "resnet50") else {})).to(device)
+    compute = Compute.from_args(args)
+    model = compute.model(model, example_inputs(args, x))  # before anything hooks the model
     if args.optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
+    opt = compute.optimizer(opt)
     timeline = None
     if args.timeline:
         from runtime.trace import Timeline, instrument
@@ -299,8 +232,8 @@ def main(argv=None, args=None) -> int:
     if start_epoch is None:
         dopt.close()
         return 2
-    criterion = loss_fn(args.model)
-    plan = None if cache else BatchPlan(len(x[0]), args.batch_size, P, rank, args.seed)
+    criterion = compute.loss(loss_fn(args.model))
+    plan = None if cache else batch_plan(args, x, P, rank)
     full = cache.steps(args.batch_size) if cache else len(plan)
     steps = min(full, args.max_steps) if args.max_steps else full
     shape = input_shape(args.model) if cache else None
@@ -310,6 +243,9 @@ def main(argv=None, args=None) -> int:
         f"strategy {args.strategy}{' + pto' if args.pto else ''}, {P} ranks x batch {args.batch_size}, "
         f"{steps} steps/epoch")
     say(header_line(device_info))
+    if compute.emulated:
+        say(f"{compute.label}: throughput only; loss and accuracy are meaningless under emulation and are not "
+            "computed (no scoring)")
     tuning = getattr(dopt.strategy, "tuning", None) or getattr(getattr(dopt.strategy, "inner", None), "tuning", None)
     if tuning is not None:
         say(f"p3: {tuning.describe()}")
@@ -318,7 +254,8 @@ def main(argv=None, args=None) -> int:
     for epoch in range(start_epoch, args.epochs):
         bar = None
         if rank == 0 and not args.no_progress:
-            bar = epoch_progress(steps, f"epoch {epoch + 1}/{args.epochs}", args.batch_size * P)
+            bar = epoch_progress(steps, f"epoch {epoch + 1}/{args.epochs}"
+                                 + (" (emulated: loss not computed)" if compute.emulated else ""), args.batch_size * P)
         comm.Barrier()
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -353,9 +290,9 @@ def main(argv=None, args=None) -> int:
             bar.close()
         losses = np.array([loss_sum / max(1, steps)])
         comm.Allreduce(MPI.IN_PLACE, losses)
-        acc, scored = evaluate(model, tx, ty, comm, feed)
-        row = dict(epoch=epoch + 1, loss=float(losses[0] / P), test_accuracy=acc, test_targets=scored,
-                   samples_per_s=steps * args.batch_size * P / elapsed, seconds=elapsed)
+        acc, scored = (None, 0) if compute.emulated else evaluate(model, tx, ty, comm, feed)
+        row = dict(epoch=epoch + 1, loss=None if compute.emulated else float(losses[0] / P), test_accuracy=acc,
+                   test_targets=scored, samples_per_s=steps * args.batch_size * P / elapsed, seconds=elapsed)
         if cache:
             # wait: blocked because the next batch was not ready; fetch: all time taking batches
             # (includes handing the GIL back from the read-ahead thread). Slowest rank of each.
@@ -364,8 +301,9 @@ def main(argv=None, args=None) -> int:
             row.update(data_wait_s=float(wait[0]), data_wait_fraction=float(wait[0]) / elapsed,
                        data_fetch_fraction=float(wait[1]) / elapsed, cache_state=cache.state)
         history.append(row)
-        say(f"epoch {epoch + 1}: loss {row['loss']:.4f}  test accuracy {acc * 100:.2f} %  "
-            f"{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)"
+        scores = f"[{compute.label}]  " if compute.emulated else \
+            f"loss {row['loss']:.4f}  test accuracy {acc * 100:.2f} %  "
+        say(f"epoch {epoch + 1}: {scores}{row['samples_per_s']:.0f} samples/s  ({elapsed:.1f} s)"
             + (f"  data wait {row['data_wait_fraction'] * 100:.1f} % (fetch {row['data_fetch_fraction'] * 100:.1f} %)"
                if cache else ""), flush=True)
         if args.checkpoint:
@@ -376,7 +314,8 @@ def main(argv=None, args=None) -> int:
                 dopt.close()
                 return 1
     plan = plan_rows(dopt.strategy)  # None but under hybcomm
-    metrics = dict(args=vars(args), ranks=P, device=device_info, epochs=history)
+    metrics = dict(args=vars(args), ranks=P, device=device_info, **compute.describe(), compute_label=compute.label,
+                   epochs=history)
     if plan is not None:
         metrics.update(plan=plan, plan_version=dopt.strategy.plan_version)
     dopt.close()

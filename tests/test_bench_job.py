@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from mpicomm.emulation import netns
 from mpicomm.launch import mpiexec
 
 
@@ -74,7 +75,7 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     assert all(r["step_cpu_s"] > 0 and len(r["step_cpu_rounds_s"]) == 2 for r in rows)
     assert "| mlp | p3 | local-unshaped |" in proc.stdout and "| wire MB/step |" in proc.stdout
     assert "| comm CPU s |" in proc.stdout and "| overlap eff. | hidden share |" in proc.stdout
-    assert "\ndevices: cpu\n" in proc.stdout and "\nmedian of 2 rounds " in proc.stdout
+    assert "\ndevices: cpu; real compute\n" in proc.stdout and "\nmedian of 2 rounds " in proc.stdout
     machine = doc["meta"]["machine"]
     assert machine["cores"] == os.cpu_count() and machine["usable_cores"] == len(os.sched_getaffinity(0))
     assert doc["meta"]["rounds"] == 2 and doc["meta"]["threads"] == 2
@@ -146,3 +147,112 @@ def test_local_bench_on_cuda_runs_vgg19_and_resnet50_with_every_contender(tmp_pa
     assert [(r["model"], r["strategy"]) for r in rows] == [(m, s) for m in ("vgg19", "resnet50") for s in strategies]
     assert all(r["device"] == "cuda" and r["cuda"] == torch.version.cuda and r["samples_per_s"] > 0 for r in rows)
     assert "devices: cuda (" in proc.stdout
+
+
+def test_local_bench_under_emulated_compute_fills_the_compute_fields(tmp_path):
+    """--compute emulated:v100 reaches every default contender (DDP included): rows, title, meta and PNG name it."""
+    from runtime.emulate import compute_model
+    from runtime.workloads.models import build_model
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "jobs.bench", "--local", "--hosts", "2", "--models", "mlp", "--compute",
+           "emulated:v100", "--compute-scale", "2", "--batches", "1", "--iters", "1", "--warmup", "1", "--rounds",
+           "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [r["strategy"] for r in rows] == ["allreduce", "wfbp", "p3", "ddp"]
+    params = list(build_model("mlp").parameters())
+    # The optimizer's modelled update, times the scale: the step ran on the emulated accelerator.
+    update = 2 * compute_model("v100").optimizer_s(sum(p.numel() for p in params), len(params), 1)
+    for r in rows:
+        assert r["samples_per_s"] > 0 and r["t_comm_s"] > 0 and r["batch_per_rank"] == 16  # mlp: no paper batch
+        assert r["compute_device"] == "v100" and r["compute_scale"] == 2 and "v100" in r["compute"]
+        assert {"layers", "optimizer"} <= set(r["emulated_parts"]) and r["compute_label"].endswith("compute x2")
+        assert r["modelled_parts_s"]["optimizer"] == pytest.approx(update)
+        assert r["modelled_compute_s"] == pytest.approx(sum(r["modelled_parts_s"].values()))
+        assert r["modelled_compute_s"] > r["modelled_parts_s"]["layers"] > 0
+        assert r["step_cpu_s"] > 0 and r["compute_cpu_s"] > 0 and r["peak_rss_mb"] > 0
+        assert r["peak_rss_ranks_mb"] >= r["peak_rss_mb"] and r["carried_at"] is None and r["carry_factor"] == 1
+        assert r["ranks_per_core"] == pytest.approx(2 / len(os.sched_getaffinity(0)))
+        assert (r["warmup"], r["batches"], r["iters"]) == (1, 1, 1)
+    label = rows[0]["compute_label"]
+    assert label.startswith("emulated compute: ") and f"\ndevices: cpu; {label}\n" in proc.stdout
+    assert "| modelled s | peak RSS MB |" in proc.stdout and "carried at" not in proc.stdout
+    meta = doc["meta"]
+    assert meta["compute_device"] == "v100" and meta["compute_label"] == label and "layers" in meta["emulated_parts"]
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_emulated_defaults_per_model_and_given_values_win():
+    """Under emulation: the paper's batch, and few steps for a model of hundreds of MB per step; else as always."""
+    from jobs.bench.strategies import parse_args, run_settings
+
+    emulated = parse_args(["--local", "--compute", "emulated:h100"])
+    assert run_settings(emulated, "vgg19-224") == dict(batch_size=32, batches=2, iters=1, warmup=1, rounds=2)
+    assert run_settings(emulated, "mlp") == dict(batch_size=16, batches=5, iters=2, warmup=2, rounds=3)
+    real = parse_args(["--local"])
+    assert run_settings(real, "vgg19-224") == dict(batch_size=16, batches=5, iters=2, warmup=2, rounds=3)
+    given = parse_args(["--local", "--compute", "emulated:h100", "--batch-size", "4", "--batches", "3"])
+    assert run_settings(given, "vgg19-224") == dict(batch_size=4, batches=3, iters=1, warmup=1, rounds=2)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bandwidths", "10gbit", "--carry-at", "1gbit"], "--carry-at: scales the compute with the links: it needs "
+                                                        "--compute emulated:DEVICE"),
+    (["--local", "--carry-at", "1gbit", "--compute", "emulated:v100"], "--carry-at: --local runs unshaped"),
+    (["--bandwidths", "10gbit,none", "--carry-at", "1gbit", "--compute", "emulated:v100"],
+     "--carry-at: --bandwidths none is unshaped"),
+    (["--local", "--compute", "emulated:nonesuch"], "--compute: unknown device 'nonesuch'; named devices: 1080ti, h100,"),
+    (["--local", "--compute-scale", "2"], "--compute-scale: applies to emulated compute only"),
+])
+def test_bad_compute_and_carry_are_one_line_and_exit_2(args, message):
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_carried_rows_are_reported_at_the_bandwidth_asked():
+    """Times divided, rates multiplied by B / RATE; CPU-seconds and bytes as measured; the carrying said."""
+    from types import SimpleNamespace
+
+    from jobs.common import carry
+
+    args = SimpleNamespace(carry_at="1gbit", carry_at_bps=10 ** 9)
+    rows = [dict(t_iter_s=2.0, t_iter_ci=[1.0, 4.0], parts=dict(layers=1.0), samples_per_s=8.0, step_cpu_s=3.0,
+                 wire_bytes_per_step=100, t_comm_s=None)]
+    carry.report_at(args, rows, "10gbit", ("t_iter_s", "t_iter_ci", "parts", "t_comm_s"), ("samples_per_s",))
+    assert rows == [dict(t_iter_s=0.2, t_iter_ci=[0.1, 0.4], parts=dict(layers=0.1), samples_per_s=80.0,
+                         step_cpu_s=3.0, wire_bytes_per_step=100, t_comm_s=None, carry_factor=10.0,
+                         carried_at="1 Gbit/s links, compute x10", carried_links="1gbit")]
+    assert "carried at 1 Gbit/s links" in carry.title_line(args)
+    plain = [dict(t_iter_s=2.0)]
+    carry.report_at(SimpleNamespace(), plain, "local-unshaped", ("t_iter_s",), ())
+    assert plain == [dict(t_iter_s=2.0, carried_at=None, carry_factor=1.0, carried_links="local-unshaped")]
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(netns.why_not() is not None, reason=f"{netns.why_not()}")
+@pytest.mark.timeout(300)
+def test_carry_at_runs_on_slower_links_and_reports_at_the_bandwidth_asked(tmp_path):
+    """2 Gbit/s carried at 1: the links shaped to 1 Gbit/s, compute x2; the rows at 2gbit, the x2 divided back."""
+    from runtime.emulate import compute_model
+    from runtime.workloads.models import build_model
+
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "jobs.bench", "--hosts", "2", "--models", "mlp", "--bandwidths", "2gbit",
+           "--carry-at", "1gbit", "--compute", "emulated:v100", "--strategies", "allreduce", "--batches", "1",
+           "--iters", "1", "--warmup", "1", "--rounds", "1", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["bandwidth"], row["carried_links"], row["carry_factor"]) == ("2gbit", "1gbit", 2.0)
+    assert row["carried_at"] == "1 Gbit/s links, compute x2" and row["compute_scale"] == 1.0
+    params = list(build_model("mlp").parameters())
+    update = compute_model("v100").optimizer_s(sum(p.numel() for p in params), len(params), 1)
+    assert row["modelled_parts_s"]["optimizer"] == pytest.approx(update)  # ran x2, reported at 2gbit: x1
+    assert row["samples_per_s"] == pytest.approx(2 * 16 / row["t_iter_s"])
+    assert row["wire_bytes_per_step"] >= 4 * sum(p.numel() for p in params)  # bytes as measured
+    assert "\ncarried at 1 Gbit/s links: " in proc.stdout and "| 1 Gbit/s links, compute x2 |" in proc.stdout

@@ -37,6 +37,18 @@ def test_trains_and_reports_every_epoch(tmp_path, strategy):
     assert "epoch 2: loss" in proc.stdout
 
 
+def test_emulated_compute_reports_throughput_and_says_scores_are_meaningless(tmp_path):
+    """--compute emulated:v100: the epoch line and --json name the compute; no loss or accuracy as if real."""
+    out = tmp_path / "m.json"
+    proc = train(tmp_path, "--compute", "emulated:v100", "--epochs", "1", "--max-steps", "3", "--json", str(out))
+    doc = json.loads(out.read_text())
+    assert proc.stdout.count("loss and accuracy are meaningless under emulation") == 1  # rank 0, once
+    assert "test accuracy" not in proc.stdout and "epoch 1: [emulated compute: " in proc.stdout
+    assert doc["compute_device"] == "v100" and "layers" in doc["emulated_parts"]
+    (row,) = doc["epochs"]
+    assert row["loss"] is None and row["test_accuracy"] is None and row["samples_per_s"] > 0
+
+
 def test_hybcomm_prints_its_plan_and_records_it(tmp_path):
     """4 ranks: rank 0 prints the plan after the first step (the batch never changes: once) and --json holds it."""
     out = tmp_path / "m.json"
@@ -98,7 +110,10 @@ def test_timeline_has_a_track_per_rank_with_layers_and_slices(tmp_path):
                                           (["--resume"], "--resume: needs --checkpoint"),
                                           (["--batch-size", "0"], "--batch-size: must be >= 1"),
                                           (["--density", "0"], "--density: must be in (0, 1]"),
-                                          (["--density", "1.5"], "--density: must be in (0, 1]")])
+                                          (["--density", "1.5"], "--density: must be in (0, 1]"),
+                                          (["--compute", "emulated:nonesuch"], "--compute: unknown device 'nonesuch'"),
+                                          (["--compute", "emulated:v100", "--parallel", "pipeline"],
+                                           "--compute: emulated compute trains data parallel only for now")])
 def test_bad_arguments(args, message):
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, *args], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)

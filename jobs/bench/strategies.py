@@ -12,6 +12,9 @@ r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training through
         --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps                  # Poseidon's choice vs forced
     mpitrain bench strategies --device cuda --models vgg19,resnet50 --hosts 2 --ranks-per-host 2 \
         --bandwidths 1gbit,10gbit,none                                    # on GPUs (ranks may share one)
+    mpitrain bench strategies --compute emulated:h100 --models vgg19-224 --bandwidths 1gbit --hosts 4
+    mpitrain bench strategies --compute emulated:v100 --models vgg19-224,resnet50-224 \
+        --bandwidths 10gbit,25gbit --carry-at 1gbit                       # 10 and 25 Gbit/s, carried at 1
 
 For every bandwidth an emulated cluster of --hosts hosts (--ranks-per-host each) is
 brought up, jobs.bench.strategies_worker runs every model and strategy across it, and
@@ -43,6 +46,24 @@ printed under the table once per model and bandwidth. With --device cuda
 the ranks train on GPUs (local rank % GPUs); rows carry device, device_name,
 cuda and transport (how gradients reach the network), and the table's
 title line names the device.
+
+With --compute emulated:DEVICE (or emulated:PROFILE.json; jobs.common.compute)
+every contender's layers, loss and optimizer wait the time DEVICE would take,
+times --compute-scale, instead of computing (runtime.emulate): the ranks'
+CPUs stay free for the communication, as a GPU host's do. The table title,
+the JSON meta and the PNG name the compute mode; every row carries it
+(compute, compute_device, compute_scale, emulated_parts, real_parts), the
+modelled device seconds per step ("modelled s"; per kind in
+modelled_parts_s), the peak resident memory ("peak RSS MB": the largest
+rank's, peak_rss_ranks_mb all ranks' summed) and ranks_per_core. Under
+emulation the batch defaults to the model's paper batch (PAPER_BATCH, else
+16), and models of 50 M parameters or more default to --warmup 1 --batches 2
+--iters 1 --rounds 2 (VGG-19 at 224x224 sends 575 MB per step: seconds at
+1 Gbit/s); given values win. --carry-at RATE (emulated compute only) runs every
+--bandwidths B on links of RATE with the compute B/RATE times slower and
+reports the figures at B (jobs.common.carry: times divided, samples/s
+multiplied by B/RATE; CPU-seconds and bytes as measured); rows carry
+carried_at ("1 Gbit/s links, compute x10"), carry_factor and carried_links.
 """
 
 from __future__ import annotations
@@ -51,8 +72,10 @@ import argparse
 import sys
 
 from jobs.bench.contenders import check_settings
+from jobs.common import carry
 from jobs.common.choices import MODELS
 from jobs.common.cluster_sweep import sweep
+from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least, check_device,
                                 cluster_bench_outputs, comma_list, parse)
 from jobs.common.outputs import write_together
@@ -60,33 +83,48 @@ from jobs.common.plans import plan_markdown
 from jobs.common.report import machine, machine_line, run_metadata, save_figure, write_json
 
 DEFAULT_BANDWIDTHS = "0.5gbit,1gbit,2.5gbit,10gbit,none"
+# The steps per contender and round, and the rounds, when not given: as measured on the CPU, and under emulated
+# compute for a model of BIG_MODEL parameters or more. VGG-19 at 224x224 sends 575 MB per step, 7.6 s at
+# 1 Gbit/s on 4 hosts, and each contender's wrapping broadcasts the model once more: 54 s per contender and
+# round with these steps, so that 4 strategies x 2 rounds take about 8 minutes (3 rounds took 11).
+STEPS = dict(batches=5, iters=2, warmup=2, rounds=3)
+BIG_STEPS = dict(batches=2, iters=1, warmup=1, rounds=2)
+BIG_MODEL = 50_000_000
 
 
 def parse_args(argv=None):
     """The checked command line: everything the worker would refuse is refused here, before a cluster is up."""
     p = JobParser(prog="python -m jobs.bench.strategies", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    add_worker_arguments(p, "vgg19,resnet50,transformer", "allreduce,wfbp,p3,ddp", batch_size=16)
+    add_worker_arguments(p, "vgg19,resnet50,transformer", "allreduce,wfbp,p3,ddp", batch_size=16, emulated=True)
     p.add_argument("--hosts", type=int, default=4,
                    help="default 4; with --local, emulated nodes of --ranks-per-host ranks on this host")
     add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
+    add_compute_arguments(p)
+    carry.add_carry_argument(p)
     return parse(p, argv, check_args)
 
 
-def add_worker_arguments(p, models: str, strategies: str, batch_size: int) -> None:
-    """What a driver of jobs.bench.strategies_worker hands it (strategies, scaling); check_worker_arguments checks."""
+def add_worker_arguments(p, models: str, strategies: str, batch_size: int, emulated: bool = False) -> None:
+    """What a driver of jobs.bench.strategies_worker hands it (strategies, scaling); check_worker_arguments checks.
+
+    emulated: the driver takes --compute, and the step counts and batch not given default per model
+    (run_settings).
+    """
     p.add_argument("--models", default=models, help=f"default {models}")
     p.add_argument("--strategies", default=strategies, help=f"default {strategies}")
     p.add_argument("--ranks-per-host", type=int, default=1)
     p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    p.add_argument("--batch-size", type=int, default=batch_size,
-                   help=f"samples per rank per step (default {batch_size})")
-    p.add_argument("--batches", type=int, default=5, help="timed batches per contender and round (default 5)")
-    p.add_argument("--iters", type=int, default=2, help="steps per timed batch (default 2)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contender and round (default 2)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved rounds over the contenders, in rotating order (default 3; 95 %% CIs from 6)")
+    big = f"; emulated compute, {BIG_MODEL // 10 ** 6} M parameters or more: " if emulated else ""
+    p.add_argument("--batch-size", type=int, default=None if emulated else batch_size,
+                   help=f"samples per rank per step (default {batch_size}"
+                        + ("; emulated compute: the model's paper batch if it has one)" if emulated else ")"))
+    for name, what in (("batches", "timed batches per contender and round"), ("iters", "steps per timed batch"),
+                       ("warmup", "untimed steps per contender and round"),
+                       ("rounds", "interleaved rounds over the contenders, in rotating order (95 %% CIs from 6)")):
+        p.add_argument(f"--{name}", type=int, default=None if emulated else STEPS[name],
+                       help=f"{what} (default {STEPS[name]}" + (f"{big}{BIG_STEPS[name]})" if big else ")"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--slice-size", default="auto", help="p3: elements per slice, or auto (default: from the link)")
     p.add_argument("--credit", default="auto", help="p3: messages in flight, or auto (default: from the link)")
@@ -104,37 +142,84 @@ def check_worker_arguments(args) -> None:
 def check_args(args) -> None:
     check_worker_arguments(args)
     at_least(args, 1, "hosts")
+    check_compute(args)
     cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
+    carry.check_carry(args)
+
+
+def run_settings(args, model: str) -> dict:
+    """The batch and step counts a model runs with: as given, else the defaults (per model under emulation)."""
+    emulated = getattr(args, "compute", "real") != "real"
+    steps = BIG_STEPS if emulated and parameters(model) >= BIG_MODEL else STEPS
+    out = {k: steps[k] if getattr(args, k) is None else getattr(args, k) for k in steps}
+    batch = args.batch_size
+    if batch is None:
+        from runtime.workloads.models import PAPER_BATCH
+
+        batch = PAPER_BATCH.get(model, 16) if emulated else 16
+    return dict(out, batch_size=batch)
+
+
+def parameters(model: str) -> int:
+    """The model's parameter count, built on the meta device (no memory, no initialisation)."""
+    import torch
+
+    from runtime.workloads.models import build_model
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(model).parameters())
 
 
 def worker_cmd(args, model, label, ranks):
+    s = run_settings(args, model)
     cmd = [sys.executable, "-m", "jobs.bench.strategies_worker", "--model", model, "--strategies", args.strategies,
-           "--batch-size", str(args.batch_size), "--batches", str(args.batches), "--iters", str(args.iters),
-           "--warmup", str(args.warmup), "--bandwidth", label, "--density", str(args.density),
-           "--optimizer", args.optimizer, "--device", args.device, "--rounds", str(args.rounds),
+           "--batch-size", str(s["batch_size"]), "--batches", str(s["batches"]), "--iters", str(s["iters"]),
+           "--warmup", str(s["warmup"]), "--bandwidth", label, "--density", str(args.density),
+           "--optimizer", args.optimizer, "--device", args.device, "--rounds", str(s["rounds"]),
            "--threads", str(args.threads)]
     cmd += ["--slice-size", str(args.slice_size), "--credit", str(args.credit)]
+    if getattr(args, "compute", "real") != "real":  # carried: the compute slowed as the links are
+        cmd += ["--compute", args.compute, "--compute-scale", repr(args.compute_scale * carry.factor(args, label))]
     # Locally every rank is on this one host: the hosts become emulated nodes (for hier-topk's two levels).
     return cmd + (["--ranks-per-node", str(args.ranks_per_host)] if args.local and ranks > 1 else [])
 
+
+# What --carry-at reports at the asked bandwidth (jobs.common.carry): times divided, rates multiplied.
+CARRIED_TIMES = ("t_iter_s", "t_iter_ci", "t_compute_s", "t_compute_ci", "t_comm_s", "t_comm_ci", "t_iter_rounds_s",
+                 "t_compute_rounds_s", "t_comm_rounds_s", "t_iter_batches_s", "modelled_compute_s", "modelled_parts_s")
+CARRIED_RATES = ("samples_per_s", "ci", "samples_per_s_ci")
 
 OVERLAP = ("overlap eff. = max(T_compute, T_comm) / T_iter (at most 1), hidden share = (T_compute + T_comm - T_iter) "
            "/ min(T_compute, T_comm) (in [0, 1])")
 
 
+def report_at(args, rows, label: str) -> None:
+    """A run's rows as at the bandwidth asked (a carried one's figures scaled: jobs.common.carry), with the compute
+    scale asked: what the workers ran with besides is in carried_at."""
+    carry.report_at(args, rows, label, CARRIED_TIMES, CARRIED_RATES)
+    if getattr(args, "carry_at_bps", None) is not None:
+        for r in rows:
+            r.update(compute_scale=args.compute_scale, compute_label=compute_label(args))
+
+
 def markdown(rows) -> str:
     """The rows' table: medians over rounds, (low-high) their CIs (title() says which); two header lines."""
+    carried = any(r.get("carried_at") for r in rows)
+    carried_head = " carried at |" if carried else ""
     head = ("| model | strategy | bandwidth | samples/s | (CI) | T_iter s | T_compute s | T_comm s "
             "| overlap eff. | hidden share | compute CPU s | step CPU s | comm CPU s | comm CPU × DDP's "
-            "| CPU bound s | inter-node MB/step | wire MB/step |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "| CPU bound s | inter-node MB/step | wire MB/step | modelled s | peak RSS MB |" + carried_head + "\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+            + "---|" * bool(carried_head))
     body = [f"| {r['model']} | {r['strategy']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | "
             f"{spread(r['samples_per_s_ci'], 1)} | {with_ci(r, 't_iter', 4)} | {with_ci(r, 't_compute', 4)} | "
             f"{with_ci(r, 't_comm', 4)} | {with_ci(r, 'overlap', 2, 'overlap_efficiency')} | "
             f"{with_ci(r, 'hidden_share', 2, 'hidden_share')} | "
             f"{r['compute_cpu_s']:.3f} | {num(r.get('step_cpu_s'), 3)} | {num(r['comm_cpu_s'], 3)} | "
             f"{num(comm_cpu_vs_ddp(r, rows), 2)} | "
-            f"{cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | {mb(r, 'wire_bytes_per_step')} |"
+            f"{cpu_bound(r)} | {mb(r, 'inter_node_bytes_per_step')} | {mb(r, 'wire_bytes_per_step')} | "
+            f"{num(r.get('modelled_compute_s'), 4)} | {num(r.get('peak_rss_mb'), 0)} |"
+            + (f" {r.get('carried_at') or '-'} |" if carried else "")
             for r in rows]
     return "\n".join([head, *body])
 
@@ -145,11 +230,21 @@ def title(rows, args) -> str:
 
     rounds = sorted({r["rounds"] for r in rows})
     how = ", ".join(coverage_text(n) for n in rounds)
-    return (f"{device_title(rows)}\n{machine_line(machine())}; {args.threads} torch thread"
-            f"{'s' * (args.threads > 1)} per rank\n"
+    per_core = "/".join(f"{v:g}" for v in dict.fromkeys(round(r["ranks_per_core"], 2) for r in rows
+                                                         if r.get("ranks_per_core") is not None))
+    carried = carry.title_line(args)
+    return (f"{device_title(rows)}; {compute_label(args)}\n{machine_line(machine())}"
+            + (f"; ranks per usable core: {per_core}" if per_core else "")
+            + f"; {args.threads} torch thread{'s' * (args.threads > 1)} per rank\n"
+            + (carried + "\n" if carried else "") +
             f"median of {'/'.join(map(str, rounds))} rounds (contenders interleaved, rotating order); "
             f"(low-high): the rounds' order statistics, for the median {how}; "
             f"{OVERLAP}, each per round")
+
+
+def compute_label(args) -> str:
+    """`emulated compute: ... H100 ..., compute x2` or `real compute`: what the figures' compute was."""
+    return Compute(args.compute, args.compute_scale).label
 
 
 def with_ci(row, key: str, digits: int, median_key: str | None = None) -> str:
@@ -224,7 +319,7 @@ def cpu_bound(row) -> str:
     return f"{(row['compute_cpu_s'] + row['comm_cpu_s']) / row['cores']:.3f}"
 
 
-def plot(rows, path):
+def plot(rows, path, title: str = ""):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -247,13 +342,18 @@ def plot(rows, path):
         ax.set_ylabel("samples/s (median of rounds, CI)")
         ax.grid(True, alpha=0.3)
         ax.legend()
+    if title:  # wrapped: one panel is narrower than the compute model's name
+        import textwrap
+
+        fig.suptitle(textwrap.fill(title, 64 * len(models)), fontsize=8)
     save_figure(fig, path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     rows = sweep(args, lambda model, label, ranks: worker_cmd(args, model, label, ranks), markdown,
-                 args.ranks_per_host)
+                 args.ranks_per_host, links=lambda bw: carry.links(args, bw),
+                 adjust=lambda new, label: report_at(args, new, label))
     if rows is None:
         return 2
     for r in rows:
@@ -264,12 +364,20 @@ def main(argv=None) -> int:
     if p3_lines(rows):
         print("\n" + p3_lines(rows))
     if args.json:
-        meta = run_metadata("jobs.bench", argv, machine=machine(), rounds=args.rounds, threads=args.threads,
+        rounds = sorted({r["rounds"] for r in rows})
+        meta = run_metadata("jobs.bench", argv, machine=machine(), rounds=rounds[0] if len(rounds) == 1 else rounds,
+                            threads=args.threads,
+                            **Compute(args.compute, args.compute_scale).describe(), compute_label=compute_label(args),
+                            carry_at=args.carry_at, carried=carry.title_line(args) or None,
                             overlap_efficiency=OVERLAP,
                             ci="order statistics of the rounds (jobs.common.stats.median_ci)")
+        for parts in ("emulated_parts", "real_parts"):  # what the workers' accelerators ran (the driver has none)
+            meta[parts] = sorted({p for r in rows for p in r.get(parts) or ()})
         write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot and rows:
-        write_together(None, "--plot", args.plot, lambda: (plot(rows, args.plot), print(f"wrote {args.plot}")))
+        label = compute_label(args) + (f"; carried at {args.carry_at} links" if args.carry_at else "")
+        write_together(None, "--plot", args.plot,
+                       lambda: (plot(rows, args.plot, label), print(f"wrote {args.plot}")))
     return 0
 
 

@@ -77,6 +77,7 @@ def row(args, b, name: str, mine: list[dict], plain: list[dict]) -> dict:
                transport=mine[-1]["transport"], **wire, **traffic,
                **{f"{k}_rounds" + ("" if k in ("overlap", "hidden_share") else "_s"): v for k, v in rounds.items()},
                t_iter_batches_s=[r["batches"] for r in mine])
+    out.update(steps(args, b, mine))
     if name.removesuffix("+pto") in SPARSE:
         out["density"] = args.density
     if mine[-1]["plan"] is not None:
@@ -87,3 +88,17 @@ def row(args, b, name: str, mine: list[dict], plain: list[dict]) -> dict:
             values = [r["p3"][key] for r in mine if key in r["p3"]]
             out[f"p3_{key}_per_step"] = statistics.median(values) if values else None
     return out
+
+
+def steps(args, b, mine: list[dict]) -> dict:
+    """How the row's steps were run and what they used of the host: the compute mode (jobs.common.compute),
+    the modelled device seconds per step (emulated, else None), peak memory, ranks per core, the step counts."""
+    modelled = [r["modelled"] for r in mine]
+    parts = None if None in modelled else {k: statistics.median(m.get(k, 0.0) for m in modelled)
+                                          for k in dict.fromkeys(k for m in modelled for k in m)}
+    rss = [r["rss"] for r in mine]
+    return dict(**b.compute.describe(), compute_label=b.compute.label,
+                modelled_compute_s=None if parts is None else sum(parts.values()), modelled_parts_s=parts,
+                peak_rss_mb=None if rss[0][0] is None else max(r[0] for r in rss),
+                peak_rss_ranks_mb=None if rss[0][1] is None else max(r[1] for r in rss),
+                ranks_per_core=b.ranks_per_core, warmup=args.warmup, batches=args.batches, iters=args.iters)

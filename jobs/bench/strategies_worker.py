@@ -41,6 +41,17 @@ share one), the synthetic batch stays there, ddp is torch DDP on the GPU over
 gloo (NCCL refuses several ranks on one GPU), and the clock is read after
 the GPU has finished each timed batch. Rows carry the device and torch's
 CUDA version.
+With --compute emulated:DEVICE (runtime.emulate) every contender's model,
+optimizer and loss are emulated: each layer waits the time DEVICE would take
+(times --compute-scale) instead of computing, gradients of the true sizes
+reach the strategies in the true order, and the communication is real. T_comm
+is timed as without emulation. Rows then carry the compute mode
+(jobs.common.compute: compute, compute_device, compute_scale, emulated_parts,
+real_parts), modelled_compute_s (the modelled device seconds per timed step;
+per kind of work in modelled_parts_s), ranks_per_core (ranks on this machine
+over its usable cores) and peak_rss_mb (the largest rank's peak resident
+memory during the contender; peak_rss_ranks_mb: all ranks' summed), as rows
+without emulation do too, the modelled figures None.
 """
 
 from __future__ import annotations
@@ -49,32 +60,18 @@ import gc
 import os
 import time
 
+from jobs.bench import host_usage
 from jobs.bench.contenders import FORCED, STRATEGIES, check_settings, strategy_options
+from jobs.bench.host_usage import ranks_cpu_s
 from jobs.bench.strategies_rows import row
 from jobs.common.choices import MODELS
 from jobs.common.choices import SPARSE_STRATEGIES as SPARSE
 from jobs.common.cluster_sweep import print_row
+from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import JobParser, add_device_argument, at_least, check_device, one_of, parse
 from jobs.common.plans import PLAN_KEYS, plan_rows
 
 COMPUTE = "compute"  # the contender with no synchronisation at all: T_compute
-
-
-def ranks_cpu_s(comm) -> float:
-    """Collective: the CPU-seconds (user + system, every thread) all ranks' processes have used so far.
-
-    Per process, not machine-wide: another user's load on a shared machine is not counted, and
-    progress threads, gloo's threads and the system calls that move the bytes are.
-    """
-    import resource
-
-    import numpy as np
-    from mpi4py import MPI
-
-    use = resource.getrusage(resource.RUSAGE_SELF)
-    total = np.array([use.ru_utime + use.ru_stime])
-    comm.Allreduce(MPI.IN_PLACE, total)
-    return float(total[0])
 
 
 def parse_args(argv=None):
@@ -95,6 +92,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks-per-node", type=int, help="emulate nodes of this many consecutive ranks")
     add_device_argument(p)
+    add_compute_arguments(p)
     return parse(p, argv, check_args, mpi=True)
 
 
@@ -104,6 +102,7 @@ def check_args(args) -> None:
     at_least(args, 0, "seed")
     at_least(args, 1, "ranks_per_node")
     check_device(args)
+    check_compute(args)  # imports torch when emulating: last
 
 
 def slowest(comm, seconds: float) -> float:
@@ -152,17 +151,22 @@ class Bench:
         self.device_info = describe(dev, self.comm)  # collective; the transport is each contender's
         # Every timed batch ends with the GPU idle, so that the clock measures its work (not its queueing).
         self.sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        self.build = lambda: (torch.manual_seed(args.seed), build_model(args.model).to(dev))[1]
         # Horovod's synthetic protocol: one batch, made once, already where the model is.
         inputs, target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
         self.inputs, self.target = tuple(t.to(dev) for t in inputs), target.to(dev)
-        self.loss = loss_fn(args.model)
+        self.compute = Compute.from_args(args)
+        # Emulated (if so) before a strategy or DDP hooks its parameters; a fresh model per contender and round.
+        self.build = lambda: self.compute.model(
+            (torch.manual_seed(args.seed), build_model(args.model).to(dev))[1], self.inputs)
+        self.loss = self.compute.loss(loss_fn(args.model))
+        self.ranks_per_core = host_usage.ranks_per_core(self.comm)  # collective
         # Set by the emulated cluster, where each host is a namespace with this one interface.
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")
         self.steps = args.warmup + args.batches * args.iters  # per contender and round
 
-    def timed(self, step, finish=lambda: None) -> tuple[list[float], dict]:
-        """(per-batch seconds per step, slowest rank, after warm-up; bytes sent per timed step, see wire_per_step)."""
+    def timed(self, step, finish=lambda: None) -> tuple[list[float], dict, dict | None]:
+        """(per-batch seconds per step, slowest rank, after warm-up; bytes sent per timed step, see wire_per_step;
+        this rank's modelled device seconds per timed step and kind, None without emulation)."""
         a = self.args
 
         def done():
@@ -170,10 +174,11 @@ class Bench:
             self.sync()
         timed_batches(self.comm, step, done, a.warmup, 0, a.iters)  # the warm-up alone
         self.comm.Barrier()
-        tx0 = self.host_tx_bytes()
+        tx0, modelled = self.host_tx_bytes(), host_usage.modelled_s()
         per_batch = timed_batches(self.comm, step, done, 0, a.batches, a.iters)
+        modelled = host_usage.modelled_since(modelled, a.batches * a.iters)
         tx1 = self.host_tx_bytes()  # every step is over: each received all it waited for, so it was sent
-        return per_batch, self.wire_per_step(tx1 - tx0 if self.iface else None)
+        return per_batch, self.wire_per_step(tx1 - tx0 if self.iface else None), modelled
 
     def host_tx_bytes(self) -> int:
         """Bytes this host's interface has sent, read by the host's first rank (its ranks share it), else 0."""
@@ -204,16 +209,19 @@ class Bench:
 
     def optimizer(self, model):
         if self.args.optimizer == "adam":
-            return self.torch.optim.Adam(model.parameters(), lr=1e-4)
-        return self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            return self.compute.optimizer(self.torch.optim.Adam(model.parameters(), lr=1e-4))
+        return self.compute.optimizer(self.torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
 
     def measure(self, name: str) -> dict:
         """One round of one contender, on a model and optimizer of its own, released before the next.
 
-        Keys: batches (per-batch seconds per step), t_iter (their mean), wire; the plain step also cpu
-        (machine CPU-seconds per step), a strategy also t_comm, comm_cpu, traffic, plan, transport.
+        Keys: batches (per-batch seconds per step), t_iter (their mean), wire, modelled (per kind, emulated),
+        rss (peak resident MB: largest rank, all ranks); the plain step also cpu (machine CPU-seconds per
+        step), a strategy also t_comm, comm_cpu, traffic, plan, transport.
         """
+        host_usage.reset_peak_rss()
         out = self.compute_only() if name == COMPUTE else self.strategy(name)
+        out["rss"] = host_usage.peak_rss_mb(self.comm)  # collective
         release_memory()
         out["t_iter"] = sum(out["batches"]) / len(out["batches"])
         return out
@@ -223,8 +231,8 @@ class Bench:
         model = self.build()
         opt = self.optimizer(model)
         c0 = ranks_cpu_s(self.comm)
-        per_batch, wire = self.timed(self.train_step(model, opt))
-        return dict(batches=per_batch, wire=wire, cpu=(ranks_cpu_s(self.comm) - c0) / self.steps)
+        per_batch, wire, modelled = self.timed(self.train_step(model, opt))
+        return dict(batches=per_batch, wire=wire, modelled=modelled, cpu=(ranks_cpu_s(self.comm) - c0) / self.steps)
 
     def strategy(self, name: str) -> dict:
         """One strategy's timed steps and T_comm; a sparse one's traffic, a hybcomm one's plan."""
@@ -241,13 +249,16 @@ class Bench:
             ddp = DDP(model, device_ids=[self.device.index]) if cuda else DDP(model)
             out["transport"] = "torch DDP, gloo" + (" (CUDA tensors)" if cuda else "")
             c0 = ranks_cpu_s(self.comm)
-            out["batches"], out["wire"] = self.timed(self.train_step(ddp, opt))
+            out["batches"], out["wire"], out["modelled"] = self.timed(self.train_step(ddp, opt))
             out["step_cpu"] = (ranks_cpu_s(self.comm) - c0) / self.steps
+            model.zero_grad(set_to_none=True)  # the steps' gradients are done with: room for the flat buffer
             flat = torch.zeros(sum(p.numel() for p in model.parameters()), device=self.device)
-            grads = torch.randn_like(flat)
+            grads = fixed_gradients(model) or [torch.randn_like(flat)]
+            views = flat.split([g.numel() for g in grads])
 
             def allreduce():  # the same copy of every gradient as the strategies' sync below
-                flat.copy_(grads)
+                for view, g in zip(views, grads):
+                    view.copy_(g.view(-1))
                 dist.all_reduce(flat)
             out["t_comm"], out["comm_cpu"] = self._time_comm(allreduce)
             return out
@@ -262,7 +273,8 @@ class Bench:
             exchange = getattr(dopt.strategy, "exchange", None)  # p3's: it counts messages and polls
             counted = (exchange.messages, exchange.polls) if exchange is not None else None
             c0 = ranks_cpu_s(self.comm)
-            out["batches"], out["wire"] = self.timed(self.train_step(model, dopt), dopt.synchronize)
+            out["batches"], out["wire"], out["modelled"] = self.timed(self.train_step(model, dopt),
+                                                                      dopt.synchronize)
             out["step_cpu"] = (ranks_cpu_s(self.comm) - c0) / self.steps
             if counted is not None:
                 out["p3"] = dict(settings=dopt.strategy.tuning.describe(),
@@ -274,7 +286,7 @@ class Bench:
             if hybrid:  # no T_comm (see the module's docstring)
                 return out
             params = list(model.parameters())
-            grads = [torch.randn_like(p) for p in params]
+            grads = fixed_gradients(model) or [torch.randn_like(p) for p in params]
 
             def sync_only():
                 # Fresh gradients each call (one copy into the strategy's buffers, as DDP's sync above
@@ -313,6 +325,13 @@ class Bench:
         self.sync()
         seconds = slowest(self.comm, time.perf_counter() - t0) / n
         return seconds, (ranks_cpu_s(self.comm) - c0) / n
+
+
+def fixed_gradients(model) -> list | None:
+    """An emulated model's fixed gradients (runtime.emulate), one per parameter: T_comm's gradients without a
+    second model-sized copy (VGG-19 at 224x224: 575 MB a rank); None for a model that computes."""
+    grads = [getattr(p, "_emulated_grad", None) for p in model.parameters()]
+    return None if not grads or any(g is None for g in grads) else grads
 
 
 def release_memory() -> None:

@@ -20,14 +20,18 @@ def rows_from(proc) -> list[dict]:
 
 
 def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[list[dict]], str],
-          ranks_per_host: int = 1, runs: list[tuple[str, int]] | None = None) -> list[dict] | None:
+          ranks_per_host: int = 1, runs: list[tuple[str, int]] | None = None,
+          links: Callable[[str], str] | None = None,
+          adjust: Callable[[list[dict], str], None] | None = None) -> list[dict] | None:
     """Rows of command(name, bandwidth label, ranks) for every --bandwidths x run (--local: this host, unshaped).
 
     runs: (name, ranks) pairs; by default (model, --hosts x ranks_per_host) for every --models. A run
     of n ranks gets a cluster of ceil(n / ranks_per_host) hosts, brought up for it and taken down
-    after; a single rank sends nothing and runs on this host. The new rows are shown (show(rows) is a
-    markdown table) as they come. A failure ends the sweep with one `error:` line: the rows so far are
-    returned, or None when there are none.
+    after; a single rank sends nothing and runs on this host. links(bandwidth): the rate its links are
+    shaped to (default: the bandwidth itself; jobs.common.carry); adjust(rows, label) edits a run's rows
+    in place before they are shown. The new rows are shown (show(rows) is a markdown table) as they
+    come. A failure ends the sweep with one `error:` line: the rows so far are returned, or None when
+    there are none.
     """
     from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
 
@@ -41,9 +45,12 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
                 if args.local or n == 1:
                     proc = run_local(cmd, n, args.timeout, capture=True)
                 else:
-                    with EmulatedCluster(-(-n // ranks_per_host), bw, ranks_per_host=ranks_per_host) as cluster:
+                    shaped = bw if links is None else links(bw)
+                    with EmulatedCluster(-(-n // ranks_per_host), shaped, ranks_per_host=ranks_per_host) as cluster:
                         proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True)
                 new = rows_from(proc)
+                if adjust is not None:
+                    adjust(new, label)
                 rows += new
                 print(show(new).split("\n", 2)[2], flush=True)
     except (EmulationError, RuntimeError) as exc:

@@ -1,1 +1,1 @@
-"""Parts of jobs.train: the pipeline-parallel branch (`--parallel pipeline`) and data-parallel `--resume`."""
+"""Parts of jobs.train: its data, the pipeline-parallel branch (`--parallel pipeline`) and data-parallel `--resume`."""
