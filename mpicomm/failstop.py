@@ -6,8 +6,8 @@ next collective, and its own interpreter blocks in MPI_Finalize at exit, so
 mpiexec never sees it die (`python -m mpi4py` aborts instead, as Horovod and
 torch's elastic agent tear a job down).
 
-Every rank keeps a receive posted on COMM_WORLD for notices (tag TAG_UB, which
-no collective of this library uses). A rank that stops sends every other rank
+Every rank keeps a receive posted on COMM_WORLD from each other rank for notices
+(tag TAG_UB, which no collective of this library uses). A rank that stops sends every other rank
 a notice (the failing rank, its error, its step):
 
 - an uncaught exception (sys.excepthook), or run_main's: the traceback, then
@@ -76,9 +76,13 @@ class _Guard:
         self.raised = False  # check() raised it: the main thread took the notice up
         self.stopping = False
         self.exiting = False  # the main thread is in _at_exit: it looks at notices itself
-        self._buf = np.zeros(_HEADER.size + TEXT, dtype=np.uint8)
+        # One receive per peer, not one from MPI.ANY_SOURCE: across hosts, MPICH's UCX netmod left
+        # ANY_SOURCE receives unmatched for ever (4 emulated hosts, tcp), while receives naming their
+        # source completed at once. Thousands of ranks cost 2 KiB and one request per peer.
+        self._bufs = np.zeros((self.size, _HEADER.size + TEXT), dtype=np.uint8)
         self._sent: list = []  # (buffer, request) of notices, alive until the process ends
-        self._req = self.comm.Irecv([self._buf, MPI.BYTE], MPI.ANY_SOURCE, self.tag)
+        self._reqs = [self._post(r) if r != self.rank else MPI.REQUEST_NULL for r in range(self.size)]
+        self._receiving = self.size > 1
         self._last_poll = 0.0
         self._done = threading.Event()
         self._watcher = None
@@ -90,18 +94,25 @@ class _Guard:
         atexit.register(self._at_exit)
 
     # -- notices -----------------------------------------------------------------------------
+    def _post(self, source: int):
+        return self.comm.Irecv([self._bufs[source], MPI.BYTE], source, self.tag)
+
     def _poll(self) -> None:
         """Take every notice that has arrived (under the lock: the watcher and the main thread both poll)."""
         with self.lock:
-            status = MPI.Status()
-            while self._req is not None and self._req.Test(status):
-                origin, kind, step = _HEADER.unpack_from(self._buf)
-                text = bytes(self._buf[_HEADER.size:status.Get_count(MPI.BYTE)]).decode(errors="replace")
+            if not self._receiving:
+                return
+            statuses = [MPI.Status() for _ in self._reqs]
+            done = MPI.Request.Testsome(self._reqs, statuses) or []
+            for j, i in enumerate(done):  # statuses[j] belongs to the j-th completed request, as in MPI
+                buf = self._bufs[i]
+                origin, kind, step = _HEADER.unpack_from(buf)
+                text = bytes(buf[_HEADER.size:statuses[j].Get_count(MPI.BYTE)]).decode(errors="replace")
                 notice = (origin, kind, step, text, time.monotonic())
-                self.heard[status.Get_source()] = notice
+                self.heard[i] = notice
                 if self.failure is None or (self.failure[1] == EXIT and kind == FAILED):
                     self.failure = notice
-                self._req = self.comm.Irecv([self._buf, MPI.BYTE], MPI.ANY_SOURCE, self.tag)
+                self._reqs[i] = self._post(i)
 
     def _send(self, origin: int, kind: int, step: int, text: str) -> None:
         raw = text.encode()[:TEXT]
@@ -233,10 +244,12 @@ class _Guard:
         if self._watcher is not None and self._watcher is not threading.current_thread():
             self._watcher.join()
         with self.lock:
-            if self._req is not None:
-                self._req.Cancel()
-                self._req.Wait()
-                self._req = None
+            if self._receiving:
+                for req in self._reqs:
+                    if req != MPI.REQUEST_NULL:
+                        req.Cancel()
+                MPI.Request.Waitall(self._reqs)
+                self._receiving = False
             deadline = time.monotonic() + 1.0  # delivered: every other rank has exited after hearing it
             while not MPI.Request.Testall([r for _, r in self._sent]) and time.monotonic() < deadline:
                 time.sleep(1e-3)

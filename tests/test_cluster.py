@@ -208,3 +208,33 @@ def test_sparse_exchange_inter_node_bytes_are_what_the_links_carry(tmp_path):
         # Headers (TCP/IP, MPI) and the validation fingerprints ride on top of the counted payload.
         assert counted[10, mode] <= payload <= 1.25 * counted[10, mode] + 200_000, (mode, payload, counted)
     assert counted[10, "hier"] <= counted[10, "flat"] / 2, counted
+
+
+FAILSTOP_PROG = """
+import sys
+import numpy as np
+import runtime  # installs fail-stop
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+comm.Barrier()
+if sys.argv[1] == "raise" and comm.Get_rank() == 1:
+    raise OSError("disk went away")
+buf = np.zeros(1)
+comm.Allreduce(MPI.IN_PLACE, buf)  # with "raise": the others wait here for rank 1, which never comes
+open(f"{sys.argv[2]}/done.{comm.Get_rank()}", "w").write(str(buf[0]))  # printed lines interleave
+"""
+
+
+def test_fail_stop_across_four_hosts_ends_well_and_stops_on_a_failure(tmp_path):
+    """A plain script exits cleanly and a raising rank stops every rank, across hosts (no ANY_SOURCE receive:
+    MPICH's UCX netmod left those unmatched across 4 emulated hosts, and every job hung at exit)."""
+    script = tmp_path / "prog.py"
+    script.write_text(FAILSTOP_PROG)
+    with EmulatedCluster(hosts=4, bandwidth="1gbit", ranks_per_host=1) as cl:
+        proc = cl.run([PY, str(script), "fine", str(tmp_path)], timeout=60, capture=True, env={"PYTHONPATH": ROOT})
+        assert proc.returncode == 0, proc.stderr
+        assert sorted(p.name for p in tmp_path.glob("done.*")) == [f"done.{r}" for r in range(4)]
+        proc = cl.run([PY, str(script), "raise", str(tmp_path)], timeout=60, capture=True, env={"PYTHONPATH": ROOT})
+        assert proc.returncode != 0
+        for r in (0, 2, 3):
+            assert f"[rank {r}] stopping: rank 1 stopped with OSError: disk went away" in proc.stderr, proc.stderr
