@@ -46,7 +46,7 @@ class RooflineModel(ComputeModel):
     def __init__(self, dev: Device):
         self.device = dev
         self.device_name = dev.name
-        self.label = f"emulated {dev.label}, roofline"
+        self.label = f"{dev.label}, roofline"
 
     def unit_times(self, trace: Trace) -> list[tuple[float, float]]:
         itemsize = 4
@@ -87,7 +87,7 @@ class ProfileModel(ComputeModel):
         self.profile = profile
         self.device_name = f"profile:{profile.device}"
         where = f" {os.path.basename(path)}" if path else ""
-        self.label = f"emulated from the profile{where} ({profile.model}, {profile.device}, batch {profile.batch_size})"
+        self.label = f"the profile{where} ({profile.model}, {profile.device}, batch {profile.batch_size})"
         self._elements = sum(l.elements for l in profile.layers)
 
     def unit_times(self, trace: Trace) -> list[tuple[float, float]]:
