@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import assert_everywhere
 from test_agreement_mpi import raised_everywhere
 from test_pipeline_mpi import LR, build, data, reference, sgd
+from mpicomm import Topology
 from runtime.pipeline import Pipeline, load_stages
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(90)]
@@ -49,9 +50,11 @@ def error(pipe, ref) -> float:
 def test_one_stage_updates_per_micro_batch_at_lr_over_m_and_flush_per_step_at_lr(world, mode):
     """One stage (no staleness): an asynchronous mode is plain momentum SGD on micro-batches at lr / M, exactly."""
     comm = split(world, 1)
+    # One rank is one node, whatever MPITRAIN_RANKS_PER_NODE says for the world (make test's emulated nodes).
+    topology = Topology(comm, ranks_per_node=1)
     steps = data(6, 8)
-    pipe = Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=[7], microbatches=M, mode=mode, comm=comm,
-                    say=None)
+    pipe = Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=[7], microbatches=M, mode=mode,
+                    topology=topology, say=None)
     for parts in steps:
         pipe.train_step(*parts[0])
     if mode == "flush":  # one update per step at lr: one process on the whole batches
@@ -66,6 +69,7 @@ def test_one_stage_updates_per_micro_batch_at_lr_over_m_and_flush_per_step_at_lr
     updates = pipe.stats()["updates"]
     lr_kept = all(g["lr"] == LR for g in pipe.optimizer.param_groups)  # the caller's rate is left as set
     pipe.close()
+    topology.free()
     comm.Free()
     assert_everywhere(world, ok and lr_kept and updates == (6 if mode == "flush" else 6 * M),
                       f"{mode}: off by {err:.3g}, {updates} updates, lr kept {lr_kept}")
