@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .emulate.landing import defer_zero
+
 
 def dense_layout(t: torch.Tensor) -> bool:
     """Whether t's elements fill exactly numel() consecutive slots in some dimension order (no gaps, no overlap).
@@ -102,14 +104,17 @@ class GradientBuffers:
     def zero(self, indices=None) -> None:
         """Zero these parameters' gradients in place (all when None), keeping the views attached."""
         if indices is None:
-            for flat in self.device_flats:
-                flat.zero_()
+            if not defer_zero(self.params):  # emulated: the next gradients are copied over them instead
+                for flat in self.device_flats:
+                    flat.zero_()
             for p, view in zip(self.params, self.grads):
                 if p.grad is not view:
                     p.grad = view
             return
+        deferred = defer_zero(self.params[i] for i in indices)
         for i in indices:
-            self.device_flat_views[i].zero_()
+            if not deferred:
+                self.device_flat_views[i].zero_()
             if self.params[i].grad is not self.grads[i]:
                 self.params[i].grad = self.grads[i]
 

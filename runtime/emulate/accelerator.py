@@ -34,13 +34,14 @@ class Accelerator:
             c = self._clocks.clock = Clock()
         return c
 
-    def run(self, kind: str, seconds: float) -> None:
-        """Wait out `seconds` of modelled work (times the compute scale), accounted under `kind`."""
+    def run(self, kind: str, seconds: float, lazy: bool = False) -> None:
+        """Wait out `seconds` of modelled work (times the compute scale), accounted under `kind` (lazy: see
+        Clock.run; for work inside a pass that nothing outside the pass sees end)."""
         seconds *= self.scale
         with self._lock:
             self.seconds[kind] += seconds
             self.calls[kind] += 1
-        self.clock.run(seconds)
+        self.clock.run(seconds, lazy)
 
     def issue(self, kind: str, seconds: float) -> None:
         """Work the host issues now, after waiting for something (a gradient, a message, its last copy): it

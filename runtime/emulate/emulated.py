@@ -11,6 +11,7 @@ from torch import nn
 
 from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
+from .landing import defer_zero, land, landed
 from .trace import Call, EmulationError, TensorSpec, trace
 
 __all__ = ["emulate", "emulated_loss", "emulate_optimizer", "optimizer_state", "Emulation"]
@@ -52,6 +53,7 @@ class Emulation:
             self.cursor = (step, link)
             link = step.call.module(arg)
         self.cursor = None
+        self.acc.clock.sync()  # the layers ran lazily (Clock.run): the pass ends when its last one does
         if tuple(link.shape) != self.output.shape:
             link = _Reshape.apply(link, self.output.shape)
         return link
@@ -69,7 +71,7 @@ class Emulation:
 class _Unit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, emu: Emulation, step: _Step, x):
-        emu.acc.run("layers", step.fwd_s)
+        emu.acc.run("layers", step.fwd_s, lazy=True)
         ctx.emu, ctx.step = emu, step
         ctx.x = (tuple(x.shape), x.dtype) if x.requires_grad else None
         return emu.zeros(step.call.output)
@@ -78,7 +80,7 @@ class _Unit(torch.autograd.Function):
     def backward(ctx, grad):
         emu, step = ctx.emu, ctx.step
         if not step.params:
-            emu.acc.run("layers", step.bwd_s)
+            emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
         return None, None, emu.zeros(*ctx.x) if ctx.x is not None else None
 
 
@@ -93,10 +95,15 @@ class _Attach(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.step is not None:
-            ctx.emu.acc.run("layers", ctx.step.bwd_s)
+        emu, p, step = ctx.emu, ctx.p, ctx.step
+        if step is not None:
+            for q in step.params:
+                land(q)
+            emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
+        if not p.requires_grad or landed(p):  # copied over the marked .grad: autograd adds nothing
+            return None, None, grad, None
         # The same realistic gradient each step: made once, so no per-step random numbers or allocation.
-        return None, None, grad, ctx.p._emulated_grad if ctx.p.requires_grad else None
+        return None, None, grad, p._emulated_grad
 
 
 class _Reshape(torch.autograd.Function):
@@ -201,8 +208,10 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         return loss
 
     def emulated_zero_grad(set_to_none: bool = False):
-        # Kept, not set to None: autograd then adds the fixed gradients in place instead of allocating copies.
+        # Kept, not set to None, and not zeroed but marked: the next backward copies the fixed gradients over
+        # them (runtime.emulate.landing) instead of allocating copies or zeroing and adding.
         with acc.device_work("zero_grad", acc.model.memset_s(4 * sum(p.numel() for p in params))):
-            zero_grad(set_to_none=set_to_none)
+            if not defer_zero(p for p in params if p.grad is not None):
+                zero_grad(set_to_none=set_to_none)
     optimizer.step, optimizer.zero_grad = step, emulated_zero_grad
     return optimizer

@@ -1,0 +1,93 @@
+"""runtime.emulate under a step: gradients land over marked buffers in the real order, and lazy waits add up."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
+from runtime.emulate.clock import LAZY_S, Clock
+from runtime.workloads.models import build_model, model_input
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    accelerator.deactivate()
+    yield
+    accelerator.deactivate()
+
+
+def emulated(name="cnn"):
+    model = build_model(name)
+    inputs, _ = model_input(name, 4)
+    emulate(model, "v100", inputs)
+    return model, inputs
+
+
+def test_after_zero_grad_the_gradient_lands_once_and_micro_batches_add():
+    model, inputs = emulated()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    templates = [p._emulated_grad for p in model.parameters()]
+    for _ in range(2):
+        opt.zero_grad()
+        emulated_loss(model(*inputs)).backward()
+        assert all(torch.equal(p.grad, t) for p, t in zip(model.parameters(), templates))
+        grads = [p.grad for p in model.parameters()]
+    # Without a zero_grad in between, a second backward adds, as autograd does for micro-batches.
+    emulated_loss(model(*inputs)).backward()
+    assert all(torch.equal(p.grad, 2 * t) for p, t in zip(model.parameters(), templates))
+    # The buffers are the same tensors step after step: nothing allocated per step.
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    # A user's set_to_none zero_grad on the model still gets fresh gradients from autograd.
+    model.zero_grad(set_to_none=True)
+    emulated_loss(model(*inputs)).backward()
+    assert all(torch.equal(p.grad, t) for p, t in zip(model.parameters(), templates))
+
+
+@pytest.mark.parametrize("name", ["cnn", "resnet50"])
+def test_landed_gradients_run_their_hooks_in_the_real_order(name):
+    model, inputs = emulated(name)
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    emulated_loss(model(*inputs)).backward()  # autograd accumulates: the order it fires in is the real one
+    order, seen = [], []
+
+    def hook(q, n):
+        order.append(n)
+        seen.append(torch.equal(q.grad, q._emulated_grad))  # a hook sees its gradient landed already
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda q, n=n: hook(q, n))
+    opt.zero_grad()
+    emulated_loss(model(*inputs)).backward()
+    landed = list(order)
+    assert all(seen) and len(seen) == len(list(model.parameters()))
+    order.clear()
+    model.zero_grad(set_to_none=True)
+    emulated_loss(model(*inputs)).backward()  # nothing marked: autograd accumulates and fires the hooks
+    assert landed == order
+
+
+def test_a_tensor_hook_still_sees_the_gradient_on_its_way():
+    model, inputs = emulated()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    emulated_loss(model(*inputs)).backward()
+    seen = []
+    p = next(model.parameters())
+    p.register_hook(lambda g: seen.append(g.shape))
+    opt.zero_grad()
+    emulated_loss(model(*inputs)).backward()
+    assert seen == [p.shape]
+
+
+def test_lazy_runs_owe_less_than_a_millisecond_and_sync_pays_it():
+    clock = Clock()
+    t = time.perf_counter()
+    for _ in range(200):
+        clock.run(0.00005, lazy=True)
+    owed = clock.deadline - time.perf_counter()
+    assert owed <= LAZY_S
+    clock.sync()
+    assert time.perf_counter() - t >= 200 * 0.00005
+    assert clock.busy == pytest.approx(0.01)
+    assert clock.deadline <= time.perf_counter()
