@@ -91,3 +91,16 @@ def test_lazy_runs_owe_less_than_a_millisecond_and_sync_pays_it():
     assert time.perf_counter() - t >= 200 * 0.00005
     assert clock.busy == pytest.approx(0.01)
     assert clock.deadline <= time.perf_counter()
+
+
+def test_absorbed_host_work_lets_one_pass_start_early_and_no_more():
+    clock = Clock()
+    clock.run(0.001)
+    clock.absorb(1.0)  # a second of the device's work done by the host (copies): the next pass may start early
+    time.sleep(0.02)
+    clock.begin()
+    clock.run(0.01)  # started at the last deadline, 20 ms ago: no wait
+    clock.begin()
+    t = time.perf_counter()
+    clock.run(0.01)  # the credit is spent: this pass starts now and waits its whole time
+    assert time.perf_counter() - t >= 0.01

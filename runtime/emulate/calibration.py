@@ -127,11 +127,12 @@ def _arrays(dev: Device, t: Throughput):
             np.array([w.kernels for w in items], dtype=float))
 
 
-def fit(name: str, steps: int = 12) -> tuple:
+def fit(name: str, steps: int = 12, own_memory: tuple = (), keep_first: bool = False) -> tuple:
     """(launch, efficiencies, memory efficiency, worst error) with the smallest worst error over the device's
     published points (its sibling's, for one with none), on a grid. Each precision's points fit its own conv,
     conv3x3 and gemm efficiencies; the first precision's also the memory efficiency and launch cost, which
-    the others share."""
+    the others share, except a precision in own_memory, which fits its own memory efficiency too.
+    keep_first: hold the first precision at the device's current values (refit the others only)."""
     dev = device(name)
     sibling = SIBLINGS.get(name)
     if sibling:
@@ -154,8 +155,11 @@ def fit(name: str, steps: int = 12) -> tuple:
         # that AMP's fused kernels (and the 1x1 convolutions' bigger GEMMs) can approach more closely.
         conv = np.geomspace(0.05, 1.0 if precision == "fp32" else 1.5, steps)
         g = np.array(list(itertools.product(conv, wino, gemm, mems, launches)))  # conv, conv3x3, gemm, mem, launch
+        if keep_first and not best:
+            e = dev.efficiency
+            g = np.array([[e["conv"], e["conv3x3"], e["gemm"], dev.memory_efficiency, dev.launch_s]])
         if "mem" in best:  # share the first precision's memory efficiency and launch cost
-            g = g[(g[:, 3] == best["mem"]) & (g[:, 4] == best["launch"])]
+            g = g[(g[:, 4] == best["launch"]) & ((g[:, 3] == best["mem"]) | (precision in own_memory))]
         worst = np.zeros(len(g))
         for t in mine:
             d = dev.at(t.precision)
@@ -172,8 +176,11 @@ def fit(name: str, steps: int = 12) -> tuple:
             worst = np.maximum(worst, np.abs(t.batch / step / t.samples_per_s - 1))
         k = int(np.argmin(worst))
         suffix = "" if precision == "fp32" else f":{precision}"
-        best.update({f"conv{suffix}": g[k, 0], f"conv3x3{suffix}": g[k, 1], f"gemm{suffix}": g[k, 2],
-                     "mem": g[k, 3], "launch": g[k, 4]})
+        if "mem" in best and g[k, 3] != best["mem"]:
+            best[f"memory{suffix}"] = g[k, 3]
+        best.update({f"conv{suffix}": g[k, 0], f"conv3x3{suffix}": g[k, 1], f"gemm{suffix}": g[k, 2]})
+        best.setdefault("mem", g[k, 3])
+        best.setdefault("launch", g[k, 4])
         worst_all = max(worst_all, float(worst[k]))
     mem, launch = best.pop("mem"), best.pop("launch")
     return launch, {k: round(float(v), 3) for k, v in best.items()}, round(float(mem), 3), worst_all

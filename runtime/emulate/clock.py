@@ -56,7 +56,7 @@ class Clock:
 
     def absorb(self, seconds: float) -> None:
         """Host work that is the device's in reality (zeroing gradient buffers in host memory, a DMA's copy):
-        it does not delay the start of the next passes, until the host waits for its device again."""
+        it does not delay the start of the next pass."""
         self._absorbed += seconds
 
     def run(self, seconds: float, lazy: bool = False) -> None:
@@ -70,8 +70,10 @@ class Clock:
         now = time.perf_counter()
         blocked = blocked_seconds()
         if self._fresh:
+            # Never before the last deadline, and the credit is spent here: a credit carried on would let the
+            # device's timeline fall behind the host's clock and the next passes run in no time.
             start = max(self.deadline, now - self._absorbed)
-            self._fresh = False
+            self._fresh, self._absorbed = False, 0.0
         else:
             start = self.deadline + max(0.0, blocked - self._blocked_at - self._owed)
         self.idle += max(0.0, start - self.deadline) if self.deadline else 0.0
@@ -99,7 +101,5 @@ class Clock:
             self._sleep(left)
 
     def _sleep(self, left: float) -> None:
-        # The host is ahead of its device again: what it absorbed so far no longer holds anything back.
-        self._absorbed = 0.0
         time.sleep(left)
         self.waited += left

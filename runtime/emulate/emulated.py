@@ -24,6 +24,7 @@ class _Step:
     bwd_s: float
     arg: int | None  # which model input the unit takes as it is (the data, the tokens), else None
     params: tuple
+    ahead: tuple = ()  # the last unit's: every parameter of the model, landed as the backward pass starts
 
 
 class Emulation:
@@ -80,6 +81,8 @@ class _Unit(torch.autograd.Function):
     def backward(ctx, grad):
         emu, step = ctx.emu, ctx.step
         if not step.params:
+            for q in step.ahead:
+                land(q)
             emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
         return None, None, emu.zeros(*ctx.x) if ctx.x is not None else None
 
@@ -97,7 +100,11 @@ class _Attach(torch.autograd.Function):
     def backward(ctx, grad):
         emu, p, step = ctx.emu, ctx.p, ctx.step
         if step is not None:
-            for q in step.params:
+            # The gradients land as the pass starts (step.ahead) and the device's timeline runs on: the copies
+            # are a DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the end
+            # of the pass) would otherwise hold the next pass back. The values are fixed: nothing reads a
+            # gradient before its hook fires, after its unit's time.
+            for q in step.ahead or step.params:
                 land(q)
             emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
         if not p.requires_grad or landed(p):  # copied over the marked .grad: autograd adds nothing
@@ -175,6 +182,7 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
         first = call.inputs[0] if call.inputs else None
         arg = next((j for j, s in enumerate(specs) if first is not None and s == (first.shape, first.dtype)), None)
         steps.append(_Step(call, f, b, arg if i == 0 or not first.dtype.is_floating_point else None, params))
+    steps[-1].ahead = tuple(p for step in reversed(steps) for p in step.params)
     emu = Emulation(model, steps, tr.output, acc)
     for module in {id(c.module): c.module for c in tr.calls}.values():
         module.forward = emu.unit_forward
