@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Callable
 
 import torch
 
-from mpicomm.progress import require_thread_multiple
-
 from ..grad_buffers import GradientBuffers
+from .delivery import Delivery
 
 
 def coalesce(segments: list[tuple[int, int, int]], indices) -> list[tuple[int, int, int]]:
@@ -52,24 +49,18 @@ class GradientStaging:
         self.device = buffers.device
         self.cuda = self.device.type == "cuda"
         self.copies_to_host = self.copies_to_device = 0  # per-range copies issued (reported, tested)
-        self.error: BaseException | None = None
         # Whose average is still in the mirror only: each goes back once per step, so that what the
         # user does to .grad after synchronize() (clipping) is not overwritten by step()'s wait.
         self.outstanding = [False] * len(buffers.params)
         if not self.cuda:
             return
-        # The staging thread hands gradients to the strategy, which starts MPI from it.
-        require_thread_multiple()
         n = len(buffers.params)
         self.stream = torch.cuda.Stream(self.device)
         self.produced = [torch.cuda.Event() for _ in range(n)]  # gradient i final on its compute stream
         self.copied = [torch.cuda.Event() for _ in range(n)]  # its host copy complete
         self.returned = torch.cuda.Event()  # the last averaged values are back on the device
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0
-        self._idle = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="mpitrain-staging", daemon=True)
-        self._thread.start()
+        # This copy only (synchronize releases the GIL), never the device; then the strategy gets i.
+        self.delivery = Delivery(lambda i, event: event.synchronize(), deliver, interrupt, timeline)
 
     # -- device -> host ------------------------------------------------------
     def to_host(self, i: int) -> None:
@@ -87,38 +78,12 @@ class GradientStaging:
         with torch.cuda.stream(self.stream):
             host.copy_(dev, non_blocking=True)
             self.copied[i].record(self.stream)
-        with self._idle:
-            self._pending += 1
-        self._queue.put(i)
-
-    def _run(self) -> None:
-        while True:
-            i = self._queue.get()
-            if i is None:
-                return
-            try:
-                self.copied[i].synchronize()  # this copy only (releases the GIL), never the device
-                if self.timeline:
-                    self.timeline.instant(f"on host #{i}", "staging", track="staging")
-                if self.error is None:
-                    self.deliver(i)
-            except BaseException as exc:  # raised on the main thread by drain()
-                self.error = self.error or exc
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
+        self.delivery.put(i, self.copied[i])
 
     def drain(self) -> None:
         """Block until every copied gradient has been delivered (in hook order); re-raise a delivery's error."""
         if self.cuda:
-            with self._idle:
-                while self._pending:
-                    self._idle.wait(0.05)
-                    if self._pending:
-                        self.interrupt()  # another rank failed: stop waiting
-        if self.error is not None:
-            raise self.error
+            self.delivery.drain()
 
     # -- host -> device ------------------------------------------------------
     def to_device(self, indices) -> None:
@@ -146,6 +111,5 @@ class GradientStaging:
         torch.cuda.current_stream(self.device).wait_event(self.returned)
 
     def close(self) -> None:
-        if self.cuda and self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join(timeout=10)
+        if self.cuda:
+            self.delivery.close()

@@ -1,0 +1,67 @@
+"""The staging thread: hands each gradient to the strategy once its copy to the host is done, in hook order."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from mpicomm.progress import require_thread_multiple
+
+__all__ = ["Delivery"]
+
+
+class Delivery:
+    """put(i, copy) from a backward hook; on this thread, arrive(i, copy) waits for that copy alone (a CUDA
+    event, or an emulated copy's modelled time), then deliver(i) hands gradient i to the strategy, which
+    starts MPI from here. drain() blocks until every gradient put so far is delivered and re-raises the first
+    delivery's error; while it waits, interrupt() lets a failure elsewhere (another rank's) stop it."""
+
+    def __init__(self, arrive: Callable, deliver: Callable[[int], None], interrupt: Callable[[], None],
+                 timeline=None):
+        require_thread_multiple()
+        self.arrive, self.deliver, self.interrupt, self.timeline = arrive, deliver, interrupt, timeline
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="mpitrain-staging", daemon=True)
+        self._thread.start()
+
+    def put(self, i: int, copy) -> None:
+        with self._idle:
+            self._pending += 1
+        self._queue.put((i, copy))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            i, copy = item
+            try:
+                self.arrive(i, copy)
+                if self.timeline:
+                    self.timeline.instant(f"on host #{i}", "staging", track="staging")
+                if self.error is None:
+                    self.deliver(i)
+            except BaseException as exc:  # raised on the main thread by drain()
+                self.error = self.error or exc
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def drain(self) -> None:
+        with self._idle:
+            while self._pending:
+                self._idle.wait(0.05)
+                if self._pending:
+                    self.interrupt()  # another rank failed: stop waiting
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=10)
