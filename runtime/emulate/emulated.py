@@ -61,30 +61,52 @@ class Emulation:
 
     def unit_forward(self, *args, **kwargs):
         step, link = self.cursor
-        out = _Unit.apply(self, step, link if link is not None else args[0])
-        # One node per parameter, chained: backward reaches them last-attached first, so each gradient is
-        # accumulated (and its hooks fire) in the real model's order, after the unit's backward time.
+        x = link if link is not None else args[0]
+        if len(step.params) <= _DIRECT:
+            # The unit's own node takes its parameters: the engine accumulates a node's one or two parameter
+            # gradients in the order of its inputs, as it does a real layer's (weight, then bias).
+            return _Unit.apply(self, step, x, *reversed(step.params))
+        out = _Unit.apply(self, step, x)
+        # More: one node per parameter, chained: backward reaches them last-attached first, so each gradient
+        # is accumulated (and its hooks fire) in the real model's order, after the unit's backward time.
         for k, p in enumerate(step.params):
             out = _Attach.apply(self, step if k == len(step.params) - 1 else None, out, p)
         return out
 
 
+_DIRECT = 2  # a unit with at most this many parameters takes them on its own node (no _Attach chain)
+
+
+def _wait_backward(emu: Emulation, step: _Step) -> None:
+    # The gradients land as the pass starts (step.ahead) and the device's timeline runs on: the copies are a
+    # DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the end of the pass)
+    # would otherwise hold the next pass back. The values are fixed: nothing reads a gradient before its
+    # hook fires, after its unit's time.
+    for q in step.ahead or step.params:
+        land(q)
+    emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
+
+
+def _grad_for(p):
+    """What autograd gets for p: nothing where it landed (copied over the marked .grad), else the same realistic
+    gradient each step, made once (no per-step random numbers or allocation)."""
+    return None if not p.requires_grad or landed(p) else p._emulated_grad
+
+
 class _Unit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, emu: Emulation, step: _Step, x):
+    def forward(ctx, emu: Emulation, step: _Step, x, *params):
         emu.acc.run("layers", step.fwd_s, lazy=True)
-        ctx.emu, ctx.step = emu, step
+        ctx.emu, ctx.step, ctx.params = emu, step, params
         ctx.x = (tuple(x.shape), x.dtype) if x.requires_grad else None
         return emu.zeros(step.call.output)
 
     @staticmethod
     def backward(ctx, grad):
         emu, step = ctx.emu, ctx.step
-        if not step.params:
-            for q in step.ahead:
-                land(q)
-            emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
-        return None, None, emu.zeros(*ctx.x) if ctx.x is not None else None
+        if not step.params or ctx.params:  # with more parameters, the last _Attach waits
+            _wait_backward(emu, step)
+        return (None, None, emu.zeros(*ctx.x) if ctx.x is not None else None, *map(_grad_for, ctx.params))
 
 
 class _Attach(torch.autograd.Function):
@@ -98,19 +120,9 @@ class _Attach(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        emu, p, step = ctx.emu, ctx.p, ctx.step
-        if step is not None:
-            # The gradients land as the pass starts (step.ahead) and the device's timeline runs on: the copies
-            # are a DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the end
-            # of the pass) would otherwise hold the next pass back. The values are fixed: nothing reads a
-            # gradient before its hook fires, after its unit's time.
-            for q in step.ahead or step.params:
-                land(q)
-            emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
-        if not p.requires_grad or landed(p):  # copied over the marked .grad: autograd adds nothing
-            return None, None, grad, None
-        # The same realistic gradient each step: made once, so no per-step random numbers or allocation.
-        return None, None, grad, p._emulated_grad
+        if ctx.step is not None:
+            _wait_backward(ctx.emu, ctx.step)
+        return None, None, grad, _grad_for(ctx.p)
 
 
 class _Reshape(torch.autograd.Function):
