@@ -11,14 +11,19 @@ from conftest import ROOT
 CONTENDERS = ["flush", "vanilla", "stash", "spectrain", "allreduce", "wfbp", "p3", "ddp", "torch-1f1b"]
 
 
-def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
-    out = tmp_path / "bp.json"
+def run_tiny(out, batch: int, *extra) -> tuple[dict, str]:
+    """The benchmark on a tiny MLP, 4 local ranks, one round: its JSON and what it printed."""
     cmd = [sys.executable, "-m", "jobs.bench.pipeline", "--local", "--hosts", "4", "--models", "mlp",
-           "--hidden", "64,64,64", "--batch-size", "32", "--microbatches", "4", "--rounds", "1", "--iters", "2",
-           "--warmup", "1", "--json", str(out)]
+           "--hidden", "64,64,64", "--batch-size", str(batch), "--microbatches", "4", "--rounds", "1", "--iters", "2",
+           "--warmup", "1", *extra, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
+    out = tmp_path / "bp.json"
+    doc, stdout = run_tiny(out, 32)
     rows = doc["rows"]
     assert [r["contender"] for r in rows] == CONTENDERS
     for r in rows:
@@ -48,7 +53,7 @@ def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
     assert by["flush"]["updates_per_step"] == 1 and by["spectrain"]["updates_per_step"] == 4
     summary = doc["meta"]["summary"]
     assert len(summary) == 1 and summary[0]["async_over_dp"] > 0 and summary[0]["dp_over_pipeline_bytes"] > 1
-    assert "| mlp | torch-1f1b | local-unshaped |" in proc.stdout and "flush / torch-1f1b" in proc.stdout
+    assert "| mlp | torch-1f1b | local-unshaped |" in stdout and "flush / torch-1f1b" in stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -62,12 +67,7 @@ def test_local_bench_pipeline_under_emulated_compute(tmp_path):
     """Every pipeline mode, data parallelism and torch's 1F1B under one compute model; rows, meta and title say so."""
     out = tmp_path / "emulated.json"
     contenders = ["flush", "vanilla", "stash", "spectrain", "allreduce", "torch-1f1b"]
-    cmd = [sys.executable, "-m", "jobs.bench.pipeline", "--local", "--hosts", "4", "--models", "mlp",
-           "--hidden", "64,64,64", "--batch-size", "16", "--microbatches", "4", "--rounds", "1", "--iters", "2",
-           "--warmup", "1", "--contenders", ",".join(contenders), "--compute", "emulated:v100", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc, stdout = run_tiny(out, 16, "--contenders", ",".join(contenders), "--compute", "emulated:v100")
     rows = doc["rows"]
     assert [r["contender"] for r in rows] == contenders
     for r in rows:
@@ -79,7 +79,7 @@ def test_local_bench_pipeline_under_emulated_compute(tmp_path):
     assert by["flush"]["bytes_per_step"] > 0 and len({tuple(by[c]["balance"]) for c in ("flush", "torch-1f1b")}) == 1
     assert "weight versions" in by["stash"]["emulated_parts"] and "weight versions" not in by["flush"]["emulated_parts"]
     assert doc["meta"]["compute_device"] == "v100" and "emulated compute" in doc["meta"]["compute_label"]
-    assert "\nemulated compute: " in proc.stdout and "| mlp | torch-1f1b | local-unshaped |" in proc.stdout
+    assert "\nemulated compute: " in stdout and "| mlp | torch-1f1b | local-unshaped |" in stdout
 
 
 def test_bad_compute_is_one_line_and_exit_2():
