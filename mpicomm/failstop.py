@@ -82,6 +82,7 @@ class _Guard:
         self._bufs = np.zeros((self.size, _HEADER.size + TEXT), dtype=np.uint8)
         self._sent: list = []  # (buffer, request) of notices, alive until the process ends
         self._reqs = [self._post(r) if r != self.rank else MPI.REQUEST_NULL for r in range(self.size)]
+        self._statuses = [MPI.Status() for _ in range(self.size)]  # Testsome's, made once: polls run every step
         self._receiving = self.size > 1
         self._last_poll = 0.0
         self._done = threading.Event()
@@ -102,7 +103,7 @@ class _Guard:
         with self.lock:
             if not self._receiving:
                 return
-            statuses = [MPI.Status() for _ in self._reqs]
+            statuses = self._statuses
             done = MPI.Request.Testsome(self._reqs, statuses) or []
             for j, i in enumerate(done):  # statuses[j] belongs to the j-th completed request, as in MPI
                 buf = self._bufs[i]

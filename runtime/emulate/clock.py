@@ -75,7 +75,7 @@ class Clock:
             start = max(self.deadline, now - self._absorbed)
             self._fresh, self._absorbed = False, 0.0
         else:
-            start = self.deadline + max(0.0, blocked - self._blocked_at - self._owed)
+            start = self.deadline + self._outlasted(blocked)
         self.idle += max(0.0, start - self.deadline) if self.deadline else 0.0
         self.deadline = start + seconds
         self.busy += seconds
@@ -91,14 +91,18 @@ class Clock:
         """Wait until the work queued so far is done (what lazy runs still owe)."""
         if self._owed > 0:
             blocked = blocked_seconds()
-            # A block since the lazy run returned delays the queued work by what it outlasted of it.
-            idle = max(0.0, blocked - self._blocked_at - self._owed)
+            idle = self._outlasted(blocked)
             self.deadline += idle
             self.idle += idle
             self._blocked_at, self._owed = blocked, 0.0
         left = self.deadline - time.perf_counter()
         if left > 0:
             self._sleep(left)
+
+    def _outlasted(self, blocked: float) -> float:
+        """How long the device idled for the host's blocks since the last run: a block delays the work queued
+        after it only by what it outlasted of the work still owed when the run returned."""
+        return max(0.0, blocked - self._blocked_at - self._owed)
 
     def _sleep(self, left: float) -> None:
         time.sleep(left)

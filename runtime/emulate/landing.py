@@ -34,8 +34,8 @@ def defer_zero(params) -> bool:
 
 
 def land(p: torch.nn.Parameter) -> None:
-    """Copy p's fixed gradient over its marked .grad now (while its unit's backward is modelled to run: the
-    copy is host work that a GPU's DMA engine does, so it overlaps the wait instead of following it).
+    """Copy p's fixed gradient over its marked .grad now (the emulated model calls it as the backward pass
+    starts: the copy is host work that a GPU's DMA engine does, so it overlaps the modelled waits).
     A parameter with a tensor hook gets a zeroed .grad instead: autograd adds to it, and the hook sees it."""
     if getattr(p, "_emulated_landing", 0) != _MARKED:
         return
