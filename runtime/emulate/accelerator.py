@@ -38,10 +38,15 @@ class Accelerator:
         """Wait out `seconds` of modelled work (times the compute scale), accounted under `kind` (lazy: see
         Clock.run; for work inside a pass that nothing outside the pass sees end)."""
         seconds *= self.scale
+        self.account(kind, seconds)
+        self.clock.run(seconds, lazy)
+
+    def account(self, kind: str, seconds: float, calls: int = 1) -> None:
+        """Count `seconds` of modelled work (scaled already) under `kind`, run by the caller (a pass's layers
+        are counted once a pass, not once a layer)."""
         with self._lock:
             self.seconds[kind] += seconds
-            self.calls[kind] += 1
-        self.clock.run(seconds, lazy)
+            self.calls[kind] += calls
 
     def issue(self, kind: str, seconds: float) -> None:
         """Work the host issues now, after waiting for something (a gradient, a message, its last copy): it

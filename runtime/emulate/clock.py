@@ -49,10 +49,12 @@ class Clock:
         self._blocked_at = 0.0  # blocked_seconds() when the last run returned
         self._owed = 0.0  # work a lazy run left queued when it returned: a block shorter than that idles nothing
         self._slack = False
+        self._begin_at: float | None = None
 
-    def begin(self) -> None:
-        """The next work starts a pass: from now, not from the last deadline."""
-        self._fresh = True
+    def begin(self, at: float | None = None) -> None:
+        """The next work starts a pass: from now (or from `at`, a perf_counter() time: the host queued it
+        then and runs it later, as a forward does), not from the last deadline."""
+        self._fresh, self._begin_at = True, at
 
     def absorb(self, seconds: float) -> None:
         """Host work that is the device's in reality (zeroing gradient buffers in host memory, a DMA's copy):
@@ -72,8 +74,8 @@ class Clock:
         if self._fresh:
             # Never before the last deadline, and the credit is spent here: a credit carried on would let the
             # device's timeline fall behind the host's clock and the next passes run in no time.
-            start = max(self.deadline, now - self._absorbed)
-            self._fresh, self._absorbed = False, 0.0
+            start = max(self.deadline, (now if self._begin_at is None else self._begin_at) - self._absorbed)
+            self._fresh, self._absorbed, self._begin_at = False, 0.0, None
         else:
             start = self.deadline + self._outlasted(blocked)
         self.idle += max(0.0, start - self.deadline) if self.deadline else 0.0

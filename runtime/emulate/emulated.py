@@ -4,14 +4,16 @@ true shapes; emulated_loss() and emulate_optimizer() for the rest of a step."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
-from .landing import defer_zero, land, landed
+from .landing import defer_zero
+from .nodes import X_LEAF, X_NODE, X_NONE, Loss, Reshape, accumulation_order, apply_unit, x_kind
 from .trace import Call, EmulationError, TensorSpec, trace
 
 __all__ = ["emulate", "emulated_loss", "emulate_optimizer", "optimizer_state", "Emulation"]
@@ -23,19 +25,32 @@ class _Step:
     fwd_s: float
     bwd_s: float
     arg: int | None  # which model input the unit takes as it is (the data, the tokens), else None
-    params: tuple
-    ahead: tuple = ()  # the last unit's: every parameter of the model, landed as the backward pass starts
+    params: tuple  # those that take gradients, in the order the real model accumulates them
+    fwd_run: float = 0.0  # fwd_s and bwd_s times the compute scale
+    bwd_run: float = 0.0
+    inputs: dict = field(default_factory=dict)  # x_kind -> params, in the order a node takes them (nodes.py)
 
 
 class Emulation:
-    """What emulate() installed on a model: its steps, and the accelerator they run on."""
+    """What emulate() installed on a model: its steps, and the accelerator they run on.
+
+    A unit gets an autograd node when backward must reach it: it has parameters, its input needs a gradient
+    and no node came before it, or a hook may look (its module has hooks, or its input tensor has). The other
+    units (ReLU, pooling: a third of ResNet-50's, half of VGG-19's) only queue their time: their forward with
+    the next node's, their backward in the node before them, whose backward runs just after theirs would.
+    Each node costs the host some microseconds of Python a pass; the units without one, next to nothing.
+    """
 
     def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator):
         self.model, self.steps, self.output, self.acc = model, steps, output, acc
-        self.cursor: tuple | None = None
+        # Landed as backward starts, in the order backward reaches them.
+        self.params = tuple(p for step in reversed(steps) for p in step.params)
         self._zeros: dict[torch.dtype, torch.Tensor] = {}
         self.forward_s = sum(s.fwd_s for s in steps)
         self.backward_s = sum(s.bwd_s for s in steps)
+        self.clock = acc.clock
+        self._owed = 0.0  # forward time queued, not run yet (owe)
+        self._pass = None  # this forward's [last node's ctx, first node's ctx, backward seconds]
 
     def zeros(self, spec_or_shape, dtype=None) -> torch.Tensor:
         """A tensor of this shape that holds no memory: one zero, every stride 0 (a fresh view each call)."""
@@ -45,111 +60,85 @@ class Emulation:
             base = self._zeros[dtype] = torch.zeros((), dtype=dtype)
         return base.expand(shape)
 
+    def owe(self, seconds: float) -> None:
+        """Queue a unit's forward time. Nothing outside sees a forward's progress but a module's hook (P3's
+        gate, a strategy's capture), so the time runs as a hooked module is called, and when the pass ends."""
+        self._owed += seconds
+
+    def _run_owed(self) -> None:
+        if self._owed:
+            self.clock.run(self._owed, lazy=True)
+            self._owed = 0.0
+
+    def account_backward(self, seconds: float) -> None:
+        self.acc.account("layers", seconds, 0)
+
     def forward(self, *inputs):
-        self.acc.clock.begin()
+        self.clock = self.acc.clock  # this thread's stream (a pipeline's stage may run on another thread)
+        self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
+        self._owed, self._pass = 0.0, [None, None, 0.0]
+        hooks = _global_hooks()
         link = None
         for step in self.steps:
-            spec = step.call.inputs[0] if step.call.inputs else step.call.output
-            arg = inputs[step.arg] if step.arg is not None else self.zeros(spec)
-            self.cursor = (step, link)
-            link = step.call.module(arg)
-        self.cursor = None
-        self.acc.clock.sync()  # the layers ran lazily (Clock.run): the pass ends when its last one does
-        if tuple(link.shape) != self.output.shape:
-            link = _Reshape.apply(link, self.output.shape)
+            module = step.call.module
+            if hooks or module._forward_pre_hooks or module._forward_hooks or module._backward_hooks \
+                    or module._backward_pre_hooks:
+                # Called as the user's code would call it: its hooks see the true input and output shapes.
+                self._run_owed()  # a pre-hook may block (P3's gate): the work queued before it runs meanwhile
+                spec = step.call.inputs[0] if step.call.inputs else step.call.output
+                self._cursor = (step, link, True)
+                out = module(inputs[step.arg] if step.arg is not None else self.zeros(spec))
+                link = out if out.requires_grad or link is None else link
+            else:
+                link = self._unit(step, link, inputs[step.arg] if step.arg is not None else None, False)
+        self._cursor = None
+        last, first, seconds = self._pass
+        if last is not None:
+            last.ahead = True
+            first.ends, first.pass_s = True, seconds
+        self._run_owed()
+        self.clock.sync()  # the layers ran lazily: the pass ends when its last one does
+        self.acc.account("layers", self.forward_s * self.acc.scale, len(self.steps))
+        if link is None:
+            return self.zeros(self.output)
+        if tuple(link.shape) != self.output.shape or link.dtype != self.output.dtype:
+            link = Reshape.apply(link, self.output.shape, self.output.dtype)
         return link
 
     def unit_forward(self, *args, **kwargs):
-        step, link = self.cursor
-        x = link if link is not None else args[0]
-        if len(step.params) <= _DIRECT:
-            # The unit's own node takes its parameters: the engine accumulates a node's one or two parameter
-            # gradients in the order of its inputs, as it does a real layer's (weight, then bias).
-            return _Unit.apply(self, step, x, *reversed(step.params))
-        out = _Unit.apply(self, step, x)
-        # More: one node per parameter, chained: backward reaches them last-attached first, so each gradient
-        # is accumulated (and its hooks fire) in the real model's order, after the unit's backward time.
-        for k, p in enumerate(step.params):
-            out = _Attach.apply(self, step if k == len(step.params) - 1 else None, out, p)
-        return out
+        step, link, hooked = self._cursor
+        return self._unit(step, link, args[0] if args else None, hooked)
+
+    def _unit(self, step: _Step, link, arg, hooked: bool):
+        x = link if link is not None else arg
+        if step.params or (x is not None and (x.requires_grad and (link is None or hooked or
+                                                                     link._backward_hooks is not None))):
+            if x is None:
+                x = self.zeros(step.call.inputs[0] if step.call.inputs else step.call.output)
+            out = apply_unit(self, step, x, step.inputs[x_kind(x)])
+            if out.requires_grad:
+                ctx, state = out.grad_fn, self._pass
+                state[0] = ctx
+                state[1] = state[1] or ctx
+                state[2] += ctx.bwd
+            return out
+        self.owe(step.fwd_run)
+        last = self._pass[0]
+        if last is not None:  # its backward runs just before the node before it does: that node waits it
+            last.bwd += step.bwd_run
+            self._pass[2] += step.bwd_run
+        return self.zeros(step.call.output) if hooked else link
 
 
-_DIRECT = 2  # a unit with at most this many parameters takes them on its own node (no _Attach chain)
-
-
-def _wait_backward(emu: Emulation, step: _Step) -> None:
-    # The gradients land as the pass starts (step.ahead) and the device's timeline runs on: the copies are a
-    # DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the end of the pass)
-    # would otherwise hold the next pass back. The values are fixed: nothing reads a gradient before its
-    # hook fires, after its unit's time.
-    for q in step.ahead or step.params:
-        land(q)
-    emu.acc.run("layers", step.bwd_s, lazy=step is not emu.steps[0])  # the first unit ends the pass
-
-
-def _grad_for(p):
-    """What autograd gets for p: nothing where it landed (copied over the marked .grad), else the same realistic
-    gradient each step, made once (no per-step random numbers or allocation)."""
-    return None if not p.requires_grad or landed(p) else p._emulated_grad
-
-
-class _Unit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, emu: Emulation, step: _Step, x, *params):
-        emu.acc.run("layers", step.fwd_s, lazy=True)
-        ctx.emu, ctx.step, ctx.params = emu, step, params
-        ctx.x = (tuple(x.shape), x.dtype) if x.requires_grad else None
-        return emu.zeros(step.call.output)
-
-    @staticmethod
-    def backward(ctx, grad):
-        emu, step = ctx.emu, ctx.step
-        if not step.params or ctx.params:  # with more parameters, the last _Attach waits
-            _wait_backward(emu, step)
-        return (None, None, emu.zeros(*ctx.x) if ctx.x is not None else None, *map(_grad_for, ctx.params))
-
-
-class _Attach(torch.autograd.Function):
-    """Passes the unit's output through; backward hands its parameter the fixed gradient (the last one attached
-    first waits the unit's backward time)."""
-
-    @staticmethod
-    def forward(ctx, emu: Emulation, step, out, p):
-        ctx.emu, ctx.step, ctx.p = emu, step, p
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.step is not None:
-            _wait_backward(ctx.emu, ctx.step)
-        return None, None, grad, _grad_for(ctx.p)
-
-
-class _Reshape(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, shape):
-        ctx.spec = (tuple(x.shape), x.dtype)
-        return torch.zeros((), dtype=x.dtype).expand(shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.zeros((), dtype=ctx.spec[1]).expand(ctx.spec[0]), None
-
-
-class _Loss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, output):
-        ctx.spec = (tuple(output.shape), output.dtype)
-        return torch.zeros((), dtype=output.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return torch.zeros((), dtype=ctx.spec[1]).expand(ctx.spec[0])
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as m
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
 
 
 def emulated_loss(output: torch.Tensor, target=None) -> torch.Tensor:
     """A scalar to call backward() on, without computing over the output (a [B, T, 32000] one included)."""
-    return _Loss.apply(output)
+    return Loss.apply(output)
 
 
 def _template(p: nn.Parameter, g: torch.Generator) -> torch.Tensor:
@@ -177,7 +166,10 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
         raise EmulationError(f"this process emulates {acc.model.label} already, not {cm.label}")
     inputs = tuple(inputs)
     tr = trace(model, inputs)
-    times = cm.unit_times(tr) if times is None else times
+    times = cm.unit_times(tr) if times is None else list(times)
+    if len(times) != len(tr.calls):
+        raise EmulationError(f"{len(times)} (forward, backward) times for the {len(tr.calls)} units of "
+                             f"{type(model).__name__}")
     bad = [f"{c.name}: {f!r}/{b!r} s" for c, (f, b) in zip(tr.calls, times) if not (f >= 0 and b >= 0)]
     if bad:
         raise EmulationError(f"negative or missing times in {cm.label}: {', '.join(bad[:3])}")
@@ -186,15 +178,21 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
     steps = []
     for i, (call, (f, b)) in enumerate(zip(tr.calls, times)):
         params = call.params + (tr.loose if i == 0 else ())
-        # Attached in the reverse of the order their gradients arrive in the real model (see unit_forward).
-        params = tuple(sorted(params, key=lambda p: -tr.grad_order.get(id(p), -1)))
         for p in params:
             if p.requires_grad and not hasattr(p, "_emulated_grad"):
                 p._emulated_grad = _template(p, g)
+        # Those that take gradients, in the order the real model accumulates them.
+        params = tuple(sorted((p for p in params if p.requires_grad), key=lambda p: tr.grad_order.get(id(p), -1)))
         first = call.inputs[0] if call.inputs else None
         arg = next((j for j, s in enumerate(specs) if first is not None and s == (first.shape, first.dtype)), None)
-        steps.append(_Step(call, f, b, arg if i == 0 or not first.dtype.is_floating_point else None, params))
-    steps[-1].ahead = tuple(p for step in reversed(steps) for p in step.params)
+        step = _Step(call, f, b, arg if i == 0 or not first.dtype.is_floating_point else None, params,
+                     f * acc.scale, b * acc.scale)
+        for kind in (X_NONE, X_NODE, X_LEAF):  # the node's inputs, placed where the engine takes them in order
+            placed = [None] * len(params)
+            for p, at in zip(params, accumulation_order(len(params), kind)):
+                placed[at] = p
+            step.inputs[kind] = tuple(placed)
+        steps.append(step)
     emu = Emulation(model, steps, tr.output, acc)
     for module in {id(c.module): c.module for c in tr.calls}.values():
         module.forward = emu.unit_forward

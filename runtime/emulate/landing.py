@@ -8,7 +8,7 @@ import torch
 
 from .accelerator import active
 
-__all__ = ["defer_zero", "land", "landed"]
+__all__ = ["defer_zero", "land", "land_all", "take"]
 
 
 _MARKED, _LANDED = 1, 2  # p._emulated_landing: zeroed by a mark; its fixed gradient copied over the mark
@@ -37,30 +37,42 @@ def land(p: torch.nn.Parameter) -> None:
     """Copy p's fixed gradient over its marked .grad now (the emulated model calls it as the backward pass
     starts: the copy is host work that a GPU's DMA engine does, so it overlaps the modelled waits).
     A parameter with a tensor hook gets a zeroed .grad instead: autograd adds to it, and the hook sees it."""
-    if getattr(p, "_emulated_landing", 0) != _MARKED:
-        return
-    grad = p.grad
-    if grad is None:
-        p._emulated_landing = 0
-        return
+    land_all((p,))
+
+
+def land_all(params) -> None:
+    """land() each of params (those not marked are left alone)."""
     t = time.perf_counter()
-    if p._backward_hooks:
-        grad.zero_()
-        p._emulated_landing = 0
-    else:
-        grad.copy_(p._emulated_grad)
-        p._emulated_landing = _LANDED
+    for p in params:
+        if getattr(p, "_emulated_landing", 0) != _MARKED:
+            continue
+        grad = p.grad
+        if grad is None:
+            p._emulated_landing = 0
+        elif p._backward_hooks:
+            grad.zero_()
+            p._emulated_landing = 0
+        else:
+            grad.copy_(p._emulated_grad)
+            p._emulated_landing = _LANDED
     acc = active()
     if acc is not None:  # a DMA engine's copy in reality: it does not hold the device's next pass back
         acc.clock.absorb(time.perf_counter() - t)
 
 
-def landed(p: torch.nn.Parameter) -> bool:
-    """Whether p's gradient is in .grad already (land()): its backward then hands autograd no gradient for p,
-    and p's AccumulateGrad still runs, adds nothing, and runs p's post-accumulate-grad hooks (ours, a DDP
-    reducer's) where it would have added. False: autograd must accumulate it."""
-    land(p)
-    if getattr(p, "_emulated_landing", 0) == _LANDED:
-        p._emulated_landing = 0
-        return True
-    return False
+def take(params) -> tuple:
+    """What a node's backward hands autograd for each of params: nothing where the gradient landed (its
+    AccumulateGrad adds nothing and still runs its hooks), else the fixed gradient, made once (no per-step
+    random numbers or allocation). A frozen parameter gets nothing."""
+    out = []
+    for p in params:
+        state = getattr(p, "_emulated_landing", 0)
+        if state == _MARKED:
+            land(p)
+            state = p._emulated_landing
+        if state == _LANDED:
+            p._emulated_landing = 0
+            out.append(None)
+        else:
+            out.append(p._emulated_grad if p.requires_grad else None)
+    return tuple(out)

@@ -113,4 +113,5 @@ def trace(model: nn.Module, inputs: tuple) -> Trace:
 
 
 def _meta(x):
-    return x.to("meta") if isinstance(x, torch.Tensor) else x
+    # Detached: a leaf that needs a gradient (a pipeline stage's input) stays one, on the meta device.
+    return x.detach().to("meta").requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x

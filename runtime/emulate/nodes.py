@@ -1,0 +1,124 @@
+"""The emulated model's autograd nodes: one per unit that backward must reach, with its parameters in the order the engine accumulates them."""
+
+from __future__ import annotations
+
+import torch
+
+from .landing import land_all, take
+
+__all__ = ["Unit", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE", "X_LEAF", "accumulation_order", "x_kind"]
+
+
+class Unit(torch.autograd.Function):
+    """A unit's node: forward queues its modelled time (Emulation.owe) and returns a zero-stride tensor of the unit's output shape; backward waits its backward time (and that of the
+    units without a node after it: their gradients flow through it, at their true place on the timeline),
+    lands the step's gradients if it is the first node backward reaches, and hands autograd the input's
+    gradient and nothing (landed) or the fixed gradient for each parameter."""
+
+    @staticmethod
+    def forward(ctx, emu, step, x, *params):
+        emu.owe(step.fwd_run)
+        ctx.emu, ctx.params, ctx.bwd, ctx.ahead, ctx.ends = emu, params, step.bwd_run, False, False
+        ctx.x = (tuple(x.shape), x.dtype) if x.requires_grad else None
+        return emu.zeros(step.call.output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        emu = ctx.emu
+        if ctx.ahead:
+            # The first node backward reaches lands every gradient, and the device's timeline runs on: the
+            # copies are a DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the
+            # end of the pass) would otherwise hold the next pass back. The values are fixed: nothing reads a
+            # gradient before its hook fires, after its unit's time.
+            land_all(emu.params)
+        emu.acc.clock.run(ctx.bwd, lazy=not ctx.ends)  # the node nearest the input ends the pass on its deadline
+        if ctx.ends:
+            emu.account_backward(ctx.pass_s)
+        return (None, None, emu.zeros(*ctx.x) if ctx.x is not None else None, *take(ctx.params))
+
+
+def apply_unit(emu, step, x, params):
+    """Unit.apply, without torch.autograd.Function.apply's Python (a third of an emulated forward's host time)
+    where no functorch transform is active: Function.apply then only calls the C++ apply."""
+    if torch._C._are_functorch_transforms_active():
+        return Unit.apply(emu, step, x, *params)
+    return _c_apply(emu, step, x, *params)
+
+
+_c_apply = super(torch.autograd.Function, Unit).apply
+
+
+class Reshape(torch.autograd.Function):
+    """The model's output where its last unit with a node returns another shape or dtype."""
+
+    @staticmethod
+    def forward(ctx, x, shape, dtype):
+        ctx.spec = (tuple(x.shape), x.dtype)
+        return torch.zeros((), dtype=dtype).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros((), dtype=ctx.spec[1]).expand(ctx.spec[0]), None, None
+
+
+class Loss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, output):
+        ctx.spec = (tuple(output.shape), output.dtype)
+        return torch.zeros((), dtype=output.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros((), dtype=ctx.spec[1]).expand(ctx.spec[0])
+
+
+# How the input x of a node stands in the graph: it needs no gradient, another node made it, or it is a leaf
+# (a pipeline stage's received activation) whose gradient AccumulateGrad keeps.
+X_NONE, X_NODE, X_LEAF = 0, 1, 2
+
+
+def x_kind(x: torch.Tensor) -> int:
+    if not x.requires_grad:
+        return X_NONE
+    return X_NODE if x.grad_fn is not None else X_LEAF
+
+
+class _Probe(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, *params):
+        ctx.n = len(params)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad,) + (None,) * ctx.n
+
+
+_orders: dict[tuple[int, int], tuple[int, ...]] = {}
+
+
+def accumulation_order(n: int, kind: int) -> tuple[int, ...]:
+    """The order in which the engine runs the AccumulateGrad of a node's n parameter inputs (their places among
+    the inputs), measured once per (n, kind) on a node like the emulated ones.
+
+    Every AccumulateGrad has the same priority in the engine's ready queue (a binary heap), so a node's two
+    or three parameters come out in input order but four or more in a heap's order: a real layer's several
+    parameters (an attention block's four, an LSTM's eight) still reach their hooks in the true order if they
+    are handed to the node in the order that this measures.
+    """
+    key = (n, kind)
+    if n < 2:
+        return tuple(range(n))
+    if key not in _orders:
+        order: list[int] = []
+        params = [torch.zeros(1, requires_grad=True) for _ in range(n)]
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(lambda _, i=i: order.append(i))
+        with torch.enable_grad():
+            x = torch.zeros(1, requires_grad=kind != X_NONE)
+            x = x * 1 if kind == X_NODE else x
+            _Probe.apply(x, *params).sum().backward()
+        if sorted(order) != list(range(n)):
+            raise RuntimeError(f"autograd ran {len(order)} of {n} parameter accumulations of one node: {order}")
+        _orders[key] = tuple(order)
+    return _orders[key]
