@@ -7,8 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from runtime.emulate import accelerator, emulate, emulated_loss
+from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
 from runtime.emulate import clock as clock_module
+from runtime.emulate.clock import LAZY_S
 from runtime.emulate.nodes import X_LEAF, X_NODE, X_NONE, Unit, accumulation_order
 from runtime.emulate.trace import trace
 from runtime.workloads.models import build_model, model_input
@@ -34,13 +35,38 @@ def unit_nodes(out: torch.Tensor) -> int:
     return count
 
 
-def test_only_units_with_parameters_get_a_node():
+def test_one_node_per_group_of_parameters_and_none_for_the_other_units():
+    model = build_model("resnet50")
+    inputs, _ = model_input("resnet50", 4)
+    emulate(model, "v100", inputs)
+    steps = model._emulation.steps
+    heads = [s for s in steps if s.params]
+    assert unit_nodes(model(*inputs)) == len(heads) < sum(1 for s in steps if s.call.params) < len(steps)
+    assert sum(len(s.params) for s in heads) == len(list(model.parameters()))
+    span = [sum(s.bwd_run for s in steps[steps.index(h):steps.index(n)]) for h, n in zip(heads, heads[1:])]
+    assert max(span) > LAZY_S  # a group ends where the next unit would take it past LAZY_S
+
+
+def test_a_forward_without_hooks_runs_the_first_ones_nodes_again_until_a_hook_comes():
     model = build_model("cnn")
     inputs, _ = model_input("cnn", 4)
     emulate(model, "v100", inputs)
-    steps = model._emulation.steps
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    nodes = []
+    for _ in range(3):
+        opt.zero_grad()
+        out = model(*inputs)
+        nodes.append(out.grad_fn.next_functions[0][0])
+        emulated_loss(out).backward()
+        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+    assert nodes[1] is nodes[2] and isinstance(nodes[1], Unit._backward_cls)
+    seen = []
+    linear = next(m for m in model.modules() if isinstance(m, nn.Linear))
+    linear.register_forward_hook(lambda mod, args, out: seen.append(out.requires_grad))
     out = model(*inputs)
-    assert unit_nodes(out) == sum(1 for s in steps if s.params) < len(steps)
+    assert seen == [True] and out.grad_fn.next_functions[0][0] is not nodes[2]  # fresh nodes: the hook looks
+    with torch.no_grad():
+        assert model(*inputs).grad_fn is None and seen == [True, False]
 
 
 def test_a_stage_input_that_needs_a_gradient_gets_it_through_a_first_unit_without_parameters():

@@ -4,6 +4,7 @@ true shapes; emulated_loss() and emulate_optimizer() for the rest of a step."""
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
+from .clock import LAZY_S
 from .landing import defer_zero
 from .nodes import X_LEAF, X_NODE, X_NONE, Loss, Reshape, accumulation_order, apply_unit, x_kind
 from .trace import Call, EmulationError, TensorSpec, trace
@@ -25,7 +27,9 @@ class _Step:
     fwd_s: float
     bwd_s: float
     arg: int | None  # which model input the unit takes as it is (the data, the tokens), else None
-    params: tuple  # those that take gradients, in the order the real model accumulates them
+    # Those its node takes (those that take gradients: its own and those of the units it heads, _group), in
+    # the order the real model accumulates them.
+    params: tuple
     fwd_run: float = 0.0  # fwd_s and bwd_s times the compute scale
     bwd_run: float = 0.0
     inputs: dict = field(default_factory=dict)  # x_kind -> params, in the order a node takes them (nodes.py)
@@ -34,11 +38,12 @@ class _Step:
 class Emulation:
     """What emulate() installed on a model: its steps, and the accelerator they run on.
 
-    A unit gets an autograd node when backward must reach it: it has parameters, its input needs a gradient
-    and no node came before it, or a hook may look (its module has hooks, or its input tensor has). The other
-    units (ReLU, pooling: a third of ResNet-50's, half of VGG-19's) only queue their time: their forward with
-    the next node's, their backward in the node before them, whose backward runs just after theirs would.
-    Each node costs the host some microseconds of Python a pass; the units without one, next to nothing.
+    A unit gets an autograd node when backward must reach it: it heads a group of parameters (_group), its
+    input needs a gradient and no node came before it, or a hook may look (its module has hooks, or its input
+    tensor has). The other units (ReLU, pooling, those in a group) only queue their time: their backward in
+    the node before them, whose backward runs just after theirs would. Each node costs the host some
+    microseconds of Python a pass; the units without one, next to nothing. A forward without hooks makes
+    its nodes once and runs them again (forward).
     """
 
     def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator):
@@ -48,7 +53,11 @@ class Emulation:
         self._zeros: dict[torch.dtype, torch.Tensor] = {}
         self.forward_s = sum(s.fwd_s for s in steps)
         self.backward_s = sum(s.bwd_s for s in steps)
+        self.forward_run = self.forward_s * acc.scale
+        self.modules = tuple({id(s.call.module): s.call.module for s in steps}.values())
         self.clock = acc.clock
+        self.all_landed = False  # this backward pass landed every gradient (landing.land_all)
+        self._chain = None  # the output of the nodes a forward without hooks made (forward: made again)
         self._owed = 0.0  # forward time queued, not run yet (owe)
         self._pass = None  # this forward's [last node's ctx, first node's ctx, backward seconds]
 
@@ -77,12 +86,36 @@ class Emulation:
         self.clock = self.acc.clock  # this thread's stream (a pipeline's stage may run on another thread)
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
+        if _global_hooks() or any(any(map(hooks, self.modules)) for hooks in _HOOKS):
+            link = self._each_unit(inputs)
+        elif not torch.is_grad_enabled():
+            self._owed, link = self.forward_run, None  # nothing to differentiate: no node at all
+        elif self._chain is not None and not _needs_grad(inputs) and all(p.requires_grad for p in self.params):
+            # The chain of nodes the first such forward built, again: with no hook to see the units, no input
+            # that needs a gradient, and every node's state fixed, a forward's nodes would be the same ones.
+            # Autograd can run a chain whose nodes save no tensors any number of times; a fresh node on top
+            # makes this forward's output.
+            self._owed, link = self.forward_run, Reshape.apply(self._chain, self.output.shape, self.output.dtype)
+        else:
+            link = self._each_unit(inputs)
+            if link is not None and link.grad_fn is not None and not _needs_grad(inputs):
+                self._chain = link
+        self._run_owed()
+        self.clock.sync()  # the layers ran lazily: the pass ends when its last one does
+        self.acc.account("layers", self.forward_run, len(self.steps))
+        if link is None:
+            return self.zeros(self.output)
+        if tuple(link.shape) != self.output.shape or link.dtype != self.output.dtype:
+            link = Reshape.apply(link, self.output.shape, self.output.dtype)
+        return link
+
+    def _each_unit(self, inputs):
+        """A forward that calls each unit (the hooked ones as the user's code would) and makes its nodes."""
         hooks = _global_hooks()
         link = None
         for step in self.steps:
             module = step.call.module
-            if hooks or module._forward_pre_hooks or module._forward_hooks or module._backward_hooks \
-                    or module._backward_pre_hooks:
+            if hooks or _hooked(module):
                 # Called as the user's code would call it: its hooks see the true input and output shapes.
                 self._run_owed()  # a pre-hook may block (P3's gate): the work queued before it runs meanwhile
                 spec = step.call.inputs[0] if step.call.inputs else step.call.output
@@ -96,13 +129,6 @@ class Emulation:
         if last is not None:
             last.ahead = True
             first.ends, first.pass_s = True, seconds
-        self._run_owed()
-        self.clock.sync()  # the layers ran lazily: the pass ends when its last one does
-        self.acc.account("layers", self.forward_s * self.acc.scale, len(self.steps))
-        if link is None:
-            return self.zeros(self.output)
-        if tuple(link.shape) != self.output.shape or link.dtype != self.output.dtype:
-            link = Reshape.apply(link, self.output.shape, self.output.dtype)
         return link
 
     def unit_forward(self, *args, **kwargs):
@@ -128,6 +154,39 @@ class Emulation:
             last.bwd += step.bwd_run
             self._pass[2] += step.bwd_run
         return self.zeros(step.call.output) if hooked else link
+
+
+def _group(steps: list[_Step], grad_order: dict[int, int]) -> None:
+    """Hand the parameters of each unit to the node of the unit before it that heads its group: a group is
+    the units whose backward times add up to at most LAZY_S, so that one node's backward does for all of
+    them (a third of ResNet-50's units on a V100; more on faster devices), and a unit whose backward alone
+    outlasts LAZY_S heads its own.
+
+    Each host wake-up costs some tens of microseconds on a busy host (its caches gone cold while it slept),
+    and each node one. A group's gradients reach their hooks together, at the head's deadline: late by less
+    than LAZY_S, the bound within which lazy waits let every hook run early anyway, and in the real order
+    (the head's node takes them all in the order the engine accumulates them: nodes.accumulation_order).
+    """
+    head, span = None, 0.0
+    for step in steps:
+        if step.params and head is not None and span + step.bwd_run <= LAZY_S:
+            head.params = tuple(sorted(head.params + step.params, key=lambda p: grad_order.get(id(p), -1)))
+            step.params = ()
+        elif step.params:
+            head, span = step, 0.0
+        span += step.bwd_run
+
+
+_HOOKS = tuple(map(operator.attrgetter, ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                                         "_backward_pre_hooks")))
+
+
+def _hooked(m: nn.Module) -> bool:
+    return any(hooks(m) for hooks in _HOOKS)
+
+
+def _needs_grad(inputs) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
 
 
 def _global_hooks() -> bool:
@@ -185,16 +244,17 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
         params = tuple(sorted((p for p in params if p.requires_grad), key=lambda p: tr.grad_order.get(id(p), -1)))
         first = call.inputs[0] if call.inputs else None
         arg = next((j for j, s in enumerate(specs) if first is not None and s == (first.shape, first.dtype)), None)
-        step = _Step(call, f, b, arg if i == 0 or not first.dtype.is_floating_point else None, params,
-                     f * acc.scale, b * acc.scale)
+        steps.append(_Step(call, f, b, arg if i == 0 or not first.dtype.is_floating_point else None, params,
+                           f * acc.scale, b * acc.scale))
+    _group(steps, tr.grad_order)
+    for step in steps:
         for kind in (X_NONE, X_NODE, X_LEAF):  # the node's inputs, placed where the engine takes them in order
-            placed = [None] * len(params)
-            for p, at in zip(params, accumulation_order(len(params), kind)):
+            placed = [None] * len(step.params)
+            for p, at in zip(step.params, accumulation_order(len(step.params), kind)):
                 placed[at] = p
             step.inputs[kind] = tuple(placed)
-        steps.append(step)
     emu = Emulation(model, steps, tr.output, acc)
-    for module in {id(c.module): c.module for c in tr.calls}.values():
+    for module in emu.modules:
         module.forward = emu.unit_forward
     model.forward = emu.forward
     model._emulation = emu

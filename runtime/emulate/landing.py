@@ -40,24 +40,28 @@ def land(p: torch.nn.Parameter) -> None:
     land_all((p,))
 
 
-def land_all(params) -> None:
-    """land() each of params (those not marked are left alone)."""
+def land_all(params) -> bool:
+    """land() each of params (those not marked are left alone), the copies in one call; True when every one of
+    them was marked and got its copy: then autograd gets nothing for any of them this pass (the nodes hand
+    it no gradient without asking take()), and none is left marked or landed."""
     t = time.perf_counter()
-    for p in params:
-        if getattr(p, "_emulated_landing", 0) != _MARKED:
-            continue
-        grad = p.grad
-        if grad is None:
-            p._emulated_landing = 0
-        elif p._backward_hooks:
-            grad.zero_()
-            p._emulated_landing = 0
-        else:
-            grad.copy_(p._emulated_grad)
+    marked = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED]
+    copied = [p for p in marked if p.grad is not None and not p._backward_hooks]
+    if copied:
+        torch._foreach_copy_([p.grad for p in copied], [p._emulated_grad for p in copied])
+    everything = len(copied) == len(params)
+    for p in marked:
+        p._emulated_landing = 0
+    if not everything:
+        for p in copied:
             p._emulated_landing = _LANDED
+        for p in marked:
+            if p.grad is not None and p._backward_hooks:
+                p.grad.zero_()
     acc = active()
     if acc is not None:  # a DMA engine's copy in reality: it does not hold the device's next pass back
         acc.clock.absorb(time.perf_counter() - t)
+    return everything
 
 
 def take(params) -> tuple:

@@ -19,7 +19,8 @@ class Unit(torch.autograd.Function):
     def forward(ctx, emu, step, x, *params):
         emu.owe(step.fwd_run)
         ctx.emu, ctx.params, ctx.bwd, ctx.ahead, ctx.ends = emu, params, step.bwd_run, False, False
-        ctx.x = (tuple(x.shape), x.dtype) if x.requires_grad else None
+        ctx.none = (None,) * len(params)
+        ctx.x = emu.zeros(tuple(x.shape), x.dtype) if x.requires_grad else None  # x's gradient: no memory
         return emu.zeros(step.call.output)
 
     @staticmethod
@@ -30,11 +31,15 @@ class Unit(torch.autograd.Function):
             # copies are a DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the
             # end of the pass) would otherwise hold the next pass back. The values are fixed: nothing reads a
             # gradient before its hook fires, after its unit's time.
-            land_all(emu.params)
-        emu.acc.clock.run(ctx.bwd, lazy=not ctx.ends)  # the node nearest the input ends the pass on its deadline
+            emu.all_landed = land_all(emu.params)
+        # The node nearest the input ends the pass on its deadline. emu.clock: the clock of the thread that ran
+        # the forward, which runs the backward too.
+        emu.clock.run(ctx.bwd, lazy=not ctx.ends)
+        grads = ctx.none if emu.all_landed else take(ctx.params)
         if ctx.ends:
+            emu.all_landed = False
             emu.account_backward(ctx.pass_s)
-        return (None, None, emu.zeros(*ctx.x) if ctx.x is not None else None, *take(ctx.params))
+        return (None, None, ctx.x, *grads)
 
 
 def apply_unit(emu, step, x, params):
