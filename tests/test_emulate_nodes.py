@@ -3,6 +3,9 @@ parameters reach their hooks in the real order."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -141,3 +144,19 @@ def test_a_unit_with_six_parameters_accumulates_them_in_the_real_order(needs_gra
     assert order_of(model, x, emulated_loss) == real
     assert sorted(accumulation_order(6, X_NODE)) == list(range(6))
     assert {len(accumulation_order(n, k)) for n in (0, 1, 7) for k in (X_NONE, X_LEAF)} == {0, 1, 7}
+
+
+def test_an_emulated_model_whose_nodes_run_again_is_freed_with_its_last_user():
+    model = build_model("cnn")
+    inputs, _ = model_input("cnn", 4)
+    emulate(model, "v100", inputs)
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in range(2):
+        opt.zero_grad()
+        out = model(*inputs)
+        emulated_loss(out).backward()
+    assert model._emulation._chain is not None
+    gone = weakref.ref(model)
+    del model, opt  # out lives on, as a loop's variable does: the chain is not the emulation's alone
+    gc.collect()
+    assert gone() is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import operator
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +49,7 @@ class Emulation:
 
     def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator):
         self.model, self.steps, self.output, self.acc = model, steps, output, acc
+        self.ref = weakref.ref(self)  # what its nodes hold (nodes.Unit)
         # Landed as backward starts, in the order backward reaches them.
         self.params = tuple(p for step in reversed(steps) for p in step.params)
         self._zeros: dict[torch.dtype, torch.Tensor] = {}

@@ -18,14 +18,19 @@ class Unit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, emu, step, x, *params):
         emu.owe(step.fwd_run)
-        ctx.emu, ctx.params, ctx.bwd, ctx.ahead, ctx.ends = emu, params, step.bwd_run, False, False
+        # A weak reference: the emulation keeps a forward's nodes to run again (Emulation.forward), and a strong
+        # one back would make a cycle through autograd's C++ nodes that Python's collector cannot see (every
+        # emulated model, its gradients and their templates, would outlive its last user).
+        ctx.emu, ctx.params, ctx.bwd, ctx.ahead, ctx.ends = emu.ref, params, step.bwd_run, False, False
         ctx.none = (None,) * len(params)
         ctx.x = emu.zeros(tuple(x.shape), x.dtype) if x.requires_grad else None  # x's gradient: no memory
         return emu.zeros(step.call.output)
 
     @staticmethod
     def backward(ctx, grad):
-        emu = ctx.emu
+        emu = ctx.emu()
+        if emu is None:
+            raise RuntimeError("backward through an emulated model that is gone (nothing references it any more)")
         if ctx.ahead:
             # The first node backward reaches lands every gradient, and the device's timeline runs on: the
             # copies are a DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the
