@@ -56,11 +56,11 @@ without emulation do too, the modelled figures None.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 
 from jobs.bench import host_usage
+from jobs.bench.between_contenders import release_memory, warm_mpi
 from jobs.bench.contenders import FORCED, STRATEGIES, check_settings, strategy_options
 from jobs.bench.host_usage import ranks_cpu_s
 from jobs.bench.strategies_rows import row
@@ -334,24 +334,6 @@ def fixed_gradients(model) -> list | None:
     return None if not grads or any(g is None for g in grads) else grads
 
 
-def release_memory() -> None:
-    """Give the last contender's model, gradients and optimizer state back to the system before the next.
-
-    glibc keeps freed blocks for reuse, so without a trim the ranks of a 128 M-parameter model held
-    two models' worth each (2.9 GB) and eight of them on one machine were killed for memory.
-    """
-    import ctypes
-
-    gc.collect()
-    # What survived is live (torch's modules, MPI, the rounds so far): later collections need not walk it
-    # again. Without this a full collection took 0.25-0.6 s per contender and round on a 2-core VM.
-    gc.freeze()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
-
-
 def main(argv=None, args=None) -> int:
     args = parse_args(argv) if args is None else args
     t_start = time.perf_counter()
@@ -361,6 +343,7 @@ def main(argv=None, args=None) -> int:
 
         init_gloo(b.comm)
     contenders = [COMPUTE, *args.strategies]
+    warm_mpi(b.comm, args.model)
     results: dict[str, list[dict]] = {c: [] for c in contenders}
     for k in range(args.rounds):
         shift = k % len(contenders)  # each contender in turn goes first: none always gets the fresh machine
