@@ -30,10 +30,10 @@ def release_memory() -> None:
 def warm_mpi(comm, model: str) -> None:
     """A few untimed allreduces of the model's gradients' size (at most WARM_ELEMENTS) before the first round.
 
-    Without them the first contender to communicate in a process ran its first round some 25 % slower
-    than its later ones on unshaped local links (4 ranks, ResNet-50, emulated V100: 0.244 s a step
-    against 0.19 s; its own warm-up steps did not absorb it), and that one round was the spread of the
-    whole run. With them its first round is like the others (benchmarks/emulation.md).
+    Without them the allreduce strategy's first round ran some 25 % slower than its other four on
+    unshaped local links (4 ranks, ResNet-50, emulated V100: 0.24 s a step against 0.19 s, whether it
+    ran first or second in that round; its own warm-up steps did not absorb it), and that one round was
+    the spread of the whole run. With them its first round is like the others (benchmarks/emulation.md).
     """
     import numpy as np
     from mpi4py import MPI

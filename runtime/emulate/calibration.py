@@ -114,13 +114,12 @@ GEMM_PRIOR = {"fp32": 0.75, "tf32": 0.6, "amp": 0.6}
 
 def _arrays(dev: Device, t: Throughput):
     """Per work item of a point's step: kind, flops, bytes, kernels (numpy), for a vectorised fit."""
-    from .compute_model import RooflineModel
     from .flops import Work
 
     works, elements, tensors = _work(t.model, t.batch)
     items = [w for pair in works for w in pair]
     if "no optimizer" not in t.note:
-        opt = RooflineModel(dev).optimizer_s  # its Work, rebuilt here: read/write parameter, gradient, momentum
+        # RooflineModel.optimizer_s's work, rebuilt here: read/write parameter, gradient, momentum.
         items.append(Work("memory", 4.0 * elements, elements * 4 * 5, 2 * -(-tensors // 24)))
     kinds = np.array([{"conv": 0, "conv3x3": 1}.get(w.kind, 3 if w.kind == "memory" else 2) for w in items])
     return (kinds, np.array([w.flops for w in items]), np.array([w.bytes for w in items]),

@@ -88,19 +88,20 @@ class Emulation:
         self.clock = self.acc.clock  # this thread's stream (a pipeline's stage may run on another thread)
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
+        # With no hook to see the units, no input that needs a gradient and every parameter taking one, a
+        # forward's nodes would be the same ones each time: the first such forward's are run again.
+        replayable = not _needs_grad(inputs) and all(p.requires_grad for p in self.params)
         if _global_hooks() or any(any(map(hooks, self.modules)) for hooks in _HOOKS):
             link = self._each_unit(inputs)
         elif not torch.is_grad_enabled():
             self._owed, link = self.forward_run, None  # nothing to differentiate: no node at all
-        elif self._chain is not None and not _needs_grad(inputs) and all(p.requires_grad for p in self.params):
-            # The chain of nodes the first such forward built, again: with no hook to see the units, no input
-            # that needs a gradient, and every node's state fixed, a forward's nodes would be the same ones.
-            # Autograd can run a chain whose nodes save no tensors any number of times; a fresh node on top
-            # makes this forward's output.
+        elif replayable and self._chain is not None:
+            # Autograd can run a chain of nodes that save no tensors any number of times; a fresh node on
+            # top makes this forward's output.
             self._owed, link = self.forward_run, Reshape.apply(self._chain, self.output.shape, self.output.dtype)
         else:
             link = self._each_unit(inputs)
-            if link is not None and link.grad_fn is not None and not _needs_grad(inputs):
+            if replayable and link is not None and link.grad_fn is not None:
                 self._chain = link
         self._run_owed()
         self.clock.sync()  # the layers ran lazily: the pass ends when its last one does

@@ -10,10 +10,11 @@ __all__ = ["Unit", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE", "X_LEAF"
 
 
 class Unit(torch.autograd.Function):
-    """A unit's node: forward queues its modelled time (Emulation.owe) and returns a zero-stride tensor of the unit's output shape; backward waits its backward time (and that of the
-    units without a node after it: their gradients flow through it, at their true place on the timeline),
-    lands the step's gradients if it is the first node backward reaches, and hands autograd the input's
-    gradient and nothing (landed) or the fixed gradient for each parameter."""
+    """A unit's node: forward queues its modelled time (Emulation.owe) and returns a zero-stride tensor of the
+    unit's output shape; backward waits its backward time (and that of the units without a node after it:
+    their gradients flow through it, at their true place on the timeline), lands the step's gradients if it
+    is the first node backward reaches, and hands autograd the input's gradient and, for each parameter,
+    nothing (landed) or the fixed gradient."""
 
     @staticmethod
     def forward(ctx, emu, step, x, *params):
