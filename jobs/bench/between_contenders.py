@@ -33,7 +33,8 @@ def warm_mpi(comm, model: str) -> None:
     Without them the allreduce strategy's first round ran some 25 % slower than its other four on
     unshaped local links (4 ranks, ResNet-50, emulated V100: 0.24 s a step against 0.19 s, whether it
     ran first or second in that round; its own warm-up steps did not absorb it), and that one round was
-    the spread of the whole run. With them its first round is like the others (benchmarks/emulation.md).
+    the spread of the whole run. With them its first round was like the others in three runs of four,
+    and 15 % slow in the fourth, where wfbp ran first (benchmarks/emulation.md).
     """
     import numpy as np
     from mpi4py import MPI
