@@ -165,10 +165,11 @@ def _group(steps: list[_Step], grad_order: dict[int, int]) -> None:
     them (a third of ResNet-50's units on a V100; more on faster devices), and a unit whose backward alone
     outlasts LAZY_S heads its own.
 
-    Each host wake-up costs some tens of microseconds on a busy host (its caches gone cold while it slept),
-    and each node one. A group's gradients reach their hooks together, at the head's deadline: late by less
-    than LAZY_S, the bound within which lazy waits let every hook run early anyway, and in the real order
-    (the head's node takes them all in the order the engine accumulates them: nodes.accumulation_order).
+    Each node's Python costs the host tens of microseconds when it runs right after a wake-up (the host's
+    caches went cold while it slept), as most do. A group's gradients reach their hooks together, at the
+    head's deadline: late by less than LAZY_S, the bound within which lazy waits let every hook run early
+    anyway, and in the real order (the head's node takes them all in the order the engine accumulates
+    them: nodes.accumulation_order).
     """
     head, span = None, 0.0
     for step in steps:
