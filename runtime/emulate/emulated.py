@@ -81,27 +81,22 @@ class Emulation:
             self.clock.run(self._owed, lazy=True)
             self._owed = 0.0
 
-    def account_backward(self, seconds: float) -> None:
-        self.acc.account("layers", seconds, 0)
-
     def forward(self, *inputs):
         self.clock = self.acc.clock  # this thread's stream (a pipeline's stage may run on another thread)
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
-        # With no hook to see the units, no input that needs a gradient and every parameter taking one, a
-        # forward's nodes would be the same ones each time: the first such forward's are run again.
-        replayable = not _needs_grad(inputs) and all(p.requires_grad for p in self.params)
-        if _global_hooks() or any(any(map(hooks, self.modules)) for hooks in _HOOKS):
-            link = self._each_unit(inputs)
+        hooks = _global_hooks()
+        if hooks or any(any(map(hook_dict, self.modules)) for hook_dict in _HOOKS):
+            link = self._each_unit(inputs, hooks)
         elif not torch.is_grad_enabled():
             self._owed, link = self.forward_run, None  # nothing to differentiate: no node at all
-        elif replayable and self._chain is not None:
+        elif self._replayable(inputs) and self._chain is not None:
             # Autograd can run a chain of nodes that save no tensors any number of times; a fresh node on
             # top makes this forward's output.
             self._owed, link = self.forward_run, Reshape.apply(self._chain, self.output.shape, self.output.dtype)
         else:
-            link = self._each_unit(inputs)
-            if replayable and link is not None and link.grad_fn is not None:
+            link = self._each_unit(inputs, hooks)
+            if link is not None and link.grad_fn is not None and self._replayable(inputs):
                 self._chain = link
         self._run_owed()
         self.clock.sync()  # the layers ran lazily: the pass ends when its last one does
@@ -112,9 +107,14 @@ class Emulation:
             link = Reshape.apply(link, self.output.shape, self.output.dtype)
         return link
 
-    def _each_unit(self, inputs):
-        """A forward that calls each unit (the hooked ones as the user's code would) and makes its nodes."""
-        hooks = _global_hooks()
+    def _replayable(self, inputs) -> bool:
+        """With no hook to see the units (the caller checked), no input that needs a gradient and every
+        parameter taking one, a forward's nodes would be the same ones each time: the first's run again."""
+        return not _needs_grad(inputs) and all(p.requires_grad for p in self.params)
+
+    def _each_unit(self, inputs, hooks: bool):
+        """A forward that calls each unit (the hooked ones as the user's code would) and makes its nodes;
+        hooks: global module hooks are registered (every unit is called through its module)."""
         link = None
         for step in self.steps:
             module = step.call.module

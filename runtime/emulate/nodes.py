@@ -44,7 +44,7 @@ class Unit(torch.autograd.Function):
         grads = ctx.none if emu.all_landed else take(ctx.params)
         if ctx.ends:
             emu.all_landed = False
-            emu.account_backward(ctx.pass_s)
+            emu.acc.account("layers", ctx.pass_s, 0)
         return (None, None, ctx.x, *grads)
 
 
