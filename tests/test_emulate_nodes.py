@@ -1,5 +1,5 @@
-"""runtime.emulate's nodes: units without parameters need none, hooks still see every unit, and a unit's many
-parameters reach their hooks in the real order."""
+"""runtime.emulate's nodes: a backward nothing watches is one node, units without parameters need none, hooks
+still see every unit, and a unit's many parameters reach their hooks in the real order."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
 from runtime.emulate import clock as clock_module
 from runtime.emulate.clock import LAZY_S
-from runtime.emulate.nodes import X_LEAF, X_NODE, X_NONE, Unit, accumulation_order
+from runtime.emulate.nodes import X_LEAF, X_NODE, X_NONE, Pass, Unit, accumulation_order
 from runtime.emulate.trace import trace
 from runtime.workloads.models import build_model, model_input
 
@@ -38,10 +38,23 @@ def unit_nodes(out: torch.Tensor) -> int:
     return count
 
 
+def watch(model) -> list:
+    """A hook on every parameter, as a strategy's: the backward then goes unit by unit. Returns what fired."""
+    fired = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _, n=n: fired.append(n))
+    return fired
+
+
+def is_pass(out: torch.Tensor) -> bool:
+    return isinstance(out.grad_fn, Pass._backward_cls)
+
+
 def test_one_node_per_group_of_parameters_and_none_for_the_other_units():
     model = build_model("resnet50")
     inputs, _ = model_input("resnet50", 4)
     emulate(model, "v100", inputs)
+    watch(model)
     steps = model._emulation.steps
     heads = [s for s in steps if s.params]
     assert unit_nodes(model(*inputs)) == len(heads) < sum(1 for s in steps if s.call.params) < len(steps)
@@ -56,10 +69,11 @@ def test_one_node_per_group_of_parameters_and_none_for_the_other_units():
             assert span <= LAZY_S
 
 
-def test_a_forward_without_hooks_runs_the_first_ones_nodes_again_until_a_hook_comes():
+def test_a_forward_without_module_hooks_runs_the_first_ones_nodes_again_until_a_hook_comes():
     model = build_model("cnn")
     inputs, _ = model_input("cnn", 4)
     emulate(model, "v100", inputs)
+    watch(model)
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     nodes = []
     for _ in range(3):
@@ -156,13 +170,117 @@ def test_an_emulated_model_whose_nodes_run_again_is_freed_with_its_last_user():
     model = build_model("cnn")
     inputs, _ = model_input("cnn", 4)
     emulate(model, "v100", inputs)
+    fired = watch(model)
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     for _ in range(2):
         opt.zero_grad()
         out = model(*inputs)
         emulated_loss(out).backward()
-    assert model._emulation._chain is not None
+    assert model._emulation._chain is not None and fired
+    del fired
     gone = weakref.ref(model)
     del model, opt  # out lives on, as a loop's variable does: the chain is not the emulation's alone
     gc.collect()
     assert gone() is None
+
+
+def test_a_backward_nothing_watches_is_one_node_that_lands_every_gradient_and_sleeps_once():
+    model = build_model("resnet50")
+    inputs, _ = model_input("resnet50", 4)
+    emulate(model, "v100", inputs, times=[(0.0001, 0.0005)] * len(trace(model, inputs).calls))  # 50 ms: it sleeps
+    emu, acc = model._emulation, accelerator.active()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for step in range(3):
+        opt.zero_grad()
+        out = model(*inputs)
+        assert is_pass(out)
+        layers, wakes = acc.seconds["layers"], acc.clock.wakes
+        emulated_loss(out).backward()
+        assert acc.clock.wakes - wakes == 1
+        backward_s = acc.seconds["layers"] - layers
+        # Made on the first step, copied over the marked buffers after it: no allocation.
+        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+        if step == 1:
+            buffers = [p.grad.data_ptr() for p in model.parameters()]
+    assert [p.grad.data_ptr() for p in model.parameters()] == buffers
+    emulated_loss(model(*inputs)).backward()  # no zero_grad: the second micro-batch's gradient adds to the first
+    assert all(torch.equal(p.grad, 2 * p._emulated_grad) for p in model.parameters())
+    watch(model)
+    out = model(*inputs)
+    layers = acc.seconds["layers"]
+    emulated_loss(out).backward()
+    assert not is_pass(out) and acc.seconds["layers"] - layers == pytest.approx(backward_s)  # unit by unit: the same
+    assert emu.steps[0].params and backward_s == pytest.approx(sum(s.bwd_run for s in emu.steps))
+
+
+def test_a_stage_input_gets_its_gradient_from_the_one_node():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.zeros(2, 8, requires_grad=True)
+    emulate(model, "v100", (x,))
+    out = model(x)
+    emulated_loss(out).backward()
+    assert is_pass(out) and x.grad is not None and x.grad.shape == x.shape
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def horovod_style(p, fired):
+    """A hook on the parameter's accumulator, as Horovod and DeepSpeed register theirs: invisible from the
+    parameter, so the emulation sees only that somebody holds the accumulator."""
+    acc = p.view_as(p).grad_fn.next_functions[0][0]
+    acc.register_hook(lambda *_: fired.append(1))
+    return acc
+
+
+@pytest.mark.parametrize("how", ["post_accumulate", "tensor", "accumulator"])
+def test_every_kind_of_parameter_hook_makes_the_backward_go_unit_by_unit(how):
+    model = build_model("cnn")
+    inputs, _ = model_input("cnn", 4)
+    emulate(model, "v100", inputs)
+    assert is_pass(model(*inputs))
+    p, fired = next(model.parameters()), []
+    if how == "post_accumulate":
+        handle = p.register_post_accumulate_grad_hook(lambda _: fired.append(1))
+    elif how == "tensor":
+        handle = p.register_hook(lambda g: fired.append(1))
+    else:
+        held = horovod_style(p, fired)
+    for _ in range(2):
+        out = model(*inputs)
+        assert not is_pass(out)
+        emulated_loss(out).backward()
+    assert fired == [1, 1]
+    if how == "accumulator":
+        del held
+    else:
+        handle.remove()
+    assert is_pass(model(*inputs))  # nobody watches any more: the last output's graph is no watcher
+
+
+def test_a_module_hook_that_comes_and_goes_after_the_first_forward_is_seen_each_time():
+    model = build_model("cnn")
+    inputs, _ = model_input("cnn", 4)
+    emulate(model, "v100", inputs)
+    assert is_pass(model(*inputs))
+    linear, seen = next(m for m in model.modules() if isinstance(m, nn.Linear)), []
+    handle = linear.register_forward_hook(lambda *_: seen.append(1))
+    assert not is_pass(model(*inputs)) and seen == [1]
+    handle.remove()
+    assert is_pass(model(*inputs)) and seen == [1]
+    linear._forward_hooks.update({-1: lambda *_: seen.append(2)})  # not through register_forward_hook
+    assert not is_pass(model(*inputs)) and seen == [1, 2]
+    linear._forward_hooks.clear()
+    assert is_pass(model(*inputs))
+
+
+def test_the_emulation_benchmark_reports_each_step_with_and_without_parameter_hooks(tmp_path):
+    import json
+
+    from jobs.bench import emulation as bench
+    out = tmp_path / "emulation.json"
+    assert bench.main(["--models", "cnn", "--devices", "v100", "--steps", "2", "--warmup", "1", "--waits", "10",
+                       "--repeats", "1", "--json", str(out)]) == 0
+    steps = [r for r in json.loads(out.read_text())["rows"] if r["table"] == "steps"]
+    assert [r["hooked"] for r in steps] == [False, True] and (tmp_path / "emulation.png").exists()
+    for r in steps:  # the landing is part of the step's host time, and measured in it
+        assert 0 < r["landing_cpu_s"] < r["host_cpu_s"] and r["grad_copy_cpu_s"] > 0
+        assert r["host_rest_share"] * r["modelled_s"] == pytest.approx(max(0.0, r["host_rest_s"]))

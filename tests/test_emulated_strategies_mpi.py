@@ -11,6 +11,7 @@ from mpicomm import Topology
 from runtime import DistributedOptimizer, HybCommOptions, TopkOptions
 from runtime.emulate import active, emulate, emulate_optimizer, emulated_loss
 from runtime.emulate.accelerator import deactivate
+from runtime.emulate.nodes import Pass
 from runtime.hybrid.cost_model import emulated_gflops
 from runtime.workloads.models import build_model, model_input
 
@@ -141,8 +142,13 @@ def test_ddp_over_gloo(fresh):
         opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
         for _ in range(STEPS):
             opt.zero_grad()
-            emulated_loss(ddp(x), y).backward()
+            out = ddp(x)
+            # DDP's hooks are C++ that Python cannot see: its forward makes the backward go unit by unit
+            # all the same, so that each bucket's all-reduce starts when its last gradient lands.
+            agree(not isinstance(out.grad_fn, Pass._backward_cls), f"DDP's backward is one node: {out.grad_fn}")
+            emulated_loss(out, y).backward()
             opt.step()
+        agree(isinstance(model(x).grad_fn, Pass._backward_cls), "without DDP around it, the backward is not one node")
     finally:
         shutdown_gloo()
     check(model, active(), DEVICE_WORK)

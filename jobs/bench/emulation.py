@@ -10,13 +10,16 @@ prediction (runtime.emulate.calibration), with the error. Waits: --waits
 modelled waits adding up to 0.1 s, run --repeats times with plain
 time.sleep and with the accelerator's deadline clock (runtime.emulate.clock):
 the total's median error and the CPU-seconds each used. Steps: for each
-model and device (batch: the paper's, PAPER_BATCH), --steps emulated
+model and device (batch: the paper's, PAPER_BATCH, else 32), --steps emulated
 training steps on one rank after --warmup (zero_grad, forward, backward,
 optimizer step, the way DistributedOptimizer's user runs them): median
 T_iter against the modelled time per step, the error, and the host's
-CPU-seconds per step, beside what landing the gradients in host memory once
-costs here (one copy of every gradient, timed: what a GPU's staging copies
-would put there) and the rest as a share of the modelled compute. All
+CPU-seconds per step; of those, what landing the gradients in host memory
+took in the step (the copies that stand in for a GPU's staging copies:
+runtime.emulate.landing), beside one warm copy of every gradient timed
+alone, and the rest as a share of the modelled compute. With --hooked
+(default), each model runs again with a hook on every parameter, as a
+strategy's: its backward then goes unit by unit instead of in one node. All
 figures: emulated compute, on this machine, one process.
 """
 
@@ -42,6 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--devices", default="h100,v100", help="named devices (default h100,v100)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and device (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--hooked", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run each step row with a hook on every parameter, as a strategy's (default on)")
     p.add_argument("--waits", default="10,100,1000", help="waits per 0.1 s in the wait table (default 10,100,1000)")
     p.add_argument("--repeats", type=int, default=5, help="repeats of each wait row (default 5)")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
@@ -103,19 +108,22 @@ def wait_rows(counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def step_row(name: str, dev: str, steps: int, warmup: int) -> dict:
+def step_row(name: str, dev: str, steps: int, warmup: int, hooked: bool = False) -> dict:
     import torch
 
     from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
     from runtime.workloads.models import PAPER_BATCH, build_model, model_input
 
     accelerator.deactivate()
-    batch = PAPER_BATCH[name]
+    batch = PAPER_BATCH.get(name, 32)  # the paper's, for a model of one of the papers
     model = build_model(name)
     inputs, _ = model_input(name, batch)
     emulate(model, dev, inputs)
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     acc = accelerator.active()
+    if hooked:  # a strategy's hook on every parameter (doing nothing here): the backward goes unit by unit
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(_no_op)
 
     def step():
         opt.zero_grad()
@@ -123,13 +131,14 @@ def step_row(name: str, dev: str, steps: int, warmup: int) -> dict:
         opt.step()
     for _ in range(warmup):
         step()
-    times, cpus, modelled = [], [], []
+    times, cpus, modelled, landing = [], [], [], []
     for _ in range(steps):
-        m0, c0, t0 = sum(acc.seconds.values()), cpu_s(), time.perf_counter()
+        m0, c0, t0, l0 = sum(acc.seconds.values()), cpu_s(), time.perf_counter(), acc.landing_cpu_s
         step()
         times.append(time.perf_counter() - t0)
         cpus.append(cpu_s() - c0)
         modelled.append(sum(acc.seconds.values()) - m0)
+        landing.append(acc.landing_cpu_s - l0)
     grads = [p.grad for p in model.parameters()]
     copies = [torch.empty_like(g) for g in grads]
     copy_times = []
@@ -142,13 +151,19 @@ def step_row(name: str, dev: str, steps: int, warmup: int) -> dict:
     t_iter = statistics.median(times)
     host = statistics.median(cpus)
     copy = min(copy_times)
-    row = dict(table="steps", model=name, device=acc.model.label, batch=batch,
+    rest = statistics.median(c - lc for c, lc in zip(cpus, landing))
+    row = dict(table="steps", model=name, device=acc.model.label, batch=batch, hooked=hooked,
                params=sum(p.numel() for p in model.parameters()), modelled_s=t_model, t_iter_s=t_iter,
                error=t_iter / t_model - 1, host_cpu_s=host, grad_copy_cpu_s=copy,
-               host_rest_share=max(0.0, host - copy) / t_model, steps=steps, parts=acc.describe())
+               landing_cpu_s=statistics.median(landing), host_rest_s=rest,
+               host_rest_share=max(0.0, rest) / t_model, steps=steps, parts=acc.describe())
     del model, opt, grads, copies
     accelerator.deactivate()
     return row
+
+
+def _no_op(p) -> None:
+    pass
 
 
 def format_tables(rows) -> str:
@@ -160,11 +175,12 @@ def format_tables(rows) -> str:
     out += ["", "| waits per 0.1 s | how | total error (median) | max | CPU s per modelled s |", "|---:|---|---:|---:|---:|"]
     out += [f"| {r['waits']} | {r['how']} | {r['error'] * 100:+.2f} % | {r['error_max'] * 100:+.2f} % "
             f"| {r['cpu_s_per_modelled_s']:.3f} |" for r in rows if r["table"] == "waits"]
-    out += ["", "| model | device | batch | modelled s/step | T_iter s | error | host CPU s/step | of which "
-            "gradient copy | rest / modelled |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    out += [f"| {r['model']} | {r['device']} | {r['batch']} | {r['modelled_s']:.4f} | {r['t_iter_s']:.4f} "
-            f"| {r['error'] * 100:+.2f} % | {r['host_cpu_s']:.4f} | {r['grad_copy_cpu_s']:.4f} "
-            f"| {r['host_rest_share'] * 100:.2f} % |" for r in rows if r["table"] == "steps"]
+    out += ["", "| model | device | hooks | batch | modelled s/step | T_iter s | error | host CPU s/step | of which "
+            "landing | one warm copy | rest / modelled |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {r['model']} | {r['device']} | {'every parameter' if r['hooked'] else 'none'} | {r['batch']} "
+            f"| {r['modelled_s']:.4f} | {r['t_iter_s']:.4f} | {r['error'] * 100:+.2f} % | {r['host_cpu_s']:.4f} "
+            f"| {r['landing_cpu_s']:.4f} | {r['grad_copy_cpu_s']:.4f} | {r['host_rest_share'] * 100:.2f} % |"
+            for r in rows if r["table"] == "steps"]
     return "\n".join(out)
 
 
@@ -204,6 +220,8 @@ def main(argv=None, args=None) -> int:
         for dev in args.devices:
             print(f"# {name} on {dev}: {args.warmup} + {args.steps} steps", flush=True)
             rows.append(step_row(name, dev, args.steps, args.warmup))
+            if args.hooked:
+                rows.append(step_row(name, dev, args.steps, args.warmup, hooked=True))
     print(format_tables(rows))
     meta = run_metadata("jobs.bench.emulation", argv, machine=machine(), compute="emulated", torch=torch.__version__)
     write_results(None, args, meta, rows, lambda path: plot(rows, path))

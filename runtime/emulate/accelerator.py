@@ -26,6 +26,9 @@ class Accelerator:
         self.calls: dict[str, int] = defaultdict(int)
         self.real: set[str] = set()  # kinds of accelerator work that ran for real (not emulated)
         self._lock = threading.Lock()  # the accounts: the main, progress and staging threads all run work
+        # Host CPU seconds that landing the gradients took (runtime.emulate.landing): the copies that stand in
+        # for a GPU's staging copies, the host work an emulated step is allowed beyond its own.
+        self.landing_cpu_s = 0.0
 
     @property
     def clock(self) -> Clock:

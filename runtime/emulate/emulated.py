@@ -8,6 +8,7 @@ import operator
 import time
 import weakref
 from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
 
 import torch
 from torch import nn
@@ -16,8 +17,9 @@ from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
 from .clock import LAZY_S
 from .landing import defer_zero
-from .nodes import X_LEAF, X_NODE, X_NONE, Loss, Reshape, accumulation_order, apply_unit, x_kind
+from .nodes import X_LEAF, X_NODE, X_NONE, Loss, Reshape, accumulation_order, apply_pass, apply_unit, x_kind
 from .trace import Call, EmulationError, TensorSpec, trace
+from .watch import Watch, global_hooks, hooked
 
 __all__ = ["emulate", "emulated_loss", "emulate_optimizer", "optimizer_state", "Emulation"]
 
@@ -59,6 +61,12 @@ class Emulation:
         self.modules = tuple({id(s.call.module): s.call.module for s in steps}.values())
         self.clock = acc.clock
         self.all_landed = False  # this backward pass landed every gradient (landing.land_all)
+        # A pass's backward seconds without the input's gradient (from the first unit with parameters) and with it.
+        bwd = [s.bwd_run for s in steps]
+        first = next((i for i, s in enumerate(steps) if s.params), len(steps))
+        self._pass_s = (sum(bwd[first:]), sum(bwd))
+        self.anchor = torch.zeros((), requires_grad=True)  # what the Pass node hangs on (its gradient: none)
+        self.watch = Watch(self.modules, (p for p in self.params if p.requires_grad))
         self._chain = None  # the output of the nodes a forward without hooks made (forward: made again)
         self._owed = 0.0  # forward time queued, not run yet (owe)
         self._pass = None  # this forward's [last node's ctx, first node's ctx, backward seconds]
@@ -85,11 +93,13 @@ class Emulation:
         self.clock = self.acc.clock  # this thread's stream (a pipeline's stage may run on another thread)
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
-        hooks = _global_hooks()
-        if hooks or any(any(map(hook_dict, self.modules)) for hook_dict in _HOOKS):
+        hooks = global_hooks()
+        if hooks or self.watch.modules_hooked():
             link = self._each_unit(inputs, hooks)
         elif not torch.is_grad_enabled():
             self._owed, link = self.forward_run, None  # nothing to differentiate: no node at all
+        elif not self.watch.backward_watched(self._chain is not None):
+            self._owed, link = self.forward_run, self._whole(inputs)
         elif self._replayable(inputs) and self._chain is not None:
             # Autograd can run a chain of nodes that save no tensors any number of times; a fresh node on
             # top makes this forward's output.
@@ -107,6 +117,14 @@ class Emulation:
             link = Reshape.apply(link, self.output.shape, self.output.dtype)
         return link
 
+    def _whole(self, inputs):
+        """A forward whose backward nothing watches between its units: one node (nodes.Pass) for the pass, on
+        the input where it takes a gradient (a pipeline stage's), else on a leaf of its own (the anchor)."""
+        x = inputs[self.steps[0].arg] if self.steps[0].arg is not None else None
+        if x is None or not x.requires_grad:
+            return apply_pass(self, self._pass_s[0], self.anchor)
+        return apply_pass(self, self._pass_s[1], x)
+
     def _replayable(self, inputs) -> bool:
         """With no hook to see the units (the caller checked), no input that needs a gradient and every
         parameter taking one, a forward's nodes would be the same ones each time: the first's run again."""
@@ -118,7 +136,7 @@ class Emulation:
         link = None
         for step in self.steps:
             module = step.call.module
-            if hooks or _hooked(module):
+            if hooks or hooked(module):
                 # Called as the user's code would call it: its hooks see the true input and output shapes.
                 self._run_owed()  # a pre-hook may block (P3's gate): the work queued before it runs meanwhile
                 spec = step.call.inputs[0] if step.call.inputs else step.call.output
@@ -181,22 +199,8 @@ def _group(steps: list[_Step], grad_order: dict[int, int]) -> None:
         span += step.bwd_run
 
 
-_HOOKS = tuple(map(operator.attrgetter, ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
-                                         "_backward_pre_hooks")))
-
-
-def _hooked(m: nn.Module) -> bool:
-    return any(hooks(m) for hooks in _HOOKS)
-
-
 def _needs_grad(inputs) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
-
-
-def _global_hooks() -> bool:
-    from torch.nn.modules import module as m
-    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_hooks
-                or m._global_backward_pre_hooks)
 
 
 def emulated_loss(output: torch.Tensor, target=None) -> torch.Tensor:
@@ -265,6 +269,9 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
     return model
 
 
+_PARAMS, _GRAD = operator.itemgetter("params"), operator.attrgetter("grad")
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     """State values per element that the update reads and writes (ComputeModel.optimizer_s): Adam's two moments."""
     return 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 1
@@ -284,9 +291,11 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         loss = closure() if closure is not None else None
         # What this call updates, as torch's step would: the param groups as they are now (a wrapper's per-layer
         # update, runtime.updates.ParamUpdater, swaps in a layer's parameters), those with a gradient.
-        stepped = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        # (No Python loop per parameter: this runs right after a wait, from cold caches.)
+        params = list(chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+        stepped = list(compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))))
         acc.clock.begin()  # after whatever the host waited for (a DDP's last all-reduce, say)
-        acc.run("optimizer", acc.model.optimizer_s(sum(p.numel() for p in stepped), len(stepped), state))
+        acc.run("optimizer", acc.model.optimizer_s(sum(map(torch.Tensor.numel, stepped)), len(stepped), state))
         return loss
 
     def emulated_zero_grad(set_to_none: bool = False):

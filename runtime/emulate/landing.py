@@ -8,7 +8,7 @@ import torch
 
 from .accelerator import active
 
-__all__ = ["defer_zero", "land", "land_all", "take"]
+__all__ = ["defer_zero", "land", "land_all", "land_pass", "take"]
 
 
 _MARKED, _LANDED = 1, 2  # p._emulated_landing: zeroed by a mark; its fixed gradient copied over the mark
@@ -44,7 +44,7 @@ def land_all(params) -> bool:
     """land() each of params (those not marked are left alone), the copies in one call; True when every one of
     them was marked and got its copy: then autograd gets nothing for any of them this pass (the nodes hand
     it no gradient without asking take()), and none is left marked or landed."""
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.thread_time()
     marked = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED]
     copied = [p for p in marked if p.grad is not None and not p._backward_hooks]
     if copied:
@@ -58,10 +58,36 @@ def land_all(params) -> bool:
         for p in marked:
             if p.grad is not None and p._backward_hooks:
                 p.grad.zero_()
+    _landed(t, cpu)
+    return everything
+
+
+def _landed(t: float, cpu: float) -> None:
     acc = active()
     if acc is not None:  # a DMA engine's copy in reality: it does not hold the device's next pass back
         acc.clock.absorb(time.perf_counter() - t)
-    return everything
+        acc.landing_cpu_s += time.thread_time() - cpu
+
+
+def land_pass(params) -> None:
+    """Every one of params' gradients, for a backward pass that hands autograd none of them (nodes.Pass): the
+    fixed gradient copied over a marked .grad, added to one that was not zeroed (micro-batches accumulate),
+    or made where there is none (a parameter's first step: its one allocation). A frozen parameter gets none."""
+    t, cpu = time.perf_counter(), time.thread_time()
+    marked, added, made = [], [], []
+    for p in params:
+        if getattr(p, "_emulated_landing", 0) == _MARKED:
+            p._emulated_landing = 0
+            (marked if p.grad is not None else made).append(p)
+        elif p.requires_grad:
+            (added if p.grad is not None else made).append(p)
+    if marked:
+        torch._foreach_copy_([p.grad for p in marked], [p._emulated_grad for p in marked])
+    if added:
+        torch._foreach_add_([p.grad for p in added], [p._emulated_grad for p in added])
+    for p in made:
+        p.grad = p._emulated_grad.clone()
+    _landed(t, cpu)
 
 
 def take(params) -> tuple:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .landing import land_all, take
+from .landing import land_all, land_pass, take
 
-__all__ = ["Unit", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE", "X_LEAF", "accumulation_order", "x_kind"]
+__all__ = ["Unit", "Pass", "apply_pass", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE", "X_LEAF",
+           "accumulation_order", "x_kind"]
 
 
 class Unit(torch.autograd.Function):
@@ -29,9 +30,7 @@ class Unit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        emu = ctx.emu()
-        if emu is None:
-            raise RuntimeError("backward through an emulated model that is gone (nothing references it any more)")
+        emu = _alive(ctx)
         if ctx.ahead:
             # The first node backward reaches lands every gradient, and the device's timeline runs on: the
             # copies are a DMA engine's in reality, and a unit too short to hide its own (an embedding's, at the
@@ -48,6 +47,34 @@ class Unit(torch.autograd.Function):
         return (None, None, ctx.x, *grads)
 
 
+class Pass(torch.autograd.Function):
+    """A whole backward pass in one node, where nothing watches it between its units (watch.Watch): it
+    lands the step's gradients itself (landing.land_pass), waits the pass's backward time once, as a GPU's
+    host synchronizes once, and hands autograd the input's gradient. The parameters are not its inputs: their
+    accumulations would cost the host more than the rest of the pass."""
+
+    @staticmethod
+    def forward(ctx, emu, seconds, x):
+        ctx.emu, ctx.bwd = emu.ref, seconds
+        ctx.x = emu.zeros(tuple(x.shape), x.dtype) if x is not emu.anchor else None
+        return emu.zeros(emu.output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        emu = _alive(ctx)
+        land_pass(emu.params)
+        emu.clock.run(ctx.bwd)
+        emu.acc.account("layers", ctx.bwd, 0)
+        return None, None, ctx.x
+
+
+def _alive(ctx):
+    emu = ctx.emu()
+    if emu is None:
+        raise RuntimeError("backward through an emulated model that is gone (nothing references it any more)")
+    return emu
+
+
 def apply_unit(emu, step, x, params):
     """Unit.apply, without torch.autograd.Function.apply's Python (a third of an emulated forward's host time)
     where no functorch transform is active: Function.apply then only calls the C++ apply."""
@@ -56,7 +83,15 @@ def apply_unit(emu, step, x, params):
     return _c_apply(emu, step, x, *params)
 
 
+def apply_pass(emu, seconds, x):
+    """Pass.apply, the way apply_unit calls Unit's."""
+    if torch._C._are_functorch_transforms_active():
+        return Pass.apply(emu, seconds, x)
+    return _c_apply_pass(emu, seconds, x)
+
+
 _c_apply = super(torch.autograd.Function, Unit).apply
+_c_apply_pass = super(torch.autograd.Function, Pass).apply
 
 
 class Reshape(torch.autograd.Function):
