@@ -41,12 +41,14 @@ class _Step:
 class Emulation:
     """What emulate() installed on a model: its steps, and the accelerator they run on.
 
-    A unit gets an autograd node when backward must reach it: it heads a group of parameters (_group), its
+    Where nothing watches a backward pass between its units (watch.Watch: no hook on a module, a parameter
+    or a parameter's accumulator, no DDP around the model), the pass is one autograd node (nodes.Pass).
+    Otherwise a unit gets a node when backward must reach it: it heads a group of parameters (_group), its
     input needs a gradient and no node came before it, or a hook may look (its module has hooks, or its input
     tensor has). The other units (ReLU, pooling, those in a group) only queue their time: their backward in
     the node before them, whose backward runs just after theirs would. Each node costs the host some
-    microseconds of Python a pass; the units without one, next to nothing. A forward without hooks makes
-    its nodes once and runs them again (forward).
+    microseconds of Python a pass; the units without one, next to nothing. A forward without module hooks
+    makes its nodes once and runs them again (forward).
     """
 
     def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator):
@@ -67,7 +69,7 @@ class Emulation:
         self._pass_s = (sum(bwd[first:]), sum(bwd))
         self.anchor = torch.zeros((), requires_grad=True)  # what the Pass node hangs on (its gradient: none)
         self.watch = Watch(self.modules, (p for p in self.params if p.requires_grad))
-        self._chain = None  # the output of the nodes a forward without hooks made (forward: made again)
+        self._chain = None  # the output of the nodes a forward without module hooks made (forward: made again)
         self._owed = 0.0  # forward time queued, not run yet (owe)
         self._pass = None  # this forward's [last node's ctx, first node's ctx, backward seconds]
 
@@ -286,6 +288,7 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     state = optimizer_state(optimizer)
 
     zero_grad = optimizer.zero_grad
+    memset_s = acc.model.memset_s(4 * sum(p.numel() for p in params))
 
     def step(closure=None):
         loss = closure() if closure is not None else None
@@ -301,8 +304,8 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
     def emulated_zero_grad(set_to_none: bool = False):
         # Kept, not set to None, and not zeroed but marked: the next backward copies the fixed gradients over
         # them (runtime.emulate.landing) instead of allocating copies or zeroing and adding.
-        with acc.device_work("zero_grad", acc.model.memset_s(4 * sum(p.numel() for p in params))):
-            if not defer_zero(p for p in params if p.grad is not None):
+        with acc.device_work("zero_grad", memset_s):
+            if not defer_zero(list(compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))))):
                 zero_grad(set_to_none=set_to_none)
     optimizer.step, optimizer.zero_grad = step, emulated_zero_grad
     return optimizer
