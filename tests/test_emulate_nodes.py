@@ -284,3 +284,20 @@ def test_the_emulation_benchmark_reports_each_step_with_and_without_parameter_ho
     for r in steps:  # the landing is part of the step's host time, and measured in it
         assert 0 < r["landing_cpu_s"] < r["host_cpu_s"] and r["grad_copy_cpu_s"] > 0
         assert r["host_rest_share"] * r["modelled_s"] == pytest.approx(max(0.0, r["host_rest_s"]))
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_a_parameter_frozen_after_a_step_keeps_the_zeroed_gradient_zero_grad_left_it(watched):
+    model = build_model("cnn")
+    inputs, _ = model_input("cnn", 4)
+    emulate(model, "v100", inputs)
+    if watched:
+        watch(model)
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    emulated_loss(model(*inputs)).backward()
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    opt.zero_grad()  # kept and marked, not zeroed yet: the next backward copies over the marks
+    emulated_loss(model(*inputs)).backward()
+    assert not frozen.grad.any()
+    assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters() if p is not frozen)

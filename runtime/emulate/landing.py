@@ -46,7 +46,7 @@ def land_all(params) -> bool:
     it no gradient without asking take()), and none is left marked or landed."""
     t, cpu = time.perf_counter(), time.thread_time()
     marked = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED]
-    copied = [p for p in marked if p.grad is not None and not p._backward_hooks]
+    copied = [p for p in marked if p.grad is not None and not p._backward_hooks and p.requires_grad]
     if copied:
         torch._foreach_copy_([p.grad for p in copied], [p._emulated_grad for p in copied])
     everything = len(copied) == len(params)
@@ -55,8 +55,8 @@ def land_all(params) -> bool:
     if not everything:
         for p in copied:
             p._emulated_landing = _LANDED
-        for p in marked:
-            if p.grad is not None and p._backward_hooks:
+        for p in marked:  # zeroed as zero_grad would have: autograd adds to it, or (frozen since) leaves it
+            if p.grad is not None and (p._backward_hooks or not p.requires_grad):
                 p.grad.zero_()
     _landed(t, cpu)
     return everything
@@ -72,13 +72,18 @@ def _landed(t: float, cpu: float) -> None:
 def land_pass(params) -> None:
     """Every one of params' gradients, for a backward pass that hands autograd none of them (nodes.Pass): the
     fixed gradient copied over a marked .grad, added to one that was not zeroed (micro-batches accumulate),
-    or made where there is none (a parameter's first step: its one allocation). A frozen parameter gets none."""
+    or made where there is none (a parameter's first step: its one allocation). A parameter frozen since
+    gets none (a marked .grad is zeroed, as zero_grad would have)."""
     t, cpu = time.perf_counter(), time.thread_time()
     marked, added, made = [], [], []
     for p in params:
         if getattr(p, "_emulated_landing", 0) == _MARKED:
             p._emulated_landing = 0
-            (marked if p.grad is not None else made).append(p)
+            if not p.requires_grad:
+                if p.grad is not None:
+                    p.grad.zero_()
+            else:
+                (marked if p.grad is not None else made).append(p)
         elif p.requires_grad:
             (added if p.grad is not None else made).append(p)
     if marked:
