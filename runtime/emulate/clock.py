@@ -10,8 +10,9 @@ from mpicomm.stall import blocked_seconds
 __all__ = ["Clock", "set_timer_slack"]
 
 _PR_SET_TIMERSLACK = 29
-# A lazy run sleeps only once this much work is owed: each wake-up costs the host ~15 us here, so a layer of
-# 50 us would cost a third of its modelled time in wake-ups; owing up to 1 ms keeps them under 2 %.
+# A lazy run sleeps only once this much work is owed: each wake-up costs the host 17-25 us here after 0.2-3 ms
+# asleep, so a layer of 50 us would cost a third of its modelled time in wake-ups; owing up to 1 ms keeps them
+# near 2 %. (Sleeping longer does not help: a wake-up after 10 ms costs ~60 us, its caches colder.)
 LAZY_S = 1e-3
 
 
