@@ -28,18 +28,20 @@ def release_memory() -> None:
 
 
 def warm_mpi(comm, model: str) -> None:
-    """A few untimed allreduces of the model's gradients' size (at most WARM_ELEMENTS) before the first round.
+    """A few untimed allreduces of the model's gradients' size (at most WARM_ELEMENTS) before the first round:
+    MPI's own, and the ring's that the dense strategies run (mpicomm.Ring: point-to-point to its neighbours).
 
     Without them the allreduce strategy's first round ran some 25 % slower than its other four on
-    unshaped local links (4 ranks, ResNet-50, emulated V100: 0.24 s a step against 0.19 s, whether it
-    ran first or second in that round; its own warm-up steps did not absorb it), and that one round was
-    the spread of the whole run. With them its first round was like the others in three runs of four,
-    and 15 % slow in the fourth, where wfbp ran first (benchmarks/emulation.md).
+    unshaped local links (4 ranks, ResNet-50, emulated V100: 0.23-0.24 s a step against 0.19 s, whether
+    it ran first or second in that round; its own warm-up steps did not absorb it), and that one round
+    was the spread of the whole run. MPI's allreduce alone fixed it in three runs of four; with the
+    ring's too, its first round was like the others in three runs of three (benchmarks/emulation.md).
     """
     import numpy as np
     import torch
     from mpi4py import MPI
 
+    from mpicomm import Ring
     from runtime.workloads.models import build_model
 
     with torch.device("meta"):  # its size only: no memory, no initialisation (VGG-19-224: 575 MB a rank)
@@ -47,5 +49,8 @@ def warm_mpi(comm, model: str) -> None:
     buf = np.ones(min(n, WARM_ELEMENTS), dtype=np.float32)
     for _ in range(3):
         comm.Allreduce(MPI.IN_PLACE, buf)
+    with Ring(comm, validate=False) as ring:
+        for _ in range(2):
+            ring.allreduce(buf).wait()
     del buf
     release_memory()
