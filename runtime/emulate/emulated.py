@@ -274,6 +274,12 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
 _PARAMS, _GRAD = operator.itemgetter("params"), operator.attrgetter("grad")
 
 
+def _with_grad(params: list) -> list:
+    """Those of params that have a gradient, without a Python loop per parameter (the optimizer's step and
+    zero_grad run right after a wait, from cold caches)."""
+    return list(compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))))
+
+
 def optimizer_state(optimizer: torch.optim.Optimizer) -> int:
     """State values per element that the update reads and writes (ComputeModel.optimizer_s): Adam's two moments."""
     return 2 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 1
@@ -294,9 +300,7 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         loss = closure() if closure is not None else None
         # What this call updates, as torch's step would: the param groups as they are now (a wrapper's per-layer
         # update, runtime.updates.ParamUpdater, swaps in a layer's parameters), those with a gradient.
-        # (No Python loop per parameter: this runs right after a wait, from cold caches.)
-        params = list(chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
-        stepped = list(compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))))
+        stepped = _with_grad(list(chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
         acc.clock.begin()  # after whatever the host waited for (a DDP's last all-reduce, say)
         acc.run("optimizer", acc.model.optimizer_s(sum(map(torch.Tensor.numel, stepped)), len(stepped), state))
         return loss
@@ -305,7 +309,7 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         # Kept, not set to None, and not zeroed but marked: the next backward copies the fixed gradients over
         # them (runtime.emulate.landing) instead of allocating copies or zeroing and adding.
         with acc.device_work("zero_grad", memset_s):
-            if not defer_zero(list(compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))))):
+            if not defer_zero(_with_grad(params)):
                 zero_grad(set_to_none=set_to_none)
     optimizer.step, optimizer.zero_grad = step, emulated_zero_grad
     return optimizer
