@@ -106,10 +106,13 @@ def test_modelled_times_are_waited_and_accounted():
     acc = accelerator.active()
     t = time.perf_counter()
     emulated_loss(model(*inputs)).backward()
+    returned = time.perf_counter() - t
+    acc.clock.sync()  # what a GPU's host does to see the backward end: the backward returned before it ended
     elapsed = time.perf_counter() - t
     # The first unit (a Flatten of the data) has nothing to differentiate: no backward runs, as on a GPU.
     assert acc.seconds["layers"] == pytest.approx(0.002 * n + 0.004 * (n - 1))
     assert elapsed >= 0.002 * n + 0.004 * (n - 1)  # a wait never ends before its deadline
+    assert returned < elapsed
 
 
 def test_the_clock_never_ends_work_early_and_counts_it():
@@ -153,7 +156,42 @@ def profile_of(model, inputs, **changes) -> Profile:
               if c.params]
     for name, layer in changes.items():
         layers = [layer if l.name == name else l for l in layers] if layer else [l for l in layers if l.name != name]
-    return Profile("mlp", 8, "cuda", tuple(layers), step_s=0.01, optimizer_s=0.001, other_s=0.0)
+    # step_s: what the hooked steps add up to (the layers, the optimizer), as on a device whose syncs cost nothing
+    return Profile("mlp", 8, "cuda", tuple(layers), step_s=0.003 * len(layers) + 0.001, optimizer_s=0.001,
+                   other_s=0.0)
+
+
+def test_a_measured_profile_of_a_transformer_with_tied_weights_fits_its_trace():
+    """A real profile (runtime.sim.measure) of a model whose output layer shares the target embedding's
+    weight, and whose attention units use their out_proj's weights without calling it: every owner the
+    profile timed has its times, and they add up to the profile's."""
+    from runtime.sim.measure import measure
+
+    torch.manual_seed(0)
+    model = build_model("transformer", num_encoder_layers=1, num_decoder_layers=1)
+    assert model.out.weight is model.tgt_embed.weight
+    inputs, target = model_input("transformer", 4)
+    profile = measure(model, inputs, target, loss_fn("transformer"), torch.optim.SGD(model.parameters(), lr=0.1),
+                      steps=1, warmup=0, name="transformer", sparse_density=None, gflops=False)
+    assert "tgt_embed" in {l.name for l in profile.layers}
+    pm = ProfileModel(profile)
+    times = pm.unit_times(trace(model, inputs))
+    assert sum(f for f, _ in times) == pytest.approx(pm.scale * sum(l.fwd_s for l in profile.layers) + profile.other_s)
+    assert sum(b for _, b in times) == pytest.approx(pm.scale * sum(l.bwd_s for l in profile.layers))
+
+
+def test_a_profile_s_layers_take_the_plain_step_s_total():
+    """The layers are timed in hooked steps that synchronise at every layer; a GPU's plain step is shorter.
+    The emulated step takes the plain step's time, the layers keeping their shares."""
+    model = build_model("mlp")
+    inputs, _ = model_input("mlp", 8)
+    hooked = profile_of(model, inputs)
+    plain = Profile("mlp", 8, "cuda", hooked.layers, step_s=0.5 * (hooked.step_s - 0.001) + 0.001,
+                    optimizer_s=0.001, other_s=0.0)
+    a = ProfileModel(hooked).unit_times(trace(model, inputs))
+    b = ProfileModel(plain).unit_times(trace(model, inputs))
+    assert sum(f + g for f, g in a) == pytest.approx(0.003 * len(hooked.layers))
+    assert b == [(f / 2, g / 2) for f, g in a]
 
 
 def test_a_profile_times_the_owners_and_names_what_does_not_fit(tmp_path):
