@@ -21,3 +21,11 @@ def test_the_v100_amp_refit_is_what_fit_finds():
     assert (launch, mem) == (d.launch_s, d.memory_efficiency)
     assert {k: v for k, v in eff.items() if "amp" in k} == {k: v for k, v in d.efficiency.items() if "amp" in k}
     assert worst <= 0.15
+
+
+def test_the_h100_fit_is_what_fit_finds():
+    """The H100's efficiencies come from fit() over the published points and those measured on our box."""
+    launch, eff, mem, worst = fit("h100", 28)
+    d = device("h100")
+    assert (launch, mem, eff) == (d.launch_s, d.memory_efficiency, d.efficiency)
+    assert worst <= 0.15

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .devices import Device, device
+from .measured import MEASURED
 from .flops import work_of
 from .published import SIBLINGS, SPECS, THROUGHPUTS, Throughput
 from .trace import trace
@@ -17,7 +18,7 @@ from .trace import trace
 __all__ = ["MODELS", "Prediction", "predictions", "fit"]
 
 # Published figures of models we build (the others, GoogLeNet, GNMT, BERT..., are kept in published.py).
-MODELS = ("resnet50-224", "vgg19-224", "vgg16-224")
+MODELS = ("resnet50-224", "vgg19-224", "vgg16-224", "vgg19-22k-224")
 VGG16_CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 
 
@@ -77,7 +78,7 @@ def _points(name: str, fitted: bool = True) -> list[Throughput]:
     up to 450 W) is not the SXM2 part we model: its fp32 points are shown, not fitted, as the SXM2 has
     four; its amp points are fitted, as they are the only ones beside one SXM2 ResNet-50."""
     source = SIBLINGS.get(name, name)
-    return [t for t in THROUGHPUTS if t.device == source and t.model in MODELS
+    return [t for t in THROUGHPUTS + MEASURED if t.device == source and t.model in MODELS
             and not (fitted and t.precision == "fp32" and "SXM3" in t.note + t.framework + t.source)]
 
 
@@ -129,8 +130,8 @@ def _arrays(dev: Device, t: Throughput):
 def fit(name: str, steps: int = 12, own_memory: tuple = (), keep_first: bool = False) -> tuple:
     """(launch, efficiencies, memory efficiency, worst error) with the smallest worst error over the device's
     published points (its sibling's, for one with none), on a grid. Each precision's points fit its own conv,
-    conv3x3 and gemm efficiencies; the first precision's also the memory efficiency and launch cost, which
-    the others share, except a precision in own_memory, which fits its own memory efficiency too.
+    conv3x3 and gemm efficiencies; all share one memory efficiency and launch cost, chosen for the smallest
+    worst error over every precision, except a precision in own_memory, which fits its own memory efficiency.
     keep_first: hold the first precision at the device's current values (refit the others only)."""
     dev = device(name)
     sibling = SIBLINGS.get(name)
@@ -140,9 +141,9 @@ def fit(name: str, steps: int = 12, own_memory: tuple = (), keep_first: bool = F
     points = _points(name)
     wino = np.geomspace(0.1, 2.6, steps)
     mems = np.linspace(0.4, 0.95, 8)
-    launches = np.array([3e-6, 6e-6, 12e-6, 24e-6])
-    best: dict = {}
-    worst_all = 0.0
+    launches = np.array([3e-6, 6e-6, 12e-6, 24e-6, 36e-6, 48e-6])
+    grids: dict[str, np.ndarray] = {}  # precision -> candidate rows (conv, conv3x3, gemm, mem, launch)
+    worsts: dict[str, np.ndarray] = {}  # precision -> each row's worst error over that precision's points
     for precision in ("fp32", "tf32", "amp"):
         mine = [t for t in points if t.precision == precision]
         if not mine:
@@ -154,11 +155,9 @@ def fit(name: str, steps: int = 12, own_memory: tuple = (), keep_first: bool = F
         # that AMP's fused kernels (and the 1x1 convolutions' bigger GEMMs) can approach more closely.
         conv = np.geomspace(0.05, 1.0 if precision == "fp32" else 1.5, steps)
         g = np.array(list(itertools.product(conv, wino, gemm, mems, launches)))  # conv, conv3x3, gemm, mem, launch
-        if keep_first and not best:
+        if keep_first and not grids:
             e = dev.efficiency
             g = np.array([[e["conv"], e["conv3x3"], e["gemm"], dev.memory_efficiency, dev.launch_s]])
-        if "mem" in best:  # share the first precision's memory efficiency and launch cost
-            g = g[(g[:, 4] == best["launch"]) & ((g[:, 3] == best["mem"]) | (precision in own_memory))]
         worst = np.zeros(len(g))
         for t in mine:
             d = dev.at(t.precision)
@@ -173,13 +172,28 @@ def fit(name: str, steps: int = 12, own_memory: tuple = (), keep_first: bool = F
             memory = nbytes * ratio / (d.bandwidth_gbs * 1e9 * g[:, 3:4])
             step = (np.maximum(compute, memory) + kernels * g[:, 4:5]).sum(axis=1)
             worst = np.maximum(worst, np.abs(t.batch / step / t.samples_per_s - 1))
-        k = int(np.argmin(worst))
+        grids[precision], worsts[precision] = g, worst
+    # The precisions share the launch cost and (but those in own_memory) the memory efficiency: choose the pair
+    # whose best rows have the smallest worst error over every precision, not the first precision's best alone.
+    first = next(iter(grids))
+    worst_all, picks = np.inf, {}
+    for mem, launch in np.unique(grids[first][:, 3:5], axis=0):
+        worst_pair, pick = 0.0, {}
+        for precision, g in grids.items():
+            ok = np.flatnonzero((g[:, 4] == launch) & ((g[:, 3] == mem) | (precision in own_memory)))
+            if not len(ok):
+                worst_pair = np.inf
+                break
+            pick[precision] = ok[np.argmin(worsts[precision][ok])]
+            worst_pair = max(worst_pair, float(worsts[precision][pick[precision]]))
+        if worst_pair < worst_all:
+            worst_all, picks, mem_launch = worst_pair, pick, (mem, launch)
+    mem, launch = mem_launch
+    best: dict = {}
+    for precision, k in picks.items():
+        g = grids[precision]
         suffix = "" if precision == "fp32" else f":{precision}"
-        if "mem" in best and g[k, 3] != best["mem"]:
+        if g[k, 3] != mem:
             best[f"memory{suffix}"] = g[k, 3]
         best.update({f"conv{suffix}": g[k, 0], f"conv3x3{suffix}": g[k, 1], f"gemm{suffix}": g[k, 2]})
-        best.setdefault("mem", g[k, 3])
-        best.setdefault("launch", g[k, 4])
-        worst_all = max(worst_all, float(worst[k]))
-    mem, launch = best.pop("mem"), best.pop("launch")
     return launch, {k: round(float(v), 3) for k, v in best.items()}, round(float(mem), 3), worst_all
