@@ -46,6 +46,33 @@ def test_after_zero_grad_the_gradient_lands_once_and_micro_batches_add():
     assert all(torch.equal(p.grad, t) for p, t in zip(model.parameters(), templates))
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+def test_the_forward_lands_the_marked_gradients_and_two_forwards_ahead_of_their_backwards_add(hooked):
+    """The copies are made as a forward that backward will follow starts (landing.land_ahead), so they overlap
+    the whole pass. Forwards ahead of their backwards (a pipeline's 1F1B) still end with one gradient per
+    backward: the first lands, the second adds."""
+    model, inputs = emulated()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    if hooked:  # a strategy's hook on every parameter: the backward goes unit by unit
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda q: None)
+    templates = [p._emulated_grad for p in model.parameters()]
+    emulated_loss(model(*inputs)).backward()
+    opt.zero_grad()
+    for p in model.parameters():
+        p.grad.fill_(7.0)  # what a strategy left there (an average, say): a marked buffer is not zeroed
+    with torch.no_grad():
+        model(*inputs)  # no backward follows: nothing lands
+    assert all(bool((p.grad == 7.0).all()) for p in model.parameters())
+    first = emulated_loss(model(*inputs))
+    assert all(torch.equal(p.grad, t) for p, t in zip(model.parameters(), templates))
+    second = emulated_loss(model(*inputs))
+    first.backward()
+    assert all(torch.equal(p.grad, t) for p, t in zip(model.parameters(), templates))
+    second.backward()
+    assert all(torch.equal(p.grad, 2 * t) for p, t in zip(model.parameters(), templates))
+
+
 @pytest.mark.parametrize("name", ["cnn", "resnet50"])
 def test_landed_gradients_run_their_hooks_in_the_real_order(name):
     model, inputs = emulated(name)

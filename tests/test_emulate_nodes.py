@@ -4,6 +4,7 @@ still see every unit, and a unit's many parameters reach their hooks in the real
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -196,6 +197,10 @@ def test_a_backward_nothing_watches_is_one_node_that_lands_every_gradient_and_sl
         assert is_pass(out)
         layers, wakes = acc.seconds["layers"], acc.clock.wakes
         emulated_loss(out).backward()
+        # As a GPU's host, it launched the backward and did not wait for it; the next work, or a sync, waits
+        # for the whole pass in one sleep.
+        assert acc.clock.wakes == wakes and acc.clock.deadline > time.perf_counter()
+        acc.clock.sync()
         assert acc.clock.wakes - wakes == 1
         backward_s = acc.seconds["layers"] - layers
         # Made on the first step, copied over the marked buffers after it: no allocation.

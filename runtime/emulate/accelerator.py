@@ -37,12 +37,13 @@ class Accelerator:
             c = self._clocks.clock = Clock()
         return c
 
-    def run(self, kind: str, seconds: float, lazy: bool = False) -> None:
-        """Wait out `seconds` of modelled work (times the compute scale), accounted under `kind` (lazy: see
-        Clock.run; for work inside a pass that nothing outside the pass sees end)."""
+    def run(self, kind: str, seconds: float, lazy: bool = False, wait: bool = True) -> None:
+        """Wait out `seconds` of modelled work (times the compute scale), accounted under `kind` (lazy, wait: see
+        Clock.run; lazy for work inside a pass that nothing outside the pass sees end, wait=False for work the
+        host launches and does not wait for)."""
         seconds *= self.scale
         self.account(kind, seconds)
-        self.clock.run(seconds, lazy)
+        self.clock.run(seconds, lazy, wait)
 
     def account(self, kind: str, seconds: float, calls: int = 1) -> None:
         """Count `seconds` of modelled work (scaled already) under `kind`, run by the caller (a pass's layers
@@ -61,14 +62,15 @@ class Accelerator:
     @contextlib.contextmanager
     def device_work(self, kind: str, seconds: float = 0.0):
         """Host work that stands in for the device's (zeroing gradient buffers in host memory, say): its host
-        time does not delay the device's timeline; `seconds` of modelled time run instead."""
+        time does not delay the device's timeline; `seconds` of modelled time are queued instead, which the
+        host does not wait for (a memset it launched): the next work starts after them."""
         t = time.perf_counter()
         try:
             yield
         finally:
             # Queued after the last work; the host's time here does not delay the next pass's start.
             self.clock.absorb(time.perf_counter() - t)
-            self.run(kind, seconds)
+            self.run(kind, seconds, wait=False)
 
     def ran_for_real(self, kind: str) -> None:
         self.real.add(kind)

@@ -63,10 +63,12 @@ class Clock:
         it does not delay the start of the next pass."""
         self._absorbed += seconds
 
-    def run(self, seconds: float, lazy: bool = False) -> None:
-        """Queue `seconds` of modelled work and wait until it is done (lazy: or until less than LAZY_S is left)."""
+    def run(self, seconds: float, lazy: bool = False, wait: bool = True) -> None:
+        """Queue `seconds` of modelled work and wait until it is done (lazy: or until less than LAZY_S is left;
+        wait=False: not at all, as a GPU's host launches an optimizer step and goes on to the next forward,
+        whose work starts when this ends: the next run, or sync(), waits for both)."""
         if seconds <= 0:
-            if not lazy:
+            if not lazy and wait:
                 self.sync()
             return
         if not self._slack:
@@ -86,7 +88,9 @@ class Clock:
         self._blocked_at = blocked
         left = self.deadline - now
         self._owed = 0.0
-        if left > (LAZY_S if lazy else 0.0):
+        if not wait:
+            self._owed = max(0.0, left)
+        elif left > (LAZY_S if lazy else 0.0):
             self._sleep(left)
         elif left > 0:
             self._owed = left

@@ -16,7 +16,7 @@ from torch import nn
 from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
 from .clock import LAZY_S
-from .landing import defer_zero
+from .landing import defer_zero, land_ahead
 from .nodes import X_LEAF, X_NODE, X_NONE, Loss, Reshape, accumulation_order, apply_pass, apply_unit, x_kind
 from .trace import Call, EmulationError, TensorSpec, trace
 from .watch import Watch, global_hooks, hooked
@@ -96,6 +96,8 @@ class Emulation:
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
         hooks = global_hooks()
+        if torch.is_grad_enabled():
+            land_ahead(self.params)
         if hooks or self.watch.modules_hooked():
             link = self._each_unit(inputs, hooks)
         elif not torch.is_grad_enabled():
@@ -302,7 +304,10 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         # update, runtime.updates.ParamUpdater, swaps in a layer's parameters), those with a gradient.
         stepped = _with_grad(list(chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
         acc.clock.begin()  # after whatever the host waited for (a DDP's last all-reduce, say)
-        acc.run("optimizer", acc.model.optimizer_s(sum(map(torch.Tensor.numel, stepped)), len(stepped), state))
+        # Launched, not waited for (wait=False): the host goes on to zero_grad and the next forward, whose work
+        # starts when this ends; a host that had to sleep to its end first would idle the device meanwhile.
+        acc.run("optimizer", acc.model.optimizer_s(sum(map(torch.Tensor.numel, stepped)), len(stepped), state),
+                wait=False)
         return loss
 
     def emulated_zero_grad(set_to_none: bool = False):

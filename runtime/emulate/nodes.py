@@ -13,8 +13,8 @@ __all__ = ["Unit", "Pass", "apply_pass", "apply_unit", "Reshape", "Loss", "X_NON
 class Unit(torch.autograd.Function):
     """A unit's node: forward queues its modelled time (Emulation.owe) and returns a zero-stride tensor of the
     unit's output shape; backward waits its backward time (and that of the units without a node after it:
-    their gradients flow through it, at their true place on the timeline), lands the step's gradients if it
-    is the first node backward reaches, and hands autograd the input's gradient and, for each parameter,
+    their gradients flow through it, at their true place on the timeline), lands the step's gradients that
+    the forward did not (landing.land_ahead) if it is the first node backward reaches, and hands autograd the input's gradient and, for each parameter,
     nothing (landed) or the fixed gradient."""
 
     @staticmethod
@@ -49,7 +49,7 @@ class Unit(torch.autograd.Function):
 
 class Pass(torch.autograd.Function):
     """A whole backward pass in one node, where nothing watches it between its units (watch.Watch): it
-    lands the step's gradients itself (landing.land_pass), waits the pass's backward time once, as a GPU's
+    lands the step's gradients that the forward did not (landing.land_pass), waits the pass's backward time once, as a GPU's
     host synchronizes once, and hands autograd the input's gradient. The parameters are not its inputs: their
     accumulations would cost the host more than the rest of the pass."""
 
@@ -63,7 +63,10 @@ class Pass(torch.autograd.Function):
     def backward(ctx, grad):
         emu = _alive(ctx)
         land_pass(emu.params)
-        emu.clock.run(ctx.bwd)
+        # A pass that hands back no input gradient (none but a pipeline stage's does) ends unseen: as a GPU's
+        # host, which launches the backward and goes on to the optimizer step, this one does not wait for it
+        # to end; the next work starts when it does.
+        emu.clock.run(ctx.bwd, wait=ctx.x is not None)
         emu.acc.account("layers", ctx.bwd, 0)
         return None, None, ctx.x
 
