@@ -180,6 +180,32 @@ def test_a_measured_profile_of_a_transformer_with_tied_weights_fits_its_trace():
     assert sum(b for _, b in times) == pytest.approx(pm.scale * sum(l.bwd_s for l in profile.layers))
 
 
+def test_a_stage_or_a_layer_finds_its_times_in_a_profile_of_the_whole_model():
+    """A pipeline emulates each stage alone, and plans its split from each layer's modelled time; with a
+    profile of the whole model (what --take-profile writes) both find their layers' times in it."""
+    from runtime.pipeline import as_layers
+    from runtime.pipeline.emulation import stage_input
+    from runtime.pipeline.partition import modelled_profile
+    from runtime.sim.measure import measure
+
+    torch.manual_seed(0)
+    model = build_model("mlp", hidden=[64, 32])
+    inputs, target = model_input("mlp", 8)
+    profile = measure(model, inputs, target, loss_fn("mlp"), torch.optim.SGD(model.parameters(), lr=0.1),
+                      steps=1, warmup=0, name="mlp", sparse_density=None, gflops=False)
+    pm = ProfileModel(profile)
+    layers = as_layers(model)
+    per_layer = modelled_profile(layers, inputs[0], pm)
+    timed = {l.name: pm.scale * (l.fwd_s + l.bwd_s) for l in profile.layers}
+    assert sum(p.seconds for p in per_layer) == pytest.approx(sum(timed.values()) + profile.other_s)
+    assert per_layer[-1].seconds == pytest.approx(timed["net.5"])  # the last Linear, by its name in the whole
+    stage = nn.Sequential(*layers[3:])  # Linear(64, 32), ReLU, Linear(32, 10): a last stage
+    emulate(stage, pm, (stage_input(layers, 3, inputs[0]),))
+    assert stage._emulation.backward_s > 0
+    with pytest.raises(EmulationError, match="no times for 0"):  # a module of another model is not in it
+        ProfileModel(profile).unit_times(trace(nn.Sequential(nn.Linear(4, 4)), (torch.zeros(2, 4),)))
+
+
 def test_a_profile_s_layers_take_the_plain_step_s_total():
     """The layers are timed in hooked steps that synchronise at every layer; a GPU's plain step is shorter.
     The emulated step takes the plain step's time, the layers keeping their shares."""

@@ -9,7 +9,7 @@ from .devices import Device, device
 from .flops import Work, work_of
 from .trace import EmulationError, Trace
 
-__all__ = ["ComputeModel", "RooflineModel", "ProfileModel", "compute_model"]
+__all__ = ["ComputeModel", "RooflineModel", "ProfileModel", "compute_model", "name_modules"]
 
 
 class ComputeModel:
@@ -98,14 +98,18 @@ class ProfileModel(ComputeModel):
 
     def unit_times(self, trace: Trace) -> list[tuple[float, float]]:
         layers = {l.name: l for l in self.profile.layers}
+        # A part of a model (a pipeline's stage) carries its modules' names in the whole (name_modules): it
+        # finds its own layers in the whole's profile, and the others are not missing.
+        names = [getattr(c.module, _NAME, c.name) for c in trace.calls]
+        part = any(hasattr(c.module, _NAME) for c in trace.calls)
         # The profile's owners are the modules with parameters of their own (runtime.sim.measure): a module
         # whose weight another owns too (tied embeddings) is one, though the trace gives that weight to the
         # unit called first.
-        own = {c.name: tuple(p.numel() for p in c.module.parameters(recurse=False) if p.requires_grad)
-               for c in trace.calls}
+        own = {n: tuple(p.numel() for p in c.module.parameters(recurse=False) if p.requires_grad)
+               for n, c in zip(names, trace.calls)}
         owners = [n for n, params in own.items() if params]
         missing = [n for n in owners if n not in layers]
-        unknown = [n for n in layers if n not in own]
+        unknown = [] if part else [n for n in layers if n not in own]
         if missing or unknown:
             raise EmulationError(
                 f"the profile of {self.profile.model!r} was not taken from this model: "
@@ -119,14 +123,15 @@ class ProfileModel(ComputeModel):
                                      f"the profile's {list(layers[n].params)}")
         seen: set[str] = set()
         out = []
-        for c in trace.calls:
-            if c.name in layers and c.name not in seen:
-                seen.add(c.name)
-                out.append((layers[c.name].fwd_s * self.scale, layers[c.name].bwd_s * self.scale))
+        for n in names:
+            if n in layers and n not in seen:
+                seen.add(n)
+                out.append((layers[n].fwd_s * self.scale, layers[n].bwd_s * self.scale))
             else:
                 out.append((0.0, 0.0))
         # The rest of the measured step (input, loss, zero_grad) goes with the first unit's forward.
-        out[0] = (out[0][0] + self.profile.other_s, out[0][1])
+        if not part or self.profile.layers[0].name in seen:  # a stage without the input end has none of it
+            out[0] = (out[0][0] + self.profile.other_s, out[0][1])
         return out
 
     def optimizer_s(self, elements: int, tensors: int, state_per_element: int) -> float:
@@ -140,6 +145,16 @@ class ProfileModel(ComputeModel):
 
     def copy_s(self, nbytes: int) -> float:
         return 0.0 if self.profile.device == "cpu" else nbytes / 12e9
+
+
+_NAME = "_emulated_profile_name"
+
+
+def name_modules(model) -> None:
+    """Name every module of `model` as its profile does (named_modules), so that a part of it, emulated alone
+    (a pipeline's stage, one layer), finds its times in a profile of the whole."""
+    for n, m in model.named_modules():
+        setattr(m, _NAME, n or type(m).__name__)
 
 
 def compute_model(spec: str) -> ComputeModel:

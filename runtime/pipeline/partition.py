@@ -25,19 +25,30 @@ class PartitionError(ValueError):
 
 
 def as_layers(model) -> list[nn.Module]:
-    """The chain of layers of an nn.Sequential (nested ones flattened), a list of modules, or `model.pipeline_layers()`."""
+    """The chain of layers of an nn.Sequential (nested ones flattened), a list of modules, or `model.pipeline_layers()`.
+
+    A model (not a list) also names its modules as its profile does (runtime.emulate.name_modules): a stage
+    emulated from a profile of the whole model finds its layers' times in it."""
+    if isinstance(model, nn.Module):
+        from runtime.emulate.compute_model import name_modules
+
+        name_modules(model)
+    return _chain(model)
+
+
+def _chain(model) -> list[nn.Module]:
     if hasattr(model, "pipeline_layers") and not isinstance(model, nn.Sequential):
         model = model.pipeline_layers()
     if isinstance(model, nn.Sequential):
         out: list[nn.Module] = []
         for child in model:
-            out += as_layers(child) if isinstance(child, nn.Sequential) else [child]
+            out += _chain(child) if isinstance(child, nn.Sequential) else [child]
         return out
     if isinstance(model, (list, tuple)):
         for i, layer in enumerate(model):
             if not isinstance(layer, nn.Module):
                 raise PartitionError(f"layer {i} is a {type(layer).__name__}, not an nn.Module")
-        return [c for layer in model for c in (as_layers(layer) if isinstance(layer, nn.Sequential) else [layer])]
+        return [c for layer in model for c in (_chain(layer) if isinstance(layer, nn.Sequential) else [layer])]
     if isinstance(model, nn.Module):
         raise PartitionError(f"{type(model).__name__} is not sequential: its forward() is not a chain of layers "
                              "the pipeline can cut. Pass an nn.Sequential, a list of modules, or give the class a "
