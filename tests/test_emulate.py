@@ -199,6 +199,9 @@ def test_a_stage_or_a_layer_finds_its_times_in_a_profile_of_the_whole_model():
     timed = {l.name: pm.scale * (l.fwd_s + l.bwd_s) for l in profile.layers}
     assert sum(p.seconds for p in per_layer) == pytest.approx(sum(timed.values()) + profile.other_s)
     assert per_layer[-1].seconds == pytest.approx(timed["net.5"])  # the last Linear, by its name in the whole
+    half = pm.unit_times(trace(model, model_input("mlp", 4)[0]))  # a micro-batch of half the profile's batch
+    whole = pm.unit_times(trace(model, inputs))
+    assert [x for t in half for x in t] == pytest.approx([x / 2 for t in whole for x in t])
     stage = nn.Sequential(*layers[3:])  # Linear(64, 32), ReLU, Linear(32, 10): a last stage
     emulate(stage, pm, (stage_input(layers, 3, inputs[0]),))
     assert stage._emulation.backward_s > 0

@@ -80,7 +80,9 @@ class ProfileModel(ComputeModel):
 
     A profile times the modules that own parameters, each forward from its start to the next one's (the
     parameter-free modules between are in it), each backward up to its last gradient: the owner carries
-    the time, the units without parameters take none.
+    the time, the units without parameters take none. A model run at another batch than the profile's (a
+    pipeline's micro-batches) takes its times in proportion, as the simulator does: a GPU's small batches
+    are less efficient than that, so take the profile at the batch you run where it matters.
     """
 
     def __init__(self, profile, path: str = ""):
@@ -121,17 +123,20 @@ class ProfileModel(ComputeModel):
                 raise EmulationError(f"the profile of {self.profile.model!r} was not taken from this model: "
                                      f"{n} has parameters of {list(own[n])} elements, "
                                      f"the profile's {list(layers[n].params)}")
+        first = trace.calls[0].inputs or (trace.calls[0].output,)
+        batch = first[0].shape[0] if first[0].shape else self.profile.batch_size
+        k = self.scale * batch / self.profile.batch_size
         seen: set[str] = set()
         out = []
         for n in names:
             if n in layers and n not in seen:
                 seen.add(n)
-                out.append((layers[n].fwd_s * self.scale, layers[n].bwd_s * self.scale))
+                out.append((layers[n].fwd_s * k, layers[n].bwd_s * k))
             else:
                 out.append((0.0, 0.0))
         # The rest of the measured step (input, loss, zero_grad) goes with the first unit's forward.
         if not part or self.profile.layers[0].name in seen:  # a stage without the input end has none of it
-            out[0] = (out[0][0] + self.profile.other_s, out[0][1])
+            out[0] = (out[0][0] + self.profile.other_s * batch / self.profile.batch_size, out[0][1])
         return out
 
     def optimizer_s(self, elements: int, tensors: int, state_per_element: int) -> float:
