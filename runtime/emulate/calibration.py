@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .devices import Device, device
-from .measured import MEASURED
 from .flops import work_of
+from .measured import MEASURED
 from .published import SIBLINGS, SPECS, THROUGHPUTS, Throughput
 from .trace import trace
 
