@@ -16,7 +16,7 @@ from torch import nn
 from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
 from .clock import LAZY_S
-from .landing import defer_zero, land_ahead
+from .landing import defer_zero, land_ahead, marks
 from .nodes import X_LEAF, X_NODE, X_NONE, Loss, Reshape, accumulation_order, apply_pass, apply_unit, x_kind
 from .trace import Call, EmulationError, TensorSpec, trace
 from .watch import Watch, global_hooks, hooked
@@ -63,6 +63,7 @@ class Emulation:
         self.modules = tuple({id(s.call.module): s.call.module for s in steps}.values())
         self.clock = acc.clock
         self.all_landed = False  # this backward pass landed every gradient (landing.land_all)
+        self._marks = -1  # landing.marks() when a forward last landed ahead
         # A pass's backward seconds without the input's gradient (from the first unit with parameters) and with it.
         bwd = [s.bwd_run for s in steps]
         first = next((i for i, s in enumerate(steps) if s.params), len(steps))
@@ -96,7 +97,8 @@ class Emulation:
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
         hooks = global_hooks()
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and self._marks != marks():  # a pipeline's later micro-batches: nothing new
+            self._marks = marks()
             land_ahead(self.params)
         if hooks or self.watch.modules_hooked():
             link = self._each_unit(inputs, hooks)

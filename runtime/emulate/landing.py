@@ -12,6 +12,7 @@ __all__ = ["defer_zero", "land", "land_all", "land_ahead", "land_pass", "take"]
 
 
 _MARKED, _LANDED = 1, 2  # p._emulated_landing: zeroed by a mark; its fixed gradient copied over the mark
+_marks = [0]  # how many times defer_zero marked: a forward after none since the last has nothing to land ahead
 
 
 def defer_zero(params) -> bool:
@@ -30,7 +31,13 @@ def defer_zero(params) -> bool:
         return False
     for p in params:
         p._emulated_landing = _MARKED
+    _marks[0] += 1
     return True
+
+
+def marks() -> int:
+    """How many times defer_zero has marked gradients (in this process): land_ahead has work only after a new one."""
+    return _marks[0]
 
 
 def land(p: torch.nn.Parameter) -> None:
