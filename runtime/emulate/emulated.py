@@ -97,12 +97,13 @@ class Emulation:
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
         hooks = global_hooks()
-        if torch.is_grad_enabled() and self._marks != marks():  # a pipeline's later micro-batches: nothing new
+        grad = torch.is_grad_enabled()
+        if grad and self._marks != marks():  # a pipeline's later micro-batches: nothing new
             self._marks = marks()
             land_ahead(self.params)
         if hooks or self.watch.modules_hooked():
             link = self._each_unit(inputs, hooks)
-        elif not torch.is_grad_enabled():
+        elif not grad:
             self._owed, link = self.forward_run, None  # nothing to differentiate: no node at all
         elif not self.watch.backward_watched(self._chain is not None):
             self._owed, link = self.forward_run, self._whole(inputs)

@@ -14,24 +14,21 @@ __all__ = ["MEASURED", "SOURCE"]
 # count: they fit the launch cost, and the 3x3 convolutions (VGG), which no published H100 point constrains.
 SOURCE = "benchmarks/device/2026-11-26/calib.jsonl"
 _PT = "PyTorch 2.11.0+cu130 eager, measured on our H100 box"
-_NOTE = "median of 15 steps (min {lo} ms, max {hi} ms per step); {what}"
 
-MEASURED: tuple[Throughput, ...] = (
-    Throughput("h100", "resnet50-224", 32, "tf32", 1369.24, "images/s", _PT, SOURCE,
-               _NOTE.format(lo=22.79, hi=25.55, what="23.37 ms per step")),
-    Throughput("h100", "resnet50-224", 256, "tf32", 1828.75, "images/s", _PT, SOURCE,
-               _NOTE.format(lo=139.70, hi=140.38, what="139.99 ms per step; Lambda's NGC figure at 640: 1893")),
-    Throughput("h100", "vgg19-224", 32, "tf32", 945.36, "images/s", _PT, SOURCE,
-               _NOTE.format(lo=33.77, hi=34.11, what="33.85 ms per step")),
-    Throughput("h100", "vgg19-22k-224", 32, "tf32", 894.49, "images/s", _PT, SOURCE,
-               _NOTE.format(lo=35.70, hi=36.00, what="35.77 ms per step; Poseidon's VGG19-22K, 21,841 classes")),
-    Throughput("h100", "resnet50-224", 32, "fp32", 752.49, "images/s", _PT, SOURCE,
-               _NOTE.format(lo=41.90, hi=47.29, what="42.53 ms per step; TF32 off")),
-    Throughput("h100", "vgg19-224", 32, "fp32", 455.04, "images/s", _PT, SOURCE,
-               _NOTE.format(lo=70.20, hi=70.52, what="70.32 ms per step; TF32 off")),
-    Throughput("h100", "resnet50-224", 256, "amp", 2191.43, "images/s", _PT, SOURCE,
-               _NOTE.format(lo=116.41, hi=117.48, what="116.82 ms per step; bf16 autocast")),
+# model, batch, precision, images/s, then the step's median, min and max ms, and what else the run says
+_RUNS = (
+    ("resnet50-224", 32, "tf32", 1369.24, 23.37, 22.79, 25.55, ""),
+    ("resnet50-224", 256, "tf32", 1828.75, 139.99, 139.70, 140.38, "; Lambda's NGC figure at 640: 1893"),
+    ("vgg19-224", 32, "tf32", 945.36, 33.85, 33.77, 34.11, ""),
+    ("vgg19-22k-224", 32, "tf32", 894.49, 35.77, 35.70, 36.00, "; Poseidon's VGG19-22K, 21,841 classes"),
+    ("resnet50-224", 32, "fp32", 752.49, 42.53, 41.90, 47.29, "; TF32 off"),
+    ("vgg19-224", 32, "fp32", 455.04, 70.32, 70.20, 70.52, "; TF32 off"),
+    ("resnet50-224", 256, "amp", 2191.43, 116.82, 116.41, 117.48, "; bf16 autocast"),
 )
+MEASURED: tuple[Throughput, ...] = tuple(
+    Throughput("h100", model, batch, precision, per_s, "images/s", _PT, SOURCE,
+               f"median of 15 steps (min {lo:.2f} ms, max {hi:.2f} ms per step); {ms:.2f} ms per step{more}")
+    for model, batch, precision, per_s, ms, lo, hi, more in _RUNS)
 # Measured too, outside the fit (no image input, so calibration's trace cannot take them; their emulation on
 # the H100 is best driven by the profiles taken beside them, benchmarks/device/2026-11-26/profiles/):
 # transformer-big batch 64 tf32 32.94 ms, fc-heavy batch 64 5.20 ms, char-lstm batch 64 9.76 ms per step.
