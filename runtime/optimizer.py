@@ -15,7 +15,7 @@ from . import checkpoint, metrics, teardown
 from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
 from .emulate.accelerator import device_work
-from .device import describe_transport, gradient_staging, model_device, staging_wanted
+from .device import describe_transport, gradient_hook, gradient_staging, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
 from .model_buffers import BufferSync
 from .options import StrategyOptions, resolve
@@ -110,7 +110,8 @@ class DistributedOptimizer:
         self.steps = 0
         self.failed: BaseException | None = None
         self._closed = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        on_grad = gradient_hook(self._on_grad, self.staging)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
         self.gate = ForwardGate(model, self.params, self._on_module_enter) if self.strategy.deferred else None
         self._forward_hook = model.register_forward_pre_hook(self._before_forward) \
             if self.model_buffers.active else None

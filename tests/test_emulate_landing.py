@@ -131,3 +131,42 @@ def test_absorbed_host_work_lets_one_pass_start_early_and_no_more():
     t = time.perf_counter()
     clock.run(0.01)  # the credit is spent: this pass starts now and waits its whole time
     assert time.perf_counter() - t >= 0.01
+
+
+def test_a_staged_gradient_handed_over_ahead_is_delivered_in_hook_order_not_before_its_copy_could_end():
+    """EmulatedStaging under a backward that runs ahead (ready_aware hooks): every gradient is delivered, in
+    hook order, no earlier than its ready time plus its modelled copy, less the LAZY_S that a lazy wait may
+    deliver early; the backward itself returns without waiting for any of them."""
+    from runtime.device import EmulatedStaging
+    from runtime.emulate.trace import trace
+    from runtime.emulate.watch import ready_aware
+    from runtime.grad_buffers import GradientBuffers
+
+    model = build_model("cnn")
+    inputs, _ = model_input("cnn", 4)
+    emulate(model, "v100", inputs, times=[(0.0005, 0.003)] * len(trace(model, inputs).calls))
+    acc = accelerator.active()
+    names, params = zip(*model.named_parameters())
+    delivered, handed = [], []
+    staging = EmulatedStaging(acc, GradientBuffers(list(params), list(names)),
+                              lambda i: delivered.append((i, time.perf_counter())))
+    index = {id(p): i for i, p in enumerate(params)}
+
+    def to_host(p):
+        handed.append((index[id(p)], accelerator.ready_at()))
+        staging.to_host(index[id(p)])
+    try:
+        for p in params:
+            p.register_post_accumulate_grad_hook(ready_aware(to_host))
+        loss = emulated_loss(model(*inputs))
+        wakes = acc.clock.wakes
+        loss.backward()
+        assert acc.clock.wakes == wakes  # the backward did not wait for its gradients
+        staging.drain()
+    finally:
+        staging.close()
+    assert [i for i, _ in delivered] == [i for i, _ in handed] and len(handed) == len(params)
+    copied = 0.0
+    for (i, at), (_, ready) in zip(delivered, handed):
+        copied = max(copied, ready) + acc.model.copy_s(params[i].numel() * 4)
+        assert at >= copied - LAZY_S

@@ -16,6 +16,7 @@ from runtime.emulate import clock as clock_module
 from runtime.emulate.clock import LAZY_S
 from runtime.emulate.nodes import X_LEAF, X_NODE, X_NONE, Pass, Unit, accumulation_order
 from runtime.emulate.trace import trace
+from runtime.emulate.watch import ready_aware
 from runtime.workloads.models import build_model, model_input
 
 
@@ -285,7 +286,7 @@ def test_the_emulation_benchmark_reports_each_step_with_and_without_parameter_ho
     assert bench.main(["--models", "cnn", "--devices", "v100", "--steps", "2", "--warmup", "1", "--waits", "10",
                        "--repeats", "1", "--json", str(out)]) == 0
     steps = [r for r in json.loads(out.read_text())["rows"] if r["table"] == "steps"]
-    assert [r["hooked"] for r in steps] == [False, True] and (tmp_path / "emulation.png").exists()
+    assert [r["hooks"] for r in steps] == ["none", "ready-aware", "plain"] and (tmp_path / "emulation.png").exists()
     for r in steps:  # the landing is part of the step's host time, and measured in it
         assert 0 < r["landing_cpu_s"] < r["host_cpu_s"] and r["grad_copy_cpu_s"] > 0
         assert r["host_rest_share"] * r["modelled_s"] == pytest.approx(max(0.0, r["host_rest_s"]))
@@ -306,3 +307,65 @@ def test_a_parameter_frozen_after_a_step_keeps_the_zeroed_gradient_zero_grad_lef
     emulated_loss(model(*inputs)).backward()
     assert not frozen.grad.any()
     assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters() if p is not frozen)
+
+
+def test_ready_aware_hooks_fire_ahead_in_the_real_order_each_told_when_its_gradient_is_ready():
+    """A backward watched only by ready_aware hooks (a staged strategy's) stays one node that never wakes for
+    them: it fires them all as it starts, in the order autograd fires plain hooks, each with ready_at() = the
+    pass's start plus the backward time of its unit and of those after it, its gradient landed already."""
+    model = build_model("resnet50")
+    inputs, _ = model_input("resnet50", 4)
+    n = len(trace(model, inputs).calls)
+    emulate(model, "v100", inputs, times=[(0.0001, 0.0002)] * n)  # a 20 ms backward
+    emu, acc = model._emulation, accelerator.active()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = []
+
+    def aware(p):
+        seen.append((p, accelerator.ready_at(), torch.equal(p.grad, p._emulated_grad)))
+    handles = [p.register_post_accumulate_grad_hook(ready_aware(aware)) for p in model.parameters()]
+    emulated_loss(model(*inputs)).backward()  # the gradients exist: the next ones land over them
+    for _ in range(2):
+        seen.clear()
+        opt.zero_grad()
+        out = model(*inputs)
+        assert is_pass(out)
+        wakes = acc.clock.wakes
+        emulated_loss(out).backward()  # never slept: the hooks were not waited for
+        assert acc.clock.wakes == wakes and accelerator.ready_at() is None
+        start = acc.clock.deadline - emu._pass_s[0]
+        assert len(seen) == len(list(model.parameters())) and all(landed for *_, landed in seen)
+        readies = [r for _, r, _ in seen]
+        assert readies == sorted(readies) and readies[-1] == pytest.approx(acc.clock.deadline)
+        own = {id(p): i for i, s in enumerate(emu.steps) for p in s.own}
+        for p, r, _ in seen:
+            later = sum(s.bwd_run for s in emu.steps[own[id(p)]:])
+            assert r == pytest.approx(start + later)
+    ahead = [p for p, *_ in seen]
+    for h in handles:
+        h.remove()
+    order = watch(model)  # plain hooks: unit by unit, fired by autograd
+    opt.zero_grad()
+    out = model(*inputs)
+    assert not is_pass(out)
+    emulated_loss(out).backward()
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert [names[id(p)] for p in ahead] == order
+
+
+def test_one_hook_that_is_not_ready_aware_makes_the_backward_go_unit_by_unit():
+    model = build_model("cnn")
+    inputs, _ = model_input("cnn", 4)
+    emulate(model, "v100", inputs)
+    params = list(model.parameters())
+    for p in params:
+        p.register_post_accumulate_grad_hook(ready_aware(lambda _: None))
+    assert is_pass(model(*inputs))
+    fired = []
+    handle = params[-1].register_post_accumulate_grad_hook(lambda _: fired.append(1))
+    out = model(*inputs)
+    assert not is_pass(out)
+    emulated_loss(out).backward()
+    assert fired == [1]
+    handle.remove()
+    assert is_pass(model(*inputs))

@@ -50,9 +50,12 @@ def train(strategy, pto=False, topology=None, name="mlp"):
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     dopt = DistributedOptimizer(opt, model, strategy, pto=pto, topology=topology)
     try:
+        dopt.passes = []  # whether each step's backward was one node (nodes.Pass)
         for _ in range(STEPS):
             dopt.zero_grad()
-            emulated_loss(model(x), y).backward()
+            out = model(x)
+            dopt.passes.append(isinstance(out.grad_fn, Pass._backward_cls))
+            emulated_loss(out, y).backward()
             dopt.step()
         dopt.synchronize()
     finally:
@@ -72,8 +75,11 @@ def check(model, acc, kinds, real=()):
 
 @pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
 def test_dense(fresh, strategy):
-    model, _, acc = train(strategy)
+    model, dopt, acc = train(strategy)
     check(model, acc, DEVICE_WORK | STAGED)
+    # Its hooks read when each gradient is ready (EmulatedStaging), so the backward runs ahead as one node,
+    # except under p3, whose forward gate hooks the modules.
+    agree(dopt.passes == [strategy != "p3"] * STEPS, f"{strategy}: the backward was one node: {dopt.passes}")
     # Every rank's fixed gradient is the same, so the average of the last step is that gradient: it landed
     # once per step over the marked buffers (runtime.emulate.landing), never on top of the last step's.
     off = [n for n, p in model.named_parameters() if not torch.allclose(p.grad, p._emulated_grad, rtol=1e-5)]

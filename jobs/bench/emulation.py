@@ -18,14 +18,17 @@ CPU-seconds per step; of those, what landing the gradients in host memory
 took in the step (the copies that stand in for a GPU's staging copies:
 runtime.emulate.landing), beside one warm copy of every gradient timed
 alone, and the rest as a share of the modelled compute. With --hooked
-(default), each model runs again with a hook on every parameter, as a
-strategy's: its backward then goes unit by unit instead of in one node. All
+(default), each model runs twice more with a hook on every parameter: a
+ready-aware one, as a staged strategy's (the backward stays one node and
+fires the hooks ahead, runtime.emulate.watch), and a plain one, as DDP's or
+a user's (the backward goes unit by unit to fire them on time). All
 figures: emulated compute, on this machine, one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import resource
 import statistics
@@ -46,7 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and device (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--hooked", action=argparse.BooleanOptionalAction, default=True,
-                   help="also run each step row with a hook on every parameter, as a strategy's (default on)")
+                   help="also run each step row with a hook on every parameter: a ready-aware one, as a staged "
+                        "strategy's, and a plain one, as DDP's or a user's (default on)")
     p.add_argument("--waits", default="10,100,1000", help="waits per 0.1 s in the wait table (default 10,100,1000)")
     p.add_argument("--repeats", type=int, default=5, help="repeats of each wait row (default 5)")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
@@ -108,10 +112,17 @@ def wait_rows(counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-def step_row(name: str, dev: str, steps: int, warmup: int, hooked: bool = False) -> dict:
+HOOKS = ("none", "ready-aware", "plain")  # a step row's hook on every parameter: see step_row
+
+
+def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") -> dict:
+    """One rank's emulated steps of a paper model: T_iter against the model, and the host CPU they cost. hooks:
+    a hook on every parameter that does nothing, marked ready_aware (a staged strategy's: the backward runs
+    ahead and fires them), or plain (DDP's, a user's: the backward goes unit by unit to fire them on time)."""
     import torch
 
     from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
+    from runtime.emulate.watch import ready_aware
     from runtime.workloads.models import PAPER_BATCH, build_model, model_input
 
     accelerator.deactivate()
@@ -121,9 +132,10 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooked: bool = False)
     emulate(model, dev, inputs)
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     acc = accelerator.active()
-    if hooked:  # a strategy's hook on every parameter (doing nothing here): the backward goes unit by unit
+    if hooks != "none":
+        hook = ready_aware(functools.partial(_no_op)) if hooks == "ready-aware" else _no_op
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(_no_op)
+            p.register_post_accumulate_grad_hook(hook)
 
     def step():
         opt.zero_grad()
@@ -152,7 +164,7 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooked: bool = False)
     host = statistics.median(cpus)
     copy = min(copy_times)
     rest = statistics.median(c - lc for c, lc in zip(cpus, landing))
-    row = dict(table="steps", model=name, device=acc.model.label, batch=batch, hooked=hooked,
+    row = dict(table="steps", model=name, device=acc.model.label, batch=batch, hooked=hooks != "none", hooks=hooks,
                params=sum(p.numel() for p in model.parameters()), modelled_s=t_model, t_iter_s=t_iter,
                error=t_iter / t_model - 1, host_cpu_s=host, grad_copy_cpu_s=copy,
                landing_cpu_s=statistics.median(landing), host_rest_s=rest,
@@ -177,7 +189,7 @@ def format_tables(rows) -> str:
             f"| {r['cpu_s_per_modelled_s']:.3f} |" for r in rows if r["table"] == "waits"]
     out += ["", "| model | device | hooks | batch | modelled s/step | T_iter s | error | host CPU s/step | of which "
             "landing | one warm copy | rest / modelled |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    out += [f"| {r['model']} | {r['device']} | {'every parameter' if r['hooked'] else 'none'} | {r['batch']} "
+    out += [f"| {r['model']} | {r['device']} | {r.get('hooks', 'plain' if r['hooked'] else 'none')} | {r['batch']} "
             f"| {r['modelled_s']:.4f} | {r['t_iter_s']:.4f} | {r['error'] * 100:+.2f} % | {r['host_cpu_s']:.4f} "
             f"| {r['landing_cpu_s']:.4f} | {r['grad_copy_cpu_s']:.4f} | {r['host_rest_share'] * 100:.2f} % |"
             for r in rows if r["table"] == "steps"]
@@ -219,9 +231,8 @@ def main(argv=None, args=None) -> int:
     for name in args.models:
         for dev in args.devices:
             print(f"# {name} on {dev}: {args.warmup} + {args.steps} steps", flush=True)
-            rows.append(step_row(name, dev, args.steps, args.warmup))
-            if args.hooked:
-                rows.append(step_row(name, dev, args.steps, args.warmup, hooked=True))
+            for hooks in HOOKS if args.hooked else HOOKS[:1]:
+                rows.append(step_row(name, dev, args.steps, args.warmup, hooks))
     print(format_tables(rows))
     meta = run_metadata("jobs.bench.emulation", argv, machine=machine(), compute="emulated", torch=torch.__version__)
     write_results(None, args, meta, rows, lambda path: plot(rows, path))

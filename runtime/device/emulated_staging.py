@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ..emulate.accelerator import ready_at
 from ..grad_buffers import GradientBuffers
 from .delivery import Delivery
 from .staging import coalesce
@@ -34,18 +35,23 @@ class EmulatedStaging:
         self.delivery = Delivery(self._copied, deliver, interrupt, timeline)
 
     def to_host(self, i: int) -> None:
-        """Parameter i's gradient is final: deliver(i) once its modelled copy to the host is done."""
+        """Parameter i's gradient is final, now or at ready_at() (a backward that runs ahead fires the hook
+        before its gradient is ready, as a GPU's host does): deliver(i) once its modelled copy to the host is
+        done."""
         self.copies_to_host += 1
         self.outstanding[i] = True
-        self.delivery.put(i, time.perf_counter())
+        ahead = ready_at()
+        self.delivery.put(i, (time.perf_counter(), False) if ahead is None else (ahead, True))
 
-    def _copied(self, i: int, ready: float) -> None:
-        acc = self.acc
+    def _copied(self, i: int, ready: tuple[float, bool]) -> None:
+        acc, (at, ahead) = self.acc, ready
         # The copy starts when its gradient was ready or when the previous copy ends, not when this thread
-        # woke up: the copy engine does not wait for the host.
+        # woke up: the copy engine does not wait for the host. A gradient handed over ahead is delivered
+        # lazily (up to LAZY_S early), so that this thread wakes about once per millisecond of backward, not
+        # once per gradient, as the backward's own nodes did when they woke for their hooks.
         acc.clock.begin()
-        acc.clock.absorb(time.perf_counter() - ready)
-        acc.run("d2h", acc.model.copy_s(self.nbytes[i]))
+        acc.clock.absorb(time.perf_counter() - at)
+        acc.run("d2h", acc.model.copy_s(self.nbytes[i]), lazy=ahead)
 
     def drain(self) -> None:
         """Block until every gradient has been delivered (in hook order); re-raise a delivery's error."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from mpicomm.cuda_support import describe_cuda_support
 
 from ..emulate.accelerator import active as emulated_accelerator
+from ..emulate.watch import ready_aware
 from .emulated_staging import EmulatedStaging
 from .staging import GradientStaging
 
@@ -56,6 +58,15 @@ def gradient_staging(buffers, deliver, interrupt, timeline, on_device: bool):
         return GradientStaging(buffers, deliver, interrupt, timeline)
     acc = emulated_accelerator()
     return EmulatedStaging(acc, buffers, deliver, interrupt, timeline) if acc is not None else None
+
+
+def gradient_hook(on_grad, staging):
+    """The parameter hook to register: on_grad, marked ready_aware under EmulatedStaging, whose thread waits for
+    each gradient's modelled ready time, so that an emulated backward watched by nothing else may fire it ahead
+    of the device, as a GPU's host runs ahead of its backward (runtime.emulate.watch)."""
+    if isinstance(staging, EmulatedStaging):
+        return ready_aware(functools.partial(on_grad))
+    return on_grad
 
 
 def describe_transport(device, staged: bool, on_device: bool) -> str:

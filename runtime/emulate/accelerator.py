@@ -10,7 +10,7 @@ from collections import defaultdict
 from .clock import Clock
 from .compute_model import ComputeModel
 
-__all__ = ["Accelerator", "active", "activate", "deactivate", "device_work"]
+__all__ = ["Accelerator", "active", "activate", "deactivate", "device_work", "ready_at"]
 
 
 class Accelerator:
@@ -111,3 +111,10 @@ def device_work(kind: str, seconds_of=None):
     if _active is None:
         return contextlib.nullcontext()
     return _active.device_work(kind, seconds_of(_active.model) if seconds_of else 0.0)
+
+
+def ready_at() -> float | None:
+    """When the gradient whose hook runs now is ready on the emulated device (a time.perf_counter() time), where
+    a backward that runs ahead fires its ready_aware hooks (runtime.emulate.watch) before the device made it;
+    None otherwise: not emulating, or the gradient is ready now."""
+    return None if _active is None else _active.clock.ready_at

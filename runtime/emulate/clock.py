@@ -52,6 +52,8 @@ class Clock:
         self._slack = False
         self._begin_at: float | None = None
         self.wakes = 0  # sleeps so far: each costs the host a wake-up (tens of microseconds of CPU on a VM)
+        # While a backward that runs ahead fires a gradient's hooks: when that gradient is ready (accelerator.ready_at).
+        self.ready_at: float | None = None
 
     def begin(self, at: float | None = None) -> None:
         """The next work starts a pass: from now (or from `at`, a perf_counter() time: the host queued it

@@ -17,9 +17,9 @@ from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
 from .clock import LAZY_S
 from .landing import defer_zero, land_ahead, marks
-from .nodes import X_LEAF, X_NODE, X_NONE, Loss, Reshape, accumulation_order, apply_pass, apply_unit, x_kind
+from .nodes import X_LEAF, X_NODE, X_NONE, Reshape, accumulation_order, apply_loss, apply_pass, apply_unit, x_kind
 from .trace import Call, EmulationError, TensorSpec, trace
-from .watch import Watch, global_hooks, hooked
+from .watch import AHEAD, WATCHED, Watch, global_hooks, hooked
 
 __all__ = ["emulate", "emulated_loss", "emulate_optimizer", "optimizer_state", "Emulation"]
 
@@ -36,13 +36,17 @@ class _Step:
     fwd_run: float = 0.0  # fwd_s and bwd_s times the compute scale
     bwd_run: float = 0.0
     inputs: dict = field(default_factory=dict)  # x_kind -> params, in the order a node takes them (nodes.py)
+    own: tuple = ()  # its own parameters that take gradients, before _group handed them to a head
 
 
 class Emulation:
     """What emulate() installed on a model: its steps, and the accelerator they run on.
 
     Where nothing watches a backward pass between its units (watch.Watch: no hook on a module, a parameter
-    or a parameter's accumulator, no DDP around the model), the pass is one autograd node (nodes.Pass).
+    or a parameter's accumulator, no DDP around the model), the pass is one autograd node (nodes.Pass). So it
+    is where only ready_aware parameter hooks watch it (a strategy's, whose staging thread waits for each
+    gradient's ready time, as for a CUDA event): the node fires them in the true order as the pass starts
+    (fire), each told when its gradient is ready (ready_at), as a GPU's host runs ahead of its backward.
     Otherwise a unit gets a node when backward must reach it: it heads a group of parameters (_group), its
     input needs a gradient and no node came before it, or a hook may look (its module has hooks, or its input
     tensor has). The other units (ReLU, pooling, those in a group) only queue their time: their backward in
@@ -56,6 +60,13 @@ class Emulation:
         self.ref = weakref.ref(self)  # what its nodes hold (nodes.Unit)
         # Landed as backward starts, in the order backward reaches them.
         self.params = tuple(p for step in reversed(steps) for p in step.params)
+        # When each of them is ready, in seconds after its pass's backward starts: once its own unit's backward
+        # and those of the units after it ran (not its group head's: fire() tells each its own unit's time).
+        done, ready = 0.0, {}
+        for step in reversed(steps):
+            done += step.bwd_run
+            ready.update((id(p), done) for p in step.own)
+        self._ready_s = tuple(ready.get(id(p), done) for p in self.params)
         self._zeros: dict[torch.dtype, torch.Tensor] = {}
         self.forward_s = sum(s.fwd_s for s in steps)
         self.backward_s = sum(s.bwd_s for s in steps)
@@ -105,8 +116,8 @@ class Emulation:
             link = self._each_unit(inputs, hooks)
         elif not grad:
             self._owed, link = self.forward_run, None  # nothing to differentiate: no node at all
-        elif not self.watch.backward_watched(self._chain is not None):
-            self._owed, link = self.forward_run, self._whole(inputs)
+        elif (watched := self.watch.backward_watched(self._chain is not None)) != WATCHED:
+            self._owed, link = self.forward_run, self._whole(inputs, watched == AHEAD)
         elif self._replayable(inputs) and self._chain is not None:
             # Autograd can run a chain of nodes that save no tensors any number of times; a fresh node on
             # top makes this forward's output.
@@ -124,13 +135,29 @@ class Emulation:
             link = Reshape.apply(link, self.output.shape, self.output.dtype)
         return link
 
-    def _whole(self, inputs):
-        """A forward whose backward nothing watches between its units: one node (nodes.Pass) for the pass, on
-        the input where it takes a gradient (a pipeline stage's), else on a leaf of its own (the anchor)."""
+    def _whole(self, inputs, ahead: bool):
+        """A forward whose backward nothing watches between its units (ahead: nothing but ready_aware hooks,
+        which the node fires): one node (nodes.Pass) for the pass, on the input where it takes a gradient
+        (a pipeline stage's), else on a leaf of its own (the anchor)."""
         x = inputs[self.steps[0].arg] if self.steps[0].arg is not None else None
         if x is None or not x.requires_grad:
-            return apply_pass(self, self._pass_s[0], self.anchor)
-        return apply_pass(self, self._pass_s[1], x)
+            return apply_pass(self, self._pass_s[0], self.anchor, ahead)
+        return apply_pass(self, self._pass_s[1], x, ahead)
+
+    def fire(self, start: float) -> None:
+        """Run the ready_aware post-accumulate-grad hooks of every parameter that takes a gradient, in the order
+        the real backward would, each with ready_at() saying when its gradient is ready: `start` (when the pass's
+        backward starts on the device) plus the backward time of its unit and of those after it."""
+        clock = self.clock
+        try:
+            for p, seconds in zip(self.params, self._ready_s):
+                hooks = p._post_accumulate_grad_hooks
+                if hooks and p.requires_grad:
+                    clock.ready_at = start + seconds
+                    for hook in tuple(hooks.values()):
+                        hook(p)
+        finally:
+            clock.ready_at = None
 
     def _replayable(self, inputs) -> bool:
         """With no hook to see the units (the caller checked), no input that needs a gradient and every
@@ -212,7 +239,7 @@ def _needs_grad(inputs) -> bool:
 
 def emulated_loss(output: torch.Tensor, target=None) -> torch.Tensor:
     """A scalar to call backward() on, without computing over the output (a [B, T, 32000] one included)."""
-    return Loss.apply(output)
+    return apply_loss(output)
 
 
 def _template(p: nn.Parameter, g: torch.Generator) -> torch.Tensor:
@@ -260,7 +287,7 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
         first = call.inputs[0] if call.inputs else None
         arg = next((j for j, s in enumerate(specs) if first is not None and s == (first.shape, first.dtype)), None)
         steps.append(_Step(call, f, b, arg if i == 0 or not first.dtype.is_floating_point else None, params,
-                           f * acc.scale, b * acc.scale))
+                           f * acc.scale, b * acc.scale, own=params))
     _group(steps, tr.grad_order)
     for step in steps:
         for kind in (X_NONE, X_NODE, X_LEAF):  # the node's inputs, placed where the engine takes them in order
@@ -317,7 +344,7 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         # Kept, not set to None, and not zeroed but marked: the next backward copies the fixed gradients over
         # them (runtime.emulate.landing) instead of allocating copies or zeroing and adding.
         with acc.device_work("zero_grad", memset_s):
-            if not defer_zero(_with_grad(params)):
+            if not defer_zero(params):
                 zero_grad(set_to_none=set_to_none)
     optimizer.step, optimizer.zero_grad = step, emulated_zero_grad
     return optimizer

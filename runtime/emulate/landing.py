@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections import deque
+from itertools import repeat
 
 import torch
 
@@ -16,7 +18,8 @@ _marks = [0]  # how many times defer_zero marked: a forward after none since the
 
 
 def defer_zero(params) -> bool:
-    """Under emulation, mark these parameters' gradients instead of zeroing them, and say so (True).
+    """Under emulation, mark these parameters' gradients instead of zeroing them, and say so (True). A
+    parameter without a gradient may be marked too: its first gradient is then made as it would have been.
 
     A GPU zeroes its gradients on the device and its staging copy then overwrites host memory, so zeroing
     the host's buffers here and adding the first gradient into them would cost the host two passes over
@@ -27,10 +30,10 @@ def defer_zero(params) -> bool:
     if active() is None:
         return False
     params = list(params)
-    if not all(hasattr(p, "_emulated_grad") for p in params):
+    # C-level loops: zero_grad runs right after a wait, from cold caches.
+    if not all(map(hasattr, params, repeat("_emulated_grad"))):
         return False
-    for p in params:
-        p._emulated_landing = _MARKED
+    deque(map(setattr, params, repeat("_emulated_landing"), repeat(_MARKED)), maxlen=0)
     _marks[0] += 1
     return True
 

@@ -6,7 +6,7 @@ import torch
 
 from .landing import land_all, land_pass, take
 
-__all__ = ["Unit", "Pass", "apply_pass", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE", "X_LEAF",
+__all__ = ["Unit", "Pass", "apply_loss", "apply_pass", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE", "X_LEAF",
            "accumulation_order", "x_kind"]
 
 
@@ -49,13 +49,14 @@ class Unit(torch.autograd.Function):
 
 class Pass(torch.autograd.Function):
     """A whole backward pass in one node, where nothing watches it between its units (watch.Watch): it
-    lands the step's gradients that the forward did not (landing.land_pass), waits the pass's backward time once, as a GPU's
-    host synchronizes once, and hands autograd the input's gradient. The parameters are not its inputs: their
-    accumulations would cost the host more than the rest of the pass."""
+    lands the step's gradients that the forward did not (landing.land_pass), queues the pass's backward time
+    once, fires the parameters' hooks if they are all ready_aware ones (ahead: Emulation.fire), waits once if
+    it must, as a GPU's host synchronizes once, and hands autograd the input's gradient. The parameters are not
+    its inputs: their accumulations would cost the host more than the rest of the pass."""
 
     @staticmethod
-    def forward(ctx, emu, seconds, x):
-        ctx.emu, ctx.bwd = emu.ref, seconds
+    def forward(ctx, emu, seconds, x, ahead):
+        ctx.emu, ctx.bwd, ctx.ahead = emu.ref, seconds, ahead
         ctx.x = emu.zeros(tuple(x.shape), x.dtype) if x is not emu.anchor else None
         return emu.zeros(emu.output)
 
@@ -63,12 +64,17 @@ class Pass(torch.autograd.Function):
     def backward(ctx, grad):
         emu = _alive(ctx)
         land_pass(emu.params)
+        clock = emu.clock
+        clock.run(ctx.bwd, wait=False)
+        emu.acc.account("layers", ctx.bwd, 0)
+        if ctx.ahead:
+            emu.fire(clock.deadline - ctx.bwd)
         # A pass that hands back no input gradient (none but a pipeline stage's does) ends unseen: as a GPU's
         # host, which launches the backward and goes on to the optimizer step, this one does not wait for it
         # to end; the next work starts when it does.
-        emu.clock.run(ctx.bwd, wait=ctx.x is not None)
-        emu.acc.account("layers", ctx.bwd, 0)
-        return None, None, ctx.x
+        if ctx.x is not None:
+            clock.sync()
+        return None, None, ctx.x, None
 
 
 def _alive(ctx):
@@ -86,15 +92,18 @@ def apply_unit(emu, step, x, params):
     return _c_apply(emu, step, x, *params)
 
 
-def apply_pass(emu, seconds, x):
+def apply_pass(emu, seconds, x, ahead=False):
     """Pass.apply, the way apply_unit calls Unit's."""
     if torch._C._are_functorch_transforms_active():
-        return Pass.apply(emu, seconds, x)
-    return _c_apply_pass(emu, seconds, x)
+        return Pass.apply(emu, seconds, x, ahead)
+    return _c_apply_pass(emu, seconds, x, ahead)
 
 
-_c_apply = super(torch.autograd.Function, Unit).apply
-_c_apply_pass = super(torch.autograd.Function, Pass).apply
+def apply_loss(output):
+    """Loss.apply, the way apply_unit calls Unit's (the loss too runs right after a wait, from cold caches)."""
+    if torch._C._are_functorch_transforms_active():
+        return Loss.apply(output)
+    return _c_apply_loss(output)
 
 
 class Reshape(torch.autograd.Function):
@@ -119,6 +128,11 @@ class Loss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return torch.zeros((), dtype=ctx.spec[1]).expand(ctx.spec[0])
+
+
+_c_apply = super(torch.autograd.Function, Unit).apply
+_c_apply_pass = super(torch.autograd.Function, Pass).apply
+_c_apply_loss = super(torch.autograd.Function, Loss).apply
 
 
 # How the input x of a node stands in the graph: it needs no gradient, another node made it, or it is a leaf

@@ -11,7 +11,26 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules import module as _module
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["HookDict", "Watch", "global_hooks", "hooked"]
+__all__ = ["AHEAD", "HookDict", "UNWATCHED", "WATCHED", "Watch", "global_hooks", "hooked", "ready_aware"]
+
+# What watches a backward pass between its units (Watch.backward_watched): nothing; only parameter hooks that
+# read when their gradient is ready (ready_aware), which the pass may fire ahead; something that needs each
+# unit's gradient at its own time.
+UNWATCHED, AHEAD, WATCHED = 0, 1, 2
+READY_AWARE = "emulated_ready"  # the attribute ready_aware() sets on a hook
+
+
+def ready_aware(hook):
+    """Mark a post-accumulate-grad hook as one that may run before its gradient is ready on the emulated
+    device, because it reads when that is (runtime.emulate.ready_at: a staging thread that waits for it, as
+    one waits for a CUDA event): a backward watched only by such hooks runs ahead of the device, as a GPU's
+    host does, and fires them in the true order without waking once per group. Returns the hook."""
+    setattr(hook, READY_AWARE, True)
+    return hook
+
+
+def _aware(hooks) -> bool:
+    return all(getattr(h, READY_AWARE, False) for h in hooks.values())
 
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 _HOOKS = tuple(map(operator.attrgetter, HOOK_DICTS))
@@ -67,10 +86,11 @@ class Watch:
             self._hooked = any(any(map(hooks, self.modules)) for hooks in _HOOKS)
         return self._hooked
 
-    def backward_watched(self, graph: bool) -> bool:
+    def backward_watched(self, graph: bool) -> int:
         """Beyond the modules' hooks: a parameter's hook, a hook on a parameter's accumulator, or torch DDP's
         reducer, whose hooks on the accumulators are C++ (DDP's forward names itself while it calls the model's;
         an unknown torch counts as DDP). graph: the emulation keeps a graph that holds the accumulators.
+        WATCHED, AHEAD (every hook is a post-accumulate one marked ready_aware) or UNWATCHED.
 
         Whoever holds an accumulator besides this Watch counts: one reference more for each holder in Python,
         and one for all holders in C++ together (torch keeps a node's Python object alive while C++ holds the
@@ -78,10 +98,15 @@ class Watch:
         DDP's reducer; when the emulation keeps such a graph itself, only Python holders can be told apart.
         """
         if getattr(DistributedDataParallel, "_active_ddp_module", True) is not None:
-            return True
+            return WATCHED
         params = self.params
-        return (any(map(_POST_HOOKS, params)) or any(map(_TENSOR_HOOKS, params))
-                or max(map(sys.getrefcount, self.accumulators), default=0) > _HELD_ONCE + graph)
+        if (any(map(_TENSOR_HOOKS, params))
+                or max(map(sys.getrefcount, self.accumulators), default=0) > _HELD_ONCE + graph):
+            return WATCHED
+        post = [h for h in map(_POST_HOOKS, params) if h]
+        if not post:
+            return UNWATCHED
+        return AHEAD if all(map(_aware, post)) else WATCHED
 
 
 def hooked(m: nn.Module) -> bool:
