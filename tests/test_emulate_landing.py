@@ -170,3 +170,35 @@ def test_a_staged_gradient_handed_over_ahead_is_delivered_in_hook_order_not_befo
     for (i, at), (_, ready) in zip(delivered, handed):
         copied = max(copied, ready) + acc.model.copy_s(params[i].numel() * 4)
         assert at >= copied - LAZY_S
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_gradient_lands_from_its_row_scales_exactly_as_its_template(dtype):
+    """pattern.write, which lands a LARGE gradient without reading a full-size template, writes the template's
+    very values; each row has its own scale (top-k finds no repeats), none is zero; a small one keeps no rows."""
+    from runtime.emulate.pattern import LARGE, ROW, template, write
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.nn.Parameter(torch.zeros(LARGE + 5, dtype=dtype))
+    small = torch.nn.Parameter(torch.zeros(3, ROW // 2 + 1, dtype=dtype))
+    t, ts = template(big, g), template(small, g)
+    assert hasattr(big, "_emulated_rows") and not hasattr(small, "_emulated_rows")
+    out = torch.full_like(t, 7.0)
+    write(out, big._emulated_rows)
+    assert torch.equal(out, t) and bool((t != 0).all()) and bool((ts != 0).all())
+    rows = t[: (t.numel() // ROW) * ROW].view(-1, ROW).float()
+    assert len({float(r.abs().sum()) for r in rows}) == rows.shape[0]
+
+
+def test_a_vgg_step_lands_its_large_gradients_from_their_rows():
+    model, inputs = emulated("vgg19")
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    large = [p for p in model.parameters() if hasattr(p, "_emulated_rows")]
+    assert large
+    for _ in range(2):
+        opt.zero_grad()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.fill_(3.0)  # what a strategy left there: the landing writes over it
+        emulated_loss(model(*inputs)).backward()
+        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())

@@ -15,9 +15,11 @@ training steps on one rank after --warmup (zero_grad, forward, backward,
 optimizer step, the way DistributedOptimizer's user runs them): median
 T_iter against the modelled time per step, the error, and the host's
 CPU-seconds per step; of those, what landing the gradients in host memory
-took in the step (the copies that stand in for a GPU's staging copies:
+took in the step (the writes that stand in for a GPU's staging copies:
 runtime.emulate.landing), beside one warm copy of every gradient timed
-alone, and the rest as a share of the modelled compute. With --hooked
+alone (a large gradient lands faster than that: it is written from a
+cache-resident block, runtime.emulate.pattern), and the rest as a share of
+the modelled compute. With --hooked
 (default), each model runs twice more with a hook on every parameter: a
 ready-aware one, as a staged strategy's (the backward stays one node and
 fires the hooks ahead, runtime.emulate.watch), and a plain one, as DDP's or

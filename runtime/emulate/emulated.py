@@ -3,7 +3,6 @@ true shapes; emulated_loss() and emulate_optimizer() for the rest of a step."""
 
 from __future__ import annotations
 
-import math
 import operator
 import time
 import weakref
@@ -17,6 +16,7 @@ from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
 from .clock import LAZY_S
 from .landing import defer_zero, land_ahead, marks
+from .pattern import template
 from .nodes import X_LEAF, X_NODE, X_NONE, Reshape, accumulation_order, apply_loss, apply_pass, apply_unit, x_kind
 from .trace import Call, EmulationError, TensorSpec, trace
 from .watch import AHEAD, WATCHED, Watch, global_hooks, hooked
@@ -242,14 +242,6 @@ def emulated_loss(output: torch.Tensor, target=None) -> torch.Tensor:
     return apply_loss(output)
 
 
-def _template(p: nn.Parameter, g: torch.Generator) -> torch.Tensor:
-    # Gaussian, at a scale that falls with fan-in as real gradients do; never zero, so top-k has something to pick.
-    fan_in = p[0].numel() if p.dim() > 1 else p.numel()
-    t = torch.empty(p.shape, dtype=p.dtype)
-    t.normal_(0.0, 1e-2 / math.sqrt(max(1, fan_in)), generator=g)
-    return t
-
-
 def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale: float = 1.0, seed: int = 0,
             times: list[tuple[float, float]] | None = None) -> nn.Module:
     """The same model (same modules, parameters, buffers, dtypes), emulated in place: returns it.
@@ -281,7 +273,7 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
         params = call.params + (tr.loose if i == 0 else ())
         for p in params:
             if p.requires_grad and not hasattr(p, "_emulated_grad"):
-                p._emulated_grad = _template(p, g)
+                p._emulated_grad = template(p, g)
         # Those that take gradients, in the order the real model accumulates them.
         params = tuple(sorted((p for p in params if p.requires_grad), key=lambda p: tr.grad_order.get(id(p), -1)))
         first = call.inputs[0] if call.inputs else None

@@ -1,4 +1,4 @@
-"""Emulated gradients landing in host memory: zero_grad marks them, the step's forward copies the fixed gradients over them."""
+"""Emulated gradients landing in host memory: zero_grad marks them, the step's forward writes the fixed gradients over them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from itertools import repeat
 import torch
 
 from .accelerator import active
+from .pattern import write
 
 __all__ = ["defer_zero", "land", "land_all", "land_ahead", "land_pass", "take"]
 
@@ -63,7 +64,7 @@ def land_ahead(params) -> None:
     copied = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED and p.grad is not None
               and not p._backward_hooks and p.requires_grad]
     if copied:
-        torch._foreach_copy_([p.grad for p in copied], [p._emulated_grad for p in copied])
+        _land(copied)
         for p in copied:
             p._emulated_landing = _LANDED
     _landed(t, cpu, absorb=False)
@@ -77,7 +78,7 @@ def land_all(params) -> bool:
     marked = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED]
     copied = [p for p in marked if p.grad is not None and not p._backward_hooks and p.requires_grad]
     if copied:
-        torch._foreach_copy_([p.grad for p in copied], [p._emulated_grad for p in copied])
+        _land(copied)
     ahead = [p for p in params if getattr(p, "_emulated_landing", 0) == _LANDED]
     everything = len(copied) + len(ahead) == len(params)
     for p in marked:
@@ -93,6 +94,20 @@ def land_all(params) -> bool:
                 p.grad.zero_()
     _landed(t, cpu)
     return everything
+
+
+def _land(params) -> None:
+    """Each one's fixed gradient over its .grad: a LARGE one written from its row scales (pattern.write: no
+    full-size read), the others copied from their templates in one call."""
+    small = []
+    for p in params:
+        rows, grad = getattr(p, "_emulated_rows", None), p.grad
+        if rows is not None and grad.is_contiguous():
+            write(grad, rows)
+        else:
+            small.append(p)
+    if small:
+        torch._foreach_copy_([p.grad for p in small], [p._emulated_grad for p in small])
 
 
 def _landed(t: float, cpu: float, absorb: bool = True) -> None:
@@ -124,7 +139,7 @@ def land_pass(params) -> None:
         elif p.requires_grad:
             (added if p.grad is not None else made).append(p)
     if marked:
-        torch._foreach_copy_([p.grad for p in marked], [p._emulated_grad for p in marked])
+        _land(marked)
     if added:
         torch._foreach_add_([p.grad for p in added], [p._emulated_grad for p in added])
     for p in made:
