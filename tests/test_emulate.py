@@ -252,3 +252,26 @@ def test_the_paper_models_emulate_at_224_without_activation_memory():
     assert out.shape == (2, 1000)
     emulated_loss(out).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_emulation_benchmark_runs_a_profile_on_its_own_model_and_refuses_a_file_that_is_none(tmp_path):
+    import json
+
+    from jobs.bench import emulation as bench
+    from jobs.common.inputs import InputError
+
+    model = build_model("mlp")
+    inputs, _ = model_input("mlp", 8)
+    path = tmp_path / "mlp.json"
+    path.write_text(json.dumps(profile_of(model, inputs).to_json()))
+    out = tmp_path / "rows.json"
+    assert bench.main(["--models", "cnn", "--devices", "v100", "--profiles", str(path), "--no-hooked", "--steps",
+                       "2", "--warmup", "1", "--waits", "10", "--repeats", "1", "--json", str(out)]) == 0
+    steps = [r for r in json.loads(out.read_text())["rows"] if r["table"] == "steps"]
+    assert [r["model"] for r in steps] == ["cnn", "mlp"] and "mlp.json" in steps[1]["device"]
+    (tmp_path / "not.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match="--profiles: .*not.json: not a profile"):
+        bench._profile_model(str(tmp_path / "not.json"))
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse_args(["--profiles", str(tmp_path / "not.json")])
+    assert exit_.value.code == 2

@@ -12,9 +12,10 @@ time.sleep and with the accelerator's deadline clock (runtime.emulate.clock):
 the total's median error and the CPU-seconds each used. Steps: for each
 model and device (batch: the paper's, PAPER_BATCH, else 32), --steps emulated
 training steps on one rank after --warmup (zero_grad, forward, backward,
-optimizer step, the way DistributedOptimizer's user runs them): median
-T_iter against the modelled time per step, the error, and the host's
-CPU-seconds per step; of those, what landing the gradients in host memory
+optimizer step, the way DistributedOptimizer's user runs them): T_iter
+over the run (synced to the device's timeline at both ends: the host
+returns from a step before its queued work ends) against the modelled time
+per step, the error, and the host's median CPU-seconds per step; of those, what landing the gradients in host memory
 took in the step (the writes that stand in for a GPU's staging copies:
 runtime.emulate.landing), beside one warm copy of every gradient timed
 alone (a large gradient lands faster than that: it is written from a
@@ -48,6 +49,9 @@ def parse_args(argv=None):
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"default {','.join(MODELS)}")
     p.add_argument("--devices", default="h100,v100", help="named devices (default h100,v100)")
+    p.add_argument("--profiles", default="", metavar="PATH,...",
+                   help="measured profiles (mpitrain simulate --take-profile) to run as devices too, each on the "
+                        "model it was taken from (default none)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per model and device (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--hooked", action=argparse.BooleanOptionalAction, default=True,
@@ -72,12 +76,29 @@ def check_args(args) -> None:
         except EmulationError as e:
             from jobs.common.inputs import InputError
             raise InputError("--devices", str(e)) from None
+    args.profiles = [(_profile_model(path), path) for path in comma_list("--profiles", args.profiles)] \
+        if args.profiles.strip() else []
     args.waits = [int(w) for w in comma_list("--waits", args.waits)]
     at_least(args, 1, "steps", "repeats")
     at_least(args, 0, "warmup")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
     output_file(args, "json", "plot")
+
+
+def _profile_model(path: str) -> str:
+    """The model a profile was taken from (its JSON's "model"), or a clear error naming the file."""
+    import json
+
+    from jobs.common.inputs import InputError
+    try:
+        with open(path) as f:
+            model = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError) as e:
+        raise InputError("--profiles", f"{path}: not a profile ({e})") from None
+    if not isinstance(model, str):
+        raise InputError("--profiles", f"{path}: names no model (not written by mpitrain simulate --take-profile)")
+    return model
 
 
 def cpu_s() -> float:
@@ -145,6 +166,11 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") 
         opt.step()
     for _ in range(warmup):
         step()
+    # T_iter over the run, on the device's timeline: from the end of the queued work to the end of the last step's
+    # (the host returns from a step before its backward and update end, so a step timed on the host alone can
+    # look shorter than its model while the device falls behind, by up to one step at the end of the run).
+    acc.clock.sync()
+    run_t0, run_m0 = time.perf_counter(), sum(acc.seconds.values())
     times, cpus, modelled, landing = [], [], [], []
     for _ in range(steps):
         m0, c0, t0, l0 = sum(acc.seconds.values()), cpu_s(), time.perf_counter(), acc.landing_cpu_s
@@ -153,6 +179,8 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") 
         cpus.append(cpu_s() - c0)
         modelled.append(sum(acc.seconds.values()) - m0)
         landing.append(acc.landing_cpu_s - l0)
+    acc.clock.sync()
+    t_iter, t_model = (time.perf_counter() - run_t0) / steps, (sum(acc.seconds.values()) - run_m0) / steps
     grads = [p.grad for p in model.parameters()]
     copies = [torch.empty_like(g) for g in grads]
     copy_times = []
@@ -161,13 +189,12 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") 
         for c, g in zip(copies, grads):
             c.copy_(g)
         copy_times.append(cpu_s() - c0)
-    t_model = statistics.median(modelled)
-    t_iter = statistics.median(times)
     host = statistics.median(cpus)
     copy = min(copy_times)
     rest = statistics.median(c - lc for c, lc in zip(cpus, landing))
     row = dict(table="steps", model=name, device=acc.model.label, batch=batch, hooked=hooks != "none", hooks=hooks,
                params=sum(p.numel() for p in model.parameters()), modelled_s=t_model, t_iter_s=t_iter,
+               host_step_median_s=statistics.median(times), modelled_step_median_s=statistics.median(modelled),
                error=t_iter / t_model - 1, host_cpu_s=host, grad_copy_cpu_s=copy,
                landing_cpu_s=statistics.median(landing), host_rest_s=rest,
                host_rest_share=max(0.0, rest) / t_model, steps=steps, parts=acc.describe())
@@ -235,6 +262,10 @@ def main(argv=None, args=None) -> int:
             print(f"# {name} on {dev}: {args.warmup} + {args.steps} steps", flush=True)
             for hooks in HOOKS if args.hooked else HOOKS[:1]:
                 rows.append(step_row(name, dev, args.steps, args.warmup, hooks))
+    for name, path in args.profiles:
+        print(f"# {name} from {path}: {args.warmup} + {args.steps} steps", flush=True)
+        for hooks in HOOKS if args.hooked else HOOKS[:1]:
+            rows.append(step_row(name, path, args.steps, args.warmup, hooks))
     print(format_tables(rows))
     meta = run_metadata("jobs.bench.emulation", argv, machine=machine(), compute="emulated", torch=torch.__version__)
     write_results(None, args, meta, rows, lambda path: plot(rows, path))
