@@ -7,25 +7,26 @@ and one rank's emulated step against its model, with the host CPU it costs.
 Three tables. Calibration: every published single-GPU training throughput of
 a model we build (runtime.emulate.published) against the named device's
 prediction (runtime.emulate.calibration), with the error. Waits: --waits
-modelled waits adding up to 0.1 s, run --repeats times with plain
-time.sleep and with the accelerator's deadline clock (runtime.emulate.clock):
-the total's median error and the CPU-seconds each used. Steps: for each
-model and device (batch: the paper's, PAPER_BATCH, else 32), --steps emulated
+modelled waits adding up to 0.1 s, run --repeats times with plain time.sleep
+and with the accelerator's deadline clock (runtime.emulate.clock): the
+total's median error and the CPU-seconds each used. Steps: for each model
+and device (batch: the paper's, PAPER_BATCH, else 32), --steps emulated
 training steps on one rank after --warmup (zero_grad, forward, backward,
-optimizer step, the way DistributedOptimizer's user runs them): T_iter
-over the run (synced to the device's timeline at both ends: the host
-returns from a step before its queued work ends) against the modelled time
-per step, the error, and the host's median CPU-seconds per step; of those, what landing the gradients in host memory
-took in the step (the writes that stand in for a GPU's staging copies:
-runtime.emulate.landing), beside one warm copy of every gradient timed
-alone (a large gradient lands faster than that: it is written from a
-cache-resident block, runtime.emulate.pattern), and the rest as a share of
-the modelled compute. With --hooked
-(default), each model runs twice more with a hook on every parameter: a
-ready-aware one, as a staged strategy's (the backward stays one node and
-fires the hooks ahead, runtime.emulate.watch), and a plain one, as DDP's or
-a user's (the backward goes unit by unit to fire them on time). All
-figures: emulated compute, on this machine, one process.
+optimizer step, the way DistributedOptimizer's user runs them): T_iter over
+the run (synced to the device's timeline at both ends: the host returns from
+a step before its queued work ends) against the modelled time per step, the
+error, and the host's median CPU-seconds per step; of those, what landing
+the gradients in host memory took in the step (the writes that stand in for
+a GPU's staging copies: runtime.emulate.landing), beside one warm copy of
+every gradient timed alone (a large gradient lands faster than that: it is
+written from a cache-resident block, runtime.emulate.pattern), and the rest
+as a share of the modelled compute. With --hooked (default), each model runs
+twice more with a hook on every parameter: a ready-aware one, as a staged
+strategy's (the backward stays one node and fires the hooks ahead,
+runtime.emulate.watch), and a plain one, as DDP's or a user's (the backward
+goes unit by unit to fire them on time). --profiles runs measured profiles
+as devices too, each on the model it was taken from. All figures: emulated
+compute, on this machine, one process.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def format_tables(rows) -> str:
             f"| {r['cpu_s_per_modelled_s']:.3f} |" for r in rows if r["table"] == "waits"]
     out += ["", "| model | device | hooks | batch | modelled s/step | T_iter s | error | host CPU s/step | of which "
             "landing | one warm copy | rest / modelled |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    out += [f"| {r['model']} | {r['device']} | {r.get('hooks', 'plain' if r['hooked'] else 'none')} | {r['batch']} "
+    out += [f"| {r['model']} | {r['device']} | {r.get('hooks', 'plain' if r['hooked'] else 'none')} "
+            f"| {r['batch']} "
             f"| {r['modelled_s']:.4f} | {r['t_iter_s']:.4f} | {r['error'] * 100:+.2f} % | {r['host_cpu_s']:.4f} "
             f"| {r['landing_cpu_s']:.4f} | {r['grad_copy_cpu_s']:.4f} | {r['host_rest_share'] * 100:.2f} % |"
             for r in rows if r["table"] == "steps"]

@@ -16,8 +16,8 @@ from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
 from .clock import LAZY_S
 from .landing import defer_zero, land_ahead, marks
-from .pattern import template
 from .nodes import X_LEAF, X_NODE, X_NONE, Reshape, accumulation_order, apply_loss, apply_pass, apply_unit, x_kind
+from .pattern import template
 from .trace import Call, EmulationError, TensorSpec, trace
 from .watch import AHEAD, WATCHED, Watch, global_hooks, hooked
 

@@ -1,4 +1,4 @@
-"""Emulated gradients landing in host memory: zero_grad marks them, the step's forward writes the fixed gradients over them."""
+"""Emulated gradients landing in host memory: zero_grad marks them, the next forward writes the fixed ones over them."""
 
 from __future__ import annotations
 

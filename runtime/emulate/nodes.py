@@ -6,8 +6,8 @@ import torch
 
 from .landing import land_all, land_pass, take
 
-__all__ = ["Unit", "Pass", "apply_loss", "apply_pass", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE", "X_LEAF",
-           "accumulation_order", "x_kind"]
+__all__ = ["Unit", "Pass", "apply_loss", "apply_pass", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE",
+           "X_LEAF", "accumulation_order", "x_kind"]
 
 
 class Unit(torch.autograd.Function):

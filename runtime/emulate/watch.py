@@ -32,6 +32,7 @@ def ready_aware(hook):
 def _aware(hooks) -> bool:
     return all(getattr(h, READY_AWARE, False) for h in hooks.values())
 
+
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 _HOOKS = tuple(map(operator.attrgetter, HOOK_DICTS))
 _POST_HOOKS, _TENSOR_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks"), operator.attrgetter("_backward_hooks")
