@@ -259,15 +259,11 @@ def main(argv=None, args=None) -> int:
     print(f"# {machine_line(machine())}; emulated compute, one process", flush=True)
     rows = calibration_rows()
     rows += wait_rows(args.waits, args.repeats)
-    for name in args.models:
-        for dev in args.devices:
-            print(f"# {name} on {dev}: {args.warmup} + {args.steps} steps", flush=True)
-            for hooks in HOOKS if args.hooked else HOOKS[:1]:
-                rows.append(step_row(name, dev, args.steps, args.warmup, hooks))
-    for name, path in args.profiles:
-        print(f"# {name} from {path}: {args.warmup} + {args.steps} steps", flush=True)
+    # Every model on every named device, then each profile on the model it was taken from.
+    for name, dev in [(n, d) for n in args.models for d in args.devices] + args.profiles:
+        print(f"# {name} on {dev}: {args.warmup} + {args.steps} steps", flush=True)
         for hooks in HOOKS if args.hooked else HOOKS[:1]:
-            rows.append(step_row(name, path, args.steps, args.warmup, hooks))
+            rows.append(step_row(name, dev, args.steps, args.warmup, hooks))
     print(format_tables(rows))
     meta = run_metadata("jobs.bench.emulation", argv, machine=machine(), compute="emulated", torch=torch.__version__)
     write_results(None, args, meta, rows, lambda path: plot(rows, path))

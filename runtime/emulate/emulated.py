@@ -58,7 +58,7 @@ class Emulation:
     def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator):
         self.model, self.steps, self.output, self.acc = model, steps, output, acc
         self.ref = weakref.ref(self)  # what its nodes hold (nodes.Unit)
-        # Landed as backward starts, in the order backward reaches them.
+        # Their gradients land as a forward starts (landing.land_ahead); in the order backward reaches them.
         self.params = tuple(p for step in reversed(steps) for p in step.params)
         # When each of them is ready, in seconds after its pass's backward starts: once its own unit's backward
         # and those of the units after it ran (not its group head's: fire() tells each its own unit's time).
@@ -299,8 +299,8 @@ _PARAMS, _GRAD = operator.itemgetter("params"), operator.attrgetter("grad")
 
 
 def _with_grad(params: list) -> list:
-    """Those of params that have a gradient, without a Python loop per parameter (the optimizer's step and
-    zero_grad run right after a wait, from cold caches)."""
+    """Those of params that have a gradient, without a Python loop per parameter (the optimizer's step runs
+    right after a wait, from cold caches)."""
     return list(compress(params, map(operator.is_not, map(_GRAD, params), repeat(None))))
 
 
@@ -333,7 +333,7 @@ def emulate_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer
         return loss
 
     def emulated_zero_grad(set_to_none: bool = False):
-        # Kept, not set to None, and not zeroed but marked: the next backward copies the fixed gradients over
+        # Kept, not set to None, and not zeroed but marked: the next forward writes the fixed gradients over
         # them (runtime.emulate.landing) instead of allocating copies or zeroing and adding.
         with acc.device_work("zero_grad", memset_s):
             if not defer_zero(params):
