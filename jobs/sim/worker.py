@@ -88,7 +88,7 @@ def slowest_per_step(profiles: list):
                    step_s=max(p.step_s for p in profiles), optimizer_s=fmean([st["opt"] for st in picks]),
                    other_s=max(0.0, fmean([st["rest"] for st in picks])),
                    select_s_per_element=max(p.select_s_per_element for p in profiles),
-                   gflops=min(p.gflops for p in profiles),
+                   gflops=min(p.gflops for p in profiles), copy_gbs=min(p.copy_gbs for p in profiles),
                    extra={"step_s_ranks": [p.step_s for p in profiles], "merged": "slowest rank per step"})
 
 

@@ -144,10 +144,11 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
     select = _select_cost(sum(l.elements for l in layers), sparse_density, device, ranks_at_once) \
         if sparse_density else 0.0
     rate = _gflops(device) if gflops else 100.0
+    copy = _copy_gbs(device, sum(l.elements for l in layers) * 4) if cuda else 0.0
     return Profile(name, int(inputs[0].shape[0]), "cuda" if cuda else "cpu", tuple(layers), step_s, optimizer_s, other,
                    ranks_at_once=ranks_at_once, cores=cores,
                    cores_per_rank=1.0 if cuda else min(float(threads), cores / ranks_at_once),
-                   threads=threads, select_s_per_element=select, gflops=rate,
+                   threads=threads, select_s_per_element=select, gflops=rate, copy_gbs=copy,
                    itemsize=4, machine=machine, extra=extra)
 
 
@@ -177,6 +178,25 @@ def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: i
             torch.cuda.synchronize()
         times.append(_now() - t)
     return statistics.median(times[1:]) / n
+
+
+def _copy_gbs(device: str, nbytes: int, repeats: int = 3) -> float:
+    """GB/s of a copy between pinned host memory and the device, each way, as the staging does it: the
+    gradients' size (at most 256 MB), the slower direction's median."""
+    n = max(1 << 20, min(nbytes, 256 << 20)) // 4
+    dev = torch.empty(n, device=device)
+    host = torch.empty(n, pin_memory=True)
+    rates = []
+    for dst, src in ((host, dev), (dev, host)):
+        times = []
+        for _ in range(repeats + 1):
+            torch.cuda.synchronize()
+            t = _now()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(_now() - t)
+        rates.append(n * 4 / statistics.median(times[1:]) / 1e9)
+    return min(rates)
 
 
 def _gflops(device: str) -> float:

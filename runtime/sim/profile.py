@@ -45,7 +45,9 @@ class Profile:
     while it was profiled, on `cores` cores; cores_per_rank: what one rank's compute kept busy (CPU).
     select_s_per_element: runtime.sparse's local work in a step (velocity, error feedback, selection,
     the sum of the pairs, masking), seconds per gradient element;
-    gflops: one rank's GEMM rate (sufficient-factor rebuild); itemsize: bytes per gradient element.
+    gflops: one rank's GEMM rate (sufficient-factor rebuild); copy_gbs: GB/s of a copy between pinned host
+    memory and the device (0: not measured, a CPU's profile or an older one); itemsize: bytes per gradient
+    element.
     """
 
     model: str
@@ -61,6 +63,7 @@ class Profile:
     threads: int = 1
     select_s_per_element: float = 0.0
     gflops: float = 100.0
+    copy_gbs: float = 0.0
     itemsize: int = 4
     machine: str = ""
     extra: dict = field(default_factory=dict)
