@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -202,3 +203,36 @@ def test_a_vgg_step_lands_its_large_gradients_from_their_rows():
                 p.grad.fill_(3.0)  # what a strategy left there: the landing writes over it
         emulated_loss(model(*inputs)).backward()
         assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+
+
+def test_a_host_too_slow_to_land_the_gradients_within_the_pass_is_told_once():
+    """A compute model a million times faster than a V100 leaves no host time to write the gradients in:
+    after SLOW_ROW such steps, one RuntimeWarning says the steps are this host's, with the figures; the
+    same model on a device a hundred times slower than a V100 (a small CNN's gradients land in microseconds,
+    its pass takes milliseconds) says nothing."""
+    from runtime.emulate import landing
+
+    def steps(scale, n):
+        accelerator.deactivate()
+        model = build_model("cnn")
+        inputs, _ = model_input("cnn", 4)
+        emulate(model, "v100", inputs, scale=scale)
+        opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(n):
+            opt.zero_grad()
+            emulated_loss(model(*inputs)).backward()
+            opt.step()
+
+    landing._slow.update(row=0, said=False)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            steps(100.0, landing.SLOW_ROW + 2)
+        assert not [w for w in seen if "bound by this host" in str(w.message)]
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            steps(1e-6, landing.SLOW_ROW + 3)
+        said = [str(w.message) for w in seen if "bound by this host" in str(w.message)]
+        assert len(said) == 1 and "MB" in said[0] and "GB/s" in said[0] and "--compute-scale" in said[0]
+    finally:
+        landing._slow.update(row=0, said=False)

@@ -111,7 +111,7 @@ class Emulation:
         grad = torch.is_grad_enabled()
         if grad and self._marks != marks():  # a pipeline's later micro-batches: nothing new
             self._marks = marks()
-            land_ahead(self.params)
+            land_ahead(self.params, self.forward_run + self._pass_s[1])
         if hooks or self.watch.modules_hooked():
             link = self._each_unit(inputs, hooks)
         elif not grad:

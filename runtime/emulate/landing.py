@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from itertools import repeat
 
@@ -16,6 +17,9 @@ __all__ = ["defer_zero", "land", "land_all", "land_ahead", "land_pass", "take"]
 
 _MARKED, _LANDED = 1, 2  # p._emulated_landing: zeroed by a mark; its fixed gradient copied over the mark
 _marks = [0]  # how many times defer_zero marked: a forward after none since the last has nothing to land ahead
+# Landings in a row that outlasted their pass, and whether this process said so (land_ahead).
+_slow = {"row": 0, "said": False}
+SLOW_ROW = 3  # the first steps allocate and warm up: a host is called slow on this many in a row
 
 
 def defer_zero(params) -> bool:
@@ -51,9 +55,11 @@ def land(p: torch.nn.Parameter) -> None:
     land_all((p,))
 
 
-def land_ahead(params) -> None:
+def land_ahead(params, pass_s: float = 0.0) -> None:
     """As a forward that backward will follow starts: copy the fixed gradient over every marked .grad that
     autograd will not add to (no tensor hook, needing a gradient), and leave them landed for the backward.
+    pass_s: the modelled forward and backward that the copies overlap; a host that writes slower than that
+    (SLOW_ROW times in a row) is told once that its steps are its own memory's, not the device model's.
 
     On a GPU the copies are a DMA engine's during the pass, so they cost the step no time while they fit in it.
     Here they are the host's, on the pass's timeline: made as the forward starts, they overlap the forward's
@@ -68,6 +74,24 @@ def land_ahead(params) -> None:
         for p in copied:
             p._emulated_landing = _LANDED
     _landed(t, cpu, absorb=False)
+    if copied and pass_s > 0:
+        _pace(time.perf_counter() - t, pass_s, copied)
+
+
+def _pace(seconds: float, pass_s: float, params) -> None:
+    if seconds <= pass_s:
+        _slow["row"] = 0
+        return
+    _slow["row"] += 1
+    if _slow["row"] >= SLOW_ROW and not _slow["said"]:
+        _slow["said"] = True
+        nbytes = sum(p.grad.numel() * p.grad.element_size() for p in params)
+        warnings.warn(
+            f"emulated compute is bound by this host's memory: writing the gradients into host memory "
+            f"({nbytes / 1e6:.0f} MB, {nbytes / seconds / 1e9:.1f} GB/s) took {seconds * 1e3:.1f} ms, longer than "
+            f"the modelled forward and backward ({pass_s * 1e3:.1f} ms) that a GPU's copy engine writes them "
+            f"during: T_iter will exceed the device model's. Emulate on a host with faster memory, or a slower "
+            f"device (--compute-scale)", RuntimeWarning, stacklevel=2)
 
 
 def land_all(params) -> bool:
