@@ -13,9 +13,13 @@ def print_row(row: dict) -> None:
 
 
 def rows_from(proc) -> list[dict]:
-    """The worker's "ROW {json}" lines; a failed worker raises with the end of its stderr."""
+    """The worker's "ROW {json}" lines; a failed worker raises with the end of its stderr. Its warnings (a
+    host too slow for the emulated device, say) are passed on to stderr, each once however many ranks said it."""
     if proc.returncode:
         raise RuntimeError(f"worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    said = dict.fromkeys(line.strip() for line in (proc.stderr or "").splitlines() if "Warning: " in line)
+    for line in said:
+        print(f"worker: {line}", file=sys.stderr, flush=True)
     return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
 
 
