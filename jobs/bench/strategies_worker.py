@@ -246,7 +246,7 @@ class Bench:
 
             # gloo all-reduces CUDA tensors itself (through host memory); device_ids: the module's one GPU.
             cuda = self.device.type == "cuda"
-            ddp = DDP(model, device_ids=[self.device.index]) if cuda else DDP(model)
+            ddp = DDP(model, device_ids=[self.device.index], gradient_as_bucket_view=True) if cuda else DDP(model, gradient_as_bucket_view=True)
             out["transport"] = "torch DDP, gloo" + (" (CUDA tensors)" if cuda else "")
             c0 = ranks_cpu_s(self.comm)
             out["batches"], out["wire"], out["modelled"] = self.timed(self.train_step(ddp, opt))
