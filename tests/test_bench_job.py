@@ -185,6 +185,19 @@ def test_local_bench_under_emulated_compute_fills_the_compute_fields(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+
+def test_a_host_too_slow_for_the_emulated_device_is_said_once_for_all_ranks(tmp_path):
+    """A device a million times faster than a V100 leaves no time to land the gradients: each rank's emulation
+    warns (runtime.emulate.landing), and the bench's driver passes the warning on once, saying how many more
+    ranks said the same, where it used to drop the workers' stderr."""
+    cmd = [sys.executable, "-m", "jobs.bench", "--local", "--hosts", "2", "--models", "mlp", "--strategies", "p3",
+           "--compute", "emulated:v100", "--compute-scale", "1e-6", "--batches", "1", "--iters", "2", "--warmup", "1",
+           "--rounds", "1", "--json", str(tmp_path / "bench.json")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "bound by this host's memory" in line]
+    assert len(said) == 1 and said[0].startswith("worker: ") and said[0].endswith("(and 1 more like it)"), proc.stderr
+
 def test_emulated_defaults_per_model_and_given_values_win():
     """Under emulation: the paper's batch, and few steps for a model of hundreds of MB per step; else as always."""
     from jobs.bench.strategies import parse_args, run_settings

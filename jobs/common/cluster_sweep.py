@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Callable
 
@@ -14,12 +15,16 @@ def print_row(row: dict) -> None:
 
 def rows_from(proc) -> list[dict]:
     """The worker's "ROW {json}" lines; a failed worker raises with the end of its stderr. Its warnings (a
-    host too slow for the emulated device, say) are passed on to stderr, each once however many ranks said it."""
+    host too slow for the emulated device, say) are passed on to stderr, each kind once however many ranks said it."""
     if proc.returncode:
         raise RuntimeError(f"worker failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
-    said = dict.fromkeys(line.strip() for line in (proc.stderr or "").splitlines() if "Warning: " in line)
-    for line in said:
-        print(f"worker: {line}", file=sys.stderr, flush=True)
+    said: dict[str, list[str]] = {}  # one per kind (its figures aside): the ranks' own figures differ
+    for line in (proc.stderr or "").splitlines():
+        if "Warning: " in line:
+            said.setdefault(re.sub(r"\d+(\.\d+)?", "#", line), []).append(line.strip())
+    for lines in said.values():
+        more = f" (and {len(lines) - 1} more like it)" if len(lines) > 1 else ""
+        print(f"worker: {lines[0]}{more}", file=sys.stderr, flush=True)
     return [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
 
 
