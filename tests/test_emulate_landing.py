@@ -205,6 +205,33 @@ def test_a_vgg_step_lands_its_large_gradients_from_their_rows():
         assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
 
 
+
+def test_a_large_gradient_that_still_holds_its_values_is_not_written_again_and_a_changed_one_is():
+    """A plain step (no strategy) leaves its gradients as they landed: the next landing writes none of the
+    LARGE ones (their version counters do not move), as a GPU's host writes nothing where they stay on the
+    device. One a torch op changed in place, or one whose memory was written behind torch's back (MPI into a
+    buffer, here numpy), is written again; every gradient equals its template after each step."""
+    model, inputs = emulated("vgg19")
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    large = [p for p in model.parameters() if hasattr(p, "_emulated_rows")]
+    assert len(large) >= 3
+
+    def step():
+        opt.zero_grad()
+        emulated_loss(model(*inputs)).backward()
+        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+
+    step()
+    step()  # the first step made the gradients, the second wrote them
+    versions = [p.grad._version for p in large]
+    step()
+    assert [p.grad._version for p in large] == versions  # nothing written
+    large[0].grad.mul_(4.0)  # an average in place, say
+    large[1].grad.numpy()[:] *= 4.0  # MPI's receive into the buffer: torch sees no change
+    step()
+    assert large[0].grad._version > versions[0] + 1 and large[1].grad._version > versions[1]
+    assert [p.grad._version for p in large[2:]] == versions[2:]
+
 def test_a_host_too_slow_to_land_the_gradients_within_the_pass_is_told_once():
     """A compute model a million times faster than a V100 leaves no host time to write the gradients in:
     after SLOW_ROW such steps, one RuntimeWarning says the steps are this host's, with the figures; the
