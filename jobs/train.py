@@ -284,6 +284,7 @@ def main(argv=None, args=None) -> int:
         dopt.synchronize()
         if device.type == "cuda":
             torch.cuda.synchronize()  # the epoch's kernels are over before it is timed (once per epoch)
+        compute.synchronize()  # so is an emulated device's queued work
         comm.Barrier()
         elapsed = time.perf_counter() - t0
         if bar is not None:

@@ -263,3 +263,23 @@ def test_a_host_too_slow_to_land_the_gradients_within_the_pass_is_told_once():
         assert len(said) == 1 and "MB" in said[0] and "GB/s" in said[0] and "--compute-scale" in said[0]
     finally:
         landing._slow.update(row=0, said=False)
+
+
+def test_synchronize_waits_for_the_backward_and_update_a_step_queued_as_a_gpu_does():
+    """A step returns with its backward and update still queued on the emulated device (the host runs ahead,
+    as a GPU's does); runtime.emulate.synchronize() returns once they are done, as torch.cuda.synchronize()
+    does, so that a benchmark's clock reads the device's work and not the host's queueing."""
+    from runtime.emulate import synchronize
+
+    synchronize()  # not emulating: nothing to wait for
+    model = build_model("cnn")
+    inputs, _ = model_input("cnn", 4)
+    emulate(model, "v100", inputs, scale=1000.0)  # a step of about a second: the queue is long
+    acc = accelerator.active()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.zero_grad()
+    emulated_loss(model(*inputs)).backward()
+    opt.step()
+    assert acc.clock.deadline > time.perf_counter()  # queued, not done
+    synchronize()
+    assert time.perf_counter() >= acc.clock.deadline

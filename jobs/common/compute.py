@@ -71,6 +71,13 @@ class Compute:
 
         return emulate_optimizer(optimizer)
 
+    def synchronize(self) -> None:
+        """Wait for the emulated device's queued work (a GPU's torch.cuda.synchronize); nothing for real compute."""
+        if self.emulated:
+            from runtime.emulate import synchronize
+
+            synchronize()
+
     def loss(self, loss_fn):
         if not self.emulated:
             return loss_fn

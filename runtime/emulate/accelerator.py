@@ -10,7 +10,7 @@ from collections import defaultdict
 from .clock import Clock
 from .compute_model import ComputeModel
 
-__all__ = ["Accelerator", "active", "activate", "deactivate", "device_work", "ready_at"]
+__all__ = ["Accelerator", "active", "activate", "deactivate", "device_work", "ready_at", "synchronize"]
 
 
 class Accelerator:
@@ -118,3 +118,11 @@ def ready_at() -> float | None:
     a backward that runs ahead fires its ready_aware hooks (runtime.emulate.watch) before the device made it;
     None otherwise: not emulating, or the gradient is ready now."""
     return None if _active is None else _active.clock.ready_at
+
+
+def synchronize() -> None:
+    """Wait until the work queued on the calling thread's emulated stream is done, as torch.cuda.synchronize()
+    does on a GPU (a backward and an optimizer step are queued without the host waiting for them); nothing
+    when not emulating."""
+    if _active is not None:
+        _active.clock.sync()
