@@ -246,8 +246,8 @@ class Runner:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [self.device.index] if self.device.type == "cuda" else None
-            secs, tx, _ = self.timed(steps(DDP(model, device_ids=ids, gradient_as_bucket_view=True), opt), lambda: None,
-                                   lambda: None)
+            ddp = DDP(model, device_ids=ids, gradient_as_bucket_view=True)  # no copies into its buckets and back
+            secs, tx, _ = self.timed(steps(ddp, opt), lambda: None, lambda: None)
             mem = memory_mb()
         else:
             from runtime import DistributedOptimizer

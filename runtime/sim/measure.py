@@ -190,10 +190,10 @@ def _copy_gbs(device: str, nbytes: int, repeats: int = 3) -> float:
     for dst, src in ((host, dev), (dev, host)):
         times = []
         for _ in range(repeats + 1):
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(dev.device)
             t = _now()
             dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(dev.device)
             times.append(_now() - t)
         rates.append(n * 4 / statistics.median(times[1:]) / 1e9)
     return min(rates)
