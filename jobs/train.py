@@ -282,9 +282,7 @@ def main(argv=None, args=None) -> int:
             if bar is not None:
                 bar.update(loss_value)
         dopt.synchronize()
-        if device.type == "cuda":
-            torch.cuda.synchronize()  # the epoch's kernels are over before it is timed (once per epoch)
-        compute.synchronize()  # so is an emulated device's queued work
+        compute.synchronize(device)  # the epoch's kernels (a GPU's, an emulated one's) are over before it is timed
         comm.Barrier()
         elapsed = time.perf_counter() - t0
         if bar is not None:

@@ -143,7 +143,10 @@ class ChoiceBench:
                 self.loss(module(x)).backward()
                 dopt.step()
             if measure:
-                out = timed_batches(self.comm, step, dopt.synchronize, self.args.warmup, 1, self.args.iters)[0]
+                def finish():
+                    dopt.synchronize()
+                    self.compute.synchronize()  # an emulated device's queued backward and update count too
+                out = timed_batches(self.comm, step, finish, self.args.warmup, 1, self.args.iters)[0]
             else:
                 step()
                 dopt.synchronize()

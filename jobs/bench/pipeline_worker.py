@@ -206,8 +206,7 @@ class Runner:
             if k == a.iters - 1:
                 sent = count() if steady else None
                 finish()  # the async modes' owed backward passes, p3's owed update
-                if self.device.type == "cuda":  # the GPU's queued work counts too (kernels run asynchronously)
-                    self.torch.cuda.synchronize(self.device)
+                self.compute.synchronize(self.device)  # its queued work counts too (a GPU's, an emulated one's)
             ends[k] = time.perf_counter() - t0
         sent = sent or count()
         self.comm.Allreduce(self.MPI.IN_PLACE, ends, op=self.MPI.MAX)

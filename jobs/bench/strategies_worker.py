@@ -153,9 +153,9 @@ class Bench:
         inputs, target = model_input(args.model, args.batch_size, args.seed + self.topo.rank)
         self.inputs, self.target = tuple(t.to(dev) for t in inputs), target.to(dev)
         self.compute = Compute.from_args(args)
-        # Every timed batch ends with the GPU idle, so that the clock measures its work (not its queueing); an
-        # emulated device queues its backward and update as a GPU does, and is waited for the same way.
-        self.sync = torch.cuda.synchronize if dev.type == "cuda" else self.compute.synchronize
+        # Every timed batch ends with the device idle (a GPU, or an emulated one), so that the clock measures its
+        # work (not its queueing).
+        self.sync = lambda: self.compute.synchronize(dev)
         # Emulated (if so) before a strategy or DDP hooks its parameters; a fresh model per contender and round.
         self.build = lambda: self.compute.model(
             (torch.manual_seed(args.seed), build_model(args.model).to(dev))[1], self.inputs)

@@ -71,8 +71,13 @@ class Compute:
 
         return emulate_optimizer(optimizer)
 
-    def synchronize(self) -> None:
-        """Wait for the emulated device's queued work (a GPU's torch.cuda.synchronize); nothing for real compute."""
+    def synchronize(self, device=None) -> None:
+        """Wait for the device's queued work before a clock is read: a GPU's (torch.cuda.synchronize), or the
+        emulated one's, which queues a backward and an update as a GPU does; nothing for real CPU compute."""
+        if device is not None and device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
         if self.emulated:
             from runtime.emulate import synchronize
 
