@@ -11,6 +11,8 @@ MPI_TIMEOUT ?= 900
 # A hang shows where every rank waits: each dumps its threads' stacks after 45 s in one test (none
 # takes 10 s), before pytest-timeout ends the first rank and with it the job.
 PYTEST_MPI := $(PY) -m mpi4py -m pytest -m mpi -p no:cacheprovider -q -o faulthandler_timeout=45
+# Those dumps scroll far above a log's tail: on failure run_mpi.py repeats them, per rank, at the end.
+RUN_MPI := $(PY) tests/run_mpi.py timeout $(MPI_TIMEOUT) $(MPIEXEC) -prepend-rank
 FAKE_HOSTS := -hosts n1:2,n2:2 -launcher ssh -launcher-exec mpicomm/launcher/fake-ssh
 STAMP := $(VENV)/.mpitrain-setup
 
@@ -66,15 +68,15 @@ test-serial: setup
 
 # One rank's failure aborts the whole job (python -m mpi4py), pytest-timeout bounds each test.
 test-mpi: setup
-	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(PYTEST_MPI)
+	$(RUN_MPI) -n $(NP) $(PYTEST_MPI)
 
 # The same suite on 2 fake hosts x 2 ranks (hydra launcher wrapper): real node/cross groups.
 test-mpi-hosts: setup
-	MPITRAIN_EXPECT_NODES=2 timeout $(MPI_TIMEOUT) $(MPIEXEC) $(FAKE_HOSTS) -n 4 $(PYTEST_MPI)
+	MPITRAIN_EXPECT_NODES=2 $(RUN_MPI) $(FAKE_HOSTS) -n 4 $(PYTEST_MPI)
 
 # And with 2 nodes x 2 ranks emulated by the ranks_per_node override.
 test-mpi-emulated: setup
-	MPITRAIN_RANKS_PER_NODE=2 MPITRAIN_EXPECT_NODES=2 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n 4 $(PYTEST_MPI)
+	MPITRAIN_RANKS_PER_NODE=2 MPITRAIN_EXPECT_NODES=2 $(RUN_MPI) -n 4 $(PYTEST_MPI)
 
 # Parts of test-serial, on their own (root): namespaces and shaped links; a real local SLURM.
 test-cluster: setup

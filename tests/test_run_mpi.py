@@ -1,0 +1,45 @@
+"""make test's MPI runs (tests/run_mpi.py): a hung run ends with where each rank was, at the log's tail."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+from mpicomm.launch import mpiexec
+
+HANG = """
+import time
+from mpi4py import MPI
+
+def test_one_rank_waits_for_another_that_never_comes():
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        MPI.COMM_WORLD.Barrier()  # rank 0 waits here
+    else:
+        time.sleep(600)  # rank 1 is busy elsewhere
+"""
+
+
+def test_a_hung_run_ends_with_each_ranks_stack(tmp_path):
+    (tmp_path / "test_hang.py").write_text(HANG)
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), "timeout", "120", mpiexec(), "-prepend-rank",
+           "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-o", "faulthandler_timeout=2", "-o", "timeout=6", "-o", "timeout_method=thread", "test_hang.py"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert out.returncode not in (0, 124), out.stdout[-3000:]
+    tail = out.stdout[out.stdout.index("=== the MPI run failed"):]
+    rank0, rank1 = tail.split("--- rank 1")
+    # faulthandler's dump of each ("line 7 in f"), and pytest-timeout's of the rank it ended ("line 7, in f").
+    assert "--- rank 0" in rank0 and "line 7 in test_one_rank_waits" in rank0, tail
+    assert "line 9 in test_one_rank_waits" in rank1, tail
+    assert "line 7, in test_one_rank_waits" in rank0 or "line 9, in test_one_rank_waits" in rank1, tail
+    assert "_pytest" not in tail, tail  # pytest's own frames left out
+
+
+def test_a_run_that_passes_says_nothing_more(tmp_path):
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), mpiexec(), "-prepend-rank", "-n", "2",
+           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_ok.py"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "1 passed" in out.stdout and "=== the MPI run" not in out.stdout, out.stdout
