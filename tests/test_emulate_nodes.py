@@ -13,7 +13,7 @@ from torch import nn
 
 from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
 from runtime.emulate import clock as clock_module
-from runtime.emulate.clock import LAZY_S
+from runtime.emulate.clock import LAZY_AHEAD, LAZY_S
 from runtime.emulate.nodes import X_LEAF, X_NODE, X_NONE, Pass, Unit, accumulation_order
 from runtime.emulate.trace import trace
 from runtime.emulate.watch import ready_aware
@@ -40,8 +40,20 @@ def unit_nodes(out: torch.Tensor) -> int:
     return count
 
 
-def watch(model) -> list:
-    """A hook on every parameter, as a strategy's: the backward then goes unit by unit. Returns what fired."""
+class Fired(list):
+    """The names of the parameters whose hooks fired, in order; holds the accumulators hooked (held)."""
+
+
+def watch(model) -> Fired:
+    """A hook on every parameter's accumulator, as DDP's reducer and Horovod put theirs: the backward then goes
+    unit by unit. Returns what fired."""
+    fired = Fired()
+    fired.held = [horovod_style(p, fired, n) for n, p in model.named_parameters()]
+    return fired
+
+
+def plain(model) -> list:
+    """A plain (not ready_aware) post-accumulate hook on every parameter, as a user's: the one node fires them."""
     fired = []
     for n, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda _, n=n: fired.append(n))
@@ -151,14 +163,13 @@ class Many(nn.Module):
         return x
 
 
+@pytest.mark.parametrize("hooks", [plain, watch], ids=["plain", "accumulator"])
 @pytest.mark.parametrize("needs_grad", [False, True])
-def test_a_unit_with_six_parameters_accumulates_them_in_the_real_order(needs_grad):
+def test_a_unit_with_six_parameters_accumulates_them_in_the_real_order(needs_grad, hooks):
     def order_of(model, x, loss):
-        order = []
-        for n, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _, n=n: order.append(n))
+        order = hooks(model)
         loss(model(x)).backward()
-        return order
+        return list(order)
     x = torch.randn(2, 4, requires_grad=needs_grad)
     real = order_of(nn.Sequential(nn.Linear(4, 4), Many()), x, lambda out: out.sum())
     model = nn.Sequential(nn.Linear(4, 4), Many())
@@ -229,24 +240,22 @@ def test_a_stage_input_gets_its_gradient_from_the_one_node():
     assert all(p.grad is not None for p in model.parameters())
 
 
-def horovod_style(p, fired):
+def horovod_style(p, fired, name=1):
     """A hook on the parameter's accumulator, as Horovod and DeepSpeed register theirs: invisible from the
     parameter, so the emulation sees only that somebody holds the accumulator."""
     acc = p.view_as(p).grad_fn.next_functions[0][0]
-    acc.register_hook(lambda *_: fired.append(1))
+    acc.register_hook(lambda *_: fired.append(name))
     return acc
 
 
-@pytest.mark.parametrize("how", ["post_accumulate", "tensor", "accumulator"])
-def test_every_kind_of_parameter_hook_makes_the_backward_go_unit_by_unit(how):
+@pytest.mark.parametrize("how", ["tensor", "accumulator"])
+def test_a_tensor_or_accumulator_hook_makes_the_backward_go_unit_by_unit(how):
     model = build_model("cnn")
     inputs, _ = model_input("cnn", 4)
     emulate(model, "v100", inputs)
     assert is_pass(model(*inputs))
     p, fired = next(model.parameters()), []
-    if how == "post_accumulate":
-        handle = p.register_post_accumulate_grad_hook(lambda _: fired.append(1))
-    elif how == "tensor":
+    if how == "tensor":
         handle = p.register_hook(lambda g: fired.append(1))
     else:
         held = horovod_style(p, fired)
@@ -286,7 +295,8 @@ def test_the_emulation_benchmark_reports_each_step_with_and_without_parameter_ho
     assert bench.main(["--models", "cnn", "--devices", "v100", "--steps", "2", "--warmup", "1", "--waits", "10",
                        "--repeats", "1", "--json", str(out)]) == 0
     steps = [r for r in json.loads(out.read_text())["rows"] if r["table"] == "steps"]
-    assert [r["hooks"] for r in steps] == ["none", "ready-aware", "plain"] and (tmp_path / "emulation.png").exists()
+    assert [r["hooks"] for r in steps] == ["none", "ready-aware", "plain", "accumulator"]
+    assert (tmp_path / "emulation.png").exists()
     for r in steps:  # the landing is part of the step's host time, and measured in it
         assert 0 < r["landing_cpu_s"] < r["host_cpu_s"] and r["grad_copy_cpu_s"] > 0
         assert r["host_rest_share"] * r["modelled_s"] == pytest.approx(max(0.0, r["host_rest_s"]))
@@ -344,7 +354,7 @@ def test_ready_aware_hooks_fire_ahead_in_the_real_order_each_told_when_its_gradi
     ahead = [p for p, *_ in seen]
     for h in handles:
         h.remove()
-    order = watch(model)  # plain hooks: unit by unit, fired by autograd
+    order = watch(model)  # accumulator hooks: unit by unit, fired by autograd
     opt.zero_grad()
     out = model(*inputs)
     assert not is_pass(out)
@@ -353,19 +363,115 @@ def test_ready_aware_hooks_fire_ahead_in_the_real_order_each_told_when_its_gradi
     assert [names[id(p)] for p in ahead] == order
 
 
-def test_one_hook_that_is_not_ready_aware_makes_the_backward_go_unit_by_unit():
+def test_plain_hooks_fire_from_the_one_node_each_groups_on_time_in_the_order_autograd_fires_them():
+    """Python post-accumulate hooks that are not ready_aware (a user's) need each gradient at its own time: the
+    one node queues the backward group by group and fires each group's hooks once its time is done (lazily:
+    up to LAZY_S early), without autograd's node per group, and in the order the unit-by-unit backward fires
+    them; the backward ends at the same deadline."""
+    model = build_model("resnet50")
+    inputs, _ = model_input("resnet50", 4)
+    n = len(trace(model, inputs).calls)
+    emulate(model, "v100", inputs, times=[(0.0001, 0.0004)] * n)  # a 40 ms backward
+    emu, acc = model._emulation, accelerator.active()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    names = {id(p): name for name, p in model.named_parameters()}
+    seen = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: seen.append((names[id(p)], time.perf_counter())))
+               for p in model.parameters()]
+    for _ in range(2):
+        seen.clear()
+        opt.zero_grad()
+        out = model(*inputs)
+        assert is_pass(out) and unit_nodes(out) == 0
+        start = acc.clock.deadline  # the forward ran to its deadline: the backward starts there
+        wakes = acc.clock.wakes
+        emulated_loss(out).backward()
+        assert len(seen) == len(names)
+        # Woken once per LAZY_S of backward or so, not once per group.
+        assert len(emu._groups) > acc.clock.wakes - wakes >= emu._pass_s[0] / LAZY_S / 4
+        at = dict(seen)
+        done = 0.0
+        for group_s, params in emu._groups:
+            done += group_s
+            for p in params:  # not before its group's time, less the lazy run's LAZY_S
+                assert at[names[id(p)]] >= start + done - LAZY_S - 1e-4
+        assert acc.clock.deadline == pytest.approx(start + emu._pass_s[0], abs=2e-3)
+    on_time = [name for name, _ in seen]
+    for h in handles:
+        h.remove()
+    order = watch(model)
+    opt.zero_grad()
+    out = model(*inputs)
+    assert not is_pass(out)
+    emulated_loss(out).backward()
+    assert on_time == order
+
+
+def test_one_hook_that_is_not_ready_aware_makes_the_one_node_fire_them_all_on_time():
     model = build_model("cnn")
     inputs, _ = model_input("cnn", 4)
     emulate(model, "v100", inputs)
     params = list(model.parameters())
-    for p in params:
-        p.register_post_accumulate_grad_hook(ready_aware(lambda _: None))
-    assert is_pass(model(*inputs))
     fired = []
-    handle = params[-1].register_post_accumulate_grad_hook(lambda _: fired.append(1))
+    for p in params:
+        p.register_post_accumulate_grad_hook(ready_aware(lambda _: fired.append(accelerator.ready_at())))
+    emulated_loss(model(*inputs)).backward()
+    assert len(fired) == len(params) and all(r is not None for r in fired)  # ahead: each told its time
+    fired.clear()
+    handle = params[-1].register_post_accumulate_grad_hook(lambda _: fired.append("plain"))
     out = model(*inputs)
-    assert not is_pass(out)
+    assert is_pass(out)
     emulated_loss(out).backward()
-    assert fired == [1]
+    # On time: every gradient is ready as its hook runs (ready_at None), the plain one's among them.
+    assert fired.count("plain") == 1 and fired.count(None) == len(params)
     handle.remove()
     assert is_pass(model(*inputs))
+
+
+@pytest.mark.parametrize("hooks", [plain, watch], ids=["plain", "accumulator"])
+def test_a_watched_backward_does_not_wait_for_its_end_the_optimizer_step_queues_after_it(hooks):
+    """As a GPU's host launches the optimizer step before the backward ends: the last gradients' hooks fire
+    within the lazy bound of their time, and the host goes on without sleeping to the pass's end; the step's
+    work starts on the device when the pass ends. A pipeline stage's backward, which hands its input's gradient
+    on, still ends on its deadline."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.zeros(2, 8)
+    emulate(model, "v100", (x,), times=[(0.0001, 0.0003)] * 3)  # 0.9 ms of backward: less than LAZY_S
+    acc = accelerator.active()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    fired = hooks(model)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = emulated_loss(model(x))
+        wakes, end = acc.clock.wakes, acc.clock.deadline + 0.0009
+        loss.backward()
+        assert acc.clock.wakes == wakes and len(fired) % 4 == 0 and fired
+        assert acc.clock.deadline == pytest.approx(end, abs=2e-4)
+        opt.step()
+        assert acc.clock.deadline > end  # the update is queued after the pass
+    stage = torch.zeros(2, 8, requires_grad=True)  # a pipeline stage's received activation
+    emulated_loss(model(stage)).backward()
+    assert acc.clock.deadline <= time.perf_counter() and stage.grad is not None
+
+
+@pytest.mark.parametrize("hooks", [plain, watch], ids=["plain", "accumulator"])
+def test_a_watched_backward_wakes_ahead_of_its_end_for_the_hosts_last_work(hooks, monkeypatch):
+    """A longer pass sleeps, but its last sleep ends LAZY_AHEAD before the pass does, so that the last hooks
+    and the optimizer step's launch (cold Python, after a sleep) overlap the device's last work."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.zeros(2, 8)
+    emulate(model, "v100", (x,), times=[(0.0001, 0.003)] * 3)  # 9 ms of backward
+    acc = accelerator.active()
+    opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    hooks(model)
+    wake_at = []
+    real_sleep = clock_module.Clock._sleep
+    monkeypatch.setattr(clock_module.Clock, "_sleep",
+                        lambda self, left: (wake_at.append(time.perf_counter() + left), real_sleep(self, left)))
+    for _ in range(2):
+        opt.zero_grad()
+        loss = emulated_loss(model(x))
+        wake_at.clear()
+        loss.backward()
+        assert wake_at and acc.clock.deadline - wake_at[-1] == pytest.approx(LAZY_AHEAD, abs=1e-4)
+        opt.step()

@@ -21,10 +21,12 @@ a GPU's staging copies: runtime.emulate.landing), beside one warm copy of
 every gradient timed alone (a large gradient lands faster than that: it is
 written from a cache-resident block, runtime.emulate.pattern), and the rest
 as a share of the modelled compute. With --hooked (default), each model runs
-twice more with a hook on every parameter: a ready-aware one, as a staged
-strategy's (the backward stays one node and fires the hooks ahead,
-runtime.emulate.watch), and a plain one, as DDP's or a user's (the backward
-goes unit by unit to fire them on time). --profiles runs measured profiles
+three times more with a hook on every parameter: a ready-aware one, as a
+staged strategy's (the backward stays one node and fires the hooks ahead,
+runtime.emulate.watch); a plain post-accumulate one, as a user's (the one
+node fires each group's hooks on time); and one on each parameter's
+accumulator, as torch DDP's reducer and Horovod put theirs (the backward goes
+unit by unit through autograd to fire them on time). --profiles runs measured profiles
 as devices too, each on the model it was taken from. All figures: emulated
 compute, on this machine, one process.
 """
@@ -136,14 +138,16 @@ def wait_rows(counts: list[int], repeats: int) -> list[dict]:
     return rows
 
 
-HOOKS = ("none", "ready-aware", "plain")  # a step row's hook on every parameter: see step_row
+HOOKS = ("none", "ready-aware", "plain", "accumulator")  # a step row's hook on every parameter: see step_row
 
 
 def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") -> dict:
     """One rank's emulated steps of a paper model: T_iter against the model, and the host CPU they cost. hooks:
     a hook on every parameter that does nothing, marked ready_aware (a staged strategy's: the backward runs
-    ahead and fires them), or plain (DDP's, a user's: the backward goes unit by unit to fire them on time)."""
+    ahead and fires them), plain (a user's post-accumulate hook: the one node fires them on time), or on each
+    parameter's accumulator (DDP's reducer's, Horovod's: the backward goes unit by unit to fire them on time)."""
     import torch
+    from torch.autograd.graph import get_gradient_edge
 
     from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
     from runtime.emulate.watch import ready_aware
@@ -156,7 +160,12 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") 
     emulate(model, dev, inputs)
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     acc = accelerator.active()
-    if hooks != "none":
+    held = []  # the accumulators hooked: whoever hooks one holds it (DDP's reducer does, in C++)
+    if hooks == "accumulator":
+        for p in model.parameters():
+            held.append(get_gradient_edge(p).node)
+            held[-1].register_hook(_no_op)
+    elif hooks != "none":
         hook = ready_aware(functools.partial(_no_op)) if hooks == "ready-aware" else _no_op
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(hook)
@@ -199,12 +208,12 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") 
                error=t_iter / t_model - 1, host_cpu_s=host, grad_copy_cpu_s=copy,
                landing_cpu_s=statistics.median(landing), host_rest_s=rest,
                host_rest_share=max(0.0, rest) / t_model, steps=steps, parts=acc.describe())
-    del model, opt, grads, copies
+    model = opt = grads = copies = held = None  # freed before the next row's model is built
     accelerator.deactivate()
     return row
 
 
-def _no_op(p) -> None:
+def _no_op(*_) -> None:
     pass
 
 

@@ -7,13 +7,17 @@ import time
 
 from mpicomm.stall import blocked_seconds
 
-__all__ = ["Clock", "set_timer_slack"]
+__all__ = ["Clock", "LAZY_AHEAD", "LAZY_S", "set_timer_slack"]
 
 _PR_SET_TIMERSLACK = 29
 # A lazy run sleeps only once this much work is owed: each wake-up costs the host 17-25 us here after 0.2-3 ms
 # asleep, so a layer of 50 us would cost a third of its modelled time in wake-ups; owing up to 1 ms keeps them
 # near 2 %. (Sleeping longer does not help: a wake-up after 10 ms costs ~60 us, its caches colder.)
 LAZY_S = 1e-3
+# How long before a watched pass's end its last wait wakes (run's ahead): the host's work after it, cold (the last
+# hooks, autograd's return, the optimizer step's launch: 0.1-0.5 ms here), then overlaps the device's last work.
+# Those hooks run early by at most LAZY_S, as any lazy run's may.
+LAZY_AHEAD = LAZY_S
 
 
 def set_timer_slack(ns: int = 1) -> bool:
@@ -65,10 +69,13 @@ class Clock:
         it does not delay the start of the next pass."""
         self._absorbed += seconds
 
-    def run(self, seconds: float, lazy: bool = False, wait: bool = True) -> None:
+    def run(self, seconds: float, lazy: bool = False, wait: bool = True, ahead: float = 0.0) -> None:
         """Queue `seconds` of modelled work and wait until it is done (lazy: or until less than LAZY_S is left;
         wait=False: not at all, as a GPU's host launches an optimizer step and goes on to the next forward,
-        whose work starts when this ends: the next run, or sync(), waits for both)."""
+        whose work starts when this ends: the next run, or sync(), waits for both). ahead (lazy, below LAZY_S):
+        a sleep wakes this long before the end, so that the host's own work after it (the hooks of a pass's
+        last gradients, launching the optimizer step) overlaps the device's last work, as a GPU's host runs
+        ahead of its device, instead of idling it."""
         if seconds <= 0:
             if not lazy and wait:
                 self.sync()
@@ -93,7 +100,8 @@ class Clock:
         if not wait:
             self._owed = max(0.0, left)
         elif left > (LAZY_S if lazy else 0.0):
-            self._sleep(left)
+            self._sleep(left - ahead)
+            self._owed = ahead
         elif left > 0:
             self._owed = left
 

@@ -14,12 +14,12 @@ from torch import nn
 
 from .accelerator import Accelerator, activate, active
 from .compute_model import ComputeModel, compute_model
-from .clock import LAZY_S
+from .clock import LAZY_AHEAD, LAZY_S
 from .landing import defer_zero, land_ahead, marks
 from .nodes import X_LEAF, X_NODE, X_NONE, Reshape, accumulation_order, apply_loss, apply_pass, apply_unit, x_kind
 from .pattern import template
 from .trace import Call, EmulationError, TensorSpec, trace
-from .watch import AHEAD, WATCHED, Watch, global_hooks, hooked
+from .watch import WATCHED, Watch, global_hooks, hooked
 
 __all__ = ["emulate", "emulated_loss", "emulate_optimizer", "optimizer_state", "Emulation"]
 
@@ -46,13 +46,16 @@ class Emulation:
     or a parameter's accumulator, no DDP around the model), the pass is one autograd node (nodes.Pass). So it
     is where only ready_aware parameter hooks watch it (a strategy's, whose staging thread waits for each
     gradient's ready time, as for a CUDA event): the node fires them in the true order as the pass starts
-    (fire), each told when its gradient is ready (ready_at), as a GPU's host runs ahead of its backward.
-    Otherwise a unit gets a node when backward must reach it: it heads a group of parameters (_group), its
-    input needs a gradient and no node came before it, or a hook may look (its module has hooks, or its input
-    tensor has). The other units (ReLU, pooling, those in a group) only queue their time: their backward in
-    the node before them, whose backward runs just after theirs would. Each node costs the host some
-    microseconds of Python a pass; the units without one, next to nothing. A forward without module hooks
-    makes its nodes once and runs them again (forward).
+    (fire), each told when its gradient is ready (ready_at), as a GPU's host runs ahead of its backward. And
+    so it is where only post-accumulate hooks watch it, some plain (a user's): the node runs the pass group by
+    group and fires each group's hooks on time (fire_on_time), sparing the host autograd's node per group and
+    accumulation per parameter, each run from caches gone cold in a wait.
+    Otherwise (a hook on a module, a tensor or an accumulator, DDP's reducer) a unit gets a node when backward
+    must reach it: it heads a group of parameters (_group), its input needs a gradient and no node came before
+    it, or a hook may look (its module has hooks, or its input tensor has). The other units (ReLU, pooling,
+    those in a group) only queue their time: their backward in the node before them, whose backward runs just
+    after theirs would. Each node costs the host some microseconds of Python a pass; the units without one,
+    next to nothing. A forward without module hooks makes its nodes once and runs them again (forward).
     """
 
     def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator):
@@ -79,6 +82,15 @@ class Emulation:
         bwd = [s.bwd_run for s in steps]
         first = next((i for i, s in enumerate(steps) if s.params), len(steps))
         self._pass_s = (sum(bwd[first:]), sum(bwd))
+        # Each group's backward seconds (its head's and those of the units after it up to the next group's head)
+        # and its parameters, in the order backward reaches them (fire_on_time).
+        groups, span = [], 0.0
+        for step in reversed(steps):
+            span += step.bwd_run
+            if step.params:
+                groups.append((span, step.params))
+                span = 0.0
+        self._groups, self._groups_s = tuple(groups), sum(g[0] for g in groups)
         self.anchor = torch.zeros((), requires_grad=True)  # what the Pass node hangs on (its gradient: none)
         self.watch = Watch(self.modules, (p for p in self.params if p.requires_grad))
         self._chain = None  # the output of the nodes a forward without module hooks made (forward: made again)
@@ -117,7 +129,7 @@ class Emulation:
         elif not grad:
             self._owed, link = self.forward_run, None  # nothing to differentiate: no node at all
         elif (watched := self.watch.backward_watched(self._chain is not None)) != WATCHED:
-            self._owed, link = self.forward_run, self._whole(inputs, watched == AHEAD)
+            self._owed, link = self.forward_run, self._whole(inputs, watched)
         elif self._replayable(inputs) and self._chain is not None:
             # Autograd can run a chain of nodes that save no tensors any number of times; a fresh node on
             # top makes this forward's output.
@@ -135,14 +147,14 @@ class Emulation:
             link = Reshape.apply(link, self.output.shape, self.output.dtype)
         return link
 
-    def _whole(self, inputs, ahead: bool):
-        """A forward whose backward nothing watches between its units (ahead: nothing but ready_aware hooks,
-        which the node fires): one node (nodes.Pass) for the pass, on the input where it takes a gradient
-        (a pipeline stage's), else on a leaf of its own (the anchor)."""
+    def _whole(self, inputs, watched: int):
+        """A forward whose backward nothing watches between its units but parameters' post-accumulate hooks,
+        which the node fires (watch.AHEAD, watch.ON_TIME): one node (nodes.Pass) for the pass, on the input where
+        it takes a gradient (a pipeline stage's), else on a leaf of its own (the anchor)."""
         x = inputs[self.steps[0].arg] if self.steps[0].arg is not None else None
         if x is None or not x.requires_grad:
-            return apply_pass(self, self._pass_s[0], self.anchor, ahead)
-        return apply_pass(self, self._pass_s[1], x, ahead)
+            return apply_pass(self, self._pass_s[0], self.anchor, watched)
+        return apply_pass(self, self._pass_s[1], x, watched)
 
     def fire(self, start: float) -> None:
         """Run the ready_aware post-accumulate-grad hooks of every parameter that takes a gradient, in the order
@@ -158,6 +170,25 @@ class Emulation:
                         hook(p)
         finally:
             clock.ready_at = None
+
+    def fire_on_time(self, seconds: float) -> None:
+        """Queue a pass's `seconds` of backward group by group (_group: a group's units, its head last) and run
+        the post-accumulate hooks of each group's parameters once its time is done, in the true order, as the
+        unit-by-unit backward's nodes would (lazily: up to LAZY_S early), but without autograd's node per group
+        and accumulation per parameter; the rest of the pass (the units before the first with parameters, for
+        the input's gradient) is queued without a wait."""
+        clock, last = self.clock, len(self._groups) - 1
+        for i, (group_s, params) in enumerate(self._groups):
+            # The last group too, waking ahead of its end: the host goes on to the optimizer step, queued after
+            # the pass as a GPU's host launches it before the backward ends (Pass waits for the end where it
+            # hands back the input's gradient).
+            clock.run(group_s, lazy=True, ahead=LAZY_AHEAD if i == last else 0.0)
+            for p in params:
+                hooks = p._post_accumulate_grad_hooks
+                if hooks and p.requires_grad:
+                    for hook in tuple(hooks.values()):
+                        hook(p)
+        clock.run(max(0.0, seconds - self._groups_s), wait=False)
 
     def _replayable(self, inputs) -> bool:
         """With no hook to see the units (the caller checked), no input that needs a gradient and every

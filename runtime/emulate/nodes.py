@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .landing import land_all, land_pass, take
+from .clock import LAZY_AHEAD
+from .watch import AHEAD, ON_TIME, UNWATCHED
 
 __all__ = ["Unit", "Pass", "apply_loss", "apply_pass", "apply_unit", "Reshape", "Loss", "X_NONE", "X_NODE",
            "X_LEAF", "accumulation_order", "x_kind"]
@@ -37,9 +39,13 @@ class Unit(torch.autograd.Function):
             # end of the pass) would otherwise hold the next pass back. The values are fixed: nothing reads a
             # gradient before its hook fires, after its unit's time.
             emu.all_landed = land_all(emu.params)
-        # The node nearest the input ends the pass on its deadline. emu.clock: the clock of the thread that ran
-        # the forward, which runs the backward too.
-        emu.clock.run(ctx.bwd, lazy=not ctx.ends)
+        # The node nearest the input ends the pass on its deadline where it hands back the input's gradient (a
+        # pipeline stage's, sent on at once); else lazily, as every other node, and waking ahead of the end: the
+        # host goes on to the optimizer step, which starts on the device when the pass ends, as a GPU's host
+        # launches it before that.
+        # emu.clock: the clock of the thread that ran the forward, which runs the backward too.
+        last = ctx.ends and ctx.x is None
+        emu.clock.run(ctx.bwd, lazy=not ctx.ends or last, ahead=LAZY_AHEAD if last else 0.0)
         grads = ctx.none if emu.all_landed else take(ctx.params)
         if ctx.ends:
             emu.all_landed = False
@@ -48,15 +54,17 @@ class Unit(torch.autograd.Function):
 
 
 class Pass(torch.autograd.Function):
-    """A whole backward pass in one node, where nothing watches it between its units (watch.Watch): it
-    lands the step's gradients that the forward did not (landing.land_pass), queues the pass's backward time
-    once, fires the parameters' hooks if they are all ready_aware ones (ahead: Emulation.fire), waits once if
-    it must, as a GPU's host synchronizes once, and hands autograd the input's gradient. The parameters are not
-    its inputs: their accumulations would cost the host more than the rest of the pass."""
+    """A whole backward pass in one node, where nothing watches it between its units but the parameters'
+    post-accumulate hooks (watch.Watch): it lands the step's gradients that the forward did not
+    (landing.land_pass), queues the pass's backward time once and fires the hooks as they are all ready_aware
+    ones (ahead: Emulation.fire), or queues it group by group and fires each group's hooks on time
+    (Emulation.fire_on_time); it waits once if it must, as a GPU's host synchronizes once, and hands autograd
+    the input's gradient. The parameters are not its inputs: their accumulations, and autograd's node for each
+    group, would cost the host more than the rest of the pass (each run from caches gone cold in a wait)."""
 
     @staticmethod
-    def forward(ctx, emu, seconds, x, ahead):
-        ctx.emu, ctx.bwd, ctx.ahead = emu.ref, seconds, ahead
+    def forward(ctx, emu, seconds, x, watched):
+        ctx.emu, ctx.bwd, ctx.watched = emu.ref, seconds, watched
         ctx.x = emu.zeros(tuple(x.shape), x.dtype) if x is not emu.anchor else None
         return emu.zeros(emu.output)
 
@@ -65,9 +73,12 @@ class Pass(torch.autograd.Function):
         emu = _alive(ctx)
         land_pass(emu.params)
         clock = emu.clock
-        clock.run(ctx.bwd, wait=False)
+        if ctx.watched == ON_TIME:
+            emu.fire_on_time(ctx.bwd)
+        else:
+            clock.run(ctx.bwd, wait=False)
         emu.acc.account("layers", ctx.bwd, 0)
-        if ctx.ahead:
+        if ctx.watched == AHEAD:
             emu.fire(clock.deadline - ctx.bwd)
         # A pass that hands back no input gradient (none but a pipeline stage's does) ends unseen: as a GPU's
         # host, which launches the backward and goes on to the optimizer step, this one does not wait for it
@@ -92,11 +103,11 @@ def apply_unit(emu, step, x, params):
     return _c_apply(emu, step, x, *params)
 
 
-def apply_pass(emu, seconds, x, ahead=False):
+def apply_pass(emu, seconds, x, watched=UNWATCHED):
     """Pass.apply, the way apply_unit calls Unit's."""
     if torch._C._are_functorch_transforms_active():
-        return Pass.apply(emu, seconds, x, ahead)
-    return _c_apply_pass(emu, seconds, x, ahead)
+        return Pass.apply(emu, seconds, x, watched)
+    return _c_apply_pass(emu, seconds, x, watched)
 
 
 def apply_loss(output):

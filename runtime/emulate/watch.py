@@ -11,12 +11,13 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules import module as _module
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["AHEAD", "HookDict", "UNWATCHED", "WATCHED", "Watch", "global_hooks", "hooked", "ready_aware"]
+__all__ = ["AHEAD", "HookDict", "ON_TIME", "UNWATCHED", "WATCHED", "Watch", "global_hooks", "hooked", "ready_aware"]
 
 # What watches a backward pass between its units (Watch.backward_watched): nothing; only parameter hooks that
-# read when their gradient is ready (ready_aware), which the pass may fire ahead; something that needs each
-# unit's gradient at its own time.
-UNWATCHED, AHEAD, WATCHED = 0, 1, 2
+# read when their gradient is ready (ready_aware), which the pass may fire ahead; only Python post-accumulate
+# hooks on the parameters, which the pass fires itself, each group's on time; something that autograd must
+# reach unit by unit (a module's or a tensor's hook, an accumulator's, DDP's reducer).
+UNWATCHED, AHEAD, WATCHED, ON_TIME = 0, 1, 2, 3
 READY_AWARE = "emulated_ready"  # the attribute ready_aware() sets on a hook
 
 
@@ -91,7 +92,8 @@ class Watch:
         """Beyond the modules' hooks: a parameter's hook, a hook on a parameter's accumulator, or torch DDP's
         reducer, whose hooks on the accumulators are C++ (DDP's forward names itself while it calls the model's;
         an unknown torch counts as DDP). graph: the emulation keeps a graph that holds the accumulators.
-        WATCHED, AHEAD (every hook is a post-accumulate one marked ready_aware) or UNWATCHED.
+        WATCHED, AHEAD (every hook is a post-accumulate one marked ready_aware), ON_TIME (every hook is a
+        post-accumulate one, some not ready_aware) or UNWATCHED.
 
         Whoever holds an accumulator besides this Watch counts: one reference more for each holder in Python,
         and one for all holders in C++ together (torch keeps a node's Python object alive while C++ holds the
@@ -107,7 +109,7 @@ class Watch:
         post = [h for h in map(_POST_HOOKS, params) if h]
         if not post:
             return UNWATCHED
-        return AHEAD if all(map(_aware, post)) else WATCHED
+        return AHEAD if all(map(_aware, post)) else ON_TIME
 
 
 def hooked(m: nn.Module) -> bool:
