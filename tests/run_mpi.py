@@ -12,33 +12,45 @@ import subprocess
 import sys
 from collections import defaultdict
 
-_RANK = re.compile(r"^\[(\d+)\] ?(.*)$")
+_RANK = re.compile(r"^\[(\d+)\] ")
+_PIECE = re.compile(r"\[(\d+)\] ")
 _DUMP = ("Timeout (0:", "+++++ Timeout +++++")  # faulthandler's header, pytest-timeout's
 _FRAMES = 8  # innermost frames shown per thread, pytest's and pluggy's left out
 _HEADS = ("Thread ", "Current thread", "~~~")
 _NOISE = ("/_pytest/", "/pytest/", "/pluggy/", "/mpi4py/", "<frozen ", "/threading.py")
 
 
-def stuck(lines: list[str]) -> dict[int, list[str]]:
-    """Each rank's last stack dump of each kind, its threads' innermost frames (the lines are '[rank] text')."""
-    dumps: dict[int, dict[str, list[str]]] = defaultdict(dict)
-    current: dict[int, list[str] | None] = defaultdict(lambda: None)
+def streams(lines: list[str]) -> dict[int, list[str]]:
+    """Each rank's own lines, from mpiexec -prepend-rank's output: it prefixes each piece a rank writes, and
+    faulthandler writes a frame in pieces, so a line may hold pieces of several ranks ('[1] Thread 0x7f[0]
+    Timeout ...'): each piece goes to its rank, the line's end to its last piece's."""
+    text: dict[int, list[str]] = defaultdict(list)
     for line in lines:
-        m = _RANK.match(line.rstrip("\n"))
-        if not m:
+        if not _RANK.match(line):
             continue
-        rank = int(m.group(1))
-        # faulthandler writes a frame in pieces, and mpiexec -prepend-rank prefixes each piece.
-        text = m.group(2).replace(f"[{rank}] ", "")
-        kind = next((mark for mark in _DUMP if mark in text), None)
-        if kind is not None and not (current[rank] is dumps[rank].get(kind) and kind == _DUMP[1]):
-            current[rank] = dumps[rank][kind] = [text]
-        elif current[rank] is not None and (not text.strip() or text.startswith((" ", *_HEADS))):
-            current[rank].append(text)  # a dump goes on as long as its lines look like one
-        else:
-            current[rank] = None  # pytest-timeout's closing line, or the log going on
-    return {rank: [line for kind in _DUMP if kind in found for line in _trim(found[kind])]
-            for rank, found in sorted(dumps.items())}
+        pieces = _PIECE.split(line.rstrip("\n"))[1:]  # (rank, piece) pairs
+        for rank, piece in zip(pieces[::2], pieces[1::2]):
+            text[int(rank)].append(piece)
+        text[int(pieces[-2])].append("\n")
+    return {rank: "".join(parts).splitlines() for rank, parts in text.items()}
+
+
+def stuck(lines: list[str]) -> dict[int, list[str]]:
+    """Each rank's last stack dump of each kind, its threads' innermost frames."""
+    found: dict[int, list[str]] = {}
+    for rank, own in sorted(streams(lines).items()):
+        dumps, current = {}, None
+        for text in own:
+            kind = next((mark for mark in _DUMP if mark in text), None)
+            if kind is not None and not (current is dumps.get(kind) and kind == _DUMP[1]):
+                current = dumps[kind] = [text]
+            elif current is not None and (not text.strip() or text.startswith((" ", *_HEADS))):
+                current.append(text)  # a dump goes on as long as its lines look like one
+            else:
+                current = None  # pytest-timeout's closing line, or the log going on
+        if dumps:
+            found[rank] = [line for kind in _DUMP if kind in dumps for line in _trim(dumps[kind])]
+    return found
 
 
 def _trim(dump: list[str]) -> list[str]:
