@@ -72,7 +72,7 @@ class Clock:
     def run(self, seconds: float, lazy: bool = False, wait: bool = True, ahead: float = 0.0) -> None:
         """Queue `seconds` of modelled work and wait until it is done (lazy: or until less than LAZY_S is left;
         wait=False: not at all, as a GPU's host launches an optimizer step and goes on to the next forward,
-        whose work starts when this ends: the next run, or sync(), waits for both). ahead (lazy, below LAZY_S):
+        whose work starts when this ends: the next run, or sync(), waits for both). ahead (lazy, at most LAZY_S):
         a sleep wakes this long before the end, so that the host's own work after it (the hooks of a pass's
         last gradients, launching the optimizer step) overlaps the device's last work, as a GPU's host runs
         ahead of its device, instead of idling it."""

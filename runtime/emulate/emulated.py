@@ -90,7 +90,7 @@ class Emulation:
             if step.params:
                 groups.append((span, step.params))
                 span = 0.0
-        self._groups, self._groups_s = tuple(groups), sum(g[0] for g in groups)
+        self._groups = tuple(groups)  # their seconds add up to _pass_s[0]: the pass from the first unit with parameters
         self.anchor = torch.zeros((), requires_grad=True)  # what the Pass node hangs on (its gradient: none)
         self.watch = Watch(self.modules, (p for p in self.params if p.requires_grad))
         self._chain = None  # the output of the nodes a forward without module hooks made (forward: made again)
@@ -188,7 +188,7 @@ class Emulation:
                 if hooks and p.requires_grad:
                     for hook in tuple(hooks.values()):
                         hook(p)
-        clock.run(max(0.0, seconds - self._groups_s), wait=False)
+        clock.run(max(0.0, seconds - self._pass_s[0]), wait=False)
 
     def _replayable(self, inputs) -> bool:
         """With no hook to see the units (the caller checked), no input that needs a gradient and every
