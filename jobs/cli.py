@@ -21,7 +21,7 @@ import sys
 COMMANDS = (
     ("train", "jobs.train", "MPI", "train a model: data parallel (every strategy) or pipeline"),
     ("bench", None, "", "the benchmarks: `mpitrain bench --help`"),
-    ("simulate", "jobs.simulate", "alone", "project strategies to large clusters; --validate against real runs"),
+    ("simulate", "jobs.simulate", "alone", "project strategies to large clusters; --validate, --papers"),
     ("plan", "jobs.hybcomm_plan", "alone", "hybcomm's per-layer plan: sufficient factors or parameter server"),
     ("cache", "jobs.cache", "either", "the HDF5 sample cache: warm (MPI), info, verify, clear"),
     ("cluster", "jobs.cluster", "alone", "hosts in network namespaces, shaped links, MPI jobs across them (root)"),

@@ -3,10 +3,12 @@ r"""The cluster simulator: project each strategy to clusters no machine here can
     mpitrain simulate --model vgg19 --nodes 16,32,64,128 --ranks-per-node 8 \
         --bandwidth 10gbit,25gbit,100gbit --json results/projection.json          # projection
     mpitrain simulate --model vgg19 --profile my-gpu-profile.json --nodes 16 --ranks-per-node 8
+    mpitrain simulate --model resnet50-224 --compute emulated:h100 --nodes 16,128  # a device model's compute
     mpitrain simulate --take-profile --model resnet50 --ranks 4 --out resnet50-r4.json
     mpitrain simulate --take-profile --device cuda --model vgg19 --out vgg19-gpu.json   # a GPU's
     mpitrain simulate --validate --json results/validation.json           # as root: emulated cluster
     mpitrain simulate --validate --measured benchmarks/issue15/measured-4r-1gbit.json ...
+    mpitrain simulate --papers --json benchmarks/claims/papers.json       # the papers' figures beside ours
 
 Projection: the model's profile (--profile; by default one taken here on one
 rank, kept in ~/.cache/mpitrain/profiles) runs through runtime.sim for every
@@ -18,10 +20,14 @@ line on stderr. --compute-scale N makes compute N times as fast (a GPU from a CP
 profile); --latency, --oversubscription and --intra-bandwidth describe the
 network; --calibration (a JSON of jobs.sim.worker transport, as --validate
 writes) adds the measured per-connection rate and CPU cost per byte, which
-by default are not limits (RDMA-class networks).
+by default are not limits (RDMA-class networks). --compute emulated:DEVICE
+(or emulated:PROFILE.json) takes the compute from the device model that
+--compute emulated runs wait on (runtime.emulate.sim_profile), at the model's
+paper batch unless --batch-size says otherwise: no profiling run.
 
 --validate runs jobs.sim.validate (its own help: python -m jobs.sim.validate -h
-lists the options it takes through this job).
+lists the options it takes through this job); --papers runs jobs.sim.papers (the
+four papers' setups on their GPUs' device models, their figures beside ours).
 """
 
 from __future__ import annotations
@@ -55,13 +61,17 @@ def parse_args(argv=None):
     p.add_argument("--compute-scale", type=float, default=1.0, help="compute this many times as fast as profiled")
     p.add_argument("--cores-per-host", type=float, help="default: two per rank")
     p.add_argument("--calibration", metavar="JSON", help="transport costs measured by jobs.sim.validate")
-    p.add_argument("--batch-size", type=int, default=16, help="of a profile taken here (default 16)")
+    p.add_argument("--batch-size", type=int, help="of a profile taken here or modelled (default 16; modelled: the "
+                                                  "model's paper batch if it has one)")
+    p.add_argument("--compute", default="real", help="real (a profile: --profile, or one taken here), or "
+                   "emulated:DEVICE / emulated:PROFILE.json (runtime.emulate's compute model)")
     p.add_argument("--density", type=float, default=1e-3, help="topk/hier-topk (default 0.001)")
     p.add_argument("--take-profile", action="store_true", help="profile --model on --ranks ranks here, write --out")
     p.add_argument("--ranks", type=int, default=1, help="--take-profile: ranks computing at once (default 1)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--take-profile: where (default cpu)")
     p.add_argument("--out", help="--take-profile: the profile's path")
     p.add_argument("--validate", action="store_true", help="see jobs.sim.validate")
+    p.add_argument("--papers", action="store_true", help="see jobs.sim.papers")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed for --take-profile's run")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
@@ -70,6 +80,21 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     one_of("--model", args.model, MODELS)
+    if args.batch_size is None:
+        from runtime.workloads.models import PAPER_BATCH
+
+        args.batch_size = PAPER_BATCH.get(args.model, 16) if args.compute != "real" else 16
+    if args.compute != "real":
+        if args.profile:
+            raise InputError("--profile", "a profile or --compute emulated:..., not both")
+        from runtime.emulate import EmulationError, compute_model
+
+        if not args.compute.startswith("emulated:"):
+            raise InputError("--compute", f"{args.compute!r}: write real, emulated:DEVICE or emulated:PROFILE.json")
+        try:
+            compute_model(args.compute.removeprefix("emulated:"))
+        except EmulationError as e:
+            raise InputError("--compute", str(e)) from None
     from runtime.sim.simulate import UnknownStrategyError, schedule_for
 
     args.strategies = comma_list("--strategies", args.strategies)
@@ -101,6 +126,15 @@ def default_profile(model: str, batch_size: int) -> str:
         print(f"# no --profile: profiling {model} (batch {batch_size}) on one rank here, once -> {path}", flush=True)
         take_profile(model, 1, path, batch_size)
     return path
+
+
+def modelled(args):
+    """The compute model's profile of --model at --batch-size (runtime.emulate.sim_profile)."""
+    from runtime.emulate.sim_profile import modelled_profile
+    from runtime.workloads.models import build_model, model_input
+
+    inputs, _ = model_input(args.model, args.batch_size)
+    return modelled_profile(build_model(args.model), args.compute.removeprefix("emulated:"), inputs, args.model)
 
 
 def cluster_for(args, nodes: int, bandwidth: float, profile, cal: dict):
@@ -191,6 +225,10 @@ def main(argv=None) -> int:
         from jobs.sim import validate as sim_validate
 
         return sim_validate.main([a for a in argv if a != "--validate"])
+    if "--papers" in argv:
+        from jobs.sim import papers
+
+        return papers.main([a for a in argv if a != "--papers"])
     args = parse_args(argv)
     if args.take_profile:
         row = take_profile(args.model, args.ranks, args.out, args.batch_size, args.timeout, args.device)
@@ -200,7 +238,8 @@ def main(argv=None) -> int:
     from runtime.sim import Profile, ProfileError
 
     try:
-        profile = Profile.load(args.profile or default_profile(args.model, args.batch_size))
+        profile = modelled(args) if args.compute != "real" else \
+            Profile.load(args.profile or default_profile(args.model, args.batch_size))
         if args.compute_scale != 1:
             profile = profile.scaled(args.compute_scale)
     except ProfileError as exc:

@@ -31,6 +31,10 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     assert hybrid["t_comm_s"] is None and hybrid["overlap_efficiency"] is None and hybrid["samples_per_s"] > 0
     assert hybrid["t_comm_rounds_s"] is None and hybrid["overlap_rounds"] is None and hybrid["comm_cpu_s"] is None
     assert "| mlp | hybcomm-sfb | local-unshaped |" in proc.stdout
+    # The worker's progress, shown as it ran (before the table): each contender of each round.
+    progress = [line for line in proc.stdout.splitlines() if line.startswith("  # ") and ": round " in line]
+    assert len(progress) == 2 * 7 and proc.stdout.index(progress[-1]) < proc.stdout.index("| mlp | allreduce |")
+    assert any("round 2/2 p3@2048/2: T_iter" in line for line in progress)
     plan = proc.stdout[proc.stdout.index("hybcomm plan, mlp at local-unshaped (hybcomm-sfb):"):]
     assert "| net.1 | 784 | 256 | 8 | sfb | forced |" in plan and "| net.3 | 256 | 10 | 8 | sfb | forced |" in plan
     keys = {"model", "strategy", "bandwidth", "ranks", "samples_per_s", "ci", "t_iter_s", "t_compute_s", "t_comm_s",

@@ -15,7 +15,8 @@ from jobs import cli
 from mpicomm.launch import mpiexec
 
 MPITRAIN = os.path.join(os.path.dirname(sys.executable), "mpitrain")
-ENTRY_POINTS_ELSEWHERE = {"jobs.bench.__main__": "bench strategies", "jobs.sim.validate": "simulate --validate"}
+ENTRY_POINTS_ELSEWHERE = {"jobs.bench.__main__": "bench strategies", "jobs.sim.validate": "simulate --validate",
+                          "jobs.sim.papers": "simulate --papers"}
 
 
 def mpitrain(*args, timeout=120):

@@ -77,12 +77,49 @@ def test_a_profile_without_compute_is_one_line_and_exit_2(mlp_profile, tmp_path,
     assert proc.stderr.startswith("error: profile of 'mlp': ") and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.timeout(300)
+def test_projection_from_a_device_model_takes_no_profile_and_says_whose_compute(tmp_path):
+    out = tmp_path / "proj.json"
+    proc = run("--model", "resnet50-224", "--compute", "emulated:v100", "--nodes", "1,4", "--ranks-per-node", "1",
+               "--bandwidth", "1gbit,100gbit", "--strategies", "allreduce,p3", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no --profile: profiling" not in proc.stdout and "modelled: v100" in proc.stdout
+    doc = json.loads(out.read_text())
+    prof = doc["meta"]["profile"]
+    assert prof["batch_size"] == 32 and prof["device"] == "cuda" and prof["machine"].startswith("modelled: v100")
+    t = {(r["strategy"], r["bandwidth_bps"], r["nodes"]): r["t_iter_s"] for r in doc["rows"]}
+    # One node: the modelled step; 102 MB over 1 Gbit/s links: far slower than over 100 Gbit/s ones.
+    assert t["allreduce", 1e9, 1] == pytest.approx(prof["step_s"], rel=0.05)
+    assert t["allreduce", 1e9, 4] > 3 * t["allreduce", 100e9, 4]
+
+
+@pytest.mark.timeout(300)
+def test_the_papers_beside_ours_one_table_each_with_the_papers_figures(tmp_path):
+    out = tmp_path / "papers.json"
+    proc = run("--papers", "--only", "poseidon,spectrain", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["paper"] for r in rows} == {"poseidon", "spectrain"}
+    claimed = {(r["paper"], r["model"], r["config"]): r["paper_figure"] for r in rows if r["paper_figure"] is not None}
+    assert claimed[("poseidon", "vgg19-22k-224", "16 x 1, 10 GbE")] == 15.5 and len(claimed) == 4
+    for r in rows:
+        assert r["ours"] > 0 and r["device"] in ("titanx", "1080ti")
+    speedups = {r["config"]: r["ours"] for r in rows if r["metric"] == "hybcomm speed-up"}
+    assert speedups["8 x 1, 10 GbE"] < speedups["16 x 1, 10 GbE"] < speedups["32 x 1, 10 GbE"] <= 32
+    assert "| poseidon | vgg19-22k-224 | titanx | 16 x 1, 10 GbE | hybcomm speed-up |" in proc.stdout
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    bad = run("--papers", "--only", "dawnbench")
+    assert bad.returncode == 2 and "unknown paper 'dawnbench'" in bad.stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args,message", [
     (["--strategies", "gossip"], "no simulated schedule for 'gossip'"),
     (["--nodes", "0"], "--nodes"),
     (["--profile", "/nonexistent.json"], "no such file"),
     (["--take-profile"], "--out"),
+    (["--compute", "emulated:tpu9"], "--compute"),
+    (["--compute", "gpu"], "write real, emulated:DEVICE"),
 ])
 def test_bad_arguments_are_refused_with_a_reason(args, message):
     proc = run("--model", "mlp", *args)
@@ -107,3 +144,24 @@ def test_validate_measures_profiles_calibrates_and_compares(tmp_path):
     assert t["rate"] > 0 and t["cpu_per_byte"] > 0 and 0 < t["efficiency"] <= 1
     assert (tmp_path / "profiles" / "mlp-b8-r2.json").exists() and (tmp_path / "val-measured-2r.json").exists()
     assert "worst:" in proc.stdout and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(netns.why_not() is not None, reason=f"{netns.why_not()}")
+@pytest.mark.timeout(900)
+def test_validate_under_emulated_compute_simulates_each_row_from_its_compute_model(tmp_path):
+    """No profile is taken: each carried, emulated row is simulated from the device model its run waited on."""
+    out = tmp_path / "val.json"
+    proc = run("--validate", "--compute", "emulated:v100", "--ranks", "2", "--bandwidths", "2gbit", "--carry-at",
+               "1gbit", "--models", "mlp", "--strategies", "allreduce,wfbp", "--batch-size", "8", "--rounds", "1",
+               "--batches", "1", "--warmup", "1", "--profiles", str(tmp_path / "profiles"), "--json", str(out),
+               timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert not (tmp_path / "profiles").exists()
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["strategy"] for r in rows} == {"compute", "allreduce", "wfbp"}
+    assert {r["bandwidth"] for r in rows} == {"2gbit"}
+    for r in rows:
+        assert r["measured_s"] > 0 and r["simulated_s"] > 0
+    measured = json.loads((tmp_path / "val-measured-2r.json").read_text())["rows"]
+    assert {(r["compute_spec"], r["carry_factor"], r["carried_links"]) for r in measured} == {("v100", 2.0, "1gbit")}

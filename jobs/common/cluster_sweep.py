@@ -7,6 +7,10 @@ import re
 import sys
 from typing import Callable
 
+# The workers' progress lines (rank 0's "# 12.3 s: round 1/5 p3: T_iter ..."), shown as they come: a sweep's one
+# run can take half an hour.
+PROGRESS = "# "
+
 
 def print_row(row: dict) -> None:
     """One result, as the worker's rank 0 hands it to rows_from: a "ROW {json}" line."""
@@ -52,11 +56,11 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
                 print(f"# {name} at {label}, {n} rank{'s' * (n > 1)} ...", flush=True)
                 cmd = command(name, label, n)
                 if args.local or n == 1:
-                    proc = run_local(cmd, n, args.timeout, capture=True)
+                    proc = run_local(cmd, n, args.timeout, capture=True, echo=PROGRESS)
                 else:
                     shaped = bw if links is None else links(bw)
                     with EmulatedCluster(-(-n // ranks_per_host), shaped, ranks_per_host=ranks_per_host) as cluster:
-                        proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True)
+                        proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True, echo=PROGRESS)
                 new = rows_from(proc)
                 if adjust is not None:
                     adjust(new, label)

@@ -93,13 +93,15 @@ class Compute:
     def describe(self) -> dict:
         """For every row, table title and plot: the compute mode, the device model, the scale, what was emulated."""
         if not self.emulated:
-            return dict(compute="real", compute_device=None, compute_scale=1.0, emulated_parts=[], real_parts=[])
+            return dict(compute="real", compute_device=None, compute_spec=None, compute_scale=1.0, emulated_parts=[],
+                        real_parts=[])
         from runtime.emulate import active
 
         acc = active()
         d = acc.describe() if acc is not None else {}
         return dict(compute=f"emulated ({self._model.label})", compute_device=self._model.device_name,
-                    compute_scale=self.scale, emulated_parts=d.get("emulated", []), real_parts=d.get("real", []))
+                    compute_spec=self.spec.removeprefix("emulated:"), compute_scale=self.scale,
+                    emulated_parts=d.get("emulated", []), real_parts=d.get("real", []))
 
     @property
     def label(self) -> str:

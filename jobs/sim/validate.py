@@ -4,6 +4,8 @@ r"""The simulator against the emulated cluster: measured and simulated T_iter fo
     mpitrain simulate --validate --ranks 4 --bandwidths 1gbit --models vgg19 --strategies wfbp,p3
     mpitrain simulate --validate --measured benchmarks/issue15/measured-4r-1gbit.json,... \
         --profiles benchmarks/issue15/profiles --calibration benchmarks/issue15/calibration.json
+    mpitrain simulate --validate --compute emulated:p4000 --bandwidths 2.5gbit,10gbit --carry-at 1gbit \
+        --models resnet50-224 --strategies allreduce,wfbp,p3,ddp               # emulated compute
 
 Four stages, each skipped when its result is given:
   1. profiles (--profiles DIR, files MODEL-bBATCH-rRANKS.json; missing ones are
@@ -23,6 +25,14 @@ Four stages, each skipped when its result is given:
      which on a machine whose cores the ranks share slows whatever computes
      beside it. The measured T_iter is never an input; the table shows the
      simulation without that CPU figure too.
+With --compute emulated:DEVICE (and --compute-scale, --carry-at) the
+measurements run with emulated compute and no profile is taken: each row is
+simulated from the compute model its run waited on (jobs.sim.modelled: the
+same trace, the same seconds per layer, the compute on an accelerator of its
+own, not on the shared cores), on hosts of the row's ranks per host; a carried
+row is simulated as it ran (its links, its compute scale) and reported at the
+rate asked, as jobs.bench reports it. Rows given with --measured that ran
+emulated are simulated so whatever --compute says.
 Prints measured and simulated T_iter with the error per configuration, the
 worst case, writes JSON rows and a PNG (simulated against measured, the
 +-10 % band shaded).
@@ -35,6 +45,8 @@ import json
 import os
 import sys
 
+from jobs.common.carry import add_carry_argument, check_carry
+from jobs.common.compute import add_compute_arguments, check_compute
 from jobs.common.inputs import InputError, JobParser, at_least, bench_outputs, comma_list, int_list, parse
 
 STRATEGIES = "allreduce,wfbp,p3,ddp,hybcomm,topk,allreduce+pto"
@@ -56,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--calibration", metavar="JSON", help="default: measured, and written beside --json")
     p.add_argument("--measured", help="jobs.bench JSON files, comma-separated (default: measured now)")
     p.add_argument("--timeout", type=float, default=7200)
+    add_compute_arguments(p)
+    add_carry_argument(p)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
     return parse(p, argv, check_args)
@@ -72,17 +86,22 @@ def check_args(args) -> None:
             raise InputError("--measured" if path in args.measured else "--calibration", f"no such file: {path}")
     at_least(args, 1, "batch_size", "rounds", "batches", "iters")
     at_least(args, 0, "warmup")
+    check_compute(args)
+    args.local = False  # what check_carry asks: the validation always runs on the emulated cluster
+    check_carry(args)
     bench_outputs(args)
 
 
-def profiles(args) -> dict:
-    """{(model, ranks): Profile}, taking those not in --profiles."""
+def profiles(args, needed) -> dict:
+    """{(model, ranks): Profile} for each (model, ranks) needed, taking those not in --profiles."""
     from jobs.sim.profiles import take_profile
     from runtime.sim import Profile
 
     out = {}
     for ranks in args.ranks:
         for model in args.models:
+            if (model, ranks) not in needed:
+                continue
             path = os.path.join(args.profiles, f"{model}-b{args.batch_size}-r{ranks}.json")
             if not os.path.exists(path):
                 print(f"# profiling {model} on {ranks} ranks at once -> {path}", flush=True)
@@ -101,12 +120,13 @@ def calibrate(args) -> dict:
     hosts = min([r for r in args.ranks if r % 2 == 0] or [2])
     cmd = [sys.executable, "-m", "jobs.sim.worker", "transport"]
     found = {}
-    for bw in ["none", *args.bandwidths]:
+    links = list(dict.fromkeys(args.bandwidths if args.carry_at is None else [args.carry_at]))
+    for bw in ["none", *links]:
         print(f"# calibrating: {hosts} emulated hosts, {bw} ...", flush=True)
         with EmulatedCluster(hosts, None if bw == "none" else bw) as cluster:
             found[bw] = rows_from(cluster.run(cmd, np=hosts, timeout=args.timeout, capture=True))[0]
     t = found["none"]
-    efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in args.bandwidths}
+    efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in links}
     return {"transport": {"rate": t["rate"], "cpu_per_byte": t["cpu_per_byte"], "latency": t["latency"],
                           "efficiency": 0.94}, "efficiency": efficiency, "raw": found}
 
@@ -122,7 +142,9 @@ def measure(args) -> list[dict]:
         bench.main(["--models", ",".join(args.models), "--bandwidths", ",".join(args.bandwidths), "--hosts",
                     str(ranks), "--strategies", ",".join(args.strategies), "--rounds", str(args.rounds),
                     "--batches", str(args.batches), "--iters", str(args.iters), "--warmup", str(args.warmup),
-                    "--batch-size", str(args.batch_size), "--timeout", str(args.timeout), "--json", path])
+                    "--batch-size", str(args.batch_size), "--timeout", str(args.timeout), "--json", path,
+                    "--compute", args.compute, "--compute-scale", repr(args.compute_scale),
+                    *(["--carry-at", args.carry_at] if args.carry_at else [])])
         rows += _rows(path)
     return rows
 
@@ -132,16 +154,19 @@ def _rows(path: str) -> list[dict]:
         return json.load(f)["rows"]
 
 
-def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float):
-    """The emulated cluster as runtime.sim sees it: `ranks` hosts of one rank sharing this machine's cores."""
+def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes: int | None = None,
+                     device: str = "cpu"):
+    """The emulated cluster as runtime.sim sees it: `nodes` hosts (default: one a rank) sharing this machine's
+    cores; device gpu: the compute runs on an accelerator of each rank's (emulated compute), not on them."""
     from mpicomm.emulation import parse_bandwidth
     from runtime.sim import Cluster
 
     t = cal["transport"]
     bps = parse_bandwidth(bandwidth)
-    return Cluster(nodes=ranks, ranks_per_node=1, bandwidth=bps if bps else 100e9, latency=t["latency"],
-                   efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"], cpu_per_byte=t["cpu_per_byte"],
-                   shared_cores=cores, device="cpu")
+    nodes = nodes or ranks
+    return Cluster(nodes=nodes, ranks_per_node=ranks // nodes, bandwidth=bps if bps else 100e9, latency=t["latency"],
+                   efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"],
+                   cpu_per_byte=t["cpu_per_byte"], shared_cores=cores, device=device)
 
 
 POLLING = ("wfbp", "p3")  # strategies whose exchange a progress thread drives beside the training thread
@@ -157,9 +182,10 @@ def comm_cores(rows: list[dict], cal: dict) -> dict:
     out = {}
     for r in rows:
         if r["strategy"] in POLLING and r.get("t_comm_s") and r.get("comm_cpu_s") is not None:
-            copies = cal["transport"]["cpu_per_byte"] * (r.get("wire_bytes_per_host_per_step") or 0) / r["t_comm_s"]
+            t_comm = r["t_comm_s"] * (r.get("carry_factor") or 1.0)  # as it ran: a carried row reports it divided
+            copies = cal["transport"]["cpu_per_byte"] * (r.get("wire_bytes_per_host_per_step") or 0) / t_comm
             out[r["model"], r["strategy"], r["bandwidth"], r["ranks"]] = \
-                max(0.0, r["comm_cpu_s"] / (r["t_comm_s"] * r["ranks"]) - copies)
+                max(0.0, r["comm_cpu_s"] / (t_comm * r["ranks"]) - copies)
     for (model, s, bw, ranks), v in list(out.items()):
         if s == "wfbp":
             for other in ("hybcomm", "hybcomm-sfb", "hybcomm-ps"):
@@ -171,23 +197,33 @@ def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3)
     """One row per measured one: simulated with and without the strategies' measured CPU while communicating."""
     from runtime.sim import UnknownStrategyError, simulate
 
+    from jobs.sim.modelled import emulated, row_profile
+
     shares = comm_cores(measured, cal)
     out, seen_compute = [], set()
     for m in measured:
         key = (m["model"], m["ranks"])
-        if key not in profs or m.get("t_iter_s") is None:
+        if m.get("t_iter_s") is None or (key not in profs and not emulated(m)):
             continue
-        prof = profs[key]
-        cluster = emulated_cluster(m["ranks"], m["bandwidth"], cal, prof.cores)
+        # A carried row ran on slower links with its compute scaled alike (jobs.common.carry): simulated as it
+        # ran, then reported at the rate asked, as its measured figures are.
+        f = m.get("carry_factor") or 1.0
+        if emulated(m):
+            prof = row_profile(m)
+            cluster = emulated_cluster(m["ranks"], m.get("carried_links") or m["bandwidth"], cal,
+                                       float(m.get("cores") or os.cpu_count() or 1), m.get("nodes"), "gpu")
+        else:
+            prof = profs[key]
+            cluster = emulated_cluster(m["ranks"], m["bandwidth"], cal, prof.cores)
         if (key, m["bandwidth"]) not in seen_compute and m.get("t_compute_s"):
             seen_compute.add((key, m["bandwidth"]))
-            sim = simulate(prof, cluster, "compute").t_iter_s
+            sim = simulate(prof, cluster, "compute").t_iter_s / f
             out.append(_row(m, "compute", m["t_compute_s"], sim, sim, 0.0))
-        opts = {"density": density} if "topk" in m["strategy"] else {}
+        opts = {"density": m.get("density") or density} if "topk" in m["strategy"] else {}
         share = shares.get((m["model"], m["strategy"], m["bandwidth"], m["ranks"]), 0.0)
         try:
-            bare = simulate(prof, cluster, m["strategy"], **opts).t_iter_s
-            sim = simulate(prof, cluster.with_(comm_cores=share), m["strategy"], **opts).t_iter_s if share else bare
+            bare = simulate(prof, cluster, m["strategy"], **opts).t_iter_s / f
+            sim = simulate(prof, cluster.with_(comm_cores=share), m["strategy"], **opts).t_iter_s / f if share else bare
         except UnknownStrategyError:
             continue
         out.append(_row(m, m["strategy"], m["t_iter_s"], sim, bare, share))
@@ -243,10 +279,13 @@ def main(argv=None) -> int:
         cal = calibrate(args)
         path = (os.path.splitext(args.json)[0] if args.json else "validation") + "-calibration.json"
         write_document(path, cal)
-    profs = profiles(args)
+    from jobs.sim.modelled import emulated
+
     measured = [r for p in args.measured for r in _rows(p)] if args.measured else measure(args)
     measured = [r for r in measured if r["model"] in args.models and r["ranks"] in args.ranks
                 and r["bandwidth"] in args.bandwidths and r["strategy"] in args.strategies]
+    # Profiles for the rows that computed for real; an emulated row is simulated from its compute model (compare).
+    profs = profiles(args, {(r["model"], r["ranks"]) for r in measured if not emulated(r)})
     rows = compare(measured, profs, cal)
     if not rows:
         print("error: no measured row matches the grid (--models, --ranks, --bandwidths, --strategies)",

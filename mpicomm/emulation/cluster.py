@@ -137,9 +137,11 @@ class EmulatedCluster:
                            "-launcher-exec", NETNS_SSH, *flags, "-n", str(np), *cmd)
 
     def run(self, cmd: list[str], np: int | None = None, ranks_per_host: int | None = None,
-            env: dict | None = None, timeout: float | None = None, capture: bool = False) -> subprocess.CompletedProcess:
-        """Run an MPI job across the hosts; on timeout or Ctrl-C its whole process group is killed."""
-        return run_killable(self.mpiexec_command(cmd, np, ranks_per_host, env), timeout, capture)
+            env: dict | None = None, timeout: float | None = None, capture: bool = False,
+            echo: str | None = None) -> subprocess.CompletedProcess:
+        """Run an MPI job across the hosts; on timeout or Ctrl-C its whole process group is killed. echo: print
+        the captured stdout lines that start with it as they come (run_killable)."""
+        return run_killable(self.mpiexec_command(cmd, np, ranks_per_host, env), timeout, capture, echo)
 
     def exec_on(self, host: int, cmd: list[str], timeout: float | None = None,
                 capture: bool = False) -> subprocess.CompletedProcess:
@@ -156,11 +158,14 @@ class EmulatedCluster:
                     link_bytes=[netns.qdisc_bytes(i) if self.bps else None for i in range(self.hosts)])
 
 
-def run_killable(cmd: list[str], timeout: float | None, capture: bool) -> subprocess.CompletedProcess:
+def run_killable(cmd: list[str], timeout: float | None, capture: bool, echo: str | None = None
+                 ) -> subprocess.CompletedProcess:
+    """Run cmd in its own session, the whole group killed on a timeout or an interrupt. capture: keep its output;
+    echo: also print each captured stdout line that starts with it as it comes (a long benchmark's progress)."""
     pipe = subprocess.PIPE if capture else None
     proc = subprocess.Popen(cmd, stdout=pipe, stderr=pipe, text=True, start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=timeout)
+        out, err = _stream(proc, timeout, echo) if capture and echo else proc.communicate(timeout=timeout)
     except BaseException as exc:  # TimeoutExpired, KeyboardInterrupt, SystemExit
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -171,8 +176,39 @@ def run_killable(cmd: list[str], timeout: float | None, capture: bool) -> subpro
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def run_local(cmd: list[str], np: int, timeout: float | None = None, capture: bool = False):
+def _stream(proc: subprocess.Popen, timeout: float | None, echo: str) -> tuple[str, str]:
+    """communicate(), printing the stdout lines that start with `echo` as they arrive (a thread per pipe: either
+    may fill while the other is read)."""
+    import sys
+    import threading
+
+    got: dict[str, list[str]] = {"out": [], "err": []}
+
+    def read(pipe, key):
+        for line in pipe:
+            got[key].append(line)
+            if key == "out" and line.startswith(echo):
+                print("  " + line, end="", flush=True)
+
+    threads = [threading.Thread(target=read, args=(p, k), daemon=True) for p, k in ((proc.stdout, "out"),
+                                                                                      (proc.stderr, "err"))]
+    for t in threads:
+        t.start()
+    try:
+        proc.wait(timeout=timeout)
+    finally:  # on a timeout too: the group is killed, the pipes end, the readers with them (run_killable)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for t in threads:
+            t.join()
+    sys.stdout.flush()
+    return "".join(got["out"]), "".join(got["err"])
+
+
+def run_local(cmd: list[str], np: int, timeout: float | None = None, capture: bool = False, echo: str | None = None):
     """The documented fallback without root: the same job on this host, unshaped, and marked so."""
     env_flags = ["-genv", "MPITRAIN_UNSHAPED", "1"]
-    return run_killable([mpiexec(), *env_flags, "-n", str(np), *cmd], timeout, capture)
+    return run_killable([mpiexec(), *env_flags, "-n", str(np), *cmd], timeout, capture, echo)
 
