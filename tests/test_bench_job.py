@@ -88,6 +88,29 @@ def test_local_bench_rows_table_and_plot(tmp_path):
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_timed_batch_is_the_steady_state_of_back_to_back_steps_without_the_final_flush(monkeypatch):
+    """Time as the steps and finish() advance it (a clock of our own): each batch times its `iters` steps after a
+    lead-in step, and not the finish() that waits for the last step's deferred exchange (p3's), which the
+    lead-in's step left owed when the window opened too."""
+    from mpi4py import MPI
+
+    from jobs.bench import strategies_worker as w
+
+    now, calls = [0.0], []
+
+    def step():
+        calls.append("step")
+        now[0] += 1.0
+
+    def finish():
+        calls.append("finish")
+        now[0] += 100.0  # the exchange of the last step, waited for
+    monkeypatch.setattr(w.time, "perf_counter", lambda: now[0])
+    assert w.timed_batches(MPI.COMM_SELF, step, finish, warmup=2, batches=3, iters=4) == [1.0, 1.0, 1.0]
+    batch = ["step"] * w.steps_per_batch(4) + ["finish"]
+    assert calls == ["step", "step", "finish"] + batch * 3 and w.steps_per_batch(4) == 5
+
+
 def test_overlap_efficiency_and_the_hidden_share_of_the_shorter_phase():
     """Efficiency max/T_iter never above 1; hidden share 0 for phases back to back, 1 for the shorter wholly
     hidden; both clipped where timings alone disagree."""

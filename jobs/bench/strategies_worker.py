@@ -10,7 +10,9 @@ Rank 0 prints one JSON line per strategy (prefixed "ROW "). The contenders
 interleaved rounds, round k starting at contender k mod n, each one built,
 warmed up, timed and released within its round: T_compute (the step without
 any synchronisation), then per strategy T_iter (--batches timed batches of
---iters steps, slowest rank, after --warmup steps), T_comm (its
+--iters back-to-back steps, each after an untimed lead-in step so that it
+times the steady state: p3's exchange overlapping the next forward included;
+slowest rank; after --warmup steps), T_comm (its
 synchronisation alone, gradients already computed, --iters calls) and the
 CPU-seconds per step all ranks' processes used for the plain step, the
 training step and the synchronisation alone. A row gives medians over the
@@ -115,10 +117,25 @@ def slowest(comm, seconds: float) -> float:
     return float(t[0])
 
 
-def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> list[float]:
-    """Per-batch seconds per step of `iters` steps and finish(), slowest rank, after `warmup` steps and finish().
+LEAD_IN = 1  # untimed steps before each timed batch (steps_per_batch): the batch starts in the steady state
 
-    On a GPU `finish` must also wait for the device: the clock is read once its work is done.
+
+def steps_per_batch(iters: int) -> int:
+    """Steps a timed batch of `iters` runs in all: its lead-in and its own."""
+    return LEAD_IN + iters
+
+
+def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> list[float]:
+    """Per-batch seconds per step of `iters` back-to-back steps in the steady state, slowest rank, after `warmup`
+    steps and finish().
+
+    Each batch starts after a barrier and LEAD_IN untimed steps, and is read at step boundaries: from the end of
+    the lead-in to the end of its last step, then finish() (untimed). So a strategy that overlaps a step's
+    exchange with the next forward (p3 defers its updates to it) is timed as it runs: with one step a batch and
+    finish() inside the batch, p3's whole exchange was waited for in every timed step (VGG-19 at balance:
+    1.08 s against 0.78 s in training). Each timed window holds `iters` whole periods: the exchange owed when
+    it opens (the lead-in's) and when it closes (its last step's) are alike. On a GPU `finish` must also wait
+    for the device; over back-to-back steps the host keeps pace with it.
     """
     for _ in range(warmup):
         step()
@@ -126,11 +143,14 @@ def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> 
     per_batch = []
     for _ in range(batches):
         comm.Barrier()
+        for _ in range(LEAD_IN):
+            step()
         t0 = time.perf_counter()
         for _ in range(iters):
             step()
-        finish()  # p3 owes the last update: count it in
-        per_batch.append(slowest(comm, time.perf_counter() - t0) / iters)
+        t = time.perf_counter() - t0
+        finish()  # p3 owes the last update: untimed, as the lead-in's was owed when the window opened
+        per_batch.append(slowest(comm, t) / iters)
     return per_batch
 
 
@@ -163,7 +183,7 @@ class Bench:
         self.ranks_per_core = host_usage.ranks_per_core(self.comm)  # collective
         # Set by the emulated cluster, where each host is a namespace with this one interface.
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")
-        self.steps = args.warmup + args.batches * args.iters  # per contender and round
+        self.steps = args.warmup + args.batches * steps_per_batch(args.iters)  # per contender and round
 
     def timed(self, step, finish=lambda: None) -> tuple[list[float], dict, dict | None]:
         """(per-batch seconds per step, slowest rank, after warm-up; bytes sent per timed step, see wire_per_step;
@@ -177,7 +197,7 @@ class Bench:
         self.comm.Barrier()
         tx0, modelled = self.host_tx_bytes(), host_usage.modelled_s()
         per_batch = timed_batches(self.comm, step, done, 0, a.batches, a.iters)
-        modelled = host_usage.modelled_since(modelled, a.batches * a.iters)
+        modelled = host_usage.modelled_since(modelled, a.batches * steps_per_batch(a.iters))
         tx1 = self.host_tx_bytes()  # every step is over: each received all it waited for, so it was sent
         return per_batch, self.wire_per_step(tx1 - tx0 if self.iface else None), modelled
 
@@ -198,7 +218,7 @@ class Bench:
         import numpy as np
         total = np.array([sent], dtype=np.int64)
         self.comm.Allreduce(self.MPI.IN_PLACE, total)
-        per_step = int(total[0]) / (self.args.batches * self.args.iters)
+        per_step = int(total[0]) / (self.args.batches * steps_per_batch(self.args.iters))
         return dict(wire_bytes_per_step=per_step, wire_bytes_per_host_per_step=per_step / self.topo.num_nodes)
 
     def train_step(self, model, opt):
