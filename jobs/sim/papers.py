@@ -121,14 +121,14 @@ def mstopk() -> list[dict]:
 
 
 def spectrain() -> list[dict]:
+    from runtime.sim import Cluster, simulate
+
     out = []
+    cluster = Cluster(nodes=4, ranks_per_node=1, bandwidth=PCIE_BPS, cores_per_host=2.0, device="gpu")
     for model in ("fc-heavy", "char-lstm"):
         prof = profile(model, "1080ti")
         rates = {}
         for s in ("allreduce", "wfbp", "pipeline-flush", "pipeline-vanilla", "pipeline-stash", "pipeline-spectrain"):
-            from runtime.sim import Cluster, simulate
-
-            cluster = Cluster(nodes=4, ranks_per_node=1, bandwidth=PCIE_BPS, cores_per_host=2.0, device="gpu")
             try:
                 rates[s] = simulate(prof, cluster, s).samples_per_s
             except ValueError as exc:  # a pipeline that does not fit

@@ -195,9 +195,8 @@ def comm_cores(rows: list[dict], cal: dict) -> dict:
 
 def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3) -> list[dict]:
     """One row per measured one: simulated with and without the strategies' measured CPU while communicating."""
-    from runtime.sim import UnknownStrategyError, simulate
-
     from jobs.sim.modelled import emulated, row_profile
+    from runtime.sim import UnknownStrategyError, simulate
 
     shares = comm_cores(measured, cal)
     out, seen_compute = [], set()
