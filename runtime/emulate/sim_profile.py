@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .compute_model import ComputeModel, RooflineModel, compute_model
+from .compute_model import ComputeModel, compute_model
 from .trace import EmulationError, trace
 
 __all__ = ["modelled_profile"]
@@ -55,8 +55,9 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
     other_s = (before_b + cm.memset_s(itemsize * elements)) * scale
     layer_s = sum(l.fwd_s + l.bwd_s for l in layers)
     gemm = cm.gemm_s(GEMM_SIDE, GEMM_SIDE, GEMM_SIDE) * scale
-    copy = (cm.device.pcie_gbs if isinstance(cm, RooflineModel) else getattr(cm, "profile", None) and
-            (cm.profile.copy_gbs or 12.0)) or 0.0
+    # The model's host <-> device rate, from two sizes (its per-copy latency cancels); 0: no copies (a CPU's profile).
+    copy_span = cm.copy_s(2 ** 30) - cm.copy_s(2 ** 20)
+    copy = (2 ** 30 - 2 ** 20) / copy_span / 1e9 if copy_span > 0 else 0.0
     return Profile(name, _batch(tr), "cuda", tuple(layers), layer_s + optimizer_s + other_s, optimizer_s, other_s,
                    ranks_at_once=1, cores=1.0, cores_per_rank=1.0, threads=1,
                    select_s_per_element=cm.select_s(elements) * scale / elements,
