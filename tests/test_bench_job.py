@@ -197,7 +197,13 @@ def test_local_bench_under_emulated_compute_fills_the_compute_fields(tmp_path):
         assert r["samples_per_s"] > 0 and r["t_comm_s"] > 0 and r["batch_per_rank"] == 16  # mlp: no paper batch
         assert r["compute_device"] == "v100" and r["compute_scale"] == 2 and "v100" in r["compute"]
         assert {"layers", "optimizer"} <= set(r["emulated_parts"]) and r["compute_label"].endswith("compute x2")
-        assert r["modelled_parts_s"]["optimizer"] == pytest.approx(update)
+        if r["strategy"] == "p3":
+            # Its updates are applied in the next forward, layer by layer as each layer's slices arrive (in groups of
+            # whatever has arrived): more launches than one update of everything, at most one update per tensor.
+            each = sum(2 * compute_model("v100").optimizer_s(p.numel(), 1, 1) for p in params)
+            assert update <= r["modelled_parts_s"]["optimizer"] <= each + 1e-12
+        else:
+            assert r["modelled_parts_s"]["optimizer"] == pytest.approx(update)
         assert r["modelled_compute_s"] == pytest.approx(sum(r["modelled_parts_s"].values()))
         assert r["modelled_compute_s"] > r["modelled_parts_s"]["layers"] > 0
         assert r["step_cpu_s"] > 0 and r["compute_cpu_s"] > 0 and r["peak_rss_mb"] > 0
