@@ -101,8 +101,10 @@ def test_plain_hooks_fire_from_the_one_node_each_groups_on_time_in_the_order_aut
         wakes = acc.clock.wakes
         emulated_loss(out).backward()
         assert len(seen) == len(names)
-        # Woken once per LAZY_S of backward or so, not once per group.
-        assert len(emu._groups) > acc.clock.wakes - wakes >= emu._pass_s[0] / LAZY_S / 4
+        # Not woken once per group: a lazy run sleeps only once LAZY_S is owed. (How often it does sleep depends on
+        # how fast this host runs the groups' hooks: on a VM whose Python keeps no more than LAZY_S ahead of the
+        # groups, never; the hooks' times below are what the test holds.)
+        assert acc.clock.wakes - wakes < len(emu._groups)
         at = dict(seen)
         done = 0.0
         for group_s, params in emu._groups:
