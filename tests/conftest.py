@@ -11,6 +11,18 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def exit_in_process(main, argv, capsys) -> tuple[object, str, str]:
+    """(exit status, stdout, stderr) of a job's main(argv) run in this process. For inputs a job refuses before its
+    work starts: a subprocess would spend its seconds importing torch (each file keeps one such case as a user runs
+    it, from the command line)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
 def _launcher_rank() -> int:
     """This process's rank as the launcher told it (hydra, Open MPI, SLURM), without initialising MPI."""
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, exit_in_process
 from mpicomm.emulation import netns
 from mpicomm.launch import mpiexec
 
@@ -253,11 +253,12 @@ def test_emulated_defaults_per_model_and_given_values_win():
     (["--local", "--compute", "emulated:nonesuch"], "--compute: unknown device 'nonesuch'; named devices: 1080ti, h100,"),
     (["--local", "--compute-scale", "2"], "--compute-scale: applies to emulated compute only"),
 ])
-def test_bad_compute_and_carry_are_one_line_and_exit_2(args, message):
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
-    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {message}"), proc.stderr
-    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+def test_bad_compute_and_carry_are_one_line_and_exit_2(args, message, capsys):
+    from jobs.bench.strategies import main
+
+    code, out, err = exit_in_process(main, args, capsys)
+    assert code == 2 and err.startswith(f"error: {message}"), err
+    assert err.count("\n") == 1 and out == ""
 
 
 def test_carried_rows_are_reported_at_the_bandwidth_asked():

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, exit_in_process
 from mpicomm.emulation import EmulatedCluster, EmulationError, parse_bandwidth
 from mpicomm.emulation import netns
 
@@ -62,10 +62,18 @@ def test_bandwidth_strings():
     (["status"], "no emulated cluster is up"),
     (["run", "--", "true"], "no emulated cluster is up"),
 ])
-def test_bad_input_one_line_exit_2_nothing_built(args, message):
-    proc = cli(*args)
-    assert proc.returncode == 2, proc
-    assert proc.stderr.count("\n") == 1 and message in proc.stderr
+def test_bad_input_one_line_exit_2_nothing_built(args, message, capsys):
+    from jobs.cluster import main
+
+    code, _, err = exit_in_process(main, args, capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and message in err
+    assert netns.our_namespaces() == []
+
+
+def test_bad_input_from_the_command_line():
+    proc = cli("up", "--hosts", "0")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--hosts: must be between 1 and 64" in proc.stderr
     assert netns.our_namespaces() == []
 
 

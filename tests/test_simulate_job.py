@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, exit_in_process
 from mpicomm.emulation import netns
 
 STRATEGIES = "allreduce,wfbp,ddp,p3,hybcomm,topk,hier-topk,allreduce+pto,pipeline-flush,pipeline-spectrain"
@@ -122,9 +122,16 @@ def test_the_papers_beside_ours_one_table_each_with_the_papers_figures(tmp_path)
     (["--compute", "emulated:tpu9"], "--compute"),
     (["--compute", "gpu"], "write real, emulated:DEVICE"),
 ])
-def test_bad_arguments_are_refused_with_a_reason(args, message):
-    proc = run("--model", "mlp", *args)
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+def test_bad_arguments_are_refused_with_a_reason(args, message, capsys):
+    from jobs.simulate import main
+
+    code, _, err = exit_in_process(main, ["--model", "mlp", *args], capsys)
+    assert code == 2 and message in err, err[-2000:]
+
+
+def test_bad_arguments_are_refused_from_the_command_line():
+    proc = run("--model", "mlp", "--nodes", "0")
+    assert proc.returncode == 2 and "--nodes" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
 
 
 @pytest.mark.cluster

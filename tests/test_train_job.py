@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, exit_in_process
 from mpicomm.launch import mpiexec
 
 QUICK = ["--model", "mlp", "--data", "synthetic", "--synthetic-samples", "512", "--batch-size", "32",
@@ -114,10 +114,17 @@ def test_timeline_has_a_track_per_rank_with_layers_and_slices(tmp_path):
                                           (["--compute", "emulated:nonesuch"], "--compute: unknown device 'nonesuch'"),
                                           (["--compute", "emulated:v100", "--parallel", "pipeline"],
                                            "--compute: emulated compute trains data parallel only for now")])
-def test_bad_arguments(args, message):
-    proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_bad_arguments(args, message, capsys):
+    from jobs.train import main
+
+    code, out, err = exit_in_process(main, [*QUICK, *args], capsys)
+    assert code == 2 and message in err and err.count("\n") == 1 and out == "", err
+
+
+def test_bad_arguments_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, "--batch-size", "0"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 2 and proc.stderr == "error: --batch-size: must be >= 1, got 0\n", proc.stderr
 
 
 def test_nan_gradient_stops_sparse_training_with_the_layer_named(tmp_path):
