@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, exit_in_process
 
 JOB = [sys.executable, "-m", "jobs.bench.hybcomm_choice"]
 
@@ -90,10 +90,8 @@ def test_bad_input_is_one_line_and_exit_2(args, option, capsys):
     # In this process: a subprocess would spend its time importing torch for the layer and bandwidth checks.
     from jobs.bench.hybcomm_choice import parse_args
 
-    with pytest.raises(SystemExit) as exit:
-        parse_args(["--model", "mlp", *args])
-    out, err = capsys.readouterr()
-    assert exit.value.code == 2 and out == ""
+    code, out, err = exit_in_process(parse_args, ["--model", "mlp", *args], capsys)
+    assert code == 2 and out == ""
     assert err.startswith(f"error: {option}:") and len(err.strip().splitlines()) == 1
 
 

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT
 
 CONTENDERS = ["flush", "vanilla", "stash", "spectrain", "allreduce", "wfbp", "p3", "ddp", "torch-1f1b"]
@@ -30,6 +31,9 @@ def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
         assert r["model"] == "mlp" and r["ranks"] == 4 and r["batch"] == 32 and r["bandwidth"] == "local-unshaped"
         assert r["samples_per_s"] > 0 and r["t_iter_s"] > 0 and r["bytes_per_step"] > 0, r
         assert r["rounds"] == 1 and r["steps"] == 2 and r["rss_mb"] > 0
+        # The rate is the batch over the step's time, never a mean of per-step rates (wrong for uneven steps).
+        assert r["samples_per_s"] == pytest.approx(32 / r["t_iter_s"], rel=1e-9), r
+        assert r["samples_per_s_ci"][0] <= r["samples_per_s"] <= r["samples_per_s_ci"][1]
     by = {r["contender"]: r for r in rows}
     assert {by[c]["kind"] for c in CONTENDERS[:4]} == {"pipeline"} and by["torch-1f1b"]["kind"] == "peer"
     # Pipelines: the engine's own count, the same activations and gradients whatever the weight mode.

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, exit_in_process
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -60,10 +60,8 @@ def test_bad_input_is_one_line_and_exit_2(args, option, capsys):
     # In this process: a subprocess would spend its time importing torch for the bandwidth checks.
     from jobs.hybcomm_plan import parse_args
 
-    with pytest.raises(SystemExit) as exit:
-        parse_args(list(args))
-    out, err = capsys.readouterr()
-    assert exit.value.code == 2 and out == ""
+    code, out, err = exit_in_process(parse_args, list(args), capsys)
+    assert code == 2 and out == ""
     assert err.startswith(f"error: {option}:") and len(err.strip().splitlines()) == 1
 
 

@@ -49,6 +49,7 @@ from jobs.common.inputs import (JobParser, add_cluster_bench_arguments, add_devi
                                 cluster_bench_outputs, comma_list, parse)
 from jobs.common.outputs import write_together
 from jobs.common.report import run_metadata, save_figure, write_json
+from jobs.common.stats import coverage_text
 
 DEFAULT_BANDWIDTHS = "1gbit,10gbit,none"
 ASYNC, DP = worker.ASYNC_MODES, worker.DATA_PARALLEL
@@ -99,7 +100,7 @@ def mb(value, digits=2) -> str:
 
 
 def markdown(rows) -> str:
-    head = ("| model | contender | bandwidth | samples/s | ±95 % | T_iter s | rounds×steps | MB/step/rank mean "
+    head = ("| model | contender | bandwidth | samples/s | ± CI | T_iter s | rounds×steps | MB/step/rank mean "
             "| max | measured by | weight copies MB | RSS MB | HWM MB | balance |\n"
             "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|")
     body = [f"| {r['model']} | {r['contender']} | {r['bandwidth']} | {r['samples_per_s']:.1f} | {r['ci']:.1f} | "
@@ -107,7 +108,11 @@ def markdown(rows) -> str:
             f"{mb(r['bytes_per_step_max'], 3)} | {r['bytes_measured']} | {mb(r['weight_copy_bytes'], 1)} | "
             f"{r['rss_mb']:.0f} | {r['hwm_mb']:.0f} | {','.join(map(str, r['balance'] or [])) or '-'} |"
             for r in rows]
-    return "\n".join([head, *body])
+    rounds = sorted({r["rounds"] for r in rows})
+    how = ", ".join(coverage_text(n) for n in rounds)
+    note = (f"samples/s: the batch over the median round's T_iter (a round's T_iter: the mean of its steps, the "
+            f"slowest rank's); ± CI: {how} of that median, across rounds")
+    return "\n".join([note, head, *body])
 
 
 def summarize(rows) -> list[dict]:

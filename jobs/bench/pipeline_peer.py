@@ -74,8 +74,8 @@ def run_peer(layers, balance: list[int], loss_fn, make_batch, *, microbatches: i
     what layers[:a] make of one micro-batch; between Contiguous modules, so that the true bytes cross; the
     loss emulated_loss, the optimizer emulated. The timed steps then measure torch's schedule and gloo.
 
-    Returns samples_per_s (mean over the timed steps, of the slowest rank's step time), ci
-    (1.96 stdev / sqrt(n)), t_iter_s, microbatches, stages, balance, batch (global, per step),
+    Returns samples_per_s (the batch over the mean timed step, the slowest rank's), ci
+    (1.96 stdev / sqrt(n) of the steps, as a rate), t_iter_s, microbatches, stages, balance, batch (global, per step),
     schedule, loss (mean micro-batch loss of the last step, from the last stage, on every rank),
     and activation_bytes_per_step (sent between stages, forward and backward, all ranks together).
     """
@@ -172,11 +172,12 @@ def run_peer(layers, balance: list[int], loss_fn, make_batch, *, microbatches: i
     bytes_per_step = comm.allreduce(0 if last else sent[0] * microbatches * 2)
     if started:
         shutdown_gloo(comm)
-    rates = [batch / t for t in per_step]
-    ci = 1.96 * statistics.stdev(rates) / len(rates) ** 0.5 if len(rates) > 1 else 0.0
+    # The batch over the mean step, not a mean of per-step rates; its CI from the steps' spread (first order).
+    t_iter = statistics.fmean(per_step)
+    t_ci = 1.96 * statistics.stdev(per_step) / len(per_step) ** 0.5 if len(per_step) > 1 else 0.0
     return dict(peer="torch.distributed.pipelining", schedule=schedule, stages=n, balance=balance,
-                microbatches=microbatches, batch=batch, samples_per_s=statistics.fmean(rates), ci=ci,
-                t_iter_s=statistics.fmean(per_step), steps=steps, loss=loss,
+                microbatches=microbatches, batch=batch, samples_per_s=batch / t_iter, ci=batch * t_ci / t_iter ** 2,
+                t_iter_s=t_iter, steps=steps, loss=loss,
                 activation_bytes_per_step=bytes_per_step)
 
 

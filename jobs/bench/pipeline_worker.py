@@ -36,6 +36,7 @@ from jobs.common.cluster_sweep import print_row
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list,
                                 launched_ranks, one_of, parse)
+from jobs.common.stats import summary
 
 ASYNC_MODES = ("vanilla", "stash", "spectrain")
 DATA_PARALLEL = ("allreduce", "wfbp", "p3", "ddp")
@@ -110,14 +111,6 @@ def memory_mb() -> tuple[float, float]:
     with open("/proc/self/status") as f:
         found = {line[:5]: int(line.split()[1]) / 1024 for line in f if line.startswith(("VmRSS:", "VmHWM:"))}
     return found["VmRSS"], found["VmHWM"]
-
-
-def pooled(groups: list[tuple[int, float, float]]) -> tuple[int, float, float]:
-    """(n, mean, sample stdev) of the union of groups given as (n, mean, stdev): exact, not approximate."""
-    n = sum(g[0] for g in groups)
-    mean = sum(g[0] * g[1] for g in groups) / n
-    ss = sum((g[0] - 1) * g[2] ** 2 + g[0] * (g[1] - mean) ** 2 for g in groups)
-    return n, mean, (ss / (n - 1)) ** 0.5 if n > 1 else 0.0
 
 
 class Runner:
@@ -280,8 +273,7 @@ class Runner:
                        lr=LR, momentum=MOMENTUM, comm=self.comm, compute=self.compute, example=example)
         ran = self.args.warmup + self.args.iters  # run_peer's warm-up is inside the traffic window
         tx = (self.tx_bytes() - tx0) * self.args.iters / ran if self.iface else None
-        n, sd = res["steps"], res["ci"] * res["steps"] ** 0.5 / 1.96  # its CI back to a standard deviation
-        return dict(group=(n, res["samples_per_s"], sd), t_iter=res["t_iter_s"], tx=tx, mem=memory_mb(),
+        return dict(steps=res["steps"], t_iter=res["t_iter_s"], tx=tx, mem=memory_mb(),
                     engine=res["activation_bytes_per_step"] / self.P * self.args.iters, updates_per_step=1)
 
     def run(self, name: str) -> dict:
@@ -293,10 +285,8 @@ class Runner:
         # The accelerator is the process's, shared by the contenders: the kinds of work this one emulated.
         out["parts"] = sorted(k for k, v in active().seconds.items() if v > before.get(k, 0.0)) if active() else []
         gc.collect()
-        if "group" not in out:
-            rates = [self.args.batch_size / s for s in out["secs"]]
-            out.update(group=(len(rates), statistics.fmean(rates), statistics.stdev(rates) if len(rates) > 1 else 0.0),
-                       t_iter=statistics.fmean(out["secs"]))
+        if "t_iter" not in out:  # the round's T_iter: its mean step, so an uneven step weighs as long as it took
+            out.update(steps=len(out["secs"]), t_iter=statistics.fmean(out["secs"]))
         out["engine_mean"], out["engine_max"] = self.spread(out["engine"] / self.args.iters)
         if out["tx"] is not None:
             out["tx_mean"], out["tx_max"] = self.spread(out["tx"] / self.args.iters)
@@ -308,7 +298,11 @@ class Runner:
 
 
 def row(args, runner, name: str, rounds: list[dict]) -> dict:
-    n, mean, sd = pooled([r["group"] for r in rounds])
+    # A rate is the batch over a step's time, never a mean of per-step rates (that would let a short step of an
+    # uneven schedule count for more than the time it took): the median round's T_iter, its CI across rounds.
+    t_iter = summary([r["t_iter"] for r in rounds])
+    fast, slow = t_iter["ci"]
+    rate, rate_ci = args.batch_size / t_iter["median"], [args.batch_size / slow, args.batch_size / fast]
     measured = "tx_mean" in rounds[0]
     how = f"tx_bytes of {runner.iface}" if measured else ("engine count" if kind(name) == "pipeline" else "computed")
     key = "tx" if measured else "engine"
@@ -317,8 +311,9 @@ def row(args, runner, name: str, rounds: list[dict]) -> dict:
     out = dict(model=args.model, contender=name, kind=kind(name), bandwidth=args.bandwidth, device=args.device,
                ranks=runner.P,
                batch=args.batch_size, microbatches=None if kind(name) == "data-parallel" else args.microbatches,
-               samples_per_s=mean, ci=1.96 * sd / n ** 0.5 if n > 1 else 0.0, rounds=len(rounds), steps=n,
-               t_iter_s=statistics.fmean(r["t_iter"] for r in rounds),
+               samples_per_s=rate, ci=max(rate_ci[1] - rate, rate - rate_ci[0]), samples_per_s_ci=rate_ci,
+               ci_coverage=t_iter["coverage"], rounds=len(rounds), steps=sum(r["steps"] for r in rounds),
+               t_iter_s=t_iter["median"], t_iter_ci=t_iter["ci"],
                bytes_per_step=avg(f"{key}_mean"), bytes_per_step_max=avg(f"{key}_max"), bytes_measured=how,
                engine_bytes_per_step=avg("engine_mean") if kind(name) == "pipeline" else None,
                weight_copy_bytes=most("weight_copy_bytes"), parameter_bytes=most("parameter_bytes"),
@@ -350,9 +345,9 @@ def main(argv=None, args=None) -> int:
         for name in args.contenders[shift:] + args.contenders[:shift]:
             results[name].append(runner.run(name))
             if runner.rank == 0:
-                g = results[name][-1]["group"]
+                t = results[name][-1]["t_iter"]
                 print(f"# {time.perf_counter() - t_start:.1f} s: round {r + 1}/{args.rounds} {name}: "
-                      f"{g[1]:.1f} samples/s", flush=True)
+                      f"{args.batch_size / t:.1f} samples/s (T_iter {t:.3f} s)", flush=True)
     for name in args.contenders:
         out = row(args, runner, name, results[name])
         if runner.rank == 0:
