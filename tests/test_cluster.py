@@ -121,6 +121,7 @@ def test_cli_up_verify_status_run_down(tmp_path):
 
 
 PROG = """
+import os
 import numpy as np, torch, torch.distributed as dist
 from mpi4py import MPI
 from mpicomm import Ring
@@ -136,8 +137,10 @@ shutdown_gloo(comm)
 P = comm.size
 ok = bool(np.all(x == P * (P + 1) / 2)) and bool(torch.all(t == P * (P + 1) / 2))
 oks = comm.gather(ok)
+env = comm.gather([os.environ.get(k) for k in ("UCX_TLS", "UCX_TCP_RX_SEG_SIZE")])
 if comm.rank == 0:
     print("RESULT", oks, flush=True)
+    print("ENV", env, flush=True)
 """
 
 
@@ -149,6 +152,8 @@ def test_ring_and_gloo_across_hosts_go_through_the_links(tmp_path):
         proc = cl.run([PY, str(script)], timeout=120, capture=True, env={"PYTHONPATH": ROOT})
         assert proc.returncode == 0, proc.stderr
         assert "RESULT [True, True]" in proc.stdout.splitlines(), proc.stdout
+        # Every rank: UCX over TCP only (no shared-memory shortcut), and segments that take a message in one read.
+        assert "ENV [['tcp,self', '4mb'], ['tcp,self', '4mb']]" in proc.stdout.splitlines(), proc.stdout
         sent = [netns.qdisc_bytes(i)["up"] - before[i] for i in range(2)]
         # Each host sends at least its 4 MiB share twice (ring, then gloo): nothing took a shortcut.
         assert all(s > 2 * 4 * 2**20 for s in sent), sent

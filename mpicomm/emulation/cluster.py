@@ -18,8 +18,14 @@ STATE_DIR = os.environ.get("MPITRAIN_CLUSTER_DIR", "/run/mpitrain-cluster")
 NETNS_SSH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launcher", "netns-ssh")
 # Environment every rank gets: UCX must not use shared memory, or ranks of different emulated
 # hosts (all on this one machine) would bypass the shaped links; the same for libfabric.
-RANK_ENV = {"UCX_TLS": "tcp,self", "FI_PROVIDER": "tcp", "GLOO_SOCKET_IFNAME": netns.IFACE,
-            "MPITRAIN_CLUSTER_IFACE": netns.IFACE}
+#
+# UCX's tcp transport reads a socket into segments of UCX_TCP_RX_SEG_SIZE, by default 64 KB, and a progress call
+# reads only so many: a 1 MB message to a rank that polls every millisecond (a pipeline stage waiting for its
+# neighbour) took ~16 ms to land at 10 Gbit/s, where the wire needs 1. The char-LSTM pipeline's step went from
+# 0.226 s to 0.130 s with 4 MB segments (torch's gloo, which reads in threads of its own, took 0.114 s): the
+# segments a TCP cluster's MPI should be given (benchmarks/pipeline.md).
+RANK_ENV = {"UCX_TLS": "tcp,self", "UCX_TCP_RX_SEG_SIZE": "4mb", "FI_PROVIDER": "tcp",
+            "GLOO_SOCKET_IFNAME": netns.IFACE, "MPITRAIN_CLUSTER_IFACE": netns.IFACE}
 # UCX's rendezvous protocol over its tcp transport stalls when both directions of a slow link are
 # busy: MPICH's default allreduce took 1.5-1.6x the bandwidth bound at 1 Gbit/s with it, 1.13-1.19x
 # with eager messages only. On fast links the wire is no longer the limit but the copies are: eager
