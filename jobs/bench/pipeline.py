@@ -108,11 +108,14 @@ def markdown(rows) -> str:
             f"{mb(r['bytes_per_step_max'], 3)} | {r['bytes_measured']} | {mb(r['weight_copy_bytes'], 1)} | "
             f"{r['rss_mb']:.0f} | {r['hwm_mb']:.0f} | {','.join(map(str, r['balance'] or [])) or '-'} |"
             for r in rows]
-    rounds = sorted({r["rounds"] for r in rows})
-    how = ", ".join(coverage_text(n) for n in rounds)
-    note = (f"samples/s: the batch over the median round's T_iter (a round's T_iter: the mean of its steps, the "
+    return "\n".join([head, *body])
+
+
+def reading(rows) -> str:
+    """How to read the table's rate and CI (printed once, above the final table)."""
+    how = ", ".join(coverage_text(n) for n in sorted({r["rounds"] for r in rows}))
+    return (f"samples/s: the batch over the median round's T_iter (a round's T_iter: the mean of its steps, the "
             f"slowest rank's); ± CI: {how} of that median, across rounds")
-    return "\n".join([note, head, *body])
 
 
 def summarize(rows) -> list[dict]:
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
     if rows is None:
         return 2
     summary = summarize(rows)
-    print(f"\n{compute}\n" + markdown(rows) + "\n\n" + summary_markdown(summary))
+    print(f"\n{compute}\n{reading(rows)}\n" + markdown(rows) + "\n\n" + summary_markdown(summary))
     if args.json:
         meta = run_metadata("jobs.bench.pipeline", argv, load_average_before=load, summary=summary,
                             targets=dict(TARGETS, case=TARGET_CASE), compute_label=compute,
