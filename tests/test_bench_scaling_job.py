@@ -70,3 +70,16 @@ def test_bad_compute_is_one_line_and_exit_2(args, option, capsys):
     out, err = capsys.readouterr()
     assert exit.value.code == 2 and out == ""
     assert err.startswith(f"error: {option}:") and len(err.strip().splitlines()) == 1
+
+
+def test_the_batch_defaults_to_the_papers_under_emulation_and_to_8_when_real():
+    """Poseidon's VGG19-22K trained 32 a GPU: scaling under emulated compute runs that batch unless told, as the
+    strategies benchmark does; real compute keeps the CPU-sized default of 8, and --batch-size wins over both."""
+    from jobs.bench.scaling import parse_args
+    from jobs.bench.strategies import run_settings
+
+    base = ["--local", "--models", "vgg19-22k-224", "--strategies", "hybcomm", "--ranks", "1,2"]
+    assert run_settings(parse_args([*base, "--compute", "emulated:titanx"]), "vgg19-22k-224")["batch_size"] == 32
+    assert run_settings(parse_args(base), "vgg19-22k-224")["batch_size"] == 8
+    given = parse_args([*base, "--compute", "emulated:titanx", "--batch-size", "4"])
+    assert run_settings(given, "vgg19-22k-224")["batch_size"] == 4

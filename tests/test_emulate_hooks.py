@@ -12,6 +12,7 @@ from torch import nn
 from emulate_helpers import (  # noqa: F401 - fresh_accelerator: an autouse fixture
     emulated_resnet, fresh_accelerator, horovod_style, is_pass, plain, unit_nodes, watch)
 from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
+from runtime.emulate.pattern import fixed
 from runtime.emulate import clock as clock_module
 from runtime.emulate.clock import LAZY_AHEAD, LAZY_S
 from runtime.emulate.watch import ready_aware
@@ -50,7 +51,7 @@ def test_ready_aware_hooks_fire_ahead_in_the_real_order_each_told_when_its_gradi
     seen = []
 
     def aware(p):
-        seen.append((p, accelerator.ready_at(), torch.equal(p.grad, p._emulated_grad)))
+        seen.append((p, accelerator.ready_at(), torch.equal(p.grad, fixed(p))))
     handles = [p.register_post_accumulate_grad_hook(ready_aware(aware)) for p in model.parameters()]
     emulated_loss(model(*inputs)).backward()  # the gradients exist: the next ones land over them
     for _ in range(2):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
+from runtime.emulate.pattern import fixed
 from runtime.emulate.clock import LAZY_S, Clock
 from runtime.workloads.models import build_model, model_input
 
@@ -30,7 +31,7 @@ def emulated(name="cnn"):
 def test_after_zero_grad_the_gradient_lands_once_and_micro_batches_add():
     model, inputs = emulated()
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    templates = [p._emulated_grad for p in model.parameters()]
+    templates = [fixed(p) for p in model.parameters()]
     for _ in range(2):
         opt.zero_grad()
         emulated_loss(model(*inputs)).backward()
@@ -57,7 +58,7 @@ def test_the_forward_lands_the_marked_gradients_and_two_forwards_ahead_of_their_
     if hooked:  # a strategy's hook on every parameter: the backward goes unit by unit
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda q: None)
-    templates = [p._emulated_grad for p in model.parameters()]
+    templates = [fixed(p) for p in model.parameters()]
     emulated_loss(model(*inputs)).backward()
     opt.zero_grad()
     for p in model.parameters():
@@ -83,7 +84,7 @@ def test_landed_gradients_run_their_hooks_in_the_real_order(name):
 
     def hook(q, n):
         order.append(n)
-        seen.append(torch.equal(q.grad, q._emulated_grad))  # a hook sees its gradient landed already
+        seen.append(torch.equal(q.grad, fixed(q)))  # a hook sees its gradient landed already
     for n, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda q, n=n: hook(q, n))
     opt.zero_grad()
@@ -174,21 +175,31 @@ def test_a_staged_gradient_handed_over_ahead_is_delivered_in_hook_order_not_befo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_large_gradient_lands_from_its_row_scales_exactly_as_its_template(dtype):
-    """pattern.write, which lands a LARGE gradient without reading a full-size template, writes the template's
-    very values; each row has its own scale (top-k finds no repeats), none is zero; a small one keeps no rows."""
-    from runtime.emulate.pattern import LARGE, ROW, template, write
+def test_a_large_gradient_keeps_no_template_and_lands_adds_and_checks_from_its_row_scales(dtype):
+    """A LARGE parameter keeps its row scales, no full-size template (VGG19-22K's would be 916 MB a rank);
+    write, add and firsts, which work from the scales, give the values the template would (the product the
+    block times each row's scale), each row its own (top-k finds no repeats), none zero. A small one keeps
+    its template and no rows."""
+    from runtime.emulate.pattern import ADD_ROWS, LARGE, ROW, _block, add, firsts, fixed, template, write
 
     g = torch.Generator().manual_seed(0)
-    big = torch.nn.Parameter(torch.zeros(LARGE + 5, dtype=dtype))
+    big = torch.nn.Parameter(torch.zeros(LARGE + ADD_ROWS * ROW + 5, dtype=dtype))
     small = torch.nn.Parameter(torch.zeros(3, ROW // 2 + 1, dtype=dtype))
-    t, ts = template(big, g), template(small, g)
-    assert hasattr(big, "_emulated_rows") and not hasattr(small, "_emulated_rows")
+    big._emulated_grad, small._emulated_grad = template(big, g), template(small, g)
+    assert big._emulated_grad is None and hasattr(big, "_emulated_rows") and not hasattr(small, "_emulated_rows")
+    t, ts = fixed(big), fixed(small)
+    assert ts is small._emulated_grad and fixed(big) is not t  # a LARGE one's is made each time
+    rows = big._emulated_rows.view(-1)
+    expected = torch.cat([_block(dtype) * r for r in rows[:-1]] + [_block(dtype)[:5] * rows[-1]])
+    assert torch.equal(t, expected) and bool((t != 0).all()) and bool((ts != 0).all())
     out = torch.full_like(t, 7.0)
     write(out, big._emulated_rows)
-    assert torch.equal(out, t) and bool((t != 0).all()) and bool((ts != 0).all())
-    rows = t[: (t.numel() // ROW) * ROW].view(-1, ROW).float()
-    assert len({float(r.abs().sum()) for r in rows}) == rows.shape[0]
+    assert torch.equal(out, t)
+    assert torch.equal(firsts(big), t[::ROW])
+    add(out, big._emulated_rows)  # micro-batches accumulate: the sum of two is twice one, to the bit
+    assert torch.equal(out, t + t)
+    full = t[: (t.numel() // ROW) * ROW].view(-1, ROW).float()[:4]  # bfloat16's scales may tie over 20 rows
+    assert len({float(r.abs().sum()) for r in full}) == full.shape[0]
 
 
 def test_a_vgg_step_lands_its_large_gradients_from_their_rows():
@@ -202,7 +213,7 @@ def test_a_vgg_step_lands_its_large_gradients_from_their_rows():
             if p.grad is not None:
                 p.grad.fill_(3.0)  # what a strategy left there: the landing writes over it
         emulated_loss(model(*inputs)).backward()
-        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+        assert all(torch.equal(p.grad, fixed(p)) for p in model.parameters())
 
 
 
@@ -219,7 +230,7 @@ def test_a_large_gradient_that_still_holds_its_values_is_not_written_again_and_a
     def step():
         opt.zero_grad()
         emulated_loss(model(*inputs)).backward()
-        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+        assert all(torch.equal(p.grad, fixed(p)) for p in model.parameters())
 
     step()
     step()  # the first step made the gradients, the second wrote them

@@ -13,6 +13,7 @@ from torch import nn
 
 from emulate_helpers import fresh_accelerator, is_pass, plain, unit_nodes, watch  # noqa: F401 - an autouse fixture
 from runtime.emulate import accelerator, emulate, emulate_optimizer, emulated_loss
+from runtime.emulate.pattern import fixed
 from runtime.emulate import clock as clock_module
 from runtime.emulate.clock import LAZY_S
 from runtime.emulate.nodes import X_LEAF, X_NODE, X_NONE, Unit, accumulation_order
@@ -51,7 +52,7 @@ def test_a_forward_without_module_hooks_runs_the_first_ones_nodes_again_until_a_
         out = model(*inputs)
         nodes.append(out.grad_fn.next_functions[0][0])
         emulated_loss(out).backward()
-        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+        assert all(torch.equal(p.grad, fixed(p)) for p in model.parameters())
     assert nodes[1] is nodes[2] and isinstance(nodes[1], Unit._backward_cls)
     seen = []
     linear = next(m for m in model.modules() if isinstance(m, nn.Linear))
@@ -172,12 +173,12 @@ def test_a_backward_nothing_watches_is_one_node_that_lands_every_gradient_and_sl
         assert acc.clock.wakes - wakes == 1
         backward_s = acc.seconds["layers"] - layers
         # Made on the first step, copied over the marked buffers after it: no allocation.
-        assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters())
+        assert all(torch.equal(p.grad, fixed(p)) for p in model.parameters())
         if step == 1:
             buffers = [p.grad.data_ptr() for p in model.parameters()]
     assert [p.grad.data_ptr() for p in model.parameters()] == buffers
     emulated_loss(model(*inputs)).backward()  # no zero_grad: the second micro-batch's gradient adds to the first
-    assert all(torch.equal(p.grad, 2 * p._emulated_grad) for p in model.parameters())
+    assert all(torch.equal(p.grad, 2 * fixed(p)) for p in model.parameters())
     watch(model)
     out = model(*inputs)
     layers = acc.seconds["layers"]
@@ -241,6 +242,6 @@ def test_a_parameter_frozen_after_a_step_keeps_the_zeroed_gradient_zero_grad_lef
     opt.zero_grad()  # kept and marked, not zeroed yet: the next backward copies over the marks
     emulated_loss(model(*inputs)).backward()
     assert not frozen.grad.any()
-    assert all(torch.equal(p.grad, p._emulated_grad) for p in model.parameters() if p is not frozen)
+    assert all(torch.equal(p.grad, fixed(p)) for p in model.parameters() if p is not frozen)
 
 

@@ -40,7 +40,7 @@ def parse_args(argv=None):
     """The checked command line: everything the worker would refuse is refused here, before a cluster is up."""
     p = JobParser(prog="python -m jobs.bench.scaling", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    bench.add_worker_arguments(p, "vgg19-22k", "wfbp,p3,hybcomm,ddp", batch_size=8)
+    bench.add_worker_arguments(p, "vgg19-22k", "wfbp,p3,hybcomm,ddp", batch_size=8, emulated=True)
     p.add_argument("--ranks", default="1,2,4,8", help="world sizes, increasing (default 1,2,4,8)")
     add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
     add_compute_arguments(p)

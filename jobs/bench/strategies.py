@@ -120,6 +120,7 @@ def add_worker_arguments(p, models: str, strategies: str, batch_size: int, emula
     p.add_argument("--batch-size", type=int, default=None if emulated else batch_size,
                    help=f"samples per rank per step (default {batch_size}"
                         + ("; emulated compute: the model's paper batch if it has one)" if emulated else ")"))
+    p.set_defaults(real_batch_size=batch_size)  # run_settings' default where the compute is real
     for name, what in (("batches", "timed batches per contender and round"), ("iters", "steps per timed batch"),
                        ("warmup", "untimed steps per contender and round"),
                        ("rounds", "interleaved rounds over the contenders, in rotating order (95 %% CIs from 6)")):
@@ -156,7 +157,8 @@ def run_settings(args, model: str) -> dict:
     if batch is None:
         from runtime.workloads.models import PAPER_BATCH
 
-        batch = PAPER_BATCH.get(model, 16) if emulated else 16
+        real = getattr(args, "real_batch_size", 16)
+        batch = PAPER_BATCH.get(model, real) if emulated else real
     return dict(out, batch_size=batch)
 
 

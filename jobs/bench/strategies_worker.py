@@ -351,9 +351,15 @@ class Bench:
 
 def fixed_gradients(model) -> list | None:
     """An emulated model's fixed gradients (runtime.emulate), one per parameter: T_comm's gradients without a
-    second model-sized copy (VGG-19 at 224x224: 575 MB a rank); None for a model that computes."""
-    grads = [getattr(p, "_emulated_grad", None) for p in model.parameters()]
-    return None if not grads or any(g is None for g in grads) else grads
+    second model-sized copy (VGG-19 at 224x224: 575 MB a rank); None for a model that computes. A LARGE
+    parameter keeps no template (runtime.emulate.pattern): its landed .grad holds the same values and stands
+    in for it (for a strategy whose .grad views its own buffer, that parameter's copy in is then no copy), or,
+    with no .grad, one made from its row scales."""
+    from runtime.emulate.pattern import fixed
+    params = list(model.parameters())
+    if not params or not all(hasattr(p, "_emulated_grad") for p in params):
+        return None
+    return [p.grad if p._emulated_grad is None and p.grad is not None else fixed(p) for p in params]
 
 
 def main(argv=None, args=None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from typing import Callable
@@ -43,8 +44,9 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
     after; a single rank sends nothing and runs on this host. links(bandwidth): the rate its links are
     shaped to (default: the bandwidth itself; jobs.common.carry); adjust(rows, label) edits a run's rows
     in place before they are shown. The new rows are shown (show(rows) is a markdown table) as they
-    come. A failure ends the sweep with one `error:` line: the rows so far are returned, or None when
-    there are none.
+    come, and with --json the rows so far are kept in PATH.partial.json (removed when the sweep ends), so a
+    sweep killed from outside (a `timeout`) loses only the run it was in. A failure ends the sweep with one
+    `error:` line: the rows so far are returned, or None when there are none.
     """
     from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
 
@@ -66,8 +68,32 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
                     adjust(new, label)
                 rows += new
                 print(show(new).split("\n", 2)[2], flush=True)
+                _keep(args, rows)
     except (EmulationError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         if not rows:
             return None
+    finally:
+        _keep(args, None)
     return rows
+
+
+def partial_path(args) -> str | None:
+    """Where a sweep keeps its rows so far: beside --json, or nowhere without it."""
+    path = getattr(args, "json", None)
+    return None if not path else os.path.splitext(path)[0] + ".partial.json"
+
+
+def _keep(args, rows: list[dict] | None) -> None:
+    """Write the rows so far (atomically: a kill mid-write leaves the last whole file), or remove them (None)."""
+    path = partial_path(args)
+    if path is None:
+        return
+    if rows is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"partial": True, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    os.replace(tmp, path)

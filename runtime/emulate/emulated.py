@@ -138,6 +138,10 @@ class Emulation:
             link = self._each_unit(inputs, hooks)
             if link is not None and link.grad_fn is not None and self._replayable(inputs):
                 self._chain = link
+        # The pass's first and last nodes were for this forward's own use: held on, they would keep its graph,
+        # and the hooks a strategy put on its tensors (hybcomm's capture), alive until the next forward, and
+        # past the strategy's close: a cycle through autograd's C++ nodes, which the collector cannot see.
+        self._pass = None
         self._run_owed()
         self.clock.sync()  # the layers ran lazily: the pass ends when its last one does
         self.acc.account("layers", self.forward_run, len(self.steps))

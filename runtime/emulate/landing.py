@@ -10,7 +10,7 @@ from itertools import repeat
 import torch
 
 from .accelerator import active
-from .pattern import ROW, write
+from .pattern import ROW, add, firsts, fixed, write
 
 __all__ = ["defer_zero", "land", "land_all", "land_ahead", "land_pass", "take"]
 
@@ -130,6 +130,8 @@ def _land(params) -> None:
             if not _holds(p, grad):
                 write(grad, rows)
                 p._emulated_written = (grad, grad._version)
+        elif rows is not None:  # a LARGE one keeps no template: made for a .grad that is not contiguous
+            grad.copy_(fixed(p))
         else:
             small.append(p)
     if small:
@@ -149,10 +151,10 @@ def _holds(p, grad: torch.Tensor) -> bool:
     written = getattr(p, "_emulated_written", None)
     if written is None or written[0] is not grad or written[1] != grad._version:
         return False
-    firsts = getattr(p, "_emulated_firsts", None)
-    if firsts is None:
-        firsts = p._emulated_firsts = p._emulated_grad.view(-1)[::ROW].clone()
-    return torch.equal(grad.view(-1)[::ROW], firsts)
+    first = getattr(p, "_emulated_firsts", None)
+    if first is None:
+        first = p._emulated_firsts = firsts(p)
+    return torch.equal(grad.view(-1)[::ROW], first)
 
 
 def _landed(t: float, cpu: float, absorb: bool = True) -> None:
@@ -186,16 +188,30 @@ def land_pass(params) -> None:
     if marked:
         _land(marked)
     if added:
-        torch._foreach_add_([p.grad for p in added], [p._emulated_grad for p in added])
+        _add(added)
     for p in made:
-        p.grad = p._emulated_grad.clone()
+        p.grad = fixed(p) if p._emulated_grad is None else p._emulated_grad.clone()
     _landed(t, cpu)
+
+
+def _add(params) -> None:
+    """Each one's fixed gradient added to its .grad (micro-batches accumulate): the templates in one call, a
+    LARGE one's from its row scales (pattern.add) where its .grad is contiguous."""
+    large = [p for p in params if p._emulated_grad is None and p.grad.is_contiguous()]
+    for p in large:
+        add(p.grad, p._emulated_rows)
+    seen = set(map(id, large))
+    rest = [p for p in params if id(p) not in seen]
+    if rest:
+        torch._foreach_add_([p.grad for p in rest], [fixed(p) for p in rest])
 
 
 def take(params) -> tuple:
     """What a node's backward hands autograd for each of params: nothing where the gradient landed (its
-    AccumulateGrad adds nothing and still runs its hooks), else the fixed gradient, made once (no per-step
-    random numbers or allocation). A frozen parameter gets nothing."""
+    AccumulateGrad adds nothing and still runs its hooks), else the fixed gradient: its template (no per-step
+    random numbers or allocation), or a LARGE one's made from its row scales (an allocation, where autograd
+    would have cloned a template it cannot take over; a LARGE parameter with a tensor hook pays it each pass).
+    A frozen parameter gets nothing."""
     out = []
     for p in params:
         state = getattr(p, "_emulated_landing", 0)
@@ -206,5 +222,5 @@ def take(params) -> tuple:
             p._emulated_landing = 0
             out.append(None)
         else:
-            out.append(p._emulated_grad if p.requires_grad else None)
+            out.append(fixed(p) if p.requires_grad else None)
     return tuple(out)
