@@ -351,10 +351,9 @@ class Bench:
 
 def fixed_gradients(model) -> list | None:
     """An emulated model's fixed gradients (runtime.emulate), one per parameter: T_comm's gradients without a
-    second model-sized copy (VGG-19 at 224x224: 575 MB a rank); None for a model that computes. A LARGE
-    parameter keeps no template (runtime.emulate.pattern): its landed .grad holds the same values and stands
-    in for it (for a strategy whose .grad views its own buffer, that parameter's copy in is then no copy), or,
-    with no .grad, one made from its row scales."""
+    second model-sized copy (VGG-19 at 224x224: 575 MB a rank); None for a model that computes. A LARGE one
+    keeps no template (runtime.emulate.pattern): its landed .grad, of the same values, stands in (where the
+    strategy's .grad views its buffer, its copy in is no copy), or, with no .grad, one made from its rows."""
     from runtime.emulate.pattern import fixed
     params = list(model.parameters())
     if not params or not all(hasattr(p, "_emulated_grad") for p in params):

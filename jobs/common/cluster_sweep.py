@@ -1,4 +1,4 @@
-"""A benchmark driver's loop: its MPI worker across an emulated cluster at each bandwidth (or on this host), its ROWs."""
+"""A benchmark driver's loop: its MPI worker across an emulated cluster at each bandwidth (or here), its ROWs."""
 
 from __future__ import annotations
 
