@@ -85,7 +85,7 @@ def partial_path(args) -> str | None:
 
 
 def _keep(args, rows: list[dict] | None) -> None:
-    """Write the rows so far (atomically: a kill mid-write leaves the last whole file), or remove them (None)."""
+    """Write the rows so far (report.write_document: a kill mid-write leaves the last whole file), or remove them."""
     path = partial_path(args)
     if path is None:
         return
@@ -93,7 +93,6 @@ def _keep(args, rows: list[dict] | None) -> None:
         if os.path.exists(path):
             os.remove(path)
         return
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"partial": True, "argv": sys.argv[1:], "rows": rows}, f, indent=1)
-    os.replace(tmp, path)
+    from jobs.common.report import write_document
+
+    write_document(path, {"partial": True, "argv": sys.argv[1:], "rows": rows}, say=lambda *_: None)
