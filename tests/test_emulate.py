@@ -275,3 +275,28 @@ def test_the_emulation_benchmark_runs_a_profile_on_its_own_model_and_refuses_a_f
     with pytest.raises(SystemExit) as exit_:
         bench.parse_args(["--profiles", str(tmp_path / "not.json")])
     assert exit_.value.code == 2
+
+
+def test_a_timed_window_reads_the_device_s_timeline_not_a_late_host_s():
+    """A step queues its backward without waiting (as a GPU's host does); when the host is descheduled after the
+    lead-in step (several ranks a core), its clock opens the window after the queued work has drained, and a
+    window of host time would miss that part of a period. Read on the device's timeline it holds one period."""
+    from mpi4py import MPI
+
+    from jobs.bench.strategies_worker import timed_batches
+    from jobs.common.compute import Compute
+
+    acc = accelerator.activate(accelerator.Accelerator(compute_model("v100")))
+    calls = []
+
+    def step():
+        acc.clock.begin()  # a forward starts a pass, as the emulated model's does
+        acc.run("forward", 0.02)
+        acc.run("backward", 0.06, wait=False)
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.08)  # the lead-in's host, late: the queued backward ends meanwhile
+
+    per_step = timed_batches(MPI.COMM_SELF, step, accelerator.synchronize, 0, 1, 1, Compute("emulated:v100").now)[0]
+    assert per_step >= 0.08  # one period of 20 + 60 ms; the host's clock read the forward's 20 ms
+    assert per_step < 0.08 + 0.05

@@ -146,7 +146,7 @@ class ChoiceBench:
                 def finish():
                     dopt.synchronize()
                     self.compute.synchronize()  # an emulated device's queued backward and update count too
-                out = timed_batches(self.comm, step, finish, self.args.warmup, 1, self.args.iters)[0]
+                out = timed_batches(self.comm, step, finish, self.args.warmup, 1, self.args.iters, self.compute.now)[0]
             else:
                 step()
                 dopt.synchronize()

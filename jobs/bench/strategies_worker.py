@@ -125,7 +125,7 @@ def steps_per_batch(iters: int) -> int:
     return LEAD_IN + iters
 
 
-def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> list[float]:
+def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int, now=time.perf_counter) -> list[float]:
     """Per-batch seconds per step of `iters` back-to-back steps in the steady state, slowest rank, after `warmup`
     steps and finish().
 
@@ -134,8 +134,8 @@ def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> 
     exchange with the next forward (p3 defers its updates to it) is timed as it runs: with one step a batch and
     finish() inside the batch, p3's whole exchange was waited for in every timed step (VGG-19 at balance:
     1.08 s against 0.78 s in training). Each timed window holds `iters` whole periods: the exchange owed when
-    it opens (the lead-in's) and when it closes (its last step's) are alike. On a GPU `finish` must also wait
-    for the device; over back-to-back steps the host keeps pace with it.
+    it opens (the lead-in's) and when it closes (its last step's) are alike. `now` reads both ends (emulated:
+    the device's timeline, Compute.now); on a GPU `finish` must also wait for the device.
     """
     for _ in range(warmup):
         step()
@@ -145,10 +145,10 @@ def timed_batches(comm, step, finish, warmup: int, batches: int, iters: int) -> 
         comm.Barrier()
         for _ in range(LEAD_IN):
             step()
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(iters):
             step()
-        t = time.perf_counter() - t0
+        t = now() - t0
         finish()  # p3 owes the last update: untimed, as the lead-in's was owed when the window opened
         per_batch.append(slowest(comm, t) / iters)
     return per_batch
@@ -196,7 +196,7 @@ class Bench:
         timed_batches(self.comm, step, done, a.warmup, 0, a.iters)  # the warm-up alone
         self.comm.Barrier()
         tx0, modelled = self.host_tx_bytes(), host_usage.modelled_s()
-        per_batch = timed_batches(self.comm, step, done, 0, a.batches, a.iters)
+        per_batch = timed_batches(self.comm, step, done, 0, a.batches, a.iters, self.compute.now)
         modelled = host_usage.modelled_since(modelled, a.batches * steps_per_batch(a.iters))
         tx1 = self.host_tx_bytes()  # every step is over: each received all it waited for, so it was sent
         return per_batch, self.wire_per_step(tx1 - tx0 if self.iface else None), modelled

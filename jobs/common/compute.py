@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from jobs.common.inputs import InputError
 
@@ -70,6 +71,15 @@ class Compute:
         from runtime.emulate import emulate_optimizer
 
         return emulate_optimizer(optimizer)
+
+    def now(self) -> float:
+        """The clock a timed window reads at step boundaries: time.perf_counter(), or under emulation the
+        device's timeline (runtime.emulate.device_time: the end of its queued work if that is later)."""
+        if not self.emulated:
+            return time.perf_counter()
+        from runtime.emulate import device_time
+
+        return device_time()
 
     def synchronize(self, device=None) -> None:
         """Wait for the device's queued work before a clock is read: a GPU's (torch.cuda.synchronize), or the

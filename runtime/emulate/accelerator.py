@@ -10,7 +10,7 @@ from collections import defaultdict
 from .clock import Clock
 from .compute_model import ComputeModel
 
-__all__ = ["Accelerator", "active", "activate", "deactivate", "device_work", "ready_at", "synchronize"]
+__all__ = ["Accelerator", "active", "activate", "deactivate", "device_time", "device_work", "ready_at", "synchronize"]
 
 
 class Accelerator:
@@ -118,6 +118,15 @@ def ready_at() -> float | None:
     a backward that runs ahead fires its ready_aware hooks (runtime.emulate.watch) before the device made it;
     None otherwise: not emulating, or the gradient is ready now."""
     return None if _active is None else _active.clock.ready_at
+
+
+def device_time() -> float:
+    """A time.perf_counter() time on the calling thread's emulated stream: now, or when the work queued on it
+    ends if that is later. A timed window read at step boundaries without a synchronize (a backward and an
+    update queued, not waited for) then holds whole periods of the device's timeline: with several ranks a
+    core, the host can read its clock well before its queued work ends and the window would miss that tail."""
+    now = time.perf_counter()
+    return now if _active is None else max(now, _active.clock.deadline)
 
 
 def synchronize() -> None:
