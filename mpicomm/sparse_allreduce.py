@@ -102,6 +102,7 @@ class SparseAllreduce:
             self._right_is_remote = right not in topology.node_ranks
         self.traffic = Traffic()
         self.applied = torch.empty(0, dtype=torch.int64)  # indices the last result may be nonzero at
+        self._add = False  # this call's `add`
         self._scratch: dict = {}
         self._handles: list = []
         self._staging: dict = {}  # grow-only host (pinned for CUDA) and device buffers of the staged path
@@ -133,7 +134,8 @@ class SparseAllreduce:
         return handle.wait()
 
     def __call__(self, x: torch.Tensor, select: Select, out: torch.Tensor | None = None,
-                 k_of: Callable[[int], int] | None = None, host: torch.Tensor | None = None) -> torch.Tensor:
+                 k_of: Callable[[int], int] | None = None, host: torch.Tensor | None = None,
+                 add: bool = False) -> torch.Tensor:
         """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard.
 
         out: where the sum goes (may be x itself: x is not read after the selection).
@@ -142,7 +144,10 @@ class SparseAllreduce:
         host: staged only, a host tensor like x (pinned for CUDA) that the
         hierarchical exchange may overwrite with x's dense copy instead of a
         buffer of its own (the strategies pass their unused host mirror).
+        add: the sum is added to what `out` holds, with no pass that zeroes it first (a caller that accounts for
+        that pass elsewhere: an emulated device's modelled memset).
         """
+        self._add = add
         if x.dim() != 1 or not x.is_contiguous():
             raise ValueError("sparse allreduce takes a contiguous 1-D tensor")
         if x.element_size() == 4 and x.numel() > 2**31 - 1:
@@ -161,6 +166,10 @@ class SparseAllreduce:
             return self._flat_staged(x, select, out)
         return self._hierarchical(x, select, out, k_of) if self.hierarchical else self._flat(x, select, out)
 
+    def _clear(self, out: torch.Tensor) -> None:
+        if not self._add:
+            out.zero_()
+
     def _pack(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return pack(values, indices, self._buffer(name, 2 * values.numel() * values.element_size(), torch.uint8))
 
@@ -171,7 +180,7 @@ class SparseAllreduce:
         gathered = self._run(self.world.allgather(mine, self._buffer("gathered", mine.numel() * self.size,
                                                                      torch.uint8)))
         self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
-        out.zero_()
+        self._clear(out)
         self.applied = _scatter_add(out, gathered, [mine.numel()] * self.size, x.dtype)
         return out
 
@@ -192,7 +201,7 @@ class SparseAllreduce:
         values, indices = _select(select, shard)
         mine = self._pack("mine", values, indices + lo)
         blocks, everything = self._spread(mine, counts, 2 * x.element_size(), k_of, self._buffer)
-        out.zero_()
+        self._clear(out)
         self.applied = _scatter_add(out, everything, blocks, x.dtype)
         return out
 
@@ -254,7 +263,7 @@ class SparseAllreduce:
         if out.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        out.zero_()
+        self._clear(out)
         self.applied = _scatter_add(out, pairs, blocks, out.dtype)
         return out
 

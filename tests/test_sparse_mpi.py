@@ -60,6 +60,19 @@ def test_density_one_equals_dense_allreduce(world, hierarchical):
             assert_everywhere(world, torch.equal(got, dense_sum(world, x)), f"rpn={rpn}")
 
 
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_add_sums_into_what_out_holds(world, hierarchical):
+    """add=True (an emulated device zeroes the result in modelled time): the sum lands on out's values."""
+    P = world.Get_size()
+    with Topology(world, ranks_per_node=2 if P % 2 == 0 else 1) as topo:
+        op = SparseAllreduce(topo, hierarchical=hierarchical)
+        x = torch.randint(-20, 20, (1001,), generator=torch.Generator().manual_seed(world.Get_rank())).float()
+        out = torch.full_like(x, 3.0)
+        got = op(x.clone(), topk_select(1.0), out=out, add=True)
+        op.free()
+        assert_everywhere(world, got is out and torch.equal(out, dense_sum(world, x) + 3.0), "the sum plus 3")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_hierarchical_equals_flat_when_selection_covers_nonzeros(world, dtype):
     """k >= nonzeros per rank and per node shard: nothing is dropped, both give the exact sum."""

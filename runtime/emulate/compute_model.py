@@ -41,6 +41,10 @@ class ComputeModel:
         """Zeroing `nbytes` of device memory."""
         return 0.0
 
+    def pass_s(self, nbytes: int) -> float:
+        """One element-wise pass over device memory that reads and writes `nbytes` in all (a scaling, a sum)."""
+        return self.memset_s(nbytes)
+
 
 class RooflineModel(ComputeModel):
     def __init__(self, dev: Device):
