@@ -136,6 +136,8 @@ def test_topk(fresh, granularity):
     agree(dopt.strategy.traffic.intra + dopt.strategy.traffic.inter > 0, "pairs were sent")
     agree(not dopt.strategy.ef.residuals, "no error-feedback residuals are kept under emulation")
     agree(0 < dopt.strategy.sparse.applied.numel() <= 4 * n, "pairs were summed")
+    # ... beside the gradients, which keep their landed values: the next landing has nothing to write.
+    agree(all(torch.equal(p.grad, fixed(p)) for p in model.parameters()), "the landed gradients were changed")
 
 
 def test_hier_topk(fresh):

@@ -10,7 +10,7 @@ from itertools import repeat
 import torch
 
 from .accelerator import active
-from .pattern import ROW, add, firsts, fixed, write
+from .pattern import ROW, firsts, fixed, write
 
 __all__ = ["defer_zero", "land", "land_all", "land_ahead", "land_pass", "take"]
 
@@ -195,13 +195,17 @@ def land_pass(params) -> None:
 
 
 def _add(params) -> None:
-    """Each one's fixed gradient added to its .grad (micro-batches accumulate): the templates in one call, a
-    LARGE one's from its row scales (pattern.add) where its .grad is contiguous."""
-    large = [p for p in params if p._emulated_grad is None and p.grad.is_contiguous()]
-    for p in large:
-        add(p.grad, p._emulated_rows)
-    seen = set(map(id, large))
-    rest = [p for p in params if id(p) not in seen]
+    """Micro-batches accumulate: on a GPU autograd adds each one's gradient on the device, a pass over them at
+    its memory's rate, queued here as modelled time ("accumulate"). The host adds the small ones' templates in
+    one call, so their values are exactly the sum; a LARGE one (LARGE elements or more, row-scaled)
+    keeps the values it holds, with no host pass: adding 100 MB a micro-batch on this host cost a stage of
+    fc-heavy 0.85 s a step against its 10 ms of modelled compute. Nothing computes with those values (the
+    emulated update does not): a LARGE gradient after micro-batches is the first one's, not their sum."""
+    acc = active()
+    if acc is not None:
+        acc.run("accumulate", acc.model.pass_s(3 * sum(p.grad.numel() * p.grad.element_size() for p in params)),
+                wait=False)
+    rest = [p for p in params if p._emulated_grad is not None or not p.grad.is_contiguous()]
     if rest:
         torch._foreach_add_([p.grad for p in rest], [fixed(p) for p in rest])
 

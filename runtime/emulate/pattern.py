@@ -4,11 +4,10 @@ a large gradient writes host memory without reading a second copy as large, and 
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
-__all__ = ["ROW", "LARGE", "add", "firsts", "fixed", "template", "write"]
+__all__ = ["ROW", "LARGE", "firsts", "fixed", "template", "write"]
 
 ROW = 1 << 16  # elements in the block: 256 KB in fp32, which stays in a core's L2 while a gradient is written
 # A parameter at least this large keeps its row scales (p._emulated_rows) and lands by write(): on this VM that
@@ -18,10 +17,8 @@ ROW = 1 << 16  # elements in the block: 256 KB in fp32, which stays in a core's 
 # keeps no template (p._emulated_grad is None): VGG19-22K's would be 916 MB more a rank, which 8 ranks on this
 # VM's 23.5 GiB cannot hold beside the parameters and gradients; fixed(p) makes it where a whole one is needed.
 LARGE = 4 * ROW
-ADD_ROWS = 16  # add()'s scratch: 4 MB in fp32, reused row block after row block
 _SEED = 20261126
 _blocks: dict[torch.dtype, torch.Tensor] = {}
-_scratch = threading.local()  # add()'s, per thread (a pipeline's stages may land at once) and dtype: made once
 
 
 def _block(dtype: torch.dtype) -> torch.Tensor:
@@ -62,23 +59,6 @@ def firsts(p: torch.nn.Parameter) -> torch.Tensor:
     if p._emulated_grad is not None:
         return p._emulated_grad.view(-1)[::ROW].clone()
     return torch.mul(_block(p.dtype)[0], p._emulated_rows.view(-1))  # write()'s product for each row's first
-
-
-def add(dst: torch.Tensor, scales: torch.Tensor) -> None:
-    """dst += the fixed gradient of these row scales (dst contiguous, of its size), through a scratch of
-    ADD_ROWS rows: each value added is write()'s (same product), so the sum is what adding a template gives."""
-    flat, block = dst.view(-1), _block(dst.dtype)
-    full = flat.numel() // ROW
-    mine = _scratch.__dict__
-    scratch = mine.get(dst.dtype)
-    if scratch is None:
-        scratch = mine[dst.dtype] = torch.empty(ADD_ROWS, ROW, dtype=dst.dtype)
-    for a in range(0, full, ADD_ROWS):
-        b = min(full, a + ADD_ROWS)
-        flat[a * ROW:b * ROW].view(b - a, ROW).add_(torch.mul(block, scales[a:b], out=scratch[:b - a]))
-    rest = flat.numel() - full * ROW
-    if rest:
-        flat[full * ROW:].add_(block[:rest] * scales[full])
 
 
 def write(dst: torch.Tensor, scales: torch.Tensor) -> None:

@@ -58,10 +58,10 @@ class TopkSync(Strategy):
     the division by the ranks: each a pass a GPU makes at its memory's rate,
     which on this host's memory cost a rank of VGG-19 ~170 ms a step). The
     exchange is real, and so is what the host does here in place of the
-    device: summing every rank's pairs into the result ("sparse sum", P * k
-    entries, added to the landed gradient that the modelled zeroing stands
-    for: nothing reads the other entries, as the emulated update computes
-    nothing).
+    device: summing every rank's pairs ("sparse sum", P * k entries, into a
+    buffer of their own that the modelled zeroing stands for: the landed
+    gradients stay as they are, and nothing reads the sums, as the emulated
+    update computes nothing).
     """
 
     name = "topk"
@@ -88,6 +88,7 @@ class TopkSync(Strategy):
         self.steps = 0
         self._handles: list = []
         self._emulated: EmulatedSelection | None = None
+        self._sums: list[torch.Tensor] | None = None  # under emulation: where the pairs are summed (_sum)
 
     @property
     def traffic(self):
@@ -147,7 +148,7 @@ class TopkSync(Strategy):
                     flat.copy_(host)
                 flat.div_(self.size)
             elif self.granularity == "model":
-                self._exchange(acc, ("model", b), local, flat, mirror, density)
+                self._exchange(acc, ("model", b), local, flat if acc is None else self._sum(b), mirror, density)
                 self._mask(self.velocity and self.velocity[b], density, acc)
                 self._average(acc, flat)
             else:
@@ -155,7 +156,8 @@ class TopkSync(Strategy):
                     if bi != b or a == z:
                         continue
                     g = flat[a:z]
-                    self._exchange(acc, i, local[a:z], g, mirror[a:z] if mirror is not None else None, density)
+                    self._exchange(acc, i, local[a:z], g if acc is None else self._sum(b)[a:z],
+                                   mirror[a:z] if mirror is not None else None, density)
                     self._mask(self.velocity and self.velocity[b][a:z], density, acc)
                     self._average(acc, g)
         self._handles = []
@@ -177,6 +179,15 @@ class TopkSync(Strategy):
         self.sparse(local, lambda x: self._emulated.select(key, x, density, from_host=node_scatter), out=out,
                     k_of=lambda n: k_for_density(n, density), host=mirror, add=True)
         acc.issue("h2d", acc.model.copy_s(2 * self.sparse.applied.numel() * local.element_size()))
+
+    def _sum(self, b: int) -> torch.Tensor:
+        """Under emulation, where buffer b's pairs are summed: a buffer of its own (made once), so that the
+        gradients keep the fixed values landed in them and the next step's landing writes nothing, as a GPU's
+        host writes nothing where top-k keeps the gradients on the device. Never zeroed (that pass is modelled):
+        it adds up every step's sums, which nothing reads."""
+        if self._sums is None:
+            self._sums = [torch.zeros_like(f) for f in self.buffers.device_flats]
+        return self._sums[b]
 
     def _average(self, acc, g) -> None:
         """The sum divided by the ranks: on the host, or under emulation the device's pass, timed."""
@@ -227,6 +238,7 @@ class TopkSync(Strategy):
     def close(self) -> None:
         self.sparse.free()
         self.dense.free()
+        self._sums = None
 
 
 class HierTopkSync(TopkSync):
