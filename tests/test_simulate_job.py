@@ -89,8 +89,11 @@ def test_projection_from_a_device_model_takes_no_profile_and_says_whose_compute(
     prof = doc["meta"]["profile"]
     assert prof["batch_size"] == 32 and prof["device"] == "cuda" and prof["machine"].startswith("modelled: v100")
     t = {(r["strategy"], r["bandwidth_bps"], r["nodes"]): r["t_iter_s"] for r in doc["rows"]}
-    # One node: the modelled step; 102 MB over 1 Gbit/s links: far slower than over 100 Gbit/s ones.
-    assert t["allreduce", 1e9, 1] == pytest.approx(prof["step_s"], rel=0.05)
+    # One node: the modelled step, and the gradients' copies to the host (behind the backward but the last
+    # layer's) and back, as the runtime stages them for MPI; 102 MB over 1 Gbit/s links: far slower than over
+    # 100 Gbit/s ones.
+    copy_s = sum(sum(layer["params"]) for layer in prof["layers"]) * prof["itemsize"] / (prof["copy_gbs"] * 1e9)
+    assert prof["step_s"] + copy_s <= t["allreduce", 1e9, 1] <= prof["step_s"] + 2 * copy_s
     assert t["allreduce", 1e9, 4] > 3 * t["allreduce", 100e9, 4]
 
 
@@ -175,3 +178,18 @@ def test_validate_under_emulated_compute_simulates_each_row_from_its_compute_mod
         assert r["measured_s"] > 0 and r["simulated_s"] > 0
     measured = json.loads((tmp_path / "val-measured-2r.json").read_text())["rows"]
     assert {(r["compute_spec"], r["carry_factor"], r["carried_links"]) for r in measured} == {("v100", 2.0, "1gbit")}
+
+
+def test_a_pipeline_benchmark_row_is_simulated_on_its_own_split_and_micro_batch():
+    """jobs.bench.pipeline's rows: a pipeline mode by its balance over the model's chain (the simulator's layers
+    are the modules holding parameters in each stage), profiled at the micro-batch; torch-1f1b has no schedule."""
+    from jobs.sim.modelled import pipeline_row
+
+    row = dict(model="fc-heavy", contender="vanilla", kind="pipeline", ranks=4, batch=64, microbatches=8,
+               balance=[3, 1, 2, 4], bandwidth="1gbit")
+    out = pipeline_row(row)
+    assert out["strategy"] == "pipeline-vanilla" and out["batch_per_rank"] == 8
+    assert out["sim_options"] == {"microbatches": 8, "balance": [1, 1, 1, 2], "per_microbatch": True}
+    dp = pipeline_row(dict(row, contender="wfbp", kind="data-parallel", microbatches=None, balance=None))
+    assert dp["strategy"] == "wfbp" and dp["batch_per_rank"] == 16 and "sim_options" not in dp
+    assert pipeline_row(dict(row, contender="torch-1f1b", kind="peer")) is None

@@ -284,6 +284,9 @@ class Runner:
         out = getattr(self, kind(name).replace("-", "_"))(name)
         # The accelerator is the process's, shared by the contenders: the kinds of work this one emulated.
         out["parts"] = sorted(k for k, v in active().seconds.items() if v > before.get(k, 0.0)) if active() else []
+        if active():  # the busiest rank's modelled device seconds a step (warm-up and timed steps alike)
+            ran = self.args.warmup + self.args.iters
+            out["device_s"] = self.spread(sum(active().seconds.values()) - sum(before.values()))[1] / ran
         gc.collect()
         if "t_iter" not in out:  # the round's T_iter: its mean step, so an uneven step weighs as long as it took
             out.update(steps=len(out["secs"]), t_iter=statistics.fmean(out["secs"]))
@@ -323,6 +326,7 @@ def row(args, runner, name: str, rounds: list[dict]) -> dict:
                **runner.compute.describe())
     if runner.compute.emulated:
         out["emulated_parts"] = sorted({k for r in rounds for k in r["parts"]})
+        out["modelled_device_s_max"] = statistics.median(r["device_s"] for r in rounds)
     if kind(name) == "peer" and not measured:
         out["bytes_per_step_max"] = None  # the peer counts all ranks together
     return out

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["emulated", "row_profile"]
+__all__ = ["emulated", "pipeline_row", "row_profile"]
 
 _CACHE: dict = {}
 
@@ -39,3 +39,36 @@ def _spec(row: dict) -> str:
                          "(rows carry compute_spec since issue 27; rerun the benchmark)")
     amp = ":amp" if "amp" in (row.get("compute") or "") and ":" not in dev else ""
     return dev + amp
+
+
+def pipeline_row(row: dict) -> dict | None:
+    """A jobs.bench.pipeline row as the validation's rows are (strategy, batch_per_rank, and a pipeline's
+    microbatches and split over the simulator's layers), or None for a contender with no simulated schedule
+    (torch-1f1b). A pipeline's profile is its model at the micro-batch; data parallelism's at the batch over the
+    ranks."""
+    if row.get("kind") == "peer":
+        return None
+    out = dict(row, strategy=row["contender"], batch_per_rank=row["batch"] // row["ranks"])
+    if row["kind"] == "pipeline":
+        # Profiled at the micro-batch, as each stage waits its modelled time for one (not the step's batch
+        # divided: a micro-batch of 8 through a 8192 x 8192 layer costs what 64 do, its weights read alike).
+        out.update(strategy=f"pipeline-{row['contender']}", batch_per_rank=row["batch"] // row["microbatches"],
+                   sim_options={"microbatches": row["microbatches"], "balance": profile_split(row),
+                                "per_microbatch": True})
+    return out
+
+
+def profile_split(row: dict) -> list[int]:
+    """The run's balance (layers of runtime.pipeline.as_layers per stage) as the simulator's layers per stage:
+    the modules owning parameters in each stage's layers, which are runtime.emulate.sim_profile's layers."""
+    from runtime.pipeline import as_layers
+    from runtime.workloads.models import build_model
+
+    layers = as_layers(build_model(row["model"]))
+    owners = [sum(1 for m in layer.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
+              for layer in layers]
+    out, a = [], 0
+    for n in row["balance"]:
+        out.append(sum(owners[a:a + n]))
+        a += n
+    return out

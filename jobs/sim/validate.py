@@ -6,6 +6,8 @@ r"""The simulator against the emulated cluster: measured and simulated T_iter fo
         --profiles benchmarks/issue15/profiles --calibration benchmarks/issue15/calibration.json
     mpitrain simulate --validate --compute emulated:p4000 --bandwidths 2.5gbit,10gbit --carry-at 1gbit \
         --models resnet50-224 --strategies allreduce,wfbp,p3,ddp               # emulated compute
+    mpitrain simulate --validate --compute emulated:1080ti --compute-scale 10 --bandwidths 100mbit,1gbit \
+        --ranks 4 --pipeline-models fc-heavy --strategies pipeline-flush,pipeline-vanilla   # pipelines
 
 Four stages, each skipped when its result is given:
   1. profiles (--profiles DIR, files MODEL-bBATCH-rRANKS.json; missing ones are
@@ -17,7 +19,9 @@ Four stages, each skipped when its result is given:
      and at each bandwidth (the share of the line rate the ring's payload
      gets), microbenchmarks only;
   3. measurements (--measured): jobs.bench over the emulated cluster, R hosts
-     of one rank, every bandwidth, model and strategy;
+     of one rank, every bandwidth, model and strategy; the pipeline-MODE
+     strategies by jobs.bench.pipeline on --pipeline-models (one stage a
+     rank), simulated on the run's own split and micro-batch;
   4. simulation of each measured row from the profile, the calibration and
      one figure per strategy from its synchronisation timed alone (jobs.bench's
      T_comm and comm CPU): the cores its communication machinery took while
@@ -58,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--ranks", default="4,8", help="emulated hosts of one rank each (default 4,8)")
     p.add_argument("--bandwidths", default="1gbit,2.5gbit,10gbit")
     p.add_argument("--models", default="vgg19,resnet50,transformer")
+    p.add_argument("--pipeline-models", default="fc-heavy",
+                   help="the models of the pipeline-MODE strategies (jobs.bench.pipeline, one stage a rank; default "
+                        "fc-heavy); the others run on --models")
     p.add_argument("--strategies", default=STRATEGIES, help=f"default {STRATEGIES}")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2, help="jobs.bench's (default 2)")
@@ -80,6 +87,8 @@ def check_args(args) -> None:
     args.bandwidths = comma_list("--bandwidths", args.bandwidths)
     args.models = comma_list("--models", args.models)
     args.strategies = comma_list("--strategies", args.strategies)
+    args.pipeline_models = comma_list("--pipeline-models", args.pipeline_models)
+    args.modes = [s.removeprefix("pipeline-") for s in args.strategies if s.startswith("pipeline-")]
     args.measured = comma_list("--measured", args.measured) if args.measured else []
     for path in args.measured + ([args.calibration] if args.calibration else []):
         if not os.path.isfile(path):
@@ -89,6 +98,9 @@ def check_args(args) -> None:
     check_compute(args)
     args.local = False  # what check_carry asks: the validation always runs on the emulated cluster
     check_carry(args)
+    if args.modes and args.carry_at and not args.measured:
+        raise InputError("--carry-at", "the pipeline benchmark runs at the rates asked: for the pipeline-MODE "
+                         "strategies give --compute-scale and slower --bandwidths instead")
     bench_outputs(args)
 
 
@@ -113,7 +125,9 @@ def profiles(args, needed) -> dict:
 def calibrate(args) -> dict:
     """Microbenchmarks on the emulated cluster (the smallest even rank count of the grid, one rank a host):
     unshaped, the transport's own costs; at each bandwidth, the share of the line rate the ring's payload
-    gets (headers, acknowledgements, the gaps between ring steps)."""
+    gets (headers, acknowledgements, the gaps between ring steps) and the CPU a byte costs at that rate (4.3 ns
+    at 1 Gbit/s against 1.0 unshaped on this VM: more segments and acknowledgements a byte, and the waits
+    polled while the link drains), which emulated_cluster charges there."""
     from jobs.common.cluster_sweep import rows_from
     from mpicomm.emulation import EmulatedCluster, parse_bandwidth
 
@@ -128,7 +142,8 @@ def calibrate(args) -> dict:
     t = found["none"]
     efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in links}
     return {"transport": {"rate": t["rate"], "cpu_per_byte": t["cpu_per_byte"], "latency": t["latency"],
-                          "efficiency": 0.94}, "efficiency": efficiency, "raw": found}
+                          "efficiency": 0.94}, "efficiency": efficiency,
+            "cpu_per_byte": {bw: found[bw]["cpu_per_byte"] for bw in links}, "raw": found}
 
 
 def measure(args) -> list[dict]:
@@ -137,10 +152,15 @@ def measure(args) -> list[dict]:
 
     rows = []
     stem = os.path.splitext(args.json)[0] if args.json else "validation"
+    dense = [s for s in args.strategies if not s.startswith("pipeline-")]
     for ranks in args.ranks:
+        if args.modes:
+            rows += measure_pipelines(args, ranks, f"{stem}-pipelines-{ranks}r.json")
+        if not dense:
+            continue
         path = f"{stem}-measured-{ranks}r.json"
         bench.main(["--models", ",".join(args.models), "--bandwidths", ",".join(args.bandwidths), "--hosts",
-                    str(ranks), "--strategies", ",".join(args.strategies), "--rounds", str(args.rounds),
+                    str(ranks), "--strategies", ",".join(dense), "--rounds", str(args.rounds),
                     "--batches", str(args.batches), "--iters", str(args.iters), "--warmup", str(args.warmup),
                     "--batch-size", str(args.batch_size), "--timeout", str(args.timeout), "--json", path,
                     "--compute", args.compute, "--compute-scale", repr(args.compute_scale),
@@ -149,9 +169,36 @@ def measure(args) -> list[dict]:
     return rows
 
 
+def measure_pipelines(args, ranks: int, path: str) -> list[dict]:
+    """jobs.bench.pipeline's modes on --pipeline-models, one stage a rank (a model with fewer layers holding
+    parameters than `ranks` is left out, said)."""
+    from jobs.bench import pipeline as bench
+    from runtime.pipeline import as_layers
+    from runtime.workloads.models import build_model
+
+    models = []
+    for m in args.pipeline_models:
+        owners = sum(any(p.requires_grad for p in layer.parameters()) for layer in as_layers(build_model(m)))
+        if owners < ranks:
+            print(f"# pipelines: {m} has {owners} layers with parameters, fewer than {ranks} stages: left out")
+        else:
+            models.append(m)
+    if not models:
+        return []
+    bench.main(["--models", ",".join(models), "--bandwidths", ",".join(args.bandwidths), "--hosts", str(ranks),
+                "--contenders", ",".join(args.modes), "--rounds", str(args.rounds), "--iters", str(args.iters + 1),
+                "--warmup", str(args.warmup), "--timeout", str(args.timeout), "--json", path,
+                "--compute", args.compute, "--compute-scale", repr(args.compute_scale)])
+    return _rows(path)
+
+
 def _rows(path: str) -> list[dict]:
+    """A jobs.bench JSON's rows; a jobs.bench.pipeline JSON's as pipeline_row makes them."""
+    from jobs.sim.modelled import pipeline_row
+
     with open(path) as f:
-        return json.load(f)["rows"]
+        rows = json.load(f)["rows"]
+    return [r for r in (pipeline_row(r) if "contender" in r else r for r in rows) if r is not None]
 
 
 def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes: int | None = None,
@@ -166,7 +213,14 @@ def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes:
     nodes = nodes or ranks
     return Cluster(nodes=nodes, ranks_per_node=ranks // nodes, bandwidth=bps if bps else 100e9, latency=t["latency"],
                    efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"],
-                   cpu_per_byte=t["cpu_per_byte"], shared_cores=cores, device=device)
+                   cpu_per_byte=cpu_per_byte(cal, bandwidth), shared_cores=cores, device=device)
+
+
+def cpu_per_byte(cal: dict, bandwidth: str) -> float:
+    """A byte's CPU at this link's rate where calibrated (a file from before that: its raw figures at the rate),
+    else the unshaped transport's."""
+    at = cal.get("cpu_per_byte", {}).get(bandwidth) or cal.get("raw", {}).get(bandwidth, {}).get("cpu_per_byte")
+    return at or cal["transport"]["cpu_per_byte"]
 
 
 POLLING = ("wfbp", "p3")  # strategies whose exchange a progress thread drives beside the training thread
@@ -183,7 +237,8 @@ def comm_cores(rows: list[dict], cal: dict) -> dict:
     for r in rows:
         if r["strategy"] in POLLING and r.get("t_comm_s") and r.get("comm_cpu_s") is not None:
             t_comm = r["t_comm_s"] * (r.get("carry_factor") or 1.0)  # as it ran: a carried row reports it divided
-            copies = cal["transport"]["cpu_per_byte"] * (r.get("wire_bytes_per_host_per_step") or 0) / t_comm
+            copies = cpu_per_byte(cal, r.get("carried_links") or r["bandwidth"]) * \
+                (r.get("wire_bytes_per_host_per_step") or 0) / t_comm
             out[r["model"], r["strategy"], r["bandwidth"], r["ranks"]] = \
                 max(0.0, r["comm_cpu_s"] / (t_comm * r["ranks"]) - copies)
     for (model, s, bw, ranks), v in list(out.items()):
@@ -218,7 +273,7 @@ def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3)
             seen_compute.add((key, m["bandwidth"]))
             sim = simulate(prof, cluster, "compute").t_iter_s / f
             out.append(_row(m, "compute", m["t_compute_s"], sim, sim, 0.0))
-        opts = {"density": m.get("density") or density} if "topk" in m["strategy"] else {}
+        opts = {"density": m.get("density") or density} if "topk" in m["strategy"] else m.get("sim_options", {})
         share = shares.get((m["model"], m["strategy"], m["bandwidth"], m["ranks"]), 0.0)
         try:
             bare = simulate(prof, cluster, m["strategy"], **opts).t_iter_s / f
@@ -281,7 +336,7 @@ def main(argv=None) -> int:
     from jobs.sim.modelled import emulated
 
     measured = [r for p in args.measured for r in _rows(p)] if args.measured else measure(args)
-    measured = [r for r in measured if r["model"] in args.models and r["ranks"] in args.ranks
+    measured = [r for r in measured if r["model"] in args.models + args.pipeline_models and r["ranks"] in args.ranks
                 and r["bandwidth"] in args.bandwidths and r["strategy"] in args.strategies]
     # Profiles for the rows that computed for real; an emulated row is simulated from its compute model (compare).
     profs = profiles(args, {(r["model"], r["ranks"]) for r in measured if not emulated(r)})

@@ -57,12 +57,14 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
     gemm = cm.gemm_s(GEMM_SIDE, GEMM_SIDE, GEMM_SIDE) * scale
     # The model's host <-> device rate, from two sizes (its per-copy latency cancels); 0: no copies (a CPU's profile).
     copy_span = cm.copy_s(2 ** 30) - cm.copy_s(2 ** 20)
-    copy = (2 ** 30 - 2 ** 20) / copy_span / 1e9 if copy_span > 0 else 0.0
+    copy = (2 ** 30 - 2 ** 20) / copy_span / 1e9 / scale if copy_span > 0 else 0.0  # emulated copies scale too
+    pass_span = cm.pass_s(2 ** 30) - cm.pass_s(2 ** 20)  # the device memory's rate, as accumulating micro-batches
+    memory = (2 ** 30 - 2 ** 20) / pass_span / 1e9 / scale if pass_span > 0 else 0.0
     return Profile(name, _batch(tr), "cuda", tuple(layers), layer_s + optimizer_s + other_s, optimizer_s, other_s,
                    ranks_at_once=1, cores=1.0, cores_per_rank=1.0, threads=1,
                    select_s_per_element=cm.select_s(elements) * scale / elements,
                    gflops=2.0 * GEMM_SIDE ** 3 / gemm / 1e9 if gemm > 0 else 100.0, copy_gbs=float(copy),
-                   itemsize=itemsize,
+                   itemsize=itemsize, memory_gbs=memory,
                    machine=f"modelled: {cm.label}" + (f", compute x{scale:g}" if scale != 1 else ""),
                    extra={"compute_model": cm.label, "compute_scale": scale})
 

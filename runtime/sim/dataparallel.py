@@ -21,20 +21,48 @@ class Run:
         self.engine = Engine()
         self.host = Host(self.engine, cluster)
         self.stream = Stream(self.host)
+        self._copies_free = 0.0  # when the copy engine is done with the copies queued so far
 
     def compute(self, name: str, seconds: float) -> Event:
         return self.engine.start(self.host.compute(name, seconds, self.profile.cores_per_rank))
+
+    def copy_s(self, nbytes: float) -> float:
+        """A copy between a GPU and pinned host memory at the profile's rate; none for a CPU's profile."""
+        rate = self.profile.copy_gbs
+        return nbytes / (rate * 1e9) if rate > 0 and self.profile.device == "cuda" else 0.0
+
+    def to_host(self, nbytes: float) -> Event:
+        """A gradient's copy to the host on the copy engine, after those queued before it (the host does not
+        wait for it: runtime.device's staging copies on a side stream); fires when it is done."""
+        start = max(self.engine.now, self._copies_free)
+        self._copies_free = start + self.copy_s(nbytes)
+        return self.engine.timeout(self._copies_free - self.engine.now)
 
 
 class Schedule:
     """The plain step (forward, backward, optimizer); strategies add their exchanges through the hooks."""
 
     deferred = False  # True: no wait after backward, each layer waits before its next forward (p3)
+    # True: the exchange works on host memory (runtime.device's staging): each layer's gradients go to the host
+    # as they are ready and the averages come back before the update, at the profile's copy rate.
+    staged = False
 
     def __init__(self, run: Run, **options):
         self.run, self.p = run, run.profile
         self.options = options
         self.pending: list[Event] = []
+        self.unstaged = frozenset()  # layers whose gradients stay on the device (hybcomm's factors go instead)
+
+    def on_host(self, i: int) -> Event | None:
+        """Staged: layer i's copy to the host, queued now, whose event fires when it is done; else None."""
+        if not self.staged or i in self.unstaged or not self.run.copy_s(1):
+            return None
+        return self.run.to_host(self.p.layers[i].elements * self.p.itemsize)
+
+    def to_device(self, layers) -> Event | None:
+        """Staged: the averages of these layers back to the device, before their update (on its stream)."""
+        nbytes = sum(self.p.layers[i].elements for i in layers if i not in self.unstaged) * self.p.itemsize
+        return self.run.compute("copies to the device", self.run.copy_s(nbytes)) if self.staged and nbytes else None
 
     def before_forward(self, i: int, step: int):
         """A process run before layer i's forward (p3: wait for its parameters, apply its update)."""
@@ -48,7 +76,20 @@ class Schedule:
         if self.pending:
             yield all_of(self.pending)
             self.pending = []
+        yield from self.back()
         yield self.run.compute("optimizer", self.p.optimizer_s)
+
+    def back(self):
+        back = self.to_device(range(len(self.p.layers)))
+        if back is not None:
+            yield back
+
+
+def after(event: Event | None, gen):
+    """The process `gen`, once `event` has fired (a gradient's copy to the host)."""
+    if event is not None:
+        yield event
+    yield from gen
 
 
 def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
@@ -75,23 +116,36 @@ def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
 
 
 class AllreduceSchedule(Schedule):
-    """One ring allreduce of every gradient once backward is over (or, with pto, PTO's halves)."""
+    """One ring allreduce of every gradient once backward is over and copied (or, with pto, PTO's halves)."""
+
+    staged = True
+    _copied: Event | None = None
+
+    def grad_ready(self, i: int, step: int) -> None:
+        self._copied = self.on_host(i)  # the last one, once backward is over: the copies queued before it are done
 
     def finish(self, step: int):
         nbytes = self.p.grad_bytes
+        if self._copied is not None:
+            yield self._copied
         if self.options.get("pto"):
             yield from pto_update(self.run, nbytes)
+            yield from self.back()  # the averages, as the staged update leaves them
             return
         yield self.run.engine.process(allreduce(self.run.host, nbytes))
+        yield from self.back()
         yield self.run.compute("optimizer", self.p.optimizer_s)
 
 
 def pto_update(run: Run, nbytes: float):
-    """PTO: reduce-scatter, this rank's 1/P of the optimizer step, allgather of the parameters."""
+    """PTO: reduce-scatter, this rank's 1/P of the optimizer step, allgather of the parameters, which go back to
+    the device (a GPU's profile)."""
     P = run.cluster.ranks
     yield run.engine.process(reduce_scatter(run.host, nbytes, native=True))
     yield run.compute("sharded optimizer", run.profile.optimizer_s / P)
     yield run.engine.process(allgather(run.host, nbytes / P, "parameter allgather", native=True))
+    if run.copy_s(nbytes):
+        yield run.compute("parameters to the device", run.copy_s(nbytes))
 
 
 class _Param:
@@ -120,7 +174,9 @@ def param_layers(p: Profile, skip=frozenset()) -> tuple[list[int], list[int]]:
 
 
 class BucketSchedule(Schedule):
-    """Buckets in backward order, each one's allreduce queued the moment its last gradient exists."""
+    """Buckets in backward order, each one's allreduce queued the moment its last gradient is on the host."""
+
+    staged = True
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
@@ -138,12 +194,13 @@ class BucketSchedule(Schedule):
     def grad_ready(self, i: int, step: int) -> None:
         if not self._left:
             self._left = [set(layers) for _, layers in self.buckets]
+        copied = self.on_host(i)  # the bucket's last copy: those of its other layers were queued before it
         for b, left in enumerate(self._left):
             if i in left:
                 left.discard(i)
                 if not left:
-                    self.pending.append(self.run.stream.submit(allreduce(self.run.host, self.buckets[b][0],
-                                                                         f"bucket {b}")))
+                    self.pending.append(self.run.stream.submit(
+                        after(copied, allreduce(self.run.host, self.buckets[b][0], f"bucket {b}"))))
 
     def finish(self, step: int):
         self._left = []
@@ -152,6 +209,8 @@ class BucketSchedule(Schedule):
 
 class DdpSchedule(BucketSchedule):
     """torch DDP: 25 MiB buckets (the first 1 MiB) in reverse registration order, allreduced in order."""
+
+    staged = False  # gloo's own buffers (runtime.device's staging is DistributedOptimizer's)
 
     def layout(self, skip) -> list[tuple[int, set]]:
         sizes, owner = param_layers(self.p, skip)

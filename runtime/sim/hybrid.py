@@ -28,6 +28,7 @@ class HybcommSchedule(BucketSchedule):
         names = {c.name: c for c in costs if c.choice == "sfb"}
         self.sfb = {i: names[l.name] for i, l in enumerate(run.profile.layers) if l.name in names}
         super().__init__(run, **options, skip=frozenset(self.sfb))
+        self.unstaged = frozenset(self.sfb)  # their factors go to the host, not their gradients
         self.plan = {c.name: c.choice for c in costs}
 
     def grad_ready(self, i: int, step: int) -> None:
@@ -51,6 +52,7 @@ class HybcommSchedule(BucketSchedule):
         if self.pending:
             yield self.pending
             self.pending = []
+        yield from self.back()
         if flop:
             yield self.run.compute("sufficient-factor rebuild", flop / (self.run.profile.gflops * 1e9))
         self._left = []

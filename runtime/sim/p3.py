@@ -29,6 +29,7 @@ class P3Schedule(Schedule):
     """Slices of the flat gradient (registration order), each one's priority its first layer's forward index."""
 
     deferred = True
+    staged = True
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
@@ -66,6 +67,9 @@ class P3Schedule(Schedule):
                      if j not in self._updated and self._params_ready[j].fired]
             share = sum(self.p.layers[j].elements for j in along) / self._elements
             self._updated.update(along)
+            back = self.to_device(along)
+            if back is not None:
+                yield back
             yield self.run.compute("deferred update", self.p.optimizer_s * share)
 
     def grad_ready(self, i: int, step: int) -> None:
@@ -74,6 +78,14 @@ class P3Schedule(Schedule):
             self._layer_left = {j: len(self.slices_of[j]) for j in range(len(self.p.layers))}
             self._params_ready = {j: Event() for j in range(len(self.p.layers))}
             self._updated = set()
+        copied = self.on_host(i)
+        if copied is None:
+            self._on_host(i)
+        else:
+            copied.then(lambda _, i=i: self._on_host(i))
+
+    def _on_host(self, i: int) -> None:
+        """Layer i's gradients are on the host: the slices it completes may go."""
         for s in self.slices_of[i]:
             left = self._waiting[s]
             left.discard(i)

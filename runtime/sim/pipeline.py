@@ -6,8 +6,10 @@ forward waits for the previous stage's activation, a backward for the next
 stage's gradient, and each result is sent on at once (non-blocking) over the
 two hosts' links. The split is runtime.pipeline.partition's (PipeDream's
 dynamic programme over the profile's layers). "flush" drains every step
-(PipeDream-Flush); the asynchronous modes (vanilla, stash, spectrain) never
-drain, so step t's forwards follow straight on from step t-1's. With
+(PipeDream-Flush) and accumulates its micro-batches' gradients; the
+asynchronous modes (vanilla, stash, spectrain) never drain, so step t's
+forwards follow straight on from step t-1's, and update after each
+micro-batch, with the passes of their weight versions. With
 more ranks than stages each stage is data-parallel over its replicas: after
 its step, an allreduce of the stage's gradients among them.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from runtime.pipeline import schedule as order
 from runtime.pipeline.partition import LayerProfile, best_balance
+from runtime.pipeline.versions import version_difference
 
 from .cluster import Cluster, Host
 from .collectives import allreduce
@@ -29,9 +32,12 @@ def stage_split(profile: Profile, stages: int, bandwidth: float, scale: float) -
     """Layer ranges per stage: the partitioner's balance over the profile's layers (a micro-batch's times)."""
     layers = [LayerProfile(l.name, (l.fwd_s + l.bwd_s) * scale, int(l.act_bytes * scale), l.elements * 4, l.elements)
               for l in profile.layers]
-    balance = best_balance(layers, stages, bandwidth)
+    return _ranges(best_balance(layers, stages, bandwidth))
+
+
+def _ranges(counts: list[int]) -> list[range]:
     out, a = [], 0
-    for n in balance:
+    for n in counts:
         out.append(range(a, a + n))
         a += n
     return out
@@ -46,31 +52,59 @@ def default_stages(profile: Profile, cluster: Cluster) -> int:
 
 
 def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mode: str = "flush", steps: int = 6,
-                      stages: int | None = None) -> tuple[float, list[range]]:
+                      stages: int | None = None, balance: list[int] | None = None,
+                      per_microbatch: bool = False) -> tuple[float, list[range]]:
     """Mean step time after the first two steps, and the split.
 
     `stages` stages (default_stages) of ranks / stages replicas each, every rank of a stage on its own
     node (a node's link shared by its ranks, its cores too); each replica runs the profile's batch per
-    step, each micro-batch 1/microbatches of it (compute scaled linearly).
+    step, each micro-batch 1/microbatches of it (compute scaled linearly), or, per_microbatch, each
+    micro-batch the profile's batch as it was profiled: a GPU's time for a small batch is not in
+    proportion (a fully connected layer's weights are read whatever the batch). balance: the profile's
+    layers per stage (a measured run's split), instead of the partitioner's; it sets the stages.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if balance is not None:
+        if sum(balance) != len(profile.layers) or min(balance) < 1 or (stages and stages != len(balance)):
+            raise ValueError(f"balance {list(balance)}: needs {stages or 'the'} stages' layer counts, each 1 or more, "
+                             f"adding up to the profile's {len(profile.layers)} layers")
+        stages = len(balance)
     S = stages or default_stages(profile, cluster)
     if not 2 <= S <= len(profile.layers) or cluster.ranks % S:
         raise ValueError(f"{S} stages: need 2 to {len(profile.layers)} (the layers), dividing {cluster.ranks} ranks")
     replicas = cluster.ranks // S
-    scale = 1.0 / microbatches
+    scale = 1.0 if per_microbatch else 1.0 / microbatches
     rpn = cluster.ranks_per_node
     one_rank = cluster.with_(nodes=replicas, ranks_per_node=1, bandwidth=cluster.bandwidth / rpn,
                              cores_per_host=cluster.host_cores / rpn, shared_cores=None)
-    split = stage_split(profile, S, one_rank.bandwidth, scale)
+    split = stage_split(profile, S, one_rank.bandwidth, scale) if balance is None else _ranges(balance)
     engine = Engine()
     hosts = [Host(engine, one_rank, f"stage {k}") for k in range(S)]
     fwd = [sum(profile.layers[i].fwd_s for i in r) * scale for r in split]
     bwd = [sum(profile.layers[i].bwd_s for i in r) * scale for r in split]
-    fwd[-1] += profile.other_s * scale
     act = [profile.layers[r[-1]].act_bytes * scale for r in split]
     share = [sum(profile.layers[i].elements for i in r) / sum(l.elements for l in profile.layers) for r in split]
+    rate = profile.memory_gbs * 1e9
+    # The rest of the step (the loss) with the last stage's forward; zero_grad's memset of every gradient, in
+    # the rest, is each stage's own where the memory's rate is known (below, with each update).
+    fwd[-1] += max(0.0, profile.other_s - (profile.grad_bytes / rate if rate else 0.0)) * scale
+    # Flush accumulates its micro-batches' gradients: each backward after a step's first adds to them on the
+    # device (a pass reading both and writing one); the asynchronous modes update after every micro-batch.
+    accumulate = [3 * profile.grad_bytes * f / rate if rate and mode == "flush" else 0.0 for f in share]
+    # The asynchronous modes update after every micro-batch's backward, and keep weight versions
+    # (runtime.pipeline.versions), each a pass over the stage's weights at the memory's rate: stash copies them
+    # at a forward where micro-batches are in flight behind it (2 passes); spectrain predicts them ahead
+    # (forward 7 passes, backward 3) where its version difference is not zero.
+    weights = [profile.grad_bytes * f / rate if rate else 0.0 for f in share]
+    fwd_versions, bwd_versions = [0.0] * S, [0.0] * S
+    for k in range(S):
+        if mode == "stash" and order.warmup(k, S) > 0:
+            fwd_versions[k] = 2 * weights[k]
+        elif mode == "spectrain":
+            ahead, behind = version_difference(k, S)
+            fwd_versions[k], bwd_versions[k] = 7 * weights[k] * (ahead > 0), 3 * weights[k] * (behind > 0)
+    per_micro = mode != "flush"
     arrived: dict = {}  # (kind, stage, micro-batch) -> Event
     ends = [[] for _ in range(S)]
 
@@ -102,18 +136,24 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
                 if op == order.FORWARD:
                     if k > 0:
                         yield event(("act", k, mb))
-                    yield engine.start(h.compute(f"F{mb}", fwd[k], profile.cores_per_rank))
+                    yield engine.start(h.compute(f"F{mb}", fwd[k] + fwd_versions[k], profile.cores_per_rank))
                     if k < S - 1:
                         send("act", k, k + 1, mb, act[k])
                 else:
                     if k < S - 1:
                         yield event(("grad", k, mb))
-                    yield engine.start(h.compute(f"B{mb}", bwd[k], profile.cores_per_rank))
+                    extra = (accumulate[k] if mb != t * M else 0.0) + bwd_versions[k]
+                    yield engine.start(h.compute(f"B{mb}", bwd[k] + extra, profile.cores_per_rank))
                     if k > 0:
                         send("grad", k, k - 1, mb, act[k - 1])
+                    if per_micro:  # and zero_grad's memset of the stage's gradients before the next backward
+                        yield engine.start(h.compute("update", profile.optimizer_s * share[k] + weights[k],
+                                                     profile.cores_per_rank))
             if replicas > 1:  # the stage's gradients, averaged over its replicas (one per node)
                 yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
-            yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k], profile.cores_per_rank))
+            if not per_micro:
+                yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k] + weights[k],
+                                             profile.cores_per_rank))
             ends[k].append(engine.now)
 
     for k in range(S):

@@ -47,7 +47,8 @@ class Profile:
     the sum of the pairs, masking), seconds per gradient element;
     gflops: one rank's GEMM rate (sufficient-factor rebuild); copy_gbs: GB/s of a copy between pinned host
     memory and the device (0: not measured, a CPU's profile or an older one); itemsize: bytes per gradient
-    element.
+    element; memory_gbs: GB/s of an element-wise pass over device memory, reads and writes together
+    (accumulating micro-batches' gradients; 0: not known, and not simulated).
     """
 
     model: str
@@ -65,6 +66,7 @@ class Profile:
     gflops: float = 100.0
     copy_gbs: float = 0.0
     itemsize: int = 4
+    memory_gbs: float = 0.0
     machine: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -90,7 +92,7 @@ class Profile:
         d = asdict(self)
         d.update(layers=layers, step_s=self.step_s / factor, optimizer_s=self.optimizer_s / factor,
                  other_s=self.other_s / factor, select_s_per_element=self.select_s_per_element / factor,
-                 gflops=self.gflops * factor, device=device or self.device)
+                 gflops=self.gflops * factor, memory_gbs=self.memory_gbs * factor, device=device or self.device)
         return Profile(**d)
 
     def to_json(self) -> dict:

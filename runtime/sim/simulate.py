@@ -64,8 +64,9 @@ def simulate(profile: Profile, cluster: Cluster, strategy: str, steps: int = STE
     if cls is simulate_pipeline:  # options: microbatches, stages
         opts = {"microbatches": 4, **defaults, **options}
         t_iter, split = simulate_pipeline(profile, cluster, steps=steps, **opts)
+        per_step = profile.batch_size * (opts["microbatches"] if opts.get("per_microbatch") else 1)
         return Result(strategy, t_iter, cluster.describe(), 0,
-                      {"samples_per_step": profile.batch_size * cluster.ranks // len(split), "ranks": cluster.ranks,
+                      {"samples_per_step": per_step * cluster.ranks // len(split), "ranks": cluster.ranks,
                        "stages": [f"{r.start}-{r.stop - 1}" for r in split], "microbatches": opts["microbatches"]})
     run = Run(profile, cluster)
     schedule = cls(run, **{**defaults, **options})
