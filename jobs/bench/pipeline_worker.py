@@ -20,7 +20,8 @@ mod the GPUs it sees); torch-1f1b (gloo, CPU tensors) is left out of the default
 pipeline rank's stage emulated alone at its input's shape (runtime.Pipeline(compute=...)), as is
 each torch-1f1b stage before torch's PipelineStage takes it, and data parallelism's whole model;
 losses and optimizers emulated; the balance from the modelled layer times. Rows carry the compute
-fields (jobs.common.compute.Compute.describe).
+fields (jobs.common.compute.Compute.describe), the kinds of work emulated, and the busiest rank's modelled
+device seconds a step (modelled_device_s_max: what T_iter would be if that rank never waited).
 """
 
 from __future__ import annotations
