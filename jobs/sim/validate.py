@@ -125,9 +125,11 @@ def profiles(args, needed) -> dict:
 def calibrate(args) -> dict:
     """Microbenchmarks on the emulated cluster (the smallest even rank count of the grid, one rank a host):
     unshaped, the transport's own costs; at each bandwidth, the share of the line rate the ring's payload
-    gets (headers, acknowledgements, the gaps between ring steps) and the CPU a byte costs at that rate (4.3 ns
-    at 1 Gbit/s against 1.0 unshaped on this VM: more segments and acknowledgements a byte, and the waits
-    polled while the link drains), which emulated_cluster charges there."""
+    gets (headers, acknowledgements, the gaps between ring steps), and the CPU a byte costs at that rate, for the
+    record: 4.2 ns at 1 Gbit/s against 1.2 unshaped on this VM, most of it the waits polled while the link drains.
+    The simulator charges the unshaped figure: the polled part is a share of the cores while waiting, not a
+    cost per byte (charged per byte at 4.2 ns, 4 ranks' rings came within 3.5 % but 8 ranks on the same 2
+    cores read 35-81 % slow)."""
     from jobs.common.cluster_sweep import rows_from
     from mpicomm.emulation import EmulatedCluster, parse_bandwidth
 
@@ -213,14 +215,7 @@ def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes:
     nodes = nodes or ranks
     return Cluster(nodes=nodes, ranks_per_node=ranks // nodes, bandwidth=bps if bps else 100e9, latency=t["latency"],
                    efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"],
-                   cpu_per_byte=cpu_per_byte(cal, bandwidth), shared_cores=cores, device=device)
-
-
-def cpu_per_byte(cal: dict, bandwidth: str) -> float:
-    """A byte's CPU at this link's rate where calibrated (a file from before that: its raw figures at the rate),
-    else the unshaped transport's."""
-    at = cal.get("cpu_per_byte", {}).get(bandwidth) or cal.get("raw", {}).get(bandwidth, {}).get("cpu_per_byte")
-    return at or cal["transport"]["cpu_per_byte"]
+                   cpu_per_byte=t["cpu_per_byte"], shared_cores=cores, device=device)
 
 
 POLLING = ("wfbp", "p3")  # strategies whose exchange a progress thread drives beside the training thread
@@ -237,8 +232,7 @@ def comm_cores(rows: list[dict], cal: dict) -> dict:
     for r in rows:
         if r["strategy"] in POLLING and r.get("t_comm_s") and r.get("comm_cpu_s") is not None:
             t_comm = r["t_comm_s"] * (r.get("carry_factor") or 1.0)  # as it ran: a carried row reports it divided
-            copies = cpu_per_byte(cal, r.get("carried_links") or r["bandwidth"]) * \
-                (r.get("wire_bytes_per_host_per_step") or 0) / t_comm
+            copies = cal["transport"]["cpu_per_byte"] * (r.get("wire_bytes_per_host_per_step") or 0) / t_comm
             out[r["model"], r["strategy"], r["bandwidth"], r["ranks"]] = \
                 max(0.0, r["comm_cpu_s"] / (t_comm * r["ranks"]) - copies)
     for (model, s, bw, ranks), v in list(out.items()):
