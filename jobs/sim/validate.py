@@ -173,7 +173,7 @@ def measure(args) -> list[dict]:
 
 def measure_pipelines(args, ranks: int, path: str) -> list[dict]:
     """jobs.bench.pipeline's modes on --pipeline-models, one stage a rank (a model with fewer layers holding
-    parameters than `ranks` is left out, said)."""
+    parameters than `ranks` is left out, said), timing as many steps a round as jobs.bench's batches do."""
     from jobs.bench import pipeline as bench
     from runtime.pipeline import as_layers
     from runtime.workloads.models import build_model
@@ -188,7 +188,7 @@ def measure_pipelines(args, ranks: int, path: str) -> list[dict]:
     if not models:
         return []
     bench.main(["--models", ",".join(models), "--bandwidths", ",".join(args.bandwidths), "--hosts", str(ranks),
-                "--contenders", ",".join(args.modes), "--rounds", str(args.rounds), "--iters", str(args.iters + 1),
+                "--contenders", ",".join(args.modes), "--rounds", str(args.rounds), "--iters", str(args.iters * args.batches),
                 "--warmup", str(args.warmup), "--timeout", str(args.timeout), "--json", path,
                 "--compute", args.compute, "--compute-scale", repr(args.compute_scale)])
     return _rows(path)
