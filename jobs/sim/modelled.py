@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["emulated", "pipeline_row", "row_profile"]
 
 _CACHE: dict = {}
@@ -61,14 +63,20 @@ def pipeline_row(row: dict) -> dict | None:
 def profile_split(row: dict) -> list[int]:
     """The run's balance (layers of runtime.pipeline.as_layers per stage) as the simulator's layers per stage:
     the modules owning parameters in each stage's layers, which are runtime.emulate.sim_profile's layers."""
-    from runtime.pipeline import as_layers
-    from runtime.workloads.models import build_model
-
-    layers = as_layers(build_model(row["model"]))
-    owners = [sum(1 for m in layer.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
-              for layer in layers]
+    owners = _owners(row["model"])
     out, a = [], 0
     for n in row["balance"]:
         out.append(sum(owners[a:a + n]))
         a += n
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _owners(name: str) -> tuple[int, ...]:
+    """Per layer of the model's chain, its modules owning parameters; built once a model (fc-heavy: 833 MB of
+    parameters), not once a row."""
+    from runtime.pipeline import as_layers
+    from runtime.workloads.models import build_model
+
+    return tuple(sum(1 for m in layer.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
+                 for layer in as_layers(build_model(name)))
