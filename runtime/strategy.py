@@ -10,6 +10,7 @@ import torch
 from mpicomm import Topology
 from mpicomm.stall import DRIVE, StallPolicy, wait_until
 
+from .emulate.accelerator import active as emulated_accelerator
 from .grad_buffers import GradientBuffers
 
 
@@ -28,6 +29,12 @@ class StrategyContext:
     momentum: float = 0.0  # SGD momentum moved into the strategy (sparse momentum correction)
     model: torch.nn.Module | None = None  # for strategies that pick layers (sufficient factors)
     interrupt: Callable[[], None] = lambda: None  # raises when another rank failed; every wait calls it
+
+    @property
+    def compute_off_host(self) -> bool:
+        """Whether this rank computes off the host's cores: on a GPU (its gradients staged through host memory)
+        or an emulated one. A progress thread may then drive MPI while the training thread waits for it."""
+        return self.buffers.staged or emulated_accelerator() is not None
 
 
 class Strategy:

@@ -49,6 +49,23 @@ def test_staging_setting(monkeypatch):
         staging_wanted(torch.device("cpu"))
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "p3", "hybcomm"])
+def test_progress_threads_drive_only_where_compute_is_off_the_host(monkeypatch, strategy):
+    """A model computing on the host's cores keeps its progress thread's back-off (spinning while its training
+    thread waits would take the cores its neighbours compute on); a staged one (a GPU's, here forced) drives.
+    p3 keeps its own polling (relaxed, urgent when a layer waits) everywhere."""
+    for staged, drive in ((False, False), (True, strategy != "p3")):
+        monkeypatch.setenv(STAGING_ENV, "force" if staged else "auto")
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, strategy)
+        try:
+            model(torch.ones(2, 3)).sum().backward()
+            dopt.step()
+            assert dopt.strategy.progress.drive is drive, (strategy, staged)
+        finally:
+            dopt.close()
+
+
 def test_coalesce_merges_neighbours_only():
     segments = [(0, 0, 4), (0, 4, 6), (1, 0, 3), (0, 9, 12), (0, 6, 6)]
     assert coalesce(segments, [0, 1, 2, 3, 4]) == [(0, 0, 6), (0, 9, 12), (1, 0, 3)]

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from conftest import ROOT
 from mpicomm import Handle, Ring
-from mpicomm.progress import HandleTask, ProgressThread, Task, require_thread_multiple
+from mpicomm.progress import DRIVE_ENV, HandleTask, ProgressThread, Task, require_thread_multiple
 from mpicomm.requests import RequestLog
 
 WAIT = 30.0  # seconds: only a hang-detector, never a measured time
@@ -255,6 +255,54 @@ def test_a_task_caps_the_back_off_itself_and_a_nudge_ends_a_sleep(monkeypatch):
     finally:
         task.release.set()
         thread.stop()
+
+
+def test_a_driven_thread_polls_without_sleeping_while_a_waiter_blocks_then_backs_off_again(monkeypatch):
+    """drive=True: inside driven() a pass that finishes nothing yields the core instead of sleeping (a waiting
+    rank with its compute off the host drives MPI, as a blocking wait does); after it, the back-off resumes."""
+    log = SleepLog(monkeypatch)
+    lo, hi = 1e-4, 1.6e-3
+    thread = ProgressThread("test-drive", min_sleep=lo, max_sleep=hi, drive=True)
+    stuck = Countdown(None)
+    try:
+        thread.submit(stuck)
+        until(lambda: len(log.calls) >= 6, "back-off sleeps before anyone waits")
+        with thread.driven():
+            time.sleep(0.01)  # let a sleep begun before driven() end (the nudge cuts a long one short)
+            sleeps, polls = len(log.calls), stuck.polls
+            until(lambda: stuck.polls >= polls + 200, "200 polls while driven")
+            assert len(log.calls) == sleeps, f"slept while driven: {log.calls[sleeps:]}"
+        until(lambda: len(log.calls) >= sleeps + 5, "sleeps after the waiter left")
+        assert log.calls[sleeps:sleeps + 3] == pytest.approx([lo, 2 * lo, 4 * lo])
+    finally:
+        stuck.release.set()
+        thread.stop()
+
+
+def test_driven_changes_nothing_without_drive(monkeypatch):
+    """drive=False (ranks computing on the host's cores): a waiter's driven() leaves the back-off as it was."""
+    log = SleepLog(monkeypatch)
+    lo, hi = 1e-4, 4e-4
+    thread = ProgressThread("test-no-drive", min_sleep=lo, max_sleep=hi)
+    stuck = Countdown(None)
+    try:
+        thread.submit(stuck)
+        with thread.driven():
+            until(lambda: len(log.calls) >= 20, "sleeps while a waiter blocks")
+            assert log.calls[:3] == pytest.approx([lo, 2 * lo, hi]) and all(0 < s <= hi for s in log.calls)
+    finally:
+        stuck.release.set()
+        thread.stop()
+
+
+def test_drive_can_be_switched_off_for_a_before_and_after(monkeypatch):
+    monkeypatch.setenv(DRIVE_ENV, "off")
+    thread = ProgressThread("test-drive-off", drive=True)
+    thread.stop()
+    assert thread.drive is False
+    monkeypatch.setenv(DRIVE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="MPITRAIN_PROGRESS_DRIVE must be 'auto' or 'off', got 'sometimes'"):
+        ProgressThread("test-drive-bad", drive=True)
 
 
 def test_require_thread_multiple_passes_at_the_default_thread_level():

@@ -29,7 +29,7 @@ class WfbpSync(Strategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         self.ring = Ring(ctx.topology.world, validate=False)
-        self.progress = ProgressThread("mpitrain-wfbp")
+        self.progress = ProgressThread("mpitrain-wfbp", drive=ctx.compute_off_host)
         self.hook_state, self.hook = None, allreduce_hook  # register_comm_hook may replace them
         self.bucket_params = buckets(self.params, ctx.options.fuse_bytes)
         self.bucket_of = {i: b for b, idxs in enumerate(self.bucket_params) for i in idxs}
@@ -76,10 +76,11 @@ class WfbpSync(Strategy):
                 if not fut.wait_done(0.05):
                     return False
             return True
-        wait_until(done, what="wait-free backprop buckets", policy=self.ctx.policy, blocking=True,
-                   who=f"rank {self.ctx.topology.rank}: ", interrupt=self.ctx.interrupt,
-                   report=lambda: f"buckets {[b for b in futures if not self.futures[b].done()]} wait on the ring "
-                                  f"(left neighbour: rank {self.ring.left})")
+        with self.progress.driven():
+            wait_until(done, what="wait-free backprop buckets", policy=self.ctx.policy, blocking=True,
+                       who=f"rank {self.ctx.topology.rank}: ", interrupt=self.ctx.interrupt,
+                       report=lambda: f"buckets {[b for b in futures if not self.futures[b].done()]} wait on the "
+                                      f"ring (left neighbour: rank {self.ring.left})")
         for fut in pending:
             fut.wait()  # re-raises an error of the progress thread
         for b in futures:

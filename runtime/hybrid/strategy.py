@@ -77,7 +77,8 @@ class HybCommSync(Strategy):
             self.inner = DENSE_CLASSES[o.dense](sub)
         self.deferred = bool(self.inner and self.inner.deferred)  # p3: a layer's update waits for its forward
         try:
-            self.progress = getattr(self.inner, "progress", None) or ProgressThread("mpitrain-hybcomm")
+            self.progress = getattr(self.inner, "progress", None) or \
+                ProgressThread("mpitrain-hybcomm", drive=ctx.compute_off_host)
             self.ring = Ring(ctx.topology.world, validate=False)
             self.census = Census(ctx.topology.world, len(layers), lambda: repr(self.links))
             self.links = self._links(o)
@@ -223,8 +224,9 @@ class HybCommSync(Strategy):
 
     def _wait_futures(self, futures, what: str, report=lambda: "a rank has not handed over its gradients") -> None:
         if futures:
-            wait_until(lambda: all(f.wait_done(0.05) for f in futures), what=what, policy=self.ctx.policy,
-                       blocking=True, who=f"rank {self.rank}: ", interrupt=self.ctx.interrupt, report=report)
+            with self.progress.driven():
+                wait_until(lambda: all(f.wait_done(0.05) for f in futures), what=what, policy=self.ctx.policy,
+                           blocking=True, who=f"rank {self.rank}: ", interrupt=self.ctx.interrupt, report=report)
             for f in futures:
                 f.wait()  # re-raises an error of the progress thread
 
