@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -71,6 +72,19 @@ def until(condition, what: str) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"still waiting for {what} after {WAIT} s"
         time.sleep(1e-3)
+
+
+@contextlib.contextmanager
+def polling_a_stuck_task(name: str, **kwargs):
+    """A ProgressThread polling a task that finishes only when the block ends: (thread, task)."""
+    thread = ProgressThread(name, **kwargs)
+    stuck = Countdown(None)
+    try:
+        thread.submit(stuck)
+        yield thread, stuck
+    finally:
+        stuck.release.set()
+        thread.stop()
 
 
 @pytest.fixture
@@ -262,10 +276,7 @@ def test_a_driven_thread_polls_without_sleeping_while_a_waiter_blocks_then_backs
     rank with its compute off the host drives MPI, as a blocking wait does); after it, the back-off resumes."""
     log = SleepLog(monkeypatch)
     lo, hi = 1e-4, 1.6e-3
-    thread = ProgressThread("test-drive", min_sleep=lo, max_sleep=hi, drive=True)
-    stuck = Countdown(None)
-    try:
-        thread.submit(stuck)
+    with polling_a_stuck_task("test-drive", min_sleep=lo, max_sleep=hi, drive=True) as (thread, stuck):
         until(lambda: len(log.calls) >= 6, "back-off sleeps before anyone waits")
         with thread.driven():
             time.sleep(0.01)  # let a sleep begun before driven() end (the nudge cuts a long one short)
@@ -274,25 +285,16 @@ def test_a_driven_thread_polls_without_sleeping_while_a_waiter_blocks_then_backs
             assert len(log.calls) == sleeps, f"slept while driven: {log.calls[sleeps:]}"
         until(lambda: len(log.calls) >= sleeps + 5, "sleeps after the waiter left")
         assert log.calls[sleeps:sleeps + 3] == pytest.approx([lo, 2 * lo, 4 * lo])
-    finally:
-        stuck.release.set()
-        thread.stop()
 
 
 def test_driven_changes_nothing_without_drive(monkeypatch):
     """drive=False (ranks computing on the host's cores): a waiter's driven() leaves the back-off as it was."""
     log = SleepLog(monkeypatch)
     lo, hi = 1e-4, 4e-4
-    thread = ProgressThread("test-no-drive", min_sleep=lo, max_sleep=hi)
-    stuck = Countdown(None)
-    try:
-        thread.submit(stuck)
+    with polling_a_stuck_task("test-no-drive", min_sleep=lo, max_sleep=hi) as (thread, _):
         with thread.driven():
             until(lambda: len(log.calls) >= 20, "sleeps while a waiter blocks")
             assert log.calls[:3] == pytest.approx([lo, 2 * lo, hi]) and all(0 < s <= hi for s in log.calls)
-    finally:
-        stuck.release.set()
-        thread.stop()
 
 
 def test_drive_can_be_switched_off_for_a_before_and_after(monkeypatch):
