@@ -141,9 +141,7 @@ class DistributedOptimizer:
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
         self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device)
-        self.transport = describe_transport(self.device, self.staged, cls.on_device)
-        if getattr(getattr(self.strategy, "progress", None), "drive", False):
-            self.transport += "; its progress thread drives MPI while training waits"
+        self.transport = describe_transport(self.device, self.staged, cls.on_device, self.strategy.drives)
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)
         self.model_buffers = BufferSync(self.model, self.comm, self.buffer_mode, self.policy,

@@ -70,6 +70,11 @@ class Strategy:
     on_device = False  # works on the GPU gradients itself (buffers.device_flats); else the wrapper stages them
     problem_error = RuntimeError  # what every rank raises when a rank reports a local_problem()
 
+    @property
+    def drives(self) -> bool:
+        """Whether a progress thread of this strategy drives MPI while training waits (ProgressThread's drive)."""
+        return bool(getattr(getattr(self, "progress", None), "drive", False))
+
     def __init__(self, ctx: StrategyContext):
         self.ctx = ctx
         self.params, self.buffers, self.timeline = ctx.params, ctx.buffers, ctx.timeline

@@ -62,6 +62,7 @@ def test_progress_threads_drive_only_where_compute_is_off_the_host(monkeypatch, 
             model(torch.ones(2, 3)).sum().backward()
             dopt.step()
             assert dopt.strategy.progress.drive is drive, (strategy, staged)
+            assert ("progress thread drives" in dopt.transport) is drive, dopt.transport
         finally:
             dopt.close()
 

@@ -69,8 +69,11 @@ def gradient_hook(on_grad, staging):
     return on_grad
 
 
-def describe_transport(device, staged: bool, on_device: bool) -> str:
-    """How gradients reach MPI, for job headers and timelines."""
+def describe_transport(device, staged: bool, on_device: bool, drives: bool = False) -> str:
+    """How gradients reach MPI, for job headers and timelines (drives: a progress thread drives MPI while
+    training waits, mpicomm.progress.ProgressThread's drive)."""
+    if drives:
+        return describe_transport(device, staged, on_device) + "; its progress thread drives MPI while training waits"
     if device.type == "cpu" and not staged:
         return "host memory"
     where = "through pinned host memory on a side stream" if device.type == "cuda" else "through a host mirror"
