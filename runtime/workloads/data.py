@@ -25,7 +25,9 @@ def to_tensor(images, shape: tuple[int, ...]) -> torch.Tensor:
     x = torch.as_tensor(np.asarray(images))
     if x.dtype != torch.uint8 or x.dim() != 3:
         raise ValueError(f"images must be uint8 [N, H, W], got {x.dtype} {tuple(x.shape)}")
-    return fit_to_shape((x.float() / 255.0 - FASHION_MEAN) / FASHION_STD, shape)
+    # In place on the one float copy: the same operations in the same order (the same values), without
+    # three more 70,000-image temporaries at every job's start.
+    return fit_to_shape(x.float().div_(255.0).sub_(FASHION_MEAN).div_(FASHION_STD), shape)
 
 
 def fit_to_shape(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
