@@ -35,7 +35,6 @@ def test_to_tensor_cnn_pads_and_repeats_channels():
     assert to_tensor(imgs, (1, 28, 28)).shape == (3, 1, 28, 28)
 
 
-
 def test_to_tensor_normalizes_in_place_on_its_own_copy_only():
     """Every value is (x / 255 - mean) / std as float32 computes it, and the caller's images stay as they were."""
     imgs = torch.from_numpy(np.random.default_rng(2).integers(0, 256, (4, 28, 28), dtype=np.uint8))
@@ -43,6 +42,7 @@ def test_to_tensor_normalizes_in_place_on_its_own_copy_only():
     x = to_tensor(imgs, (784,))
     assert torch.equal(imgs, kept)
     assert torch.equal(x, ((kept.float() / 255.0 - FASHION_MEAN) / FASHION_STD).reshape(4, 784))
+
 
 @pytest.mark.parametrize("images,shape,match", [
     (np.zeros((2, 28, 28), np.float32), (784,), "uint8"),
