@@ -159,7 +159,7 @@ class ProgressThread:
                     fut._event.set()
                 sleep = self.min_sleep
             else:
-                cap = 0.0 if self._drivers and self.drive else min(caps, default=self.max_sleep)
+                cap = 0.0 if self._drivers else min(caps, default=self.max_sleep)  # only drive counts drivers
                 if cap <= 0:
                     os.sched_yield()  # driven: the core goes to whoever else is runnable, then poll again
                     sleep = self.min_sleep
