@@ -102,7 +102,9 @@ class SparseAllreduce:
             self._right_is_remote = right not in topology.node_ranks
         self.traffic = Traffic()
         self.applied = torch.empty(0, dtype=torch.int64)  # indices the last result may be nonzero at
+        self.pairs = 0  # (index, value) pairs the last call gathered, every rank's
         self._add = False  # this call's `add`
+        self._gather_only = False  # this call's `gather_only`
         self._scratch: dict = {}
         self._handles: list = []
         self._staging: dict = {}  # grow-only host (pinned for CUDA) and device buffers of the staged path
@@ -135,7 +137,7 @@ class SparseAllreduce:
 
     def __call__(self, x: torch.Tensor, select: Select, out: torch.Tensor | None = None,
                  k_of: Callable[[int], int] | None = None, host: torch.Tensor | None = None,
-                 add: bool = False) -> torch.Tensor:
+                 add: bool = False, gather_only: bool = False) -> torch.Tensor:
         """Dense sum over ranks of select(...) applied to `x` (flat) or to this rank's node-summed shard.
 
         out: where the sum goes (may be x itself: x is not read after the selection).
@@ -146,8 +148,10 @@ class SparseAllreduce:
         buffer of its own (the strategies pass their unused host mirror).
         add: the sum is added to what `out` holds, with no pass that zeroes it first (a caller that accounts for
         that pass elsewhere: an emulated device's modelled memset).
+        gather_only: every rank's pairs are exchanged but not summed, and `out` is not written (an emulated
+        device, whose sum is modelled time: `pairs` says how many it would add).
         """
-        self._add = add
+        self._add, self._gather_only = add, gather_only
         if x.dim() != 1 or not x.is_contiguous():
             raise ValueError("sparse allreduce takes a contiguous 1-D tensor")
         if x.element_size() == 4 and x.numel() > 2**31 - 1:
@@ -166,9 +170,16 @@ class SparseAllreduce:
             return self._flat_staged(x, select, out)
         return self._hierarchical(x, select, out, k_of) if self.hierarchical else self._flat(x, select, out)
 
-    def _clear(self, out: torch.Tensor) -> None:
+    def _sum(self, out: torch.Tensor, gathered: torch.Tensor, blocks: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Every rank's pairs (packed blocks of these byte sizes) summed into `out`, unless the call gathers only."""
+        self.pairs = sum(blocks) // (2 * torch.empty(0, dtype=dtype).element_size())
+        if self._gather_only:
+            self.applied = torch.empty(0, dtype=torch.int64, device=out.device)
+            return out
         if not self._add:
             out.zero_()
+        self.applied = _scatter_add(out, gathered, blocks, dtype)
+        return out
 
     def _pack(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return pack(values, indices, self._buffer(name, 2 * values.numel() * values.element_size(), torch.uint8))
@@ -180,9 +191,7 @@ class SparseAllreduce:
         gathered = self._run(self.world.allgather(mine, self._buffer("gathered", mine.numel() * self.size,
                                                                      torch.uint8)))
         self.traffic.add(mine.numel() * (self.size - 1), self._right_is_remote)
-        self._clear(out)
-        self.applied = _scatter_add(out, gathered, [mine.numel()] * self.size, x.dtype)
-        return out
+        return self._sum(out, gathered, [mine.numel()] * self.size, x.dtype)
 
     # -- hierarchical -------------------------------------------------------------
     def _hierarchical(self, x: torch.Tensor, select: Select, out: torch.Tensor, k_of) -> torch.Tensor:
@@ -201,9 +210,7 @@ class SparseAllreduce:
         values, indices = _select(select, shard)
         mine = self._pack("mine", values, indices + lo)
         blocks, everything = self._spread(mine, counts, 2 * x.element_size(), k_of, self._buffer)
-        self._clear(out)
-        self.applied = _scatter_add(out, everything, blocks, x.dtype)
-        return out
+        return self._sum(out, everything, blocks, x.dtype)
 
     def _spread(self, mine: torch.Tensor, counts: list[int], width: int, k_of, buffer):
         """Steps 3 and 4 of the hierarchical exchange: (blocks, every rank's pairs), in host buffers from `buffer`."""
@@ -263,9 +270,7 @@ class SparseAllreduce:
         if out.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        self._clear(out)
-        self.applied = _scatter_add(out, pairs, blocks, out.dtype)
-        return out
+        return self._sum(out, pairs, blocks, out.dtype)
 
     def _flat_staged(self, x: torch.Tensor, select: Select, out: torch.Tensor) -> torch.Tensor:
         mine = self._to_host("mine", *_select(select, x))

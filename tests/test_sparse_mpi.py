@@ -73,6 +73,30 @@ def test_add_sums_into_what_out_holds(world, hierarchical):
         assert_everywhere(world, got is out and torch.equal(out, dense_sum(world, x) + 3.0), "the sum plus 3")
 
 
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_gather_only_exchanges_every_ranks_pairs_and_writes_nothing(world, hierarchical):
+    """gather_only=True (an emulated device sums in modelled time): the pairs cross, `pairs` counts them, out is
+    untouched; the next ordinary call sums again."""
+    P = world.Get_size()
+    with Topology(world, ranks_per_node=2 if P % 2 == 0 else 1) as topo:
+        op = SparseAllreduce(topo, hierarchical=hierarchical)
+        x = torch.randint(-20, 20, (1001,), generator=torch.Generator().manual_seed(world.Get_rank())).float()
+        out = torch.full_like(x, 3.0)
+        sent = op.traffic.intra + op.traffic.inter
+        got = op(x.clone(), topk_select(0.1), out=out, gather_only=True)
+        gathered = op.pairs
+        moved = op.traffic.intra + op.traffic.inter - sent
+        again = op(x.clone(), topk_select(1.0))
+        op.free()
+        # Flat: P blocks of k = 101 pairs; hierarchical: each node shard's k, from every node.
+        expected = P * 101 if not hierarchical else topo.num_nodes * sum(
+            max(1, -(-c // 10)) for c in block_counts(1001, topo.local_size))
+        assert_everywhere(world, got is out and torch.equal(out, torch.full_like(x, 3.0)), "out was written")
+        assert_everywhere(world, gathered == expected and moved > 0, f"pairs {gathered} (expected {expected}), "
+                          f"{moved} bytes sent")
+        assert_everywhere(world, torch.equal(again, dense_sum(world, x)), "the next call's sum")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_hierarchical_equals_flat_when_selection_covers_nonzeros(world, dtype):
     """k >= nonzeros per rank and per node shard: nothing is dropped, both give the exact sum."""
