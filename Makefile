@@ -78,7 +78,7 @@ test-mpi-hosts: setup
 
 # And with 2 nodes x 2 ranks emulated by the ranks_per_node override. The override only changes how
 # Topology finds the nodes (the communicators are those of the part above), so this part runs the files
-# whose tests depend on the node layout, not the whole suite a third time (~100 s of CI on 2 cores).
+# whose tests depend on the node layout, not the whole suite a third time (~120 s of CI on 2 cores).
 NODE_TESTS := $(addprefix tests/,test_topology_mpi.py test_sparse_mpi.py test_sparse_staged_mpi.py \
 	test_emulated_strategies_mpi.py test_branches_mpi.py test_checkpoint_mpi.py test_pipeline_mpi.py \
 	test_pipeline_rules_mpi.py test_pipeline_staging_mpi.py test_gpu_transparency_mpi.py)

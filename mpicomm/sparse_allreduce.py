@@ -172,7 +172,7 @@ class SparseAllreduce:
 
     def _sum(self, out: torch.Tensor, gathered: torch.Tensor, blocks: list[int], dtype: torch.dtype) -> torch.Tensor:
         """Every rank's pairs (packed blocks of these byte sizes) summed into `out`, unless the call gathers only."""
-        self.pairs = sum(blocks) // (2 * torch.empty(0, dtype=dtype).element_size())
+        self.pairs = sum(blocks) // (2 * dtype.itemsize)
         if self._gather_only:
             self.applied = torch.empty(0, dtype=torch.int64, device=out.device)
             return out
