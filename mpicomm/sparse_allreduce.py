@@ -101,7 +101,8 @@ class SparseAllreduce:
             right = (topology.rank + 1) % topology.size
             self._right_is_remote = right not in topology.node_ranks
         self.traffic = Traffic()
-        self.applied = torch.empty(0, dtype=torch.int64)  # indices the last result may be nonzero at
+        self._no_indices = torch.empty(0, dtype=torch.int64)
+        self.applied = self._no_indices  # indices the last result may be nonzero at
         self.pairs = 0  # (index, value) pairs the last call gathered, every rank's
         self._add = False  # this call's `add`
         self._gather_only = False  # this call's `gather_only`
@@ -174,7 +175,7 @@ class SparseAllreduce:
         """Every rank's pairs (packed blocks of these byte sizes) summed into `out`, unless the call gathers only."""
         self.pairs = sum(blocks) // (2 * dtype.itemsize)
         if self._gather_only:
-            self.applied = torch.empty(0, dtype=torch.int64, device=out.device)
+            self.applied = self._no_indices.to(out.device)  # no allocation per call on the host
             return out
         if not self._add:
             out.zero_()
@@ -265,6 +266,8 @@ class SparseAllreduce:
 
     def _add_on_device(self, out: torch.Tensor, gathered: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """One copy of every rank's pairs to out's device, summed there in rank order (as `_scatter_add`)."""
+        if self._gather_only:  # nothing to sum: the pairs need not cross to the device
+            return self._sum(out, gathered, blocks, out.dtype)
         pairs = self._stage("pairs", gathered.numel(), torch.uint8, out.device)
         pairs.copy_(gathered, non_blocking=True)  # from pinned memory: queued, the host goes on
         if out.device.type == "cuda":

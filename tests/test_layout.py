@@ -140,3 +140,23 @@ def test_jobs_root_holds_entry_points_and_sub_packages():
             continue
         with open(path) as fh:
             assert '__name__ == "__main__"' in fh.read(), f"jobs/{f} is not an entry point: move it into a room"
+
+
+def test_every_mpi_test_file_that_reads_the_node_layout_runs_with_emulated_nodes():
+    """`make test-mpi-emulated` runs only the Makefile's NODE_TESTS: a file that builds a Topology or reads the node
+    layout must be among them, or the ranks_per_node override would never run it."""
+    import re
+
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        make = f.read()
+    listed = set(re.findall(r"test_\w+\.py", make[make.index("NODE_TESTS :="):make.index("test-mpi-emulated:")]))
+    tests = os.path.join(ROOT, "tests")
+    reads = set()
+    for name in os.listdir(tests):
+        if name.startswith("test_") and name.endswith(".py"):
+            with open(os.path.join(tests, name)) as f:
+                text = f.read()
+            if re.search(r"^pytestmark = .*pytest\.mark\.mpi\b", text, re.M) and re.search(r"Topology\(|ranks_per_node|local_size|num_nodes", text):
+                reads.add(name)
+    assert listed and all(os.path.exists(os.path.join(tests, n)) for n in listed), f"NODE_TESTS: {sorted(listed)}"
+    assert reads <= listed, f"add to NODE_TESTS in the Makefile: {sorted(reads - listed)}"
