@@ -25,10 +25,11 @@ class BufferSync:
     buffers (num_batches_tracked) advance alike on every rank and are left alone.
     """
 
-    def __init__(self, model: torch.nn.Module, comm: MPI.Comm, mode: str, policy: StallPolicy, interrupt=None):
+    def __init__(self, model: torch.nn.Module, comm: MPI.Comm, mode: str, policy: StallPolicy, interrupt=None,
+                 timeline=None):
         if mode not in MODES:
             raise ValueError(f"buffers must be one of {MODES}, got {mode!r}")
-        self.mode, self.policy, self.interrupt = mode, policy, interrupt
+        self.mode, self.policy, self.interrupt, self.timeline = mode, policy, interrupt, timeline
         self.buffers = [b for b in model.buffers() if b.is_floating_point() and b.numel()] if mode != "none" else []
         self.size = comm.Get_size()
         # Its own communicator: after a failure the step agreement's collectives must be its alone
@@ -58,9 +59,13 @@ class BufferSync:
         req = self._request
         if req is None:
             return
+        tl = self.timeline
+        span = tl.begin("wait module buffers", "sync") if tl else None  # behind bulk traffic it can be long
         wait_until(req.Test, what="averaging module buffers", policy=self.policy,
                    who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
                    interrupt=self.interrupt)
+        if span is not None:
+            tl.end(span)
         self._request = None
         scale = 1.0 / self.size if self.mode == "average" else 1.0
         with torch.no_grad():

@@ -107,9 +107,8 @@ class DistributedOptimizer:
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync = False
         self._update_mask = None
-        self.steps = 0
+        self.steps, self._closed = 0, False
         self.failed: BaseException | None = None
-        self._closed = False
         on_grad = gradient_hook(self._on_grad, self.staging)
         self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in self.params]
         self.gate = ForwardGate(model, self.params, self._on_module_enter) if self.strategy.deferred else None
@@ -145,7 +144,7 @@ class DistributedOptimizer:
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)
         self.model_buffers = BufferSync(self.model, self.comm, self.buffer_mode, self.policy,
-                                        self.check.interrupt)
+                                        self.check.interrupt, timeline=self.timeline)
 
     def register_comm_hook(self, state, hook) -> None:
         """DDP-style hook (runtime.comm_hooks), called for each bucket instead of the plain average."""
@@ -298,7 +297,8 @@ class DistributedOptimizer:
             self.check.start(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
                              describe=lambda: settings)
         self.steps += 1
-        used = self._finish_round()
+        with self.timeline.span("step agreement", "sync") if self.timeline else contextlib.nullcontext():
+            used = self._finish_round()  # on the timeline: behind bulk traffic it can wait long (claims.md)
         with self._failing():
             for i in unsent:
                 self._send(i)
