@@ -297,7 +297,7 @@ class DistributedOptimizer:
             self.check.start(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
                              describe=lambda: settings)
         self.steps += 1
-        with self.timeline.span("step agreement", "sync") if self.timeline else contextlib.nullcontext():
+        with self.timeline.span("wait step agreement", "sync") if self.timeline else contextlib.nullcontext():
             used = self._finish_round()  # on the timeline: behind bulk traffic it can wait long (claims.md)
         with self._failing():
             for i in unsent:

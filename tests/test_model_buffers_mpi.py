@@ -86,6 +86,6 @@ def test_a_timeline_shows_each_steps_agreement_and_the_wait_for_the_buffers(worl
     dopt.synchronize()
     dopt.close()
     names = [e["name"] for e in tl.to_trace()["traceEvents"] if e["ph"] == "X" and e.get("cat") == "sync"]
-    agreements, buffers = names.count("step agreement"), names.count("wait module buffers")
+    agreements, buffers = names.count("wait step agreement"), names.count("wait module buffers")
     ok = agreements == 3 and (buffers == 3 or world.Get_size() == 1)
     assert_everywhere(world, ok, f"{agreements} step agreements and {buffers} buffer waits for 3 steps")
