@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -59,13 +61,11 @@ class BufferSync:
         req = self._request
         if req is None:
             return
-        tl = self.timeline
-        span = tl.begin("wait module buffers", "sync") if tl else None  # behind bulk traffic it can be long
-        wait_until(req.Test, what="averaging module buffers", policy=self.policy,
-                   who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
-                   interrupt=self.interrupt)
-        if span is not None:
-            tl.end(span)
+        # On the timeline: behind bulk traffic this wait can be long (benchmarks/claims.md, ninth pass).
+        with self.timeline.span("wait module buffers", "sync") if self.timeline else contextlib.nullcontext():
+            wait_until(req.Test, what="averaging module buffers", policy=self.policy,
+                       who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
+                       interrupt=self.interrupt)
         self._request = None
         scale = 1.0 / self.size if self.mode == "average" else 1.0
         with torch.no_grad():
