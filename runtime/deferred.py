@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
-_UNTIMED = contextlib.nullcontext()  # no timeline: nothing to record
+from .trace import span_of
 
 
 class DeferredUpdates:
@@ -49,7 +47,7 @@ class DeferredUpdates:
             ready[owed] = False
             owed += np.flatnonzero(ready).tolist()
         tl = self.timeline
-        with tl.span(f"wait {len(owed)} params", "sync", params=owed[:8]) if tl else _UNTIMED:
+        with span_of(tl, f"wait {len(owed)} params", "sync", params=owed[:8]):
             self.wait(owed)
         self.updater.step(owed, self.hyper)
         self.owed[owed] = False

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from mpicomm.requests import abandon
 from mpicomm.stall import StallPolicy, wait_until
+
+from .trace import span_of
 
 MODES = ("average", "broadcast", "none")
 
@@ -62,7 +62,7 @@ class BufferSync:
         if req is None:
             return
         # On the timeline: behind bulk traffic this wait can be long (benchmarks/claims.md, ninth pass).
-        with self.timeline.span("wait module buffers", "sync") if self.timeline else contextlib.nullcontext():
+        with span_of(self.timeline, "wait module buffers", "sync"):
             wait_until(req.Test, what="averaging module buffers", policy=self.policy,
                        who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
                        interrupt=self.interrupt)

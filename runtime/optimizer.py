@@ -23,6 +23,7 @@ from .p3.forward_gate import ForwardGate
 from .registry import strategy_class
 from .startup import broadcast_from_root, check_arguments, check_settings
 from .strategy import StrategyContext, capture_hooks
+from .trace import span_of
 from .updates import ParamUpdater, describe_hyper, hyperparameters
 
 
@@ -105,8 +106,7 @@ class DistributedOptimizer:
                                         getattr(self.strategy, "averaged", None))
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
-        self._no_sync = False
-        self._update_mask = None
+        self._no_sync, self._update_mask = False, None
         self.steps, self._closed = 0, False
         self.failed: BaseException | None = None
         on_grad = gradient_hook(self._on_grad, self.staging)
@@ -297,7 +297,7 @@ class DistributedOptimizer:
             self.check.start(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
                              describe=lambda: settings)
         self.steps += 1
-        with self.timeline.span("wait step agreement", "sync") if self.timeline else contextlib.nullcontext():
+        with span_of(self.timeline, "wait step agreement", "sync"):
             used = self._finish_round()  # on the timeline: behind bulk traffic it can wait long (claims.md)
         with self._failing():
             for i in unsent:

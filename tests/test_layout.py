@@ -156,7 +156,8 @@ def test_every_mpi_test_file_that_reads_the_node_layout_runs_with_emulated_nodes
         if name.startswith("test_") and name.endswith(".py"):
             with open(os.path.join(tests, name)) as f:
                 text = f.read()
-            if re.search(r"^pytestmark = .*pytest\.mark\.mpi\b", text, re.M) and re.search(r"Topology\(|ranks_per_node|local_size|num_nodes", text):
+            mpi = re.search(r"^pytestmark = .*pytest\.mark\.mpi\b", text, re.M)
+            if mpi and re.search(r"Topology\(|ranks_per_node|local_size|num_nodes", text):
                 reads.add(name)
     assert listed and all(os.path.exists(os.path.join(tests, n)) for n in listed), f"NODE_TESTS: {sorted(listed)}"
     assert reads <= listed, f"add to NODE_TESTS in the Makefile: {sorted(reads - listed)}"

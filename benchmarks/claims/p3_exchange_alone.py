@@ -1,6 +1,11 @@
 """p3's exchange alone: ResNet-50 224's gradient (one flat buffer, its tensors' sizes, forward priorities), every
-tensor handed over at once in backward order, the progress loop in this thread; seconds per step."""
-import sys, time
+tensor handed over at once in backward order, the progress loop in this thread; seconds per step.
+
+    mpitrain cluster run -n 8 -- python benchmarks/claims/p3_exchange_alone.py SLICE_ELEMENTS CREDIT
+"""
+import sys
+import time
+
 import torch
 from mpi4py import MPI
 from mpicomm.sliced_ps import SlicedExchange
@@ -11,7 +16,8 @@ sizes = [p.numel() for p in build_model("resnet50-224", num_classes=1000).parame
 buf = torch.ones(sum(sizes))
 segs, a = [], 0
 for n in sizes:
-    segs.append((0, a, a + n)); a += n
+    segs.append((0, a, a + n))
+    a += n
 ex = SlicedExchange(world, [buf], segs, int(sys.argv[1]), credit=int(sys.argv[2]), relaxed_sleep=100e-6)
 ex.set_priorities(list(range(len(sizes))))
 times = []
