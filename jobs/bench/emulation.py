@@ -27,7 +27,10 @@ runtime.emulate.watch); a plain post-accumulate one, as a user's (the one
 node fires each group's hooks on time); and one on each parameter's
 accumulator, as torch DDP's reducer and Horovod put theirs (the backward goes
 unit by unit through autograd to fire them on time). --profiles runs measured profiles
-as devices too, each on the model it was taken from. All figures: emulated
+as devices too, each on the model it was taken from. --scales S,... adds a
+fourth table: the same steps (no hooks) with the modelled times times S, and
+the host CPU each costs beyond the landing, which grows with how long the step
+sleeps (its Python runs from caches gone cold meanwhile). All figures: emulated
 compute, on this machine, one process.
 """
 
@@ -60,6 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--hooked", action=argparse.BooleanOptionalAction, default=True,
                    help="also run each step row with a hook on every parameter: a ready-aware one, as a staged "
                         "strategy's, and a plain one, as DDP's or a user's (default on)")
+    p.add_argument("--scales", default="", metavar="S,...",
+                   help="compute scales for a fourth table: each model and device's steps (no hooks) with its modelled "
+                        "time times S, to show how the host's CPU a step follows the time it sleeps (default none)")
     p.add_argument("--waits", default="10,100,1000", help="waits per 0.1 s in the wait table (default 10,100,1000)")
     p.add_argument("--repeats", type=int, default=5, help="repeats of each wait row (default 5)")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
@@ -82,6 +88,10 @@ def check_args(args) -> None:
     args.profiles = [(_profile_model(path), path) for path in comma_list("--profiles", args.profiles)] \
         if args.profiles.strip() else []
     args.waits = [int(w) for w in comma_list("--waits", args.waits)]
+    args.scales = [float(s) for s in comma_list("--scales", args.scales)] if args.scales.strip() else []
+    if any(not s > 0 for s in args.scales):
+        from jobs.common.inputs import InputError
+        raise InputError("--scales", f"every scale must be > 0, got {args.scales}")
     at_least(args, 1, "steps", "repeats")
     at_least(args, 0, "warmup")
     if args.plot is None and args.json:
@@ -141,7 +151,7 @@ def wait_rows(counts: list[int], repeats: int) -> list[dict]:
 HOOKS = ("none", "ready-aware", "plain", "accumulator")  # a step row's hook on every parameter: see step_row
 
 
-def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") -> dict:
+def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none", scale: float = 1.0) -> dict:
     """One rank's emulated steps of a paper model: T_iter against the model, and the host CPU they cost. hooks:
     a hook on every parameter that does nothing, marked ready_aware (a staged strategy's: the backward runs
     ahead and fires them), plain (a user's post-accumulate hook: the one node fires them on time), or on each
@@ -157,7 +167,7 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") 
     batch = PAPER_BATCH.get(name, 32)  # the paper's, for a model of one of the papers
     model = build_model(name)
     inputs, _ = model_input(name, batch)
-    emulate(model, dev, inputs)
+    emulate(model, dev, inputs, scale=scale)
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     acc = accelerator.active()
     held = []  # the accumulators hooked: whoever hooks one holds it (DDP's reducer does, in C++)
@@ -207,7 +217,7 @@ def step_row(name: str, dev: str, steps: int, warmup: int, hooks: str = "none") 
                host_step_median_s=statistics.median(times), modelled_step_median_s=statistics.median(modelled),
                error=t_iter / t_model - 1, host_cpu_s=host, grad_copy_cpu_s=copy,
                landing_cpu_s=statistics.median(landing), host_rest_s=rest,
-               host_rest_share=max(0.0, rest) / t_model, steps=steps, parts=acc.describe())
+               host_rest_share=max(0.0, rest) / t_model, steps=steps, compute_scale=scale, parts=acc.describe())
     model = opt = grads = copies = held = None  # freed before the next row's model is built
     accelerator.deactivate()
     return row
@@ -233,6 +243,12 @@ def format_tables(rows) -> str:
             f"| {r['modelled_s']:.4f} | {r['t_iter_s']:.4f} | {r['error'] * 100:+.2f} % | {r['host_cpu_s']:.4f} "
             f"| {r['landing_cpu_s']:.4f} | {r['grad_copy_cpu_s']:.4f} | {r['host_rest_share'] * 100:.2f} % |"
             for r in rows if r["table"] == "steps"]
+    scaled = [r for r in rows if r["table"] == "scales"]
+    if scaled:
+        out += ["", "| model | device | compute scale | modelled s/step | host CPU beyond landing, us/step | rest / modelled |",
+                "|---|---|---:|---:|---:|---:|"]
+        out += [f"| {r['model']} | {r['device']} | {r['compute_scale']:g} | {r['modelled_s']:.4f} "
+                f"| {r['host_rest_s'] * 1e6:.0f} | {r['host_rest_share'] * 100:.2f} % |" for r in scaled]
     return "\n".join(out)
 
 
@@ -273,6 +289,8 @@ def main(argv=None, args=None) -> int:
         print(f"# {name} on {dev}: {args.warmup} + {args.steps} steps", flush=True)
         for hooks in HOOKS if args.hooked else HOOKS[:1]:
             rows.append(step_row(name, dev, args.steps, args.warmup, hooks))
+        # The host's CPU a step against how long the step sleeps: its Python runs from caches gone cold meanwhile.
+        rows += [dict(step_row(name, dev, args.steps, args.warmup, scale=s), table="scales") for s in args.scales]
     print(format_tables(rows))
     meta = run_metadata("jobs.bench.emulation", argv, machine=machine(), compute="emulated", torch=torch.__version__)
     write_results(None, args, meta, rows, lambda path: plot(rows, path))

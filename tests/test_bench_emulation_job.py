@@ -1,0 +1,46 @@
+"""mpitrain bench emulation: its tables, and the compute scales' table of host CPU against the step's length."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import exit_in_process
+from jobs.bench.emulation import main
+from runtime.emulate import accelerator
+
+QUICK = ["--models", "mlp", "--devices", "v100", "--steps", "3", "--warmup", "1", "--no-hooked", "--waits", "10",
+         "--repeats", "1"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator():
+    accelerator.deactivate()
+    yield
+    accelerator.deactivate()
+
+
+def test_each_scale_runs_the_steps_with_the_modelled_times_scaled(tmp_path, capsys):
+    out = tmp_path / "emulation.json"
+    assert main(QUICK + ["--scales", "0.5,4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    header = "| model | device | compute scale | modelled s/step | host CPU beyond landing, us/step |"
+    assert header in text
+    table = [line.split(" | ") for line in text.split(header)[1].splitlines()[2:4]]
+    rows = json.loads(out.read_text())["rows"]
+    plain = [r for r in rows if r["table"] == "steps"]
+    scaled = {r["compute_scale"]: r for r in rows if r["table"] == "scales"}
+    assert len(plain) == 1 and plain[0]["compute_scale"] == 1.0 and sorted(scaled) == [0.5, 4.0]
+    for scale, row in scaled.items():
+        assert row["model"] == "mlp" and row["hooks"] == "none"
+        assert row["modelled_s"] == pytest.approx(scale * plain[0]["modelled_s"], rel=1e-6)
+        assert row["t_iter_s"] >= row["modelled_s"] * 0.99  # the steps waited their scaled time
+        printed = next(cells for cells in table if cells[2] == f"{scale:g}")
+        assert int(printed[4]) == round(row["host_rest_s"] * 1e6)  # the table prints the row's figure
+    assert (tmp_path / "emulation.png").exists()
+
+
+def test_a_scale_must_be_positive(capsys):
+    code, _, err = exit_in_process(main, QUICK + ["--scales", "1,0"], capsys)
+    assert code == 2 and "--scales: every scale must be > 0" in err
