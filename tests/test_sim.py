@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -11,7 +12,7 @@ import torch
 from runtime.sim import Cluster, Layer, Profile, ProfileError, UnknownStrategyError, simulate
 from runtime.sim.cluster import ClusterError, Host
 from runtime.sim.collectives import allreduce
-from runtime.sim.dataparallel import DdpSchedule, Run
+from runtime.sim.dataparallel import BucketSchedule, DdpSchedule, Run, train
 from runtime.sim.engine import Activity, Engine, Pool, Resource, SimulationError
 from runtime.sim.measure import measure
 
@@ -221,6 +222,34 @@ def test_staged_strategies_copy_the_gradients_to_the_host_and_back():
     # The copies to the host hide behind the backward but the last layer's; the averages come back after.
     assert staged - plain == pytest.approx(layer_s + 8 * layer_s, rel=0.01)
     assert simulate(gpu, c, "ddp").t_iter_s == pytest.approx(simulate(p, c, "ddp").t_iter_s)  # gloo's own
+
+
+def test_a_driving_progress_thread_takes_its_cores_only_while_the_training_thread_waits():
+    c = fast_net(2, comm_cores=0.25, cores_per_host=1.0)
+    host = Host(Engine(), c)
+    host.polling(True)
+    assert host.cores.reserved == 0.25  # polls while anything is pending (p3's thread, a CPU rank's)
+    host.drives = True
+    host.polling(True)
+    assert host.cores.reserved == 0.0  # backs off while the training thread computes
+    host.waiting(True)
+    assert host.cores.reserved == 0.25
+    host.polling(False)
+    assert host.cores.reserved == 0.0
+    # wfbp's thread drives where compute is off the cores; DDP's gloo worker and p3's thread do not.
+    drives = {(s, device): cls(Run(toy(), fast_net(2, device=device))).run.host.drives
+              for s, cls in (("wfbp", BucketSchedule), ("ddp", DdpSchedule)) for device in ("gpu", "cpu")}
+    assert drives == {("wfbp", "gpu"): True, ("wfbp", "cpu"): False, ("ddp", "gpu"): False, ("ddp", "cpu"): False}
+    # So the buckets exchanged during the backward lose nothing to the polling, the last ones after it do.
+    p, net = toy(n=8, params=100_000), fast_net(4, bw=10e9, cpu_per_byte=1e-9, cores_per_host=0.1)
+
+    def step(comm_cores: float, drives: bool) -> float:
+        run = Run(p, dataclasses.replace(net, comm_cores=comm_cores))
+        schedule = BucketSchedule(run)
+        run.host.drives = drives
+        ends = train(run, schedule, 5)
+        return ends[-1] - ends[-2]
+    assert step(0.0, True) < step(0.25, True) < step(0.25, False)
 
 
 def test_unknown_strategy_names_the_known_ones():

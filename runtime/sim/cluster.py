@@ -34,7 +34,9 @@ class Cluster:
     cpu_per_byte: core-seconds for a byte sent and one received (both ends'
     copies). comm_cores: what a rank's progress thread takes of the cores for
     as long as its exchange is pending, beyond the copies (polling, its
-    Python; measured per strategy on machines whose cores are shared).
+    Python; measured per strategy on machines whose cores are shared); a
+    thread that drives (wfbp's where compute is off the host) takes them only
+    while the training thread waits for the exchange.
     cores_per_host: cores for compute and message copies; with
     shared_cores the hosts are emulated on one machine of that many cores and
     share them. device: "cpu" (compute takes the cores) or "gpu" (compute on
@@ -106,9 +108,25 @@ class Host:
         self.cores = Pool(f"{name} cores", c.host_cores)
         # Compute: on the cores (CPU training) or on each rank's GPU (one per rank, never shared).
         self.device = self.cores if c.device == "cpu" else Pool(f"{name} gpus", c.ranks_per_node)
+        # A progress thread that drives (runtime.progress: wfbp's, where compute is off the host) polls without
+        # sleeping only while the training thread waits for its exchange; while the training thread computes
+        # it backs off (sleeps of 10-100 us), which this leaves out.
+        self.drives = False
+        self._polling = self._waiting = False
 
     def polling(self, on: bool) -> None:
-        """Its ranks' progress threads start or stop taking comm_cores each (see Pool.reserved)."""
+        """Its ranks' progress threads start or stop taking comm_cores each (see Pool.reserved): while an exchange
+        is pending, or for threads that drive, while one is pending and the training thread waits for it."""
+        self._polling = on
+        self._reserve()
+
+    def waiting(self, on: bool) -> None:
+        """Its ranks' training threads start or stop waiting for their exchanges (after the backward)."""
+        self._waiting = on
+        self._reserve()
+
+    def _reserve(self) -> None:
+        on = self._polling and (self._waiting or not self.drives)
         self.cores.reserved = self.cluster.comm_cores * self.cluster.ranks_per_node if on else 0.0
 
     def compute(self, name: str, seconds: float, cores_per_rank: float = 1.0) -> Activity:

@@ -46,9 +46,13 @@ class Schedule:
     # True: the exchange works on host memory (runtime.device's staging): each layer's gradients go to the host
     # as they are ready and the averages come back before the update, at the profile's copy rate.
     staged = False
+    # True: its progress thread drives MPI while the training thread waits, where compute is off the host's cores
+    # (runtime.progress.ProgressThread(drive=True): wfbp's, and hybcomm's dense path through it).
+    drives = False
 
     def __init__(self, run: Run, **options):
         self.run, self.p = run, run.profile
+        run.host.drives = self.drives and run.cluster.device != "cpu"
         self.options = options
         self.pending: list[Event] = []
         self.unstaged = frozenset()  # layers whose gradients stay on the device (hybcomm's factors go instead)
@@ -74,10 +78,16 @@ class Schedule:
     def finish(self, step: int):
         """After backward: wait for the exchange, then the optimizer step."""
         if self.pending:
-            yield all_of(self.pending)
+            yield from self.wait(all_of(self.pending))
             self.pending = []
         yield from self.back()
         yield self.run.compute("optimizer", self.p.optimizer_s)
+
+    def wait(self, exchanges: Event):
+        """The training thread waits for its exchanges (Host.waiting, while a driving thread polls flat out)."""
+        self.run.host.waiting(True)
+        yield exchanges
+        self.run.host.waiting(False)
 
     def back(self):
         back = self.to_device(range(len(self.p.layers)))
@@ -177,6 +187,7 @@ class BucketSchedule(Schedule):
     """Buckets in backward order, each one's allreduce queued the moment its last gradient is on the host."""
 
     staged = True
+    drives = True
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
@@ -211,6 +222,7 @@ class DdpSchedule(BucketSchedule):
     """torch DDP: 25 MiB buckets (the first 1 MiB) in reverse registration order, allreduced in order."""
 
     staged = False  # gloo's own buffers (runtime.device's staging is DistributedOptimizer's)
+    drives = False  # gloo's worker thread reads its sockets blocking
 
     def layout(self, skip) -> list[tuple[int, set]]:
         sizes, owner = param_layers(self.p, skip)

@@ -50,7 +50,7 @@ class HybcommSchedule(BucketSchedule):
 
         flop = sum(rebuild_flop(c.M, c.N, c.K, c.P, c.bias) for c in self.sfb.values())
         if self.pending:
-            yield self.pending
+            yield from self.wait(self.pending)
             self.pending = []
         yield from self.back()
         if flop:
