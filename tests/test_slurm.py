@@ -163,7 +163,8 @@ def test_script_runs_with_the_default_launcher(cluster, script, tmp_path):
     rc, text = submit(cluster, script, make_args(tmp_path, nodes), tmp_path)
     assert rc == 0, f"job failed (rc {rc}):\n{text}"
     assert f"{RANKS} tasks on {nodes} node(s)" in text, text
-    launcher = os.path.dirname(sys.executable) + "/mpiexec" if _is_hydra(sys.executable) else SRUN
+    python = os.path.abspath(sys.executable)
+    launcher = os.path.dirname(python) + "/mpiexec" if _is_hydra(python) else SRUN
     assert f"launcher: {launcher}\n" in text, text
     check(text, tmp_path, nodes)
 
