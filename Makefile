@@ -66,7 +66,7 @@ test: setup test-serial test-mpi test-mpi-hosts test-mpi-emulated
 # limit is for a hang (each test has its own), not a speed target.
 SERIAL_TIMEOUT ?= 3600
 test-serial: setup
-	timeout $(SERIAL_TIMEOUT) $(PY) -m pytest -m "not mpi" -p no:cacheprovider -q --durations=15
+	timeout $(SERIAL_TIMEOUT) $(PY) -m pytest -m "not mpi" -p no:cacheprovider -q --durations=30
 
 # One rank's failure aborts the whole job (python -m mpi4py), pytest-timeout bounds each test.
 test-mpi: setup
