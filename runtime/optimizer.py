@@ -56,13 +56,11 @@ class DistributedOptimizer:
     zeroes them in place rather than setting None). Parameters no rank
     produced a gradient for in a step are not updated, as with one process.
 
-    A model on a GPU (model.cuda() before wrapping; one device per rank,
-    ranks may share a GPU) trains unchanged: each gradient is copied to
-    pinned host memory on a side CUDA stream as backward finalises it, MPI
-    averages it there while the GPU goes on, and the average returns on that
-    stream before the update uses it (runtime.device.staging; `transport`
-    says which path runs). The sparse strategies select on the GPU instead
-    and move only (index, value) pairs.
+    A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
+    unchanged: each gradient goes to pinned host memory on a side CUDA stream as backward finalises it,
+    MPI averages it there while the GPU goes on, and the average returns on a side stream before the
+    update (runtime.device.staging; `transport` says which path runs). The sparse strategies select on
+    the GPU and move (index, value) pairs.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
@@ -140,6 +138,8 @@ class DistributedOptimizer:
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
         self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device)
+        if self.staging is not None and self.pto is None:  # copies back as averaged (PTO reads the host shard)
+            self.strategy.on_averaged = self.staging.averaged
         self.transport = describe_transport(self.device, self.staged, cls.on_device, self.strategy.drives)
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)

@@ -69,6 +69,11 @@ class Strategy:
     progress_thread = False  # a thread of its own drives MPI: the wrapper's waits only watch
     on_device = False  # works on the GPU gradients itself (buffers.device_flats); else the wrapper stages them
     problem_error = RuntimeError  # what every rank raises when a rank reports a local_problem()
+    # Set by the wrapper where it stages the gradients through host memory (runtime.device): a strategy whose
+    # exchange completes parameters one group at a time on its own thread (wfbp's buckets, p3's tensors) calls
+    # it there with their indices, as soon as their averages are complete in the host buffers, so that their
+    # copies back to the device start then, behind the rest of the exchange, not at the update.
+    on_averaged = None
 
     @property
     def drives(self) -> bool:

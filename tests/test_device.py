@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn as nn
@@ -95,6 +97,31 @@ def test_cpu_staging_copies_out_delivers_and_returns_once():
     staging.to_device(range(len(params)))  # 0 and 1 went back already: only 2 and 3 now
     assert float(params[0].grad.abs().sum()) == 0 and torch.equal(params[3].grad, torch.full((2,), 3.0))
     staging.drain()
+    staging.close()
+
+
+def test_cpu_staging_sends_back_as_averaged_and_to_device_then_copies_nothing():
+    """averaged() (the strategy's thread, as a bucket's average completes) puts it in p.grad at once; the
+    update's to_device() copies only what was not sent back, and each average goes back once a step."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    names, params = named(model)
+    buffers = GradientBuffers(params, names, staged=True)
+    staging = GradientStaging(buffers, lambda i: None)
+    model(torch.randn(5, 3)).sum().backward()
+    for i in reversed(range(len(params))):
+        staging.to_host(i)
+    for i in range(len(params)):
+        buffers.flat(i).fill_(float(i + 1))  # the averages, in the mirror
+    done = threading.Thread(target=staging.averaged, args=([2, 3],))  # the last layer's bucket
+    done.start()
+    done.join()
+    assert staging.copies_as_averaged == staging.copies_to_device == 1
+    assert torch.equal(params[3].grad, torch.full((2,), 4.0)) and not torch.equal(params[0].grad, torch.ones(4, 3))
+    params[3].grad.mul_(0.5)  # what a user does after synchronize() stays: it is not sent back again
+    staging.averaged([3])
+    staging.to_device(range(len(params)))
+    assert staging.copies_to_device == 2 and staging.copies_as_averaged == 1  # only 0 and 1 now, one copy
+    assert torch.equal(params[0].grad, torch.ones(4, 3)) and torch.equal(params[3].grad, torch.full((2,), 2.0))
     staging.close()
 
 

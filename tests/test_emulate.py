@@ -124,6 +124,23 @@ def test_the_clock_never_ends_work_early_and_counts_it():
     assert clock.busy == pytest.approx(0.01)
 
 
+def test_work_after_another_streams_starts_when_that_ends_and_the_host_does_not_wait():
+    """Clock.after: a stream's next work waits for work on another (a copy back on a side stream), as a CUDA
+    stream waits on an event; the call returns at once, and synchronize waits for that work too."""
+    clock = Clock()
+    t = time.perf_counter()
+    clock.after(t + 0.02)
+    assert time.perf_counter() - t < 0.005
+    clock.run(0.001, wait=False)
+    assert clock.deadline == pytest.approx(t + 0.021)
+    assert clock.idle >= 0.0
+    clock.run(0.001, wait=False)  # consumed: the next work follows the last, not the other stream
+    assert clock.deadline == pytest.approx(t + 0.022)
+    clock.after(clock.deadline + 0.01)
+    clock.sync()
+    assert time.perf_counter() - t >= 0.032
+
+
 def test_compute_scale_multiplies_every_time():
     model = build_model("mlp")
     inputs, _ = model_input("mlp", 8)

@@ -174,6 +174,49 @@ def test_a_staged_gradient_handed_over_ahead_is_delivered_in_hook_order_not_befo
         assert at >= copied - LAZY_S
 
 
+def test_averages_sent_back_as_they_complete_delay_the_update_only_until_their_copies_end():
+    """EmulatedStaging.averaged(), on the strategy's thread as its exchange completes them: the copies back are
+    queued on that thread's clock from then on, without waiting; to_device() on the training thread then only
+    makes its next work (the update) start after them, and copies nothing more."""
+    import threading
+
+    from runtime.device import EmulatedStaging
+    from runtime.emulate.trace import trace
+    from runtime.grad_buffers import GradientBuffers
+
+    model = build_model("mlp", hidden=[4096, 4096])
+    inputs, _ = model_input("mlp", 4)
+    emulate(model, "v100", inputs, times=[(0.0, 0.0)] * len(trace(model, inputs).calls))
+    acc = accelerator.active()
+    names, params = zip(*model.named_parameters())
+    staging = EmulatedStaging(acc, GradientBuffers(list(params), list(names)), lambda i: None)
+    took = []
+
+    def averaged():  # on the strategy's thread, as the exchange completes them
+        t0 = time.perf_counter()
+        staging.averaged(range(len(params)))
+        took.append((t0, time.perf_counter()))
+    try:
+        for i in range(len(params)):
+            staging.to_host(i)
+        staging.drain()
+        copy = sum(acc.model.copy_s(p.numel() * 4) for p in params)
+        side = threading.Thread(target=averaged)
+        side.start()
+        side.join()
+        (t0, t1), = took
+        assert t1 - t0 < copy / 2  # queued, not waited for
+        back = max(staging.back_at)
+        assert back >= t0 + copy * 0.999
+        staging.to_device(range(len(params)))
+        assert staging.copies_to_device == staging.copies_as_averaged == 1
+        acc.run("optimizer", 0.001, wait=False)  # the update, on the training thread's stream
+        assert acc.clock.deadline == pytest.approx(back + 0.001)
+        assert acc.seconds["h2d"] == pytest.approx(acc.model.copy_s(sum(p.numel() * 4 for p in params)))  # one range
+    finally:
+        staging.close()
+
+
 def test_micro_batches_accumulate_on_the_device_with_no_host_pass_over_a_large_gradient():
     """A GPU adds a micro-batch's gradients on the device: modelled time, queued ("accumulate"). The host adds
     the small ones (cheap, exact) and leaves a LARGE one as it is: no write to it (its version counter)."""

@@ -224,6 +224,21 @@ def test_staged_strategies_copy_the_gradients_to_the_host_and_back():
     assert simulate(gpu, c, "ddp").t_iter_s == pytest.approx(simulate(p, c, "ddp").t_iter_s)  # gloo's own
 
 
+def test_wfbp_and_p3_send_each_average_back_as_it_completes_and_expose_only_the_last():
+    """runtime.device's averaged(): wfbp's buckets and p3's layers go back to the device on the second copy
+    engine as their exchange completes, so only the last one's copy is left after the exchange; allreduce's
+    single exchange still copies everything back at the end (hybcomm's dense wfbp too, as the runtime does)."""
+    c = fast_net(4, bw=10e9)
+    p = toy(n=8, params=1_000_000)
+    gpu = dataclasses.replace(p, device="cuda", copy_gbs=1.0)
+    layer_s = p.layers[0].elements * 4 / 1e9  # 4 MB a layer (a bucket each) at 1 GB/s
+    for strategy in ("wfbp", "p3"):
+        extra = simulate(gpu, c, strategy).t_iter_s - simulate(p, c, strategy).t_iter_s
+        assert extra < 3 * layer_s, (strategy, extra / layer_s)
+    extra = simulate(gpu, c, "allreduce").t_iter_s - simulate(p, c, "allreduce").t_iter_s
+    assert extra == pytest.approx(9 * layer_s, rel=0.01)
+
+
 def test_a_driving_progress_thread_takes_its_cores_only_while_the_training_thread_waits():
     c = fast_net(2, comm_cores=0.25, cores_per_host=1.0)
     host = Host(Engine(), c)

@@ -62,10 +62,31 @@ def test_every_gradient_goes_out_and_back_once_per_step(world, forced):
         staging = dopt.staging
         ok = (staging is not None and staging.copies_to_host == 3 * n and "staged" in dopt.transport
               and dopt.buffers.flats[0].data_ptr() != dopt.buffers.device_flats[0].data_ptr())
+        # Every bucket's average went back as its allreduce completed, on the progress thread; none at the update.
+        ok = ok and staging.copies_to_device == staging.copies_as_averaged > 0
         # The last step's update used the halved average: p_new = p - lr * g / 2.
         after = [p.detach() for p in model.parameters() if p.requires_grad]
         ok = ok and all(torch.allclose(a, b - 0.05 * g * 0.5, atol=1e-7) for a, b, g in zip(after, before, averaged))
     assert_everywhere(world, ok, "staging copies or post-synchronize edits wrong")
+
+
+def test_p3_sends_each_tensors_average_back_as_its_last_slice_returns(world, forced):
+    """p3's tensors complete on its progress thread: each one's copy back is made there, before any layer's
+    forward waits for it, and the training thread's gates copy nothing."""
+    torch.manual_seed(0)
+    model = Edgy()
+    X, Y = data(world.Get_size())
+    r = world.Get_rank()
+    with wrap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05), model, "p3") as dopt:
+        for step in range(3):
+            dopt.zero_grad()
+            x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+            nn.functional.cross_entropy(model(x), y).backward()
+            dopt.step()
+        model(X[0][:LOCAL_BATCH])  # the last step's updates, through the gates
+        staging = dopt.staging
+        ok = staging.copies_to_device == staging.copies_as_averaged > 0 and not any(staging.outstanding)
+    assert_everywhere(world, ok, "p3's averages must go back as they complete")
 
 
 def test_ranks_staging_differently_are_named(world, monkeypatch):

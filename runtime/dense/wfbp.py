@@ -60,8 +60,10 @@ class WfbpSync(Strategy):
         token = tl.begin(f"allreduce b{b}", "sync", track="comm", bucket=b,
                          params=len(self.bucket_params[b])) if tl else None
 
-        def averaged(handle, bucket=bucket, token=token):
+        def averaged(handle, bucket=bucket, token=token, params=self.bucket_params[b]):
             _copy_back(bucket, handle.wait())
+            if self.on_averaged is not None:  # before the future is done: a wait() then finds the copy issued
+                self.on_averaged(params)
             if tl:
                 tl.end(token)
 

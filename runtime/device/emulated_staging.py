@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -22,8 +23,12 @@ class EmulatedStaging:
     copies as one copy engine does, each starting no earlier than its
     gradient was ready, then delivers; `to_device` waits the copies back
     (kind "h2d") on the calling thread's clock, ahead of the update that
-    waits for them on the GPU. Nothing is copied: the strategy works on the
-    gradients where they are.
+    waits for them on the GPU. `averaged(indices)`, called on the strategy's
+    thread as its exchange completes them, queues their copies back on that
+    thread's clock (the copy engine's timeline) from then on, and `to_device`
+    only makes the calling thread's next work start after them (Clock.after),
+    as GradientStaging's stream waits for its side stream's event. Nothing is
+    copied: the strategy works on the gradients where they are.
     """
 
     def __init__(self, acc, buffers: GradientBuffers, deliver: Callable[[int], None],
@@ -31,7 +36,10 @@ class EmulatedStaging:
         self.acc, self.buffers = acc, buffers
         self.nbytes = [p.numel() * p.element_size() for p in buffers.params]
         self.copies_to_host = self.copies_to_device = 0
+        self.copies_as_averaged = 0  # of copies_to_device, those averaged() made as the exchange finished them
         self.outstanding = [False] * len(buffers.params)  # averaged on the host, not yet back on the "device"
+        self.back_at = [0.0] * len(buffers.params)  # sent back by averaged(): when that copy ends (0: not sent)
+        self._lock = threading.Lock()  # averaged() runs on the strategy's thread, to_device() on the training one
         self.delivery = Delivery(self._copied, deliver, interrupt, timeline)
 
     def to_host(self, i: int) -> None:
@@ -57,17 +65,46 @@ class EmulatedStaging:
         """Block until every gradient has been delivered (in hook order); re-raise a delivery's error."""
         self.delivery.drain()
 
+    def averaged(self, indices) -> None:
+        """On the strategy's thread, as its exchange completes these parameters' averages: their copies back
+        start now (or when the copies queued before them end), on this thread's clock, which does not wait."""
+        with self._lock:
+            indices = [i for i in indices if self.outstanding[i]]
+            for i in indices:
+                self.outstanding[i] = False
+            seconds, copies = self._copies(indices)
+            if not copies:
+                return
+            self.copies_to_device += copies
+            self.copies_as_averaged += copies
+            clock = self.acc.clock
+            clock.begin()
+            self.acc.run("h2d", seconds, wait=False)
+            for i in indices:
+                self.back_at[i] = clock.deadline
+
     def to_device(self, indices) -> None:
-        """The averages of these parameters go back to the device: their copies' modelled time, on this thread."""
-        indices = [i for i in indices if self.outstanding[i]]
-        for i in indices:
-            self.outstanding[i] = False
+        """The averages of these parameters go back to the device: their copies' modelled time, on this thread;
+        those averaged() sent back already: this thread's next work starts once those copies end."""
+        with self._lock:
+            early = max((self.back_at[i] for i in indices), default=0.0)
+            for i in indices:
+                self.back_at[i] = 0.0
+            indices = [i for i in indices if self.outstanding[i]]
+            for i in indices:
+                self.outstanding[i] = False
+            seconds, copies = self._copies(indices)
+            self.copies_to_device += copies
+        if early:
+            self.acc.clock.after(early)
+        if copies:
+            self.acc.issue("h2d", seconds)
+
+    def _copies(self, indices) -> tuple[float, int]:
+        """The modelled seconds of copying these parameters' ranges, and how many ranges (copies) that is."""
         ranges = coalesce(self.buffers.segments, indices)
-        if not ranges:
-            return
-        self.copies_to_device += len(ranges)
         width = {b: f.element_size() for b, f in enumerate(self.buffers.flats)}
-        self.acc.issue("h2d", sum(self.acc.model.copy_s((z - a) * width[b]) for b, a, z in ranges))
+        return sum(self.acc.model.copy_s((z - a) * width[b]) for b, a, z in ranges), len(ranges)
 
     def close(self) -> None:
         self.delivery.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
@@ -35,7 +36,12 @@ class GradientStaging:
     `strategy.wait(indices)` the averaged values go back on the side stream
     and the current stream waits on an event, so the optimizer's update, or
     the layer's next forward pass (p3), runs after them on the GPU, without
-    the CPU waiting. Events are made once per parameter and reused.
+    the CPU waiting. A strategy that completes averages a group at a time on
+    its own thread (wfbp's buckets, p3's tensors) calls `averaged(indices)`
+    there instead: those go back at once, on a stream of their own (the
+    second copy engine), behind the exchange of the rest, and `to_device`
+    only makes the current stream wait for them. Events are made once per
+    parameter and reused.
 
     On a CPU model under MPITRAIN_STAGING=force the same bookkeeping runs
     with synchronous copies and no thread: how CI checks it without a GPU.
@@ -49,16 +55,25 @@ class GradientStaging:
         self.device = buffers.device
         self.cuda = self.device.type == "cuda"
         self.copies_to_host = self.copies_to_device = 0  # per-range copies issued (reported, tested)
+        self.copies_as_averaged = 0  # of copies_to_device, those averaged() made as the exchange finished them
         # Whose average is still in the mirror only: each goes back once per step, so that what the
         # user does to .grad after synchronize() (clipping) is not overwritten by step()'s wait.
         self.outstanding = [False] * len(buffers.params)
+        # Those sent back early (averaged): per parameter, the sequence number of the copy that took it, 0 if none.
+        n = len(buffers.params)
+        self._early = [0] * n
+        self._sent_back = 0
+        self._lock = threading.Lock()  # averaged() runs on the strategy's thread, to_device() on the training one
         if not self.cuda:
             return
-        n = len(buffers.params)
         self.stream = torch.cuda.Stream(self.device)
+        self.back_stream = torch.cuda.Stream(self.device)  # averaged()'s copies: not queued behind the gradients'
         self.produced = [torch.cuda.Event() for _ in range(n)]  # gradient i final on its compute stream
         self.copied = [torch.cuda.Event() for _ in range(n)]  # its host copy complete
         self.returned = torch.cuda.Event()  # the last averaged values are back on the device
+        self.back = [torch.cuda.Event() for _ in range(n)]  # back[j]: averaged()'s copy whose last index is j
+        self._back_event = [0] * n  # per parameter: the index j of the event recorded after its copy
+        self._thread_device = threading.local()
         # This copy only (synchronize releases the GIL), never the device; then the strategy gets i.
         self.delivery = Delivery(lambda i, event: event.synchronize(), deliver, interrupt, timeline)
 
@@ -86,14 +101,62 @@ class GradientStaging:
             self.delivery.drain()
 
     # -- host -> device ------------------------------------------------------
-    def to_device(self, indices) -> None:
-        """The strategy averaged these parameters' gradients in the mirror: put them back in p.grad."""
+    def averaged(self, indices) -> None:
+        """On the strategy's thread, as its exchange completes these parameters' averages in the mirror (and
+        before any wait for them returns): their copies back to p.grad start now."""
         b = self.buffers
-        indices = [i for i in indices if self.outstanding[i]]
+        with self._lock:
+            indices = [i for i in indices if self.outstanding[i]]
+            if not indices:
+                return
+            self._sent_back += 1
+            for i in indices:
+                self.outstanding[i], self._early[i] = False, self._sent_back
+            ranges = coalesce(b.segments, indices)
+            self.copies_to_device += len(ranges)
+            self.copies_as_averaged += len(ranges)
+        if self.timeline:
+            self.timeline.instant(f"back to {self.device.type} as averaged: {len(indices)} params", "staging",
+                                  track="staging", ranges=len(ranges))
+        if not self.cuda:
+            for k, a, z in ranges:
+                b.device_flats[k][a:z].copy_(b.flats[k][a:z])
+            return
+        if not getattr(self._thread_device, "set", False):  # this thread's CUDA calls go to the model's device
+            torch.cuda.set_device(self.device)
+            self._thread_device.set = True
+        last = indices[-1]
+        with torch.cuda.stream(self.back_stream):
+            for k, a, z in ranges:
+                b.device_flats[k][a:z].copy_(b.flats[k][a:z], non_blocking=True)
+            self.back[last].record(self.back_stream)
         for i in indices:
-            self.outstanding[i] = False
-        ranges = coalesce(b.segments, indices)
-        self.copies_to_device += len(ranges)
+            self._back_event[i] = last
+
+    def _wait_early(self, indices) -> None:
+        """The current stream waits for averaged()'s copies of these parameters (the latest recorded one: the
+        copies run in order on their stream); on a CPU they are done already."""
+        latest, j = 0, None
+        for i in indices:
+            seq = self._early[i]
+            if seq:
+                self._early[i] = 0
+                if seq > latest and self.cuda:
+                    latest, j = seq, self._back_event[i]
+        if j is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.back[j])
+
+    def to_device(self, indices) -> None:
+        """The strategy averaged these parameters' gradients in the mirror: put them back in p.grad (those that
+        averaged() sent back already: wait for their copies)."""
+        b = self.buffers
+        with self._lock:
+            self._wait_early(indices)
+            indices = [i for i in indices if self.outstanding[i]]
+            for i in indices:
+                self.outstanding[i] = False
+            ranges = coalesce(b.segments, indices)
+            self.copies_to_device += len(ranges)
         if self.timeline and ranges:
             self.timeline.instant(f"back to {self.device.type}: {len(indices)} params", "staging", track="staging",
                                   ranges=len(ranges))

@@ -55,6 +55,7 @@ class Clock:
         self._owed = 0.0  # work a lazy run left queued when it returned: a block shorter than that idles nothing
         self._slack = False
         self._begin_at: float | None = None
+        self._not_before = 0.0  # the next work waits for another stream's until then (after)
         self.wakes = 0  # sleeps so far: each costs the host a wake-up (tens of microseconds of CPU on a VM)
         # While a backward that runs ahead fires a gradient's hooks: when that gradient is ready (accelerator.ready_at).
         self.ready_at: float | None = None
@@ -63,6 +64,12 @@ class Clock:
         """The next work starts a pass: from now (or from `at`, a perf_counter() time: the host queued it
         then and runs it later, as a forward does), not from the last deadline."""
         self._fresh, self._begin_at = True, at
+
+    def after(self, at: float) -> None:
+        """The next work queued on this stream starts no earlier than `at` (a perf_counter() time), the end of
+        work on another stream that it depends on, as a CUDA stream waits on an event recorded on another (a
+        copy back to the device on a side stream, before the update that reads it); the host does not wait."""
+        self._not_before = max(self._not_before, at)
 
     def absorb(self, seconds: float) -> None:
         """Host work that is the device's in reality (zeroing gradient buffers in host memory, a DMA's copy):
@@ -91,6 +98,8 @@ class Clock:
             self._fresh, self._absorbed, self._begin_at = False, 0.0, None
         else:
             start = self.deadline + self._outlasted(blocked)
+        if self._not_before:
+            start, self._not_before = max(start, self._not_before), 0.0
         self.idle += max(0.0, start - self.deadline) if self.deadline else 0.0
         self.deadline = start + seconds
         self.busy += seconds
@@ -113,6 +122,8 @@ class Clock:
             self.deadline += idle
             self.idle += idle
             self._blocked_at, self._owed = blocked, 0.0
+        if self._not_before:  # what the next work would wait for: synchronize waits for it too
+            self.deadline, self._not_before = max(self.deadline, self._not_before), 0.0
         left = self.deadline - time.perf_counter()
         if left > 0:
             self._sleep(left)

@@ -37,6 +37,7 @@ class P3Sync(Strategy):
                                        self.timeline, ctx.names, relaxed_sleep=t.relaxed_sleep)
         self.progress = ProgressThread("mpitrain-p3")
         self.exchange.nudge = self.progress.nudge
+        self.exchange.on_done = self._averaged
         self.future = None  # the exchange of the newest step on the progress thread
         self._open = False  # gradients of the current step are being handed over
 
@@ -60,6 +61,10 @@ class P3Sync(Strategy):
 
     def grad_ready(self, i: int) -> None:
         self._started().ready(i)
+
+    def _averaged(self, tensors) -> None:
+        if self.on_averaged is not None:
+            self.on_averaged(tensors)
 
     def finish(self, used, full: bool = False) -> None:
         self._started()

@@ -22,6 +22,7 @@ class Run:
         self.host = Host(self.engine, cluster)
         self.stream = Stream(self.host)
         self._copies_free = 0.0  # when the copy engine is done with the copies queued so far
+        self._back_free = 0.0  # the same for the other copy engine: averages back to the device
 
     def compute(self, name: str, seconds: float) -> Event:
         return self.engine.start(self.host.compute(name, seconds, self.profile.cores_per_rank))
@@ -38,6 +39,13 @@ class Run:
         self._copies_free = start + self.copy_s(nbytes)
         return self.engine.timeout(self._copies_free - self.engine.now)
 
+    def from_host(self, nbytes: float) -> Event:
+        """Averages going back to the device as the exchange completes them (runtime.device's averaged()), on
+        the other copy engine, after those queued before them; fires when they are there."""
+        start = max(self.engine.now, self._back_free)
+        self._back_free = start + self.copy_s(nbytes)
+        return self.engine.timeout(self._back_free - self.engine.now)
+
 
 class Schedule:
     """The plain step (forward, backward, optimizer); strategies add their exchanges through the hooks."""
@@ -49,6 +57,9 @@ class Schedule:
     # True: its progress thread drives MPI while the training thread waits, where compute is off the host's cores
     # (runtime.progress.ProgressThread(drive=True): wfbp's, and hybcomm's dense path through it).
     drives = False
+    # True (staged): each group's average goes back to the device as its exchange completes it (the strategy calls
+    # runtime.device's averaged(): wfbp's buckets, p3's tensors), not all at the update.
+    sends_back = False
 
     def __init__(self, run: Run, **options):
         self.run, self.p = run, run.profile
@@ -56,6 +67,7 @@ class Schedule:
         self.options = options
         self.pending: list[Event] = []
         self.unstaged = frozenset()  # layers whose gradients stay on the device (hybcomm's factors go instead)
+        self.sent_back: dict[int, float] = {}  # layer -> bytes of its averages back already this step (send_back)
 
     def on_host(self, i: int) -> Event | None:
         """Staged: layer i's copy to the host, queued now, whose event fires when it is done; else None."""
@@ -64,9 +76,24 @@ class Schedule:
         return self.run.to_host(self.p.layers[i].elements * self.p.itemsize)
 
     def to_device(self, layers) -> Event | None:
-        """Staged: the averages of these layers back to the device, before their update (on its stream)."""
-        nbytes = sum(self.p.layers[i].elements for i in layers if i not in self.unstaged) * self.p.itemsize
+        """Staged: the averages of these layers back to the device, before their update (on its stream), less
+        what went back as it was averaged (send_back)."""
+        nbytes = sum(self.p.layers[i].elements * self.p.itemsize - self.sent_back.pop(i, 0)
+                     for i in layers if i not in self.unstaged)
         return self.run.compute("copies to the device", self.run.copy_s(nbytes)) if self.staged and nbytes else None
+
+    def send_back(self, nbytes: dict[int, float], averaged: Event) -> Event:
+        """Once `averaged` fires, these averages ({layer: its bytes among them}) go back on the other copy engine
+        (sends_back, staged); returns the event of their being on the device (or `averaged` where none go)."""
+        nbytes = {i: n for i, n in nbytes.items() if i not in self.unstaged}
+        if not (self.sends_back and self.staged and nbytes and self.run.copy_s(1)):
+            return averaged
+        for i, n in nbytes.items():
+            self.sent_back[i] = self.sent_back.get(i, 0) + n
+        total = sum(nbytes.values())
+        back = Event()
+        averaged.then(lambda _: self.run.from_host(total).then(lambda _: back.succeed()))
+        return back
 
     def before_forward(self, i: int, step: int):
         """A process run before layer i's forward (p3: wait for its parameters, apply its update)."""
@@ -188,19 +215,30 @@ class BucketSchedule(Schedule):
 
     staged = True
     drives = True
+    sends_back = True
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
         self.buckets = self.layout(options.get("skip", frozenset()))  # [(bytes, {layer indices})]
+        self._back_bytes = self.layer_bytes(options.get("skip", frozenset())) if self.sends_back else []
         self._left: list[set] = []
 
     def layout(self, skip) -> list[tuple[int, set]]:
+        return [(sum(by_layer.values()), set(by_layer)) for by_layer in self.layer_bytes(skip)]
+
+    def layer_bytes(self, skip) -> list[dict[int, int]]:
+        """Per bucket, {layer: the bytes of its parameters in the bucket} (runtime.dense.wfbp's buckets)."""
         from runtime.dense.wfbp import buckets
 
         sizes, owner = param_layers(self.p, skip)
         params = [_Param(n, self.p.itemsize) for n in sizes]
-        fuse = self.options.get("fuse_bytes", WFBP_FUSE_BYTES)
-        return [(sum(sizes[j] for j in b) * self.p.itemsize, {owner[j] for j in b}) for b in buckets(params, fuse)]
+        out = []
+        for b in buckets(params, self.options.get("fuse_bytes", WFBP_FUSE_BYTES)):
+            by_layer: dict[int, int] = {}
+            for j in b:
+                by_layer[owner[j]] = by_layer.get(owner[j], 0) + sizes[j] * self.p.itemsize
+            out.append(by_layer)
+        return out
 
     def grad_ready(self, i: int, step: int) -> None:
         if not self._left:
@@ -210,8 +248,9 @@ class BucketSchedule(Schedule):
             if i in left:
                 left.discard(i)
                 if not left:
-                    self.pending.append(self.run.stream.submit(
-                        after(copied, allreduce(self.run.host, self.buckets[b][0], f"bucket {b}"))))
+                    done = self.run.stream.submit(after(copied, allreduce(self.run.host, self.buckets[b][0],
+                                                                          f"bucket {b}")))
+                    self.pending.append(self.send_back(self._back_bytes[b], done) if self._back_bytes else done)
 
     def finish(self, step: int):
         self._left = []
@@ -223,6 +262,7 @@ class DdpSchedule(BucketSchedule):
 
     staged = False  # gloo's own buffers (runtime.device's staging is DistributedOptimizer's)
     drives = False  # gloo's worker thread reads its sockets blocking
+    sends_back = False
 
     def layout(self, skip) -> list[tuple[int, set]]:
         sizes, owner = param_layers(self.p, skip)

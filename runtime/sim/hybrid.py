@@ -23,6 +23,8 @@ class HybcommSchedule(BucketSchedule):
     """Each layer the plan sends by sufficient factors: an allgather of them once its backward is done,
     then the rebuild (2·P·K·M·N flop) before the optimizer; every other gradient through wfbp buckets."""
 
+    sends_back = False  # runtime.hybrid's dense wfbp returns its averages at the update, as allreduce does
+
     def __init__(self, run: Run, **options):
         costs = hybcomm_plan(run, options.get("force", "auto"))
         names = {c.name: c for c in costs if c.choice == "sfb"}

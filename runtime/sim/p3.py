@@ -9,7 +9,7 @@ from runtime.p3 import tuning
 
 from .collectives import slice_round_trip
 from .dataparallel import Run, Schedule, param_layers
-from .engine import Event
+from .engine import Event, all_of
 
 
 def p3_settings(run: Run, slice_size="auto", credit="auto") -> tuning.P3Tuning:
@@ -30,6 +30,7 @@ class P3Schedule(Schedule):
 
     deferred = True
     staged = True
+    sends_back = True
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
@@ -54,7 +55,8 @@ class P3Schedule(Schedule):
         self._waiting: list[set] = []  # per slice: layers whose gradients it still needs
         self._back: dict[int, Event] = {}  # layer -> fired when all of its slices are back (this step)
         self._layer_left: dict[int, int] = {}
-        self._params_ready: dict[int, Event] = {}  # layer -> its update may run (previous step's)
+        self._params_ready: dict[int, Event] = {}  # layer -> its average is complete (previous step's)
+        self._on_device: dict[int, Event] = {}  # layer -> that average is back on the device (send_back)
         self._updated: set = set()
 
     def before_forward(self, i: int, step: int):
@@ -67,6 +69,7 @@ class P3Schedule(Schedule):
                      if j not in self._updated and self._params_ready[j].fired]
             share = sum(self.p.layers[j].elements for j in along) / self._elements
             self._updated.update(along)
+            yield all_of(self._on_device[j] for j in along)  # their copies back, started as each completed
             back = self.to_device(along)
             if back is not None:
                 yield back
@@ -77,6 +80,8 @@ class P3Schedule(Schedule):
             self._waiting = [set(ls) for _, ls in self.slices]
             self._layer_left = {j: len(self.slices_of[j]) for j in range(len(self.p.layers))}
             self._params_ready = {j: Event() for j in range(len(self.p.layers))}
+            self._on_device = {j: self.send_back({j: self.p.layers[j].elements * self.p.itemsize}, e)
+                               for j, e in self._params_ready.items()}
             self._updated = set()
         copied = self.on_host(i)
         if copied is None:
