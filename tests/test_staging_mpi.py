@@ -41,17 +41,26 @@ def test_staged_p3_gates_weights_read_by_a_parent(world, forced):
     assert_everywhere(world, close(train("p3", world, X, Y, 5, make=Attention), reference), "attention")
 
 
-def test_every_gradient_goes_out_and_back_once_per_step(world, forced):
+def edgy(world):
+    """The transparency tests' edge-case model (seeded) and every step's data."""
     torch.manual_seed(0)
-    model = Edgy()
-    n = sum(p.requires_grad for p in model.parameters())
-    X, Y = data(world.Get_size())
+    return (Edgy(), *data(world.Get_size()))
+
+
+def local_backward(world, model, X, Y, step: int) -> None:
+    """This rank's share of the step's batch, forward and backward."""
     r = world.Get_rank()
+    x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_every_gradient_goes_out_and_back_once_per_step(world, forced):
+    model, X, Y = edgy(world)
+    n = sum(p.requires_grad for p in model.parameters())
     with wrap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05), model, "wfbp") as dopt:
         for step in range(3):
             dopt.zero_grad()
-            x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-            nn.functional.cross_entropy(model(x), y).backward()
+            local_backward(world, model, X, Y, step)
             dopt.synchronize()
             averaged = [p.grad.clone() for p in model.parameters() if p.requires_grad]
             for p in model.parameters():  # what the user does between synchronize() and step() stays
@@ -73,15 +82,11 @@ def test_every_gradient_goes_out_and_back_once_per_step(world, forced):
 def test_p3_sends_each_tensors_average_back_as_its_last_slice_returns(world, forced):
     """p3's tensors complete on its progress thread: each one's copy back is made there, before any layer's
     forward waits for it, and the training thread's gates copy nothing."""
-    torch.manual_seed(0)
-    model = Edgy()
-    X, Y = data(world.Get_size())
-    r = world.Get_rank()
+    model, X, Y = edgy(world)
     with wrap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05), model, "p3") as dopt:
         for step in range(3):
             dopt.zero_grad()
-            x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-            nn.functional.cross_entropy(model(x), y).backward()
+            local_backward(world, model, X, Y, step)
             dopt.step()
         model(X[0][:LOCAL_BATCH])  # the last step's updates, through the gates
         staging = dopt.staging
