@@ -35,6 +35,7 @@ class EmulatedStaging:
                  interrupt: Callable[[], None] = lambda: None, timeline=None):
         self.acc, self.buffers = acc, buffers
         self.nbytes = [p.numel() * p.element_size() for p in buffers.params]
+        self._width = [f.element_size() for f in buffers.flats]  # bytes an element, per flat buffer
         self.copies_to_host = self.copies_to_device = 0
         self.copies_as_averaged = 0  # of copies_to_device, those averaged() made as the exchange finished them
         self.outstanding = [False] * len(buffers.params)  # averaged on the host, not yet back on the "device"
@@ -69,13 +70,9 @@ class EmulatedStaging:
         """On the strategy's thread, as its exchange completes these parameters' averages: their copies back
         start now (or when the copies queued before them end), on this thread's clock, which does not wait."""
         with self._lock:
-            indices = [i for i in indices if self.outstanding[i]]
-            for i in indices:
-                self.outstanding[i] = False
-            seconds, copies = self._copies(indices)
+            indices, seconds, copies = self._claim(indices)
             if not copies:
                 return
-            self.copies_to_device += copies
             self.copies_as_averaged += copies
             clock = self.acc.clock
             clock.begin()
@@ -90,21 +87,21 @@ class EmulatedStaging:
             early = max((self.back_at[i] for i in indices), default=0.0)
             for i in indices:
                 self.back_at[i] = 0.0
-            indices = [i for i in indices if self.outstanding[i]]
-            for i in indices:
-                self.outstanding[i] = False
-            seconds, copies = self._copies(indices)
-            self.copies_to_device += copies
+            _, seconds, copies = self._claim(indices)
         if early:
             self.acc.clock.after(early)
         if copies:
             self.acc.issue("h2d", seconds)
 
-    def _copies(self, indices) -> tuple[float, int]:
-        """The modelled seconds of copying these parameters' ranges, and how many ranges (copies) that is."""
+    def _claim(self, indices) -> tuple[list[int], float, int]:
+        """Those of these parameters still outstanding, marked as going back now; the modelled seconds of copying
+        their ranges, and how many ranges (copies) that is (counted in copies_to_device). Under the lock."""
+        indices = [i for i in indices if self.outstanding[i]]
+        for i in indices:
+            self.outstanding[i] = False
         ranges = coalesce(self.buffers.segments, indices)
-        width = {b: f.element_size() for b, f in enumerate(self.buffers.flats)}
-        return sum(self.acc.model.copy_s((z - a) * width[b]) for b, a, z in ranges), len(ranges)
+        self.copies_to_device += len(ranges)
+        return indices, sum(self.acc.model.copy_s((z - a) * self._width[b]) for b, a, z in ranges), len(ranges)
 
     def close(self) -> None:
         self.delivery.close()

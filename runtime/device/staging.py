@@ -59,9 +59,10 @@ class GradientStaging:
         # Whose average is still in the mirror only: each goes back once per step, so that what the
         # user does to .grad after synchronize() (clipping) is not overwritten by step()'s wait.
         self.outstanding = [False] * len(buffers.params)
-        # Those sent back early (averaged): per parameter, the sequence number of the copy that took it, 0 if none.
+        # Those sent back early (averaged): per parameter, (the sequence number of the copy that took it, the index
+        # of the event recorded after it), None if none.
         n = len(buffers.params)
-        self._early = [0] * n
+        self._early: list[tuple[int, int] | None] = [None] * n
         self._sent_back = 0
         self._lock = threading.Lock()  # averaged() runs on the strategy's thread, to_device() on the training one
         if not self.cuda:
@@ -72,7 +73,6 @@ class GradientStaging:
         self.copied = [torch.cuda.Event() for _ in range(n)]  # its host copy complete
         self.returned = torch.cuda.Event()  # the last averaged values are back on the device
         self.back = [torch.cuda.Event() for _ in range(n)]  # back[j]: averaged()'s copy whose last index is j
-        self._back_event = [0] * n  # per parameter: the index j of the event recorded after its copy
         self._thread_device = threading.local()
         # This copy only (synchronize releases the GIL), never the device; then the strategy gets i.
         self.delivery = Delivery(lambda i, event: event.synchronize(), deliver, interrupt, timeline)
@@ -104,72 +104,72 @@ class GradientStaging:
     def averaged(self, indices) -> None:
         """On the strategy's thread, as its exchange completes these parameters' averages in the mirror (and
         before any wait for them returns): their copies back to p.grad start now."""
-        b = self.buffers
         with self._lock:
-            indices = [i for i in indices if self.outstanding[i]]
-            if not indices:
+            indices, ranges = self._claim(indices)
+            if not ranges:
                 return
-            self._sent_back += 1
-            for i in indices:
-                self.outstanding[i], self._early[i] = False, self._sent_back
-            ranges = coalesce(b.segments, indices)
-            self.copies_to_device += len(ranges)
             self.copies_as_averaged += len(ranges)
+            self._sent_back += 1
+            last = indices[-1]
+            for i in indices:
+                self._early[i] = (self._sent_back, last)
+            if self.cuda and not getattr(self._thread_device, "set", False):  # this thread's CUDA: the model's device
+                torch.cuda.set_device(self.device)
+                self._thread_device.set = True
+            # Issued under the lock, so a to_device() that finds _early set finds the event recorded.
+            self._put_back(ranges, self.back_stream if self.cuda else None, self.back[last] if self.cuda else None)
         if self.timeline:
             self.timeline.instant(f"back to {self.device.type} as averaged: {len(indices)} params", "staging",
                                   track="staging", ranges=len(ranges))
+
+    def _claim(self, indices) -> tuple[list[int], list]:
+        """Those of these parameters whose average is still in the mirror only, marked as going back now, and
+        their coalesced ranges (counted in copies_to_device). Under the lock."""
+        indices = [i for i in indices if self.outstanding[i]]
+        for i in indices:
+            self.outstanding[i] = False
+        ranges = coalesce(self.buffers.segments, indices)
+        self.copies_to_device += len(ranges)
+        return indices, ranges
+
+    def _put_back(self, ranges, stream, event) -> None:
+        """Copy these ranges of the mirror into the device's gradients: on a CPU at once, else on `stream`
+        (non-blocking, from pinned memory), recording `event` after them."""
+        b = self.buffers
         if not self.cuda:
             for k, a, z in ranges:
                 b.device_flats[k][a:z].copy_(b.flats[k][a:z])
             return
-        if not getattr(self._thread_device, "set", False):  # this thread's CUDA calls go to the model's device
-            torch.cuda.set_device(self.device)
-            self._thread_device.set = True
-        last = indices[-1]
-        with torch.cuda.stream(self.back_stream):
+        with torch.cuda.stream(stream):
             for k, a, z in ranges:
                 b.device_flats[k][a:z].copy_(b.flats[k][a:z], non_blocking=True)
-            self.back[last].record(self.back_stream)
-        for i in indices:
-            self._back_event[i] = last
+            event.record(stream)
 
     def _wait_early(self, indices) -> None:
         """The current stream waits for averaged()'s copies of these parameters (the latest recorded one: the
         copies run in order on their stream); on a CPU they are done already."""
-        latest, j = 0, None
+        latest = None
         for i in indices:
-            seq = self._early[i]
-            if seq:
-                self._early[i] = 0
-                if seq > latest and self.cuda:
-                    latest, j = seq, self._back_event[i]
-        if j is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.back[j])
+            early, self._early[i] = self._early[i], None
+            if early is not None and (latest is None or early[0] > latest[0]):
+                latest = early
+        if latest is not None and self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.back[latest[1]])
 
     def to_device(self, indices) -> None:
         """The strategy averaged these parameters' gradients in the mirror: put them back in p.grad (those that
         averaged() sent back already: wait for their copies)."""
-        b = self.buffers
         with self._lock:
             self._wait_early(indices)
-            indices = [i for i in indices if self.outstanding[i]]
-            for i in indices:
-                self.outstanding[i] = False
-            ranges = coalesce(b.segments, indices)
-            self.copies_to_device += len(ranges)
+            indices, ranges = self._claim(indices)
         if self.timeline and ranges:
             self.timeline.instant(f"back to {self.device.type}: {len(indices)} params", "staging", track="staging",
                                   ranges=len(ranges))
-        if not self.cuda:
-            for k, a, z in ranges:
-                b.device_flats[k][a:z].copy_(b.flats[k][a:z])
-            return
         if not ranges:
             return
-        with torch.cuda.stream(self.stream):
-            for k, a, z in ranges:
-                b.device_flats[k][a:z].copy_(b.flats[k][a:z], non_blocking=True)
-            self.returned.record(self.stream)
+        self._put_back(ranges, self.stream if self.cuda else None, self.returned if self.cuda else None)
+        if not self.cuda:
+            return
         # The update (or the next forward pass) queues behind the copies; the CPU does not wait.
         torch.cuda.current_stream(self.device).wait_event(self.returned)
 
