@@ -2,6 +2,7 @@
 
 from . import shutdown  # noqa: F401 - registers the exit step that runs before MPI_Finalize
 from .buffers import BufferError, block_counts
+from .collectives import Collectives
 from .handle import Handle, wait_all
 from .ring import IN_PLACE, Ring
 from .tags import TagAllocator, TagError, check_tag, slice_tag
@@ -9,6 +10,6 @@ from .topology import Topology, TopologyError
 from .validate import CollectiveMismatchError
 
 __all__ = [
-    "BufferError", "CollectiveMismatchError", "Handle", "IN_PLACE", "Ring", "TagAllocator", "TagError",
+    "BufferError", "CollectiveMismatchError", "Collectives", "Handle", "IN_PLACE", "Ring", "TagAllocator", "TagError",
     "Topology", "TopologyError", "block_counts", "check_tag", "slice_tag", "wait_all",
 ]

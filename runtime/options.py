@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from mpicomm.algorithms import CHOICES as ALLREDUCE_CHOICES
+
 DEFAULT_FUSE_BYTES = 1 << 20  # wfbp: gradients share buckets of about this size
 AUTO = "auto"  # p3's slice size and credit: chosen from the link measured when wrapping (runtime.p3.tuning)
 OPERATORS = ("mstopk", "exact")
@@ -33,6 +35,11 @@ def _check_fraction(name: str, value, *, allow_zero: bool = False, allow_one: bo
         raise ValueError(f"{name} must be in {lo}, {hi}, got {value!r}")
 
 
+def _check_algorithm(value) -> None:
+    if value is not None and value not in ALLREDUCE_CHOICES:
+        raise ValueError(f"algorithm must be one of {ALLREDUCE_CHOICES} or None, got {value!r}")
+
+
 class StrategyOptions:
     """Base of the option classes; `name` is the strategy they configure."""
 
@@ -45,9 +52,17 @@ class StrategyOptions:
 
 @dataclass(frozen=True)
 class AllreduceOptions(StrategyOptions):
-    """One fused ring allreduce per dtype once backward is over."""
+    """One fused allreduce per dtype once backward is over.
 
+    algorithm: "auto", "ring", "doubling" or "hierarchical" (mpicomm.algorithms;
+    None: $MPITRAIN_ALLREDUCE, else auto: by size, nodes and ranks per node).
+    """
+
+    algorithm: str | None = None
     name = "allreduce"
+
+    def __post_init__(self):
+        _check_algorithm(self.algorithm)
 
 
 @dataclass(frozen=True)
@@ -55,13 +70,16 @@ class WfbpOptions(StrategyOptions):
     """Wait-free backprop: each bucket's allreduce starts as soon as backward has produced it.
 
     fuse_bytes: gradients smaller than this share buckets of about this size.
+    algorithm: each bucket's allreduce, as AllreduceOptions' (auto picks per bucket size).
     """
 
     fuse_bytes: int = DEFAULT_FUSE_BYTES
+    algorithm: str | None = None
     name = "wfbp"
 
     def __post_init__(self):
         _check_int("fuse_bytes", self.fuse_bytes, 1)
+        _check_algorithm(self.algorithm)
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,32 @@ def test_bench_collectives_writes_table_json_and_plot(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_collectives_chooses_the_allreduce_algorithm(tmp_path):
+    """The topology-aware impls on 2 emulated nodes x 2; --choose writes the table auto then follows."""
+    out, table = tmp_path / "c.json", tmp_path / "allreduce.json"
+    cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "jobs.bench.collectives", "--ops", "allreduce",
+           "--sizes", "4K,1M", "--iters", "2", "--rounds", "1", "--ranks-per-node", "2",
+           "--impls", "ring-only,doubling,hierarchical,auto", "--json", str(out), "--choose", str(table)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 node(s) x 2" in proc.stdout and "the fastest algorithm per size" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["impl"], r["bytes"]) for r in rows} == {(i, b) for i in ("ring-only", "doubling", "hierarchical", "auto")
+                                                         for b in (4096, 1 << 20)}
+    assert {r["path"] for r in rows if r["impl"] == "hierarchical"} == {"hierarchical"}
+    doc = json.loads(table.read_text())
+    assert doc["layout"] == {"ranks": 4, "nodes": 2, "per_node": 2} and doc["allreduce"][-1][0] is None
+    fastest = {}
+    for r in rows:
+        if r["impl"] != "auto" and (r["bytes"] not in fastest or r["time_s"] < fastest[r["bytes"]][0]):
+            fastest[r["bytes"]] = (r["time_s"], r["impl"].replace("ring-only", "ring"))
+    check = ("from mpicomm.algorithms import Chooser, Layout; c = Chooser(Layout(4, 2, 2)); "
+             "print(c.table_applies, c.choose(4096), c.choose(1 << 20))")
+    env = dict(os.environ, MPITRAIN_ALLREDUCE_TABLE=str(table))
+    got = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
+    assert got.stdout.split() == ["True", fastest[4096][1], fastest[1 << 20][1]], got.stderr
+
+
 def test_bench_collectives_rejects_bad_arguments():
     for args, msg in ((["--sizes", "4Q"], "not a size"), (["--ops", "alltoall"], "--ops: unknown 'alltoall'"),
                       (["--iters", "-1"], ">= 0")):

@@ -11,7 +11,7 @@ import torch
 
 from runtime.sim import Cluster, Layer, Profile, ProfileError, UnknownStrategyError, simulate
 from runtime.sim.cluster import ClusterError, Host
-from runtime.sim.collectives import allreduce
+from runtime.sim.collectives import allreduce, choose
 from runtime.sim.dataparallel import BucketSchedule, DdpSchedule, Run, train
 from runtime.sim.engine import Activity, Engine, Pool, Resource, SimulationError
 from runtime.sim.measure import measure
@@ -90,11 +90,42 @@ def test_ring_allreduce_time_is_the_bandwidth_and_latency_bound(nodes, rpn):
     e = Engine()
     host = Host(e, c)
     nbytes = 64 << 20
-    e.process(allreduce(host, nbytes))
+    e.process(allreduce(host, nbytes, algorithm="ring"))
     P = c.ranks
     per_rank = 2 * (P - 1) / P * nbytes
     wire = per_rank / 1e9 if nodes > 1 else (rpn - 1) * per_rank / (rpn * 100e9)  # each rank its own copy path
     assert e.run() == pytest.approx(2 * (P - 1) * 1e-5 + wire, rel=1e-9)
+
+
+def test_doubling_allreduce_is_log2_steps_of_the_whole_buffer():
+    c = Cluster(nodes=8, ranks_per_node=1, bandwidth=8e9, latency=1e-5, efficiency=1.0)
+    e = Engine()
+    e.process(allreduce(Host(e, c), 1 << 20, algorithm="doubling"))
+    assert e.run() == pytest.approx(3 * 1e-5 + 3 * (1 << 20) / 1e9, rel=1e-9)
+
+
+def test_hierarchical_allreduce_crosses_the_link_with_2_n_minus_1_over_n_of_the_data():
+    c = Cluster(nodes=4, ranks_per_node=2, bandwidth=8e9, latency=1e-5, efficiency=1.0, intra_bandwidth=80e9)
+    e = Engine()
+    nbytes = 64 << 20
+    assert choose(c, nbytes, "hierarchical") == "hierarchical" and choose(c, nbytes) == "hierarchical"
+    e.process(allreduce(Host(e, c), nbytes, algorithm="hierarchical"))
+    node = (1e-5 + nbytes / (80e9 / 8 * 2))  # L - 1 = 1 step of the host's ranks' B/L each, in shared memory
+    cross = 2 * 3 * 1e-5 + 2 * 3 / 4 * nbytes / 1e9  # L rings of B/L at once on one link
+    assert e.run() == pytest.approx(2 * node + cross, rel=1e-9)
+    # A flat ring pays 2(P-1) = 14 latencies and 2(P-1)/P of the bytes on the link: slower here.
+    e2 = Engine()
+    e2.process(allreduce(Host(e2, c), nbytes, algorithm="ring"))
+    assert e2.run() > e.run()
+
+
+def test_the_simulated_choice_is_the_runtimes():
+    """Small buckets take recursive doubling at scale, large ones the hierarchy: the runtime's Chooser decides."""
+    big = Cluster(nodes=128, ranks_per_node=8, bandwidth=25e9)
+    assert choose(big, 4 << 10) == "doubling" and choose(big, 64 << 20) == "hierarchical"
+    assert choose(Cluster(nodes=1, ranks_per_node=4), 64 << 20) == "ring"
+    with pytest.raises(UnknownStrategyError, match="algorithm must be one of"):
+        simulate(toy(), fast_net(4), "wfbp@tree")
 
 
 def test_cluster_refuses_nonsense():

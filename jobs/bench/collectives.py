@@ -3,6 +3,9 @@
     mpiexec -n 4 mpitrain bench collectives --json results/collectives.json
     mpiexec -n 4 mpitrain bench collectives --crossover results/crossover.json
     MPITRAIN_RING_LATENCY_BYTES=results/crossover.json mpitrain train ...   # Ring uses it
+    mpiexec -n 4 mpitrain bench collectives --ops allreduce --ranks-per-node 2 \
+        --impls ring-only,doubling,hierarchical,auto --choose results/allreduce.json
+    MPITRAIN_ALLREDUCE_TABLE=results/allreduce.json mpitrain train ...      # auto follows it on that layout
 
 For each op and message size, one row per implementation with
 op, impl, bytes, ranks, time_s, algbw_gbps, busbw_gbps. `bytes` is the whole
@@ -11,7 +14,11 @@ the input; allgather: the output). busbw = algbw x factor, the factor being
 2(P-1)/P for allreduce, (P-1)/P for reduce_scatter and allgather, 1 for broadcast.
 Implementations: ring (mpicomm's Ring as used: MPI's collective below its
 crossover, `--latency-bytes`), ring-only (the ring at every size), native
-(the MPI library's blocking collective), gloo (torch.distributed). They are
+(the MPI library's blocking collective), gloo (torch.distributed), and for
+allreduce mpicomm.Collectives' algorithms: doubling (recursive doubling),
+hierarchical (node reduce-scatter, cross-node allreduce, node allgather) and
+auto (the choice by size and layout; `--choose` writes a measured table of the
+best per size, which auto then follows). They are
 timed in rounds, the order rotated every round, so that drifting load
 (a shared machine) cannot favour one; time_s is the median over rounds of
 the slowest rank's mean per call. The crossover per op is the smallest
@@ -32,7 +39,9 @@ from jobs.common.report import parse_size as _parse_size
 from jobs.common.report import run_metadata, save_figure, write_document
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
-IMPLS = ("ring", "ring-only", "native", "gloo")
+IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "hierarchical", "auto")
+ALGORITHM_IMPLS = ("doubling", "hierarchical", "auto")  # mpicomm.Collectives, allreduce only
+CHOOSE_AMONG = {"ring-only": "ring", "doubling": "doubling", "hierarchical": "hierarchical"}
 GLOO_OPS = ("allreduce", "allgather", "broadcast")  # gloo has no CPU reduce_scatter
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 def parse_size(text: str) -> int:
@@ -82,6 +91,12 @@ def parse_args(argv=None):
     p.add_argument("--crossover", metavar="PATH",
                    help="write the measured crossover per op here (JSON); point $MPITRAIN_RING_LATENCY_BYTES "
                         "at it and Ring uses it (needs the ring-only and native impls)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="emulate nodes of this many consecutive ranks for the topology-aware impls "
+                        "(default: the hosts MPI reports)")
+    p.add_argument("--choose", metavar="PATH",
+                   help="write the fastest allreduce algorithm per size here (JSON, for this layout); point "
+                        "$MPITRAIN_ALLREDUCE_TABLE at it and auto follows it (needs ring-only and doubling)")
     p.add_argument("--link-gbps", type=float, default=None,
                    help="per-host link rate (Gbit/s) for the bandwidth bound; default: the emulated cluster's")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
@@ -98,9 +113,13 @@ def check_args(args) -> None:
     positive(args, "link_gbps")
     if args.crossover and not {"ring-only", "native"} <= set(args.impls):
         raise InputError("--crossover", "needs the ring-only and native impls in --impls")
+    if args.choose and not ({"ring-only", "doubling"} <= set(args.impls) and "allreduce" in args.ops):
+        raise InputError("--choose", "needs the allreduce op and the ring-only and doubling impls")
+    if args.ranks_per_node is not None:
+        at_least(args, 1, "ranks_per_node")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
-    output_file(args, "json", "plot", "crossover")
+    output_file(args, "json", "plot", "crossover", "choose")
 
 
 class Case:
@@ -230,7 +249,8 @@ def plot(rows, path: str, title: str) -> None:
     ops = sorted({r["op"] for r in rows}, key=OPS.index)
     fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
     for ax, op in zip(axes[0], ops):
-        for impl, style in (("ring", "o-"), ("ring-only", "x-."), ("native", "s--"), ("gloo", "^:")):
+        for impl, style in (("ring", "o-"), ("ring-only", "x-."), ("native", "s--"), ("gloo", "^:"),
+                            ("doubling", "v-"), ("hierarchical", "D-"), ("auto", "*:")):
             pts = sorted((r["bytes"], r["busbw_gbps"]) for r in rows if r["op"] == op and r["impl"] == impl)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
@@ -248,7 +268,7 @@ def main(argv=None, args=None) -> int:
     args = parse_args(argv) if args is None else args
     from mpi4py import MPI  # here, not at import: importing a job must not start MPI
 
-    from mpicomm import Ring
+    from mpicomm import Collectives, Ring, Topology
     from mpicomm.ring import DEFAULT_CHUNK_BYTES
 
     comm = MPI.COMM_WORLD
@@ -270,16 +290,21 @@ def main(argv=None, args=None) -> int:
     if "ring-only" in args.impls:
         rings["ring-only"] = Ring(comm, validate=validate, chunk_bytes=chunk, latency_bytes=0)
     latency = rings["ring"].latency_bytes if "ring" in rings else None
+    topo = Topology(comm, ranks_per_node=args.ranks_per_node)
+    for impl in ALGORITHM_IMPLS:
+        if impl in args.impls:
+            rings[impl] = Collectives(topo, algorithm=impl, validate=validate, chunk_bytes=chunk)
     bench_comm = comm.Dup()
     rows = []
     say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "
         f"ring chunk {chunk} B, validate {'on' if validate else 'off'}, network {network['kind']}"
         + (f", link {link_bps / 1e9:g} Gbit/s" if link_bps else "")
         + (f", ring latency path below {_crossovers(latency, args.ops)}" if latency else "")
-        + f", {args.rounds} rounds")
+        + f", {args.rounds} rounds, {topo.num_nodes} node(s) x {topo.local_size}")
     say(format_table([]).splitlines()[0], flush=True)
     for op in args.ops:
-        impls = [i for i in args.impls if i != "gloo" or op in GLOO_OPS]
+        impls = [i for i in args.impls if (i != "gloo" or op in GLOO_OPS)
+                 and (i not in ALGORITHM_IMPLS or op == "allreduce")]
         for k, nbytes in enumerate(args.sizes):
             case = Case(op, nbytes, np.dtype(args.dtype), rings, bench_comm)
             iters = args.iters or auto_iters(case.nbytes, args.rounds)
@@ -287,7 +312,7 @@ def main(argv=None, args=None) -> int:
             native_calls = 0
             for rnd in range(args.rounds):
                 for impl in rotated(impls, rnd + k):
-                    before = rings[impl].native.posted if impl in rings else 0
+                    before = rings[impl].native.posted if impl == "ring" else 0
                     times[impl].append(time_case(case, impl, iters, args.warmup))
                     if impl == "ring":
                         native_calls += rings[impl].native.posted - before
@@ -299,26 +324,35 @@ def main(argv=None, args=None) -> int:
                            round_times_s=times[impl])
                 if impl == "ring":  # which path the ring impl took (every rank took the same)
                     row["path"] = "latency" if native_calls else "ring"
+                if impl in ALGORITHM_IMPLS:
+                    row["path"] = rings[impl].algorithm_for(case.nbytes)
                 if link_bps:
-                    # Bandwidth bound with one rank per host: every rank moves busbw-worth of bytes over
-                    # its own link, e.g. 2(P-1)/P * S for a ring allreduce.
-                    row["bound_s"] = bus_factor(op, P) * case.nbytes * 8 / link_bps
+                    # Bandwidth bound: every node moves busbw-worth of bytes over its own link, e.g.
+                    # 2(N-1)/N * S for an allreduce over N nodes (one rank a host: N = P).
+                    nodes = topo.num_nodes if topo.num_nodes > 1 else P
+                    row["bound_s"] = bus_factor(op, nodes) * case.nbytes * 8 / link_bps
                 rows.append(row)
                 say(format_table([row]).splitlines()[2], flush=True)
             del case
     for ring in rings.values():
         ring.free()
+    layout = dict(ranks=P, nodes=topo.num_nodes, per_node=topo.local_size)
+    topo.free()
     bench_comm.Free()
     if "gloo" in args.impls:
         from mpicomm.torchdist import shutdown_gloo
 
         shutdown_gloo(comm)
     measured = {op: crossover(rows, op) for op in args.ops} if {"ring-only", "native"} <= set(args.impls) else {}
+    chosen = choose(rows) if {"ring-only", "doubling"} <= set(args.impls) and "allreduce" in args.ops else None
     if rank == 0:
         _summary(rows, measured, args.sizes, say)
+        if chosen:
+            _choice_summary(rows, chosen, say)
     meta = run_metadata("jobs.bench.collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
                         ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=validate,
-                        network=network, link_bps=link_bps, latency_bytes=latency, rounds=args.rounds)
+                        network=network, link_bps=link_bps, latency_bytes=latency, rounds=args.rounds,
+                        layout=layout)
     title = f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}"
     write_results(comm, args, meta, rows, lambda path: plot(rows, path, title), say)
     if args.crossover:
@@ -328,7 +362,48 @@ def main(argv=None, args=None) -> int:
         write_together(comm, "--crossover", args.crossover,
                        lambda: write_document(args.crossover, doc, say),
                        here=rank == 0)
+    if args.choose:
+        doc = dict(layout=layout, allreduce=chosen, meta=meta,
+                   note="auto takes allreduce[i][1] below allreduce[i][0] bytes (null: every larger size), "
+                        "on this layout only")
+        write_together(comm, "--choose", args.choose, lambda: write_document(args.choose, doc, say),
+                       here=rank == 0)
     return 0
+
+
+def choose(rows) -> list:
+    """[[below_bytes, algorithm], ..., [None, algorithm]]: the fastest algorithm from each size measured up."""
+    best = {}
+    for r in rows:
+        if r["op"] == "allreduce" and r["impl"] in CHOOSE_AMONG:
+            b = r["bytes"]
+            if b not in best or r["time_s"] < best[b][0]:
+                best[b] = (r["time_s"], CHOOSE_AMONG[r["impl"]])
+    sizes = sorted(best)
+    table = []
+    for i, b in enumerate(sizes):
+        name = best[b][1]
+        upper = sizes[i + 1] if i + 1 < len(sizes) else None
+        if table and table[-1][1] == name:
+            table[-1][0] = upper
+        else:
+            table.append([upper, name])
+    return table
+
+
+def _choice_summary(rows, chosen, say) -> None:
+    """auto's time over the fastest algorithm's at each size (what auto is judged by)."""
+    by = {(r["bytes"], r["impl"]): r["time_s"] for r in rows if r["op"] == "allreduce"}
+    say("\nallreduce: the fastest algorithm per size" + (", and auto's time over it:" if any(
+        i == "auto" for _, i in by) else ":"))
+    for b in sorted({b for b, _ in by}):
+        times = {CHOOSE_AMONG[i]: by[(b, i)] for i in CHOOSE_AMONG if (b, i) in by}
+        if not times:
+            continue
+        fastest = min(times, key=times.get)
+        auto = by.get((b, "auto"))
+        say(f"  {b:>12}  {fastest:<13}" + (f"  auto {auto / times[fastest]:5.2f}x" if auto else ""))
+    say(f"  table: {chosen}")
 
 
 def _crossovers(latency: dict, ops) -> str:

@@ -9,6 +9,7 @@ from jobs.common.inputs import InputError, at_least, auto_or_count, comma_list, 
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
 FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
 STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "ddp", *SPARSE)
+DENSE_WITH_ALGORITHM = ("allreduce", "wfbp")  # "wfbp@hierarchical": its allreduce's algorithm (mpicomm.algorithms)
 
 
 def check_settings(args) -> list[str]:
@@ -17,6 +18,8 @@ def check_settings(args) -> list[str]:
     for s in strategies:
         if s.startswith("p3@"):
             check_p3_variant(s.removesuffix("+pto"))
+        elif "@" in s and s.partition("@")[0] in DENSE_WITH_ALGORITHM:
+            check_algorithm_variant(s.removesuffix("+pto"))
         elif s.removesuffix("+pto") not in STRATEGIES or s == "ddp+pto":
             raise InputError("--strategies", f"unknown {s!r} (choose from {', '.join(STRATEGIES)}; "
                                              "any but ddp may end in +pto)")
@@ -43,6 +46,15 @@ def check_p3_variant(name: str) -> None:
                                          "whole number >= 1 (e.g. p3@262144/8, p3@auto/4)")
 
 
+def check_algorithm_variant(name: str) -> None:
+    """'wfbp@hierarchical', 'allreduce@ring': a dense strategy whose allreduce takes one algorithm."""
+    from mpicomm.algorithms import CHOICES
+
+    if name.partition("@")[2] not in CHOICES:
+        raise InputError("--strategies", f"bad variant {name!r}: write STRATEGY@ALGORITHM with the algorithm one "
+                                         f"of {', '.join(CHOICES)} (e.g. wfbp@hierarchical, allreduce@ring)")
+
+
 def hybcomm_options(args, force: str):
     """hybcomm's options: the cost model is told the rate of the links it runs on (the --bandwidth label)."""
     from mpicomm.emulation import EmulationError, parse_bandwidth
@@ -57,8 +69,13 @@ def hybcomm_options(args, force: str):
 
 def strategy_options(base: str, args):
     """The runtime options (or name) a contender without its "+pto" suffix stands for."""
-    from runtime import P3Options, TopkOptions
+    from runtime import AllreduceOptions, P3Options, TopkOptions, WfbpOptions
 
+    name, _, algorithm = base.partition("@")
+    if algorithm and name in DENSE_WITH_ALGORITHM:
+        if name == "wfbp":
+            return WfbpOptions(algorithm=algorithm)
+        return AllreduceOptions(algorithm=algorithm)
     if base.startswith("p3"):
         return P3Options(*p3_settings(base, args))
     if base in SPARSE:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpicomm import Ring
+from mpicomm import Collectives
 from mpicomm.progress import HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
@@ -28,7 +28,8 @@ class WfbpSync(Strategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        self.ring = Ring(ctx.topology.world, validate=False)
+        self.ring = Collectives(ctx.topology, algorithm=getattr(ctx.options, "algorithm", None),
+                                validate=False)  # options of a registered subclass may lack it
         self.progress = ProgressThread("mpitrain-wfbp", drive=ctx.compute_off_host)
         self.hook_state, self.hook = None, allreduce_hook  # register_comm_hook may replace them
         self.bucket_params = buckets(self.params, ctx.options.fuse_bytes)

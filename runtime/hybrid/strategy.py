@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from mpicomm import Ring
+from mpicomm import Collectives
 from mpicomm.agree import check_same_structure
 from mpicomm.progress import HandlesTask, HandleTask, ProgressThread
 from mpicomm.stall import wait_until
@@ -79,7 +79,7 @@ class HybCommSync(Strategy):
         try:
             self.progress = getattr(self.inner, "progress", None) or \
                 ProgressThread("mpitrain-hybcomm", drive=ctx.compute_off_host)
-            self.ring = Ring(ctx.topology.world, validate=False)
+            self.ring = Collectives(ctx.topology, validate=False)  # the PS path's allreduce; factors' allgathers
             self.census = Census(ctx.topology.world, len(layers), lambda: repr(self.links))
             self.links = self._links(o)
         except BaseException:

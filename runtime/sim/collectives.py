@@ -4,6 +4,12 @@ Byte counts follow the algorithms in mpicomm, for P ranks on N nodes of L
 ranks each, world ranks placed node by node (a ring then crosses each host's
 link once per step, and its other L - 1 hops stay in shared memory):
   ring allreduce         2(P-1) steps of B/P per rank
+  doubling allreduce     log2 P steps (two more when P is no power of two) of B per rank; a step
+                         whose partner is 2^k >= L ranks away crosses the link for all L ranks
+  hierarchical allreduce 2(L-1) node steps of B/L (shared memory), then L cross-node allreduces of
+                         B/L at once (ring or doubling): the link carries 2(N-1)/N·B (ring)
+The allreduce's algorithm is the runtime's own choice (mpicomm.algorithms.Chooser, "auto" unless
+the schedule names one), told this cluster's latency and rates.
   ring reduce-scatter,   P-1 steps of B/P per rank (allgather: of the rank's part)
   p3 slice of s bytes    a push to its owner and the owner's pull back: 2 messages;
                          of a host's L ranks' slices, (P-L)/P of the bytes cross the link
@@ -18,9 +24,12 @@ rings, below the crossover) the latency is paid ceil(log2 P) times per phase
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 
+from mpicomm.algorithms import Chooser, CostModel, Layout
+from mpicomm.doubling import doubling_steps
 from mpicomm.native import DEFAULT_LATENCY_BYTES
 
 from .cluster import Host
@@ -49,9 +58,68 @@ def _ring(host: Host, name: str, steps: int, chunk: float, native: str | None = 
     yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=L * per_rank))
 
 
-def allreduce(host: Host, nbytes: float, name: str = "allreduce"):
-    P = host.cluster.ranks
-    yield from _ring(host, name, 2 * (P - 1), nbytes / P)
+def choose(cluster, nbytes: float, algorithm: str | None = None) -> str:
+    """The algorithm the runtime's Chooser takes for an allreduce of `nbytes` on this cluster."""
+    return _chooser(cluster, algorithm or "auto").choose(int(nbytes))
+
+
+@functools.lru_cache(maxsize=256)
+def _chooser(cluster, algorithm: str) -> Chooser:
+    model = CostModel(alpha=cluster.latency, beta_cross=8 / (cluster.bandwidth * cluster.efficiency),
+                      beta_node=8 / cluster.intra_bandwidth)
+    return Chooser(Layout(cluster.ranks, cluster.nodes, cluster.ranks_per_node), algorithm, table={}, model=model)
+
+
+def allreduce(host: Host, nbytes: float, name: str = "allreduce", algorithm: str | None = None):
+    """An allreduce of `nbytes` per rank by `algorithm` (None: the runtime's auto choice)."""
+    c = host.cluster
+    how = choose(c, nbytes, algorithm)
+    if how == "doubling":
+        yield from _doubling(host, name, nbytes, c.ranks, c.ranks_per_node)
+    elif how == "hierarchical":
+        yield from _hierarchical(host, name, nbytes)
+    else:
+        yield from _ring(host, name, 2 * (c.ranks - 1), nbytes / c.ranks)
+
+
+def _doubling(host: Host, name: str, nbytes: float, ranks: int, per_node: int, lanes: int = 1):
+    """Recursive doubling over `ranks` (node by node, `per_node` each): every step moves the whole buffer.
+
+    lanes: how many such exchanges of the host's ranks run at once (the hierarchy's cross step: L of them,
+    one rank each per node), their bytes on the same link.
+    """
+    c = host.cluster
+    steps = doubling_steps(ranks)
+    if steps == 0 or nbytes <= 0:
+        return
+    m = ranks.bit_length() - 1
+    across = sum(1 for k in range(m) if (1 << k) >= per_node) + (steps - m) * (per_node == 1)
+    yield host.engine.timeout(steps * c.latency)
+    ranks_here = per_node * lanes
+    nic = ranks_here * across * nbytes if c.nodes > 1 else 0.0
+    shm = ranks_here * (steps - across) * nbytes
+    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=ranks_here * steps * nbytes))
+
+
+def _hierarchical(host: Host, name: str, nbytes: float):
+    c = host.cluster
+    L, N = c.ranks_per_node, c.nodes
+    block = nbytes / L
+    if L > 1:  # node reduce-scatter: shared memory
+        yield host.engine.timeout((L - 1) * c.latency)
+        yield host.engine.start(host.transfer(f"{name} node reduce-scatter", 0.0, (L - 1) * nbytes,
+                                              cpu_bytes=(L - 1) * nbytes))
+    across = _chooser(c, "auto").model.cross_algorithm(nbytes, _chooser(c, "auto").layout)
+    if across == "doubling":
+        yield from _doubling(host, f"{name} cross", block, N, 1, lanes=L)
+    elif N > 1:  # L cross rings at once, a block of B/L each: the link carries 2(N-1)/N·B
+        yield host.engine.timeout(2 * (N - 1) * c.latency)
+        nic = L * 2 * (N - 1) * block / N
+        yield host.engine.start(host.transfer(f"{name} cross ring", nic, 0.0, cpu_bytes=nic))
+    if L > 1:  # node allgather
+        yield host.engine.timeout((L - 1) * c.latency)
+        yield host.engine.start(host.transfer(f"{name} node allgather", 0.0, (L - 1) * nbytes,
+                                              cpu_bytes=(L - 1) * nbytes))
 
 
 def reduce_scatter(host: Host, nbytes: float, name: str = "reduce-scatter", native: bool = False):

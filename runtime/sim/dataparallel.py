@@ -169,7 +169,7 @@ class AllreduceSchedule(Schedule):
             yield from pto_update(self.run, nbytes)
             yield from self.back()  # the averages, as the staged update leaves them
             return
-        yield self.run.engine.process(allreduce(self.run.host, nbytes))
+        yield self.run.engine.process(allreduce(self.run.host, nbytes, algorithm=self.options.get("algorithm")))
         yield from self.back()
         yield self.run.compute("optimizer", self.p.optimizer_s)
 
@@ -223,6 +223,11 @@ class BucketSchedule(Schedule):
         self._back_bytes = self.layer_bytes(options.get("skip", frozenset())) if self.sends_back else []
         self._left: list[set] = []
 
+    @property
+    def algorithm(self) -> str | None:
+        """Each bucket's allreduce: the runtime's auto choice unless the contender names one (wfbp@ring)."""
+        return self.options.get("algorithm")
+
     def layout(self, skip) -> list[tuple[int, set]]:
         return [(sum(by_layer.values()), set(by_layer)) for by_layer in self.layer_bytes(skip)]
 
@@ -248,8 +253,8 @@ class BucketSchedule(Schedule):
             if i in left:
                 left.discard(i)
                 if not left:
-                    done = self.run.stream.submit(after(copied, allreduce(self.run.host, self.buckets[b][0],
-                                                                          f"bucket {b}")))
+                    done = self.run.stream.submit(after(copied, allreduce(
+                        self.run.host, self.buckets[b][0], f"bucket {b}", self.algorithm)))
                     self.pending.append(self.send_back(self._back_bytes[b], done) if self._back_bytes else done)
 
     def finish(self, step: int):
@@ -263,6 +268,10 @@ class DdpSchedule(BucketSchedule):
     staged = False  # gloo's own buffers (runtime.device's staging is DistributedOptimizer's)
     drives = False  # gloo's worker thread reads its sockets blocking
     sends_back = False
+
+    @property
+    def algorithm(self) -> str:
+        return "ring"  # gloo's (and NCCL's) ring, whatever the layout
 
     def layout(self, skip) -> list[tuple[int, set]]:
         sizes, owner = param_layers(self.p, skip)

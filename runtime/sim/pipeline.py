@@ -150,7 +150,7 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
                         yield engine.start(h.compute("update", profile.optimizer_s * share[k] + weights[k],
                                                      profile.cores_per_rank))
             if replicas > 1:  # the stage's gradients, averaged over its replicas (one per node)
-                yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
+                yield engine.process(allreduce(h, profile.grad_bytes * share[k], algorithm="ring"))  # the engine's Ring
             if not per_micro:
                 yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k] + weights[k],
                                              profile.cores_per_rank))

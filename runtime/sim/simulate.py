@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpicomm.algorithms import CHOICES
+
 from .cluster import Cluster
 from .dataparallel import AllreduceSchedule, BucketSchedule, DdpSchedule, Run, Schedule, TopkSchedule, train
 from .hybrid import HybcommSchedule
@@ -52,9 +54,16 @@ def schedule_for(name: str):
         slice_size, _, credit = name.removeprefix("p3@").partition("/")
         as_opt = lambda v: v if v == "auto" else int(v)  # noqa: E731
         return P3Schedule, {"slice_size": as_opt(slice_size), "credit": as_opt(credit)}
+    base, _, algorithm = name.partition("@")
+    if algorithm and base in ("allreduce", "wfbp"):  # "wfbp@ring": the contender whose allreduce takes one algorithm
+        if algorithm not in CHOICES:
+            raise UnknownStrategyError(f"{name!r}: the allreduce algorithm must be one of {', '.join(CHOICES)}")
+        cls, defaults = SCHEDULES[base]
+        return cls, {**defaults, "algorithm": algorithm}
     if name not in SCHEDULES:
         raise UnknownStrategyError(f"no simulated schedule for {name!r} (have {', '.join(SCHEDULES)}, "
-                                   f"p3@SLICE/CREDIT, {', '.join('pipeline-' + m for m in PIPELINE_MODES)})")
+                                   f"p3@SLICE/CREDIT, allreduce@ALGORITHM, wfbp@ALGORITHM, "
+                                   f"{', '.join('pipeline-' + m for m in PIPELINE_MODES)})")
     return SCHEDULES[name]
 
 

@@ -1,0 +1,185 @@
+"""Which allreduce algorithm a message takes: a name, or "auto" by size and layout (a measured table or a cost model)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from .doubling import doubling_steps
+
+__all__ = ["ALGORITHMS", "CHOICES", "ENV_ALGORITHM", "ENV_TABLE", "Layout", "Chooser", "CostModel", "read_table"]
+
+ALGORITHMS = ("ring", "doubling", "hierarchical")
+CHOICES = ("auto",) + ALGORITHMS
+ENV_ALGORITHM = "MPITRAIN_ALLREDUCE"  # auto (default) or one of ALGORITHMS, for every rank alike
+ENV_TABLE = "MPITRAIN_ALLREDUCE_TABLE"  # a JSON file `jobs.bench.collectives --choose` wrote
+
+
+@dataclass(frozen=True)
+class Layout:
+    """P ranks on `nodes` nodes of `per_node` ranks each (mpicomm.Topology's)."""
+    ranks: int
+    nodes: int
+    per_node: int
+
+    @property
+    def hierarchical(self) -> bool:
+        """Both levels have more than one rank: otherwise the hierarchy is the flat ring."""
+        return self.nodes > 1 and self.per_node > 1
+
+    def describe(self) -> str:
+        return f"{self.ranks} ranks = {self.nodes} nodes x {self.per_node}"
+
+
+ENV_LINK = "MPITRAIN_LINK_BANDWIDTH"  # a node's link, e.g. 1gbit (hybcomm's cost model reads it too)
+DEFAULT_LINK_BPS = 10e9
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """An alpha-beta model of one allreduce: `alpha` seconds a message step, beta seconds a byte on a link.
+
+    alpha and beta_node are this layer's on the 2-vCPU development VM (a
+    step of Isend/Irecv with its Python and its reduction: ~70 us; shared
+    memory with the sum: ~0.5 ns a byte, jobs.bench.collectives);
+    beta_cross is a node's link ($MPITRAIN_LINK_BANDWIDTH, else 10 Gbit/s).
+    A measured table (jobs.bench.collectives --choose) replaces the model on
+    the layout it was taken on. Ranks of one node share its link, so what
+    they send across it at once adds up.
+    """
+    alpha: float = 70e-6
+    beta_cross: float = 8 / DEFAULT_LINK_BPS
+    beta_node: float = 1 / 2e9
+
+    @classmethod
+    def from_env(cls) -> "CostModel":
+        text = os.environ.get(ENV_LINK, "").strip()
+        if not text:
+            return cls()
+        from .emulation.netns import parse_bandwidth
+        try:
+            bps = parse_bandwidth(text)
+        except ValueError as exc:
+            raise ValueError(f"${ENV_LINK}={text!r}: {exc}") from None
+        return cls(beta_cross=8 / bps) if bps else cls()
+
+    def ring(self, n: float, lay: Layout) -> float:
+        P = lay.ranks
+        if P == 1:
+            return 0.0
+        # Placed node by node, one ring edge leaves each node: the cross edges are the slowest.
+        beta = self.beta_cross if lay.nodes > 1 else self.beta_node
+        return 2 * (P - 1) * (self.alpha + n / P * beta)
+
+    def doubling(self, n: float, lay: Layout) -> float:
+        P, L = lay.ranks, lay.per_node
+        if P == 1:
+            return 0.0
+        m = P.bit_length() - 1
+        t = 0.0
+        for k in range(m):  # partners 2^k apart: inside the node while 2^k < L; then every local rank crosses
+            t += self.alpha + n * (self.beta_node if (1 << k) < L else self.beta_cross * L)
+        extra = doubling_steps(P) - m  # the fold and unfold, inside a node when nodes hold pairs
+        return t + extra * (self.alpha + n * (self.beta_node if L > 1 else self.beta_cross))
+
+    def hierarchical(self, n: float, lay: Layout) -> float:
+        N, L = lay.nodes, lay.per_node
+        inner = 2 * (L - 1) * (self.alpha + n / L * self.beta_node)  # reduce-scatter and allgather in the node
+        return inner + min(self._cross(n, N).values())
+
+    def _cross(self, n: float, N: int) -> dict[str, float]:
+        """The hierarchy's cross-node step: L cross groups of 1/L blocks at once share each node's link."""
+        if N == 1:
+            return {"ring": 0.0}
+        return {"ring": 2 * (N - 1) * (self.alpha + n / N * self.beta_cross),
+                "doubling": doubling_steps(N) * (self.alpha + n * self.beta_cross)}
+
+    def cross_algorithm(self, n: float, lay: Layout) -> str:
+        """The algorithm of the hierarchy's cross-node step for a message of `n` bytes (its block: n / L)."""
+        times = self._cross(n, lay.nodes)
+        return min(times, key=times.get)
+
+    def best(self, n: float, lay: Layout) -> str:
+        times = {"ring": self.ring(n, lay), "doubling": self.doubling(n, lay)}
+        if lay.hierarchical:
+            times["hierarchical"] = self.hierarchical(n, lay)
+        return min(times, key=times.get)
+
+
+def read_table(path: str) -> dict:
+    """A table `jobs.bench.collectives --choose` wrote: {"layout": {...}, "allreduce": [[below_bytes, name], ...]}."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        lay = Layout(**{k: int(doc["layout"][k]) for k in ("ranks", "nodes", "per_node")})
+        rows = [(None if b is None else int(b), str(a)) for b, a in doc["allreduce"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path!r} is not an allreduce table from `jobs.bench.collectives --choose` "
+                         f"({type(exc).__name__}: {exc})") from None
+    bad = sorted({a for _, a in rows} - set(ALGORITHMS))
+    if bad:
+        raise ValueError(f"{path!r} names unknown algorithm(s) {bad} (known: {', '.join(ALGORITHMS)})")
+    if not rows or rows[-1][0] is not None:
+        raise ValueError(f"{path!r}: the last row must cover every larger size (below_bytes null)")
+    return {"layout": lay, "rows": rows}
+
+
+class Chooser:
+    """Picks the algorithm of each allreduce from its size; identical on every rank for the same settings.
+
+    algorithm: "auto" (default: $MPITRAIN_ALLREDUCE, else auto) or a name of
+    ALGORITHMS. Auto follows a measured table ($MPITRAIN_ALLREDUCE_TABLE, or
+    `table`) when it was measured on this layout, else the cost model.
+    "hierarchical" on a layout without two levels is the flat ring (it would
+    be the same messages).
+    """
+
+    def __init__(self, layout: Layout, algorithm: str | None = None, table: str | dict | None = None,
+                 model: CostModel | None = None):
+        algorithm = (algorithm or os.environ.get(ENV_ALGORITHM, "").strip() or "auto").lower()
+        if algorithm not in CHOICES:
+            raise ValueError(f"unknown allreduce algorithm {algorithm!r} (use one of {', '.join(CHOICES)}; "
+                             f"${ENV_ALGORITHM} sets the default)")
+        self.layout, self.algorithm, self.model = layout, algorithm, model or CostModel.from_env()
+        table = os.environ.get(ENV_TABLE, "").strip() or None if table is None else table
+        self.table_source = table if isinstance(table, str) else ("given" if table else None)
+        self.table = read_table(table) if isinstance(table, str) else table
+        self.table_applies = bool(self.table) and self.table["layout"] == layout
+        self._cache: dict[int, str] = {}
+
+    def choose(self, nbytes: int) -> str:
+        got = self._cache.get(nbytes)
+        if got is None:
+            got = self._cache[nbytes] = self._choose(nbytes)
+        return got
+
+    def _choose(self, nbytes: int) -> str:
+        if self.layout.ranks == 1:
+            return "ring"
+        name = self.algorithm
+        if name == "auto":
+            if self.table_applies:
+                name = next(a for below, a in self.table["rows"] if below is None or nbytes < below)
+            else:
+                name = self.model.best(float(nbytes), self.layout)
+        if name == "hierarchical" and not self.layout.hierarchical:
+            return "ring"
+        return name
+
+    def describe(self) -> str:
+        """What every rank must hold alike (checked when the collectives are built)."""
+        if self.algorithm != "auto":
+            return f"allreduce algorithm {self.algorithm}"
+        if self.table_applies:
+            return f"allreduce auto, table {self.table['rows']}"
+        m = self.model
+        return f"allreduce auto, cost model alpha={m.alpha:g} beta_cross={m.beta_cross:g} beta_node={m.beta_node:g}"
+
+    def note(self) -> str | None:
+        """Why a table given was not used (a benchmark of another layout), for logs."""
+        if self.table and not self.table_applies:
+            return (f"allreduce table {self.table_source} was measured on {self.table['layout'].describe()}, "
+                    f"this run is {self.layout.describe()}: the cost model picks instead")
+        return None
+

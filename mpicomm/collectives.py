@@ -1,0 +1,143 @@
+"""Topology-aware allreduce behind the Ring's Handles: flat ring, recursive doubling or hierarchical, chosen per call.
+
+    coll = Collectives(Topology())                    # algorithm="auto": by size, nodes and ranks per node
+    coll.allreduce(grad, tag=b).wait()                # non-blocking like Ring.allreduce; tags as the Ring's
+    coll.algorithm_for(grad.nbytes)                   # "doubling" | "ring" | "hierarchical"
+
+Reduce-scatter, allgather(v) and broadcast are the flat Ring's (`coll.flat`).
+Every rank must be built with the same algorithm settings (checked at once,
+on every rank). With validation, each allreduce first exchanges a
+fingerprint that includes the algorithm the rank picked, so ranks that would
+take different paths (different lengths, say) fail together instead of
+hanging on each other's messages.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from . import validate as V
+from .agree import check_same_structure
+from .algorithms import ALGORITHMS, Chooser, Layout
+from .buffers import OP_CODES, Buffer, BufferError, block_counts
+from .doubling import doubling_allreduce
+from .handle import Handle
+from .hierarchical import hierarchical_allreduce
+from .requests import RequestLog, drain_at_exit
+from .ring import DEFAULT_CHUNK_BYTES, Ring
+from .topology import Topology
+
+__all__ = ["Collectives"]
+
+_CODES = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
+_NAMES = {code: name for name, code in _CODES.items()}
+_EXTRA = V.FIELDS.index("extra")
+
+
+class Collectives:
+    """Allreduce over a Topology's world, node and cross communicators (private duplicates of each).
+
+    algorithm, table: see mpicomm.algorithms.Chooser. validate: as the Ring's
+    (default $MPITRAIN_VALIDATE). `rank`, `size`, `left` and `comm` are the
+    world ring's, so code written for a Ring reads them alike.
+    """
+
+    def __init__(self, topology: Topology, *, algorithm: str | None = None, table=None,
+                 validate: bool | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        problem, chooser = None, None
+        layout = Layout(topology.size, topology.num_nodes, topology.local_size)
+        try:
+            chooser = Chooser(layout, algorithm, table)
+        except ValueError as exc:
+            problem = exc
+        self.comm = drain_at_exit(topology.world.Dup())
+        try:
+            check_same_structure(self.comm, [f"error: {problem}" if problem else chooser.describe()],
+                                 "allreduce setting")
+        except Exception:
+            self.comm.Free()
+            raise
+        self.chooser, self.layout = chooser, layout
+        self.validate = V.default_validate() if validate is None else bool(validate)
+        self.flat = Ring(topology.world, validate=self.validate, chunk_bytes=chunk_bytes, latency_bytes=0)
+        self.node = Ring(topology.node, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0)
+        self.cross = Ring(topology.cross, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0)
+        self.rank, self.size, self.left = self.flat.rank, self.flat.size, self.flat.left
+        self.counts = dict.fromkeys(ALGORITHMS, 0)  # allreduces started per algorithm (tests, reports)
+
+    def algorithm_for(self, nbytes: int) -> str:
+        return self.chooser.choose(int(nbytes))
+
+    # -- lifecycle ---------------------------------------------------------
+    def free(self) -> None:
+        for ring in (self.flat, self.node, self.cross):
+            ring.free()
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+    def __enter__(self) -> "Collectives":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.free()
+
+    # -- collectives -------------------------------------------------------
+    def allreduce(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
+        """Reduce `buf` across ranks into `out` (in place into `buf` when out is None), by the chosen algorithm."""
+        log = RequestLog("allreduce")
+        return Handle("allreduce", self._allreduce(buf, out, op, tag, log), log)
+
+    def reduce_scatter(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
+        return self.flat.reduce_scatter(buf, out, op=op, tag=tag)
+
+    def allgather(self, buf, out=None, *, tag: int | None = None) -> Handle:
+        return self.flat.allgather(buf, out, tag=tag)
+
+    def allgatherv(self, buf, out=None, *, counts=None, tag: int | None = None) -> Handle:
+        return self.flat.allgatherv(buf, out, counts=counts, tag=tag)
+
+    def broadcast(self, buf, root: int = 0, *, tag: int | None = None) -> Handle:
+        return self.flat.broadcast(buf, root, tag=tag)
+
+    # -- the algorithm -----------------------------------------------------
+    def _allreduce(self, buf, out, op, tag, log):
+        ring = self.flat
+        src, problem = ring._wrap(buf, "buf")
+        problem = problem or ring._check_op(op)
+        dst = src
+        if out is not None and problem is None:
+            dst, problem = ring._wrap(out, "out")
+            if dst is not None and (dst.count != src.count or dst.dtype != src.dtype):
+                problem = BufferError(f"out has {dst.count} x {dst.dtype}, buf has {src.count} x {src.dtype}")
+        tag, problem = ring._tag(tag, problem)
+        name = self.algorithm_for(src.count * src.itemsize) if src is not None else "ring"
+        if self.validate and self.size > 1:
+            yield from self._agree(src, op, tag, name, problem)
+        elif problem:
+            raise problem
+        if dst is not src:
+            dst.copy_from(src)
+        self.counts[name] += 1
+        if name == "hierarchical":
+            across = self.chooser.model.cross_algorithm(float(dst.count * dst.itemsize), self.layout)
+            yield from hierarchical_allreduce(self.node, self.cross, dst, op, tag, log, across)
+        elif name == "doubling":
+            yield from doubling_allreduce(ring.comm, dst, op, tag, log)
+        else:
+            yield from ring._ring(dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag, log)
+        return dst.obj
+
+    def _agree(self, src: Buffer | None, op: str, tag: int, name: str, problem):
+        """Generator step: fingerprints (the algorithm in `extra`); every rank raises the same error, or none."""
+        mine = V.fingerprint("allreduce", dtype=src.dtype_code if src else 0, op=OP_CODES.get(op, 0), tag=tag,
+                             count=src.count if src else 0, extra=_CODES[name], error=problem is not None)
+        table = yield from V.exchange(self.comm, mine)
+        if problem:
+            raise type(problem)(f"allreduce: {problem}")
+        rest = np.delete(table, _EXTRA, axis=1)
+        if not V.agreed(table) and V.agreed(rest):
+            shown = ", ".join(f"rank {r}: {_NAMES.get(int(c), c)}" for r, c in enumerate(table[:, _EXTRA]))
+            raise V.CollectiveMismatchError(f"allreduce: ranks chose different algorithms ({shown}); "
+                                            "build Collectives with the same settings everywhere")
+        V.check("allreduce", table)

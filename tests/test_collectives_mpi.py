@@ -1,0 +1,162 @@
+"""Topology-aware allreduce: every algorithm equals MPI's, on every layout of 1-4 ranks, and fails together."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from conftest import assert_everywhere
+from mpicomm import CollectiveMismatchError, Collectives, Topology, wait_all
+from mpicomm.algorithms import ALGORITHMS, Chooser, CostModel, Layout
+
+pytestmark = pytest.mark.mpi
+
+MI = 1 << 20
+LAYOUTS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4)]  # (ranks, ranks per node)
+
+
+@pytest.fixture(params=LAYOUTS, ids=lambda p: f"P{p[0]}x{p[1]}")
+def layout(request, world):
+    """A Topology of the first P world ranks with L ranks per (emulated) node; the other ranks skip."""
+    P, L = request.param
+    if P > world.Get_size():
+        pytest.skip(f"needs {P} ranks")
+    comm = world.Split(0 if world.Get_rank() < P else MPI.UNDEFINED, world.Get_rank())
+    if comm == MPI.COMM_NULL:
+        pytest.skip(f"rank outside the {P}-rank group")
+    topo = Topology(comm, ranks_per_node=L)
+    yield comm, topo
+    topo.free()
+    comm.Free()
+
+
+def lengths(P):
+    return sorted({0, 1, P - 1, P + 1, 2 * P * P + 3, MI + 7})
+
+
+def data(n, dtype, rank, integer=True):
+    if integer:  # exact sums in every dtype: every algorithm must give MPI's bits
+        return ((np.arange(n) * (rank + 3)) % 11 - 5 + rank).astype(dtype)
+    return np.random.default_rng(1000 + rank).standard_normal(n).astype(dtype)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS + ("auto",))
+def test_every_algorithm_equals_native(layout, algorithm):
+    comm, topo = layout
+    with Collectives(topo, algorithm=algorithm, chunk_bytes=64 << 10) as coll:
+        for n in lengths(comm.Get_size()):
+            for dtype in (np.float32, np.int64):
+                x = data(n, dtype, comm.Get_rank())
+                ref = np.empty_like(x)
+                comm.Allreduce(x, ref)
+                out = np.empty_like(x)
+                coll.allreduce(x, out).wait()
+                inplace = x.copy()
+                coll.allreduce(inplace).wait()
+                assert_everywhere(comm, np.array_equal(out, ref) and np.array_equal(inplace, ref),
+                                  f"{algorithm} n={n} {dtype.__name__} on {topo}")
+        if algorithm != "auto":
+            expect = "ring" if algorithm == "hierarchical" and not coll.layout.hierarchical else algorithm
+            used = {k for k, v in coll.counts.items() if v}
+            assert_everywhere(comm, comm.Get_size() == 1 or used == {expect}, f"{algorithm} ran as {used}")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_float_results_are_identical_on_every_rank(layout, algorithm):
+    """Another order of additions than MPI's, but within float32 rounding, and the same bits everywhere."""
+    comm, topo = layout
+    with Collectives(topo, algorithm=algorithm, chunk_bytes=64 << 10) as coll:
+        x = torch.from_numpy(data(100_003, np.float32, comm.Get_rank(), integer=False))
+        ref = x.numpy().copy()
+        comm.Allreduce(MPI.IN_PLACE, ref)
+        got = coll.allreduce(x).wait()
+        first = got.numpy().copy()
+        comm.Bcast(first, root=0)
+        assert_everywhere(comm, got is x and np.allclose(x.numpy(), ref, rtol=1e-5, atol=1e-5)
+                          and np.array_equal(x.numpy(), first), f"{algorithm} on {topo}")
+
+
+def test_buckets_in_flight_started_in_any_order(layout):
+    """wfbp's use: explicit tags, several allreduces in flight, started in a different order on each rank."""
+    comm, topo = layout
+    P, r = comm.Get_size(), comm.Get_rank()
+    sizes = [3, 5000, 70_001, 300_000, 17]  # across the auto choice's crossovers
+    with Collectives(topo, validate=False, chunk_bytes=32 << 10) as coll:
+        xs = [data(n, np.float64, r) for n in sizes]
+        refs = [np.empty_like(x) for x in xs]
+        for x, ref in zip(xs, refs):
+            comm.Allreduce(x, ref)
+        order = np.random.default_rng(r).permutation(len(xs))
+        handles = {int(b): coll.allreduce(xs[b], tag=int(b)) for b in order}
+        wait_all([handles[b] for b in range(len(xs))])
+        assert_everywhere(comm, all(np.array_equal(x, ref) for x, ref in zip(xs, refs)), f"{topo}")
+
+
+def test_auto_picks_by_size_and_layout(world):
+    """The cost model: recursive doubling for a small message; the hierarchy for a large one on two levels
+    whose link is slower than shared memory (1 Gbit/s here)."""
+    slow = CostModel(beta_cross=8e-9)
+    two = Chooser(Layout(8, 4, 2), "auto", model=slow)
+    assert two.choose(4 << 10) == "doubling"
+    assert two.choose(4 << 20) == "hierarchical"
+    flat = Chooser(Layout(4, 1, 4), "auto")
+    assert flat.choose(4 << 10) == "doubling" and flat.choose(64 << 20) == "ring"
+    big = Chooser(Layout(1024, 128, 8), "auto", model=slow)
+    assert big.choose(1 << 20) == "hierarchical"
+    assert Chooser(Layout(4, 2, 2), "hierarchical").choose(1) == "hierarchical"
+    assert Chooser(Layout(4, 4, 1), "hierarchical").choose(1 << 20) == "ring"  # one rank a node: the flat ring
+
+
+def test_a_measured_table_decides_on_its_own_layout(world, tmp_path_factory):
+    path = tmp_path_factory.mktemp("table") / "allreduce.json"
+    doc = {"layout": {"ranks": 4, "nodes": 2, "per_node": 2},
+           "allreduce": [[65536, "ring"], [1 << 20, "doubling"], [None, "hierarchical"]]}
+    path.write_text(json.dumps(doc))
+    mine = Chooser(Layout(4, 2, 2), "auto", str(path))
+    assert [mine.choose(n) for n in (4096, 65536, 4 << 20)] == ["ring", "doubling", "hierarchical"]
+    other = Chooser(Layout(8, 4, 2), "auto", str(path))
+    assert other.note() and "measured on 4 ranks = 2 nodes x 2" in other.note()
+    assert other.choose(4 << 20) == Chooser(Layout(8, 4, 2), "auto").choose(4 << 20)
+    path.write_text(json.dumps({**doc, "allreduce": [[None, "tree"]]}))
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        Chooser(Layout(4, 2, 2), "auto", str(path))
+
+
+def test_ranks_with_different_settings_fail_together(world):
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    with Topology(world) as topo:
+        mine = "doubling" if world.Get_rank() == 1 else "ring"
+        with pytest.raises(CollectiveMismatchError, match=r"rank 0, 2, 3: allreduce algorithm ring; rank 1: "
+                                                          r"allreduce algorithm doubling|rank 0: .*ring; rank 1"):
+            Collectives(topo, algorithm=mine)
+        bad = "tree" if world.Get_rank() == 0 else "ring"
+        with pytest.raises((CollectiveMismatchError, ValueError), match="tree"):
+            Collectives(topo, algorithm=bad)
+
+
+def test_lengths_that_differ_fail_together_naming_them(world):
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    r = world.Get_rank()
+    with Topology(world, ranks_per_node=1) as topo, Collectives(topo, validate=True) as coll:
+        n = 4 if r != 1 else 3 << 20  # rank 1 would take another algorithm: it must not hang the others
+        with pytest.raises(CollectiveMismatchError, match=r"ranks disagree on length \(rank 0: 4, rank 1: 3145728"):
+            coll.allreduce(np.ones(n, np.float32)).wait()
+        got = coll.allreduce(np.ones(5, np.float32)).wait()  # and the collectives go on working
+        assert_everywhere(world, np.array_equal(got, np.full(5, world.Get_size(), np.float32)), "after")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_detected_nodes(world, algorithm):
+    """The launcher's own layout (2 fake hosts x 2 in `make test-mpi-hosts`): Split_type finds the nodes."""
+    with Topology(world) as topo, Collectives(topo, algorithm=algorithm) as coll:
+        x = data(3 * MI + 1, np.float32, world.Get_rank())
+        ref = np.empty_like(x)
+        world.Allreduce(x, ref)
+        coll.allreduce(x).wait()
+        assert_everywhere(world, np.array_equal(x, ref), f"{algorithm} on {topo}")
