@@ -6,11 +6,11 @@ import json
 import os
 from dataclasses import dataclass
 
-from .doubling import doubling_steps
+from .doubling import doubling_steps, halving_steps
 
 __all__ = ["ALGORITHMS", "CHOICES", "ENV_ALGORITHM", "ENV_TABLE", "Layout", "Chooser", "CostModel", "read_table"]
 
-ALGORITHMS = ("ring", "doubling", "hierarchical")
+ALGORITHMS = ("ring", "doubling", "rabenseifner", "hierarchical")
 CHOICES = ("auto",) + ALGORITHMS
 ENV_ALGORITHM = "MPITRAIN_ALLREDUCE"  # auto (default) or one of ALGORITHMS, for every rank alike
 ENV_TABLE = "MPITRAIN_ALLREDUCE_TABLE"  # a JSON file `jobs.bench.collectives --choose` wrote
@@ -53,6 +53,17 @@ class CostModel:
     beta_node: float = 1 / 2e9
 
     @classmethod
+    def measured(cls, topology) -> "CostModel":
+        """From $MPITRAIN_LINK_BANDWIDTH, else, on several nodes, from the link measured once per process
+        (mpicomm.link_probe, shared with p3's tuning; agreed by every rank): what a node's ranks push at once."""
+        if os.environ.get(ENV_LINK, "").strip() or topology.num_nodes == 1:
+            return cls.from_env()
+        from .link_probe import measured_link
+
+        link = measured_link(topology.world)
+        return cls(beta_cross=1 / (link.bandwidth * topology.local_size))
+
+    @classmethod
     def from_env(cls) -> "CostModel":
         text = os.environ.get(ENV_LINK, "").strip()
         if not text:
@@ -83,25 +94,46 @@ class CostModel:
         extra = doubling_steps(P) - m  # the fold and unfold, inside a node when nodes hold pairs
         return t + extra * (self.alpha + n * (self.beta_node if L > 1 else self.beta_cross))
 
+    def rabenseifner(self, n: float, lay: Layout) -> float:
+        P, L = lay.ranks, lay.per_node
+        if P == 1:
+            return 0.0
+        m = P.bit_length() - 1
+        p2 = 1 << m
+        t = 0.0
+        for k in range(m):  # halving: partners p2/2^(k+1) apart, halves of n/2^k; the doubling mirrors it
+            d, msg = p2 >> (k + 1), n / (2 << k)
+            t += 2 * (self.alpha + msg * (self.beta_node if d < L else self.beta_cross * L))
+        extra = halving_steps(P) - 2 * m
+        return t + extra * (self.alpha + n * (self.beta_node if L > 1 else self.beta_cross))
+
     def hierarchical(self, n: float, lay: Layout) -> float:
         N, L = lay.nodes, lay.per_node
-        inner = 2 * (L - 1) * (self.alpha + n / L * self.beta_node)  # reduce-scatter and allgather in the node
-        return inner + min(self._cross(n, N).values())
+        from .hierarchical import pieces  # the runtime's split of a large message (no import circle at load)
+
+        k = pieces(int(n))
+        inner = 2 * (L - 1) * (self.alpha + n / k / L * self.beta_node)  # node reduce-scatter and allgather
+        cross = min(self._cross(n / k, N).values())
+        # k pieces in flight: one's node steps overlap another's cross-node steps.
+        return k * max(inner, cross) + min(inner, cross)
 
     def _cross(self, n: float, N: int) -> dict[str, float]:
         """The hierarchy's cross-node step: L cross groups of 1/L blocks at once share each node's link."""
         if N == 1:
             return {"ring": 0.0}
+        m = N.bit_length() - 1
+        fold = (halving_steps(N) - 2 * m) * (self.alpha + n * self.beta_cross)
         return {"ring": 2 * (N - 1) * (self.alpha + n / N * self.beta_cross),
-                "doubling": doubling_steps(N) * (self.alpha + n * self.beta_cross)}
+                "doubling": doubling_steps(N) * (self.alpha + n * self.beta_cross),
+                "rabenseifner": 2 * m * self.alpha + 2 * (1 - 1 / (1 << m)) * n * self.beta_cross + fold}
 
     def cross_algorithm(self, n: float, lay: Layout) -> str:
-        """The algorithm of the hierarchy's cross-node step for a message of `n` bytes (its block: n / L)."""
+        """The algorithm of the hierarchy's cross-node step for (a piece of) `n` bytes (its block: n / L)."""
         times = self._cross(n, lay.nodes)
         return min(times, key=times.get)
 
     def best(self, n: float, lay: Layout) -> str:
-        times = {"ring": self.ring(n, lay), "doubling": self.doubling(n, lay)}
+        times = {"ring": self.ring(n, lay), "doubling": self.doubling(n, lay), "rabenseifner": self.rabenseifner(n, lay)}
         if lay.hierarchical:
             times["hierarchical"] = self.hierarchical(n, lay)
         return min(times, key=times.get)

@@ -2,7 +2,7 @@
 
     coll = Collectives(Topology())                    # algorithm="auto": by size, nodes and ranks per node
     coll.allreduce(grad, tag=b).wait()                # non-blocking like Ring.allreduce; tags as the Ring's
-    coll.algorithm_for(grad.nbytes)                   # "doubling" | "ring" | "hierarchical"
+    coll.algorithm_for(grad.nbytes)                   # "ring" | "doubling" | "rabenseifner" | "hierarchical"
 
 Reduce-scatter, allgather(v) and broadcast are the flat Ring's (`coll.flat`).
 Every rank must be built with the same algorithm settings (checked at once,
@@ -21,9 +21,9 @@ from . import validate as V
 from .agree import check_same_structure
 from .algorithms import ALGORITHMS, Chooser, Layout
 from .buffers import OP_CODES, Buffer, BufferError, block_counts
-from .doubling import doubling_allreduce
+from .doubling import doubling_allreduce, halving_allreduce
 from .handle import Handle
-from .hierarchical import hierarchical_allreduce
+from .hierarchical import LANES, hierarchical_allreduce, pieces, pipelined
 from .requests import RequestLog, drain_at_exit
 from .ring import DEFAULT_CHUNK_BYTES, Ring
 from .topology import Topology
@@ -38,17 +38,18 @@ _EXTRA = V.FIELDS.index("extra")
 class Collectives:
     """Allreduce over a Topology's world, node and cross communicators (private duplicates of each).
 
-    algorithm, table: see mpicomm.algorithms.Chooser. validate: as the Ring's
+    algorithm, table, model: see mpicomm.algorithms.Chooser (model: a CostModel, e.g.
+    CostModel.measured(topology), which probes the link). validate: as the Ring's
     (default $MPITRAIN_VALIDATE). `rank`, `size`, `left` and `comm` are the
     world ring's, so code written for a Ring reads them alike.
     """
 
-    def __init__(self, topology: Topology, *, algorithm: str | None = None, table=None,
+    def __init__(self, topology: Topology, *, algorithm: str | None = None, table=None, model=None,
                  validate: bool | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         problem, chooser = None, None
         layout = Layout(topology.size, topology.num_nodes, topology.local_size)
         try:
-            chooser = Chooser(layout, algorithm, table)
+            chooser = Chooser(layout, algorithm, table, model)
         except ValueError as exc:
             problem = exc
         self.comm = drain_at_exit(topology.world.Dup())
@@ -63,6 +64,13 @@ class Collectives:
         self.flat = Ring(topology.world, validate=self.validate, chunk_bytes=chunk_bytes, latency_bytes=0)
         self.node = Ring(topology.node, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0)
         self.cross = Ring(topology.cross, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0)
+        # The pipelined hierarchy's pieces: one (node, cross) pair of communicators each, so that pieces of one
+        # allreduce (same tag, same peers) never match each other's messages.
+        self.lanes = [(self.node, self.cross)]
+        if layout.hierarchical:
+            self.lanes += [(Ring(topology.node, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0),
+                            Ring(topology.cross, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0))
+                           for _ in range(LANES - 1)]
         self.rank, self.size, self.left = self.flat.rank, self.flat.size, self.flat.left
         self.counts = dict.fromkeys(ALGORITHMS, 0)  # allreduces started per algorithm (tests, reports)
 
@@ -71,7 +79,7 @@ class Collectives:
 
     # -- lifecycle ---------------------------------------------------------
     def free(self) -> None:
-        for ring in (self.flat, self.node, self.cross):
+        for ring in [self.flat] + [r for lane in self.lanes for r in lane]:
             ring.free()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
@@ -120,10 +128,17 @@ class Collectives:
             dst.copy_from(src)
         self.counts[name] += 1
         if name == "hierarchical":
-            across = self.chooser.model.cross_algorithm(float(dst.count * dst.itemsize), self.layout)
-            yield from hierarchical_allreduce(self.node, self.cross, dst, op, tag, log, across)
+            nbytes = dst.count * dst.itemsize
+            k = pieces(nbytes)
+            across = self.chooser.model.cross_algorithm(float(nbytes) / k, self.layout)
+            if k == 1:
+                yield from hierarchical_allreduce(self.node, self.cross, dst, op, tag, log, across)
+            else:
+                yield from pipelined(self.lanes[:k], dst, op, tag, log, across)
         elif name == "doubling":
             yield from doubling_allreduce(ring.comm, dst, op, tag, log)
+        elif name == "rabenseifner":
+            yield from halving_allreduce(ring.comm, dst, op, tag, log)
         else:
             yield from ring._ring(dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj

@@ -8,23 +8,40 @@
 
 A flat ring over P = N·L ranks sends 2(P-1)/P of the data over each node's
 link and takes 2(P-1) steps; here the link sees 2(N-1)/N in 2(N-1) cross
-steps (or log2 N with recursive doubling across, for small blocks), and the
+steps (or 2·log2 N with Rabenseifner's, log2 N with recursive doubling, for
+smaller blocks), and the
 2(L-1) node steps run over shared memory.
 """
 
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from .buffers import Buffer, block_counts, offsets
-from .doubling import doubling_allreduce
+from .doubling import doubling_allreduce, halving_allreduce
+from .handle import Step
 from .requests import RequestLog
 from .ring import Ring
 
-__all__ = ["hierarchical_allreduce"]
+__all__ = ["LANES", "PIECE_BYTES", "hierarchical_allreduce", "pieces", "pipelined"]
+
+# A large message goes as up to LANES pieces of at least PIECE_BYTES, each on its own node and cross
+# communicators, staggered: a piece starts once the one before has reduced inside the node, so one piece's
+# node steps (shared memory) overlap another's cross-node steps (the link), instead of the link idling
+# while the node reduces.
+LANES, PIECE_BYTES = 4, 4 << 20
+REDUCED = []  # what a piece yields (passed at once) when its node reduce-scatter is over: the next may start
+
+
+def pieces(nbytes: int) -> int:
+    """How many pieces a hierarchical allreduce of `nbytes` goes in."""
+    return int(max(1, min(LANES, nbytes // PIECE_BYTES)))
 
 
 def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: int, log: RequestLog,
                            across: str = "ring"):
-    """Generator (a Handle's algorithm): reduce `data` in place over node x cross; `across`: ring or doubling.
+    """Generator (a Handle's algorithm): reduce `data` in place over node x cross; `across`: ring, doubling
+    or rabenseifner (the cross-node step's algorithm).
 
     `node` and `cross` are unvalidated Rings over the node and cross
     communicators of one Topology; the result equals the flat allreduce's
@@ -34,10 +51,70 @@ def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: 
     counts = block_counts(data.count, L)
     lo = offsets(counts)[lr]
     yield from node._ring(data, counts, range(0, L - 1), op, tag, log)  # block lr of the node's sum
+    yield REDUCED
     block = Buffer(data.elements(lo, lo + counts[lr]), checked=True)
     if across == "doubling":
         yield from doubling_allreduce(cross.comm, block, op, tag, log)
+    elif across == "rabenseifner":
+        yield from halving_allreduce(cross.comm, block, op, tag, log)
     else:
         yield from cross._ring(block, block_counts(block.count, cross.size), range(0, 2 * cross.size - 2), op,
                                tag, log)
     yield from node._ring(data, counts, range(L - 1, 2 * L - 2), None, tag, log)
+
+
+def pipelined(lanes: list[tuple[Ring, Ring]], data: Buffer, op: str, tag: int, log: RequestLog, across: str):
+    """Generator: `data` in len(lanes) contiguous pieces, each a hierarchical allreduce on its own lane's
+    (node, cross) Rings, all in flight at once; returns when every piece is reduced."""
+    k = len(lanes)
+    counts = block_counts(data.count, k)
+    starts = offsets(counts)
+    gens = [hierarchical_allreduce(node, cross, Buffer(data.elements(a, a + n), checked=True), op, tag, log, across)
+            for (node, cross), a, n in zip(lanes, starts, counts)]
+    yield Together(gens)
+
+
+class Together(Step):
+    """Pieces (generators yielding request lists) driven as one wait point, passed when all have ended; each
+    piece after the first starts when the one before yields REDUCED."""
+
+    __slots__ = ("gens", "waits", "started")
+    _DONE = object()
+
+    def __init__(self, gens):
+        self.gens, self.waits, self.started = list(gens), [], 0
+        self._start()
+
+    def _start(self) -> None:
+        """Start the next piece (and so on while each one reaches REDUCED at once: a node of one rank)."""
+        while self.started < len(self.gens) and (not self.waits or self.waits[-1] is REDUCED
+                                                 or self.waits[-1] is self._DONE):
+            self.waits.append(self._next(self.gens[self.started]))
+            self.started += 1
+
+    def _next(self, gen):
+        try:
+            return gen.send(None)
+        except StopIteration:
+            return self._DONE
+
+    def poll(self, block: bool) -> bool:
+        while True:
+            moved = False
+            for i, w in enumerate(self.waits):
+                if w is REDUCED and i == len(self.waits) - 1 and self.started < len(self.gens):
+                    continue  # the next piece starts from it first (below)
+                if w is not self._DONE and MPI.Request.Testall(w):
+                    self.waits[i], moved = self._next(self.gens[i]), True
+            if self.started < len(self.gens) and (self.waits[-1] is REDUCED or self.waits[-1] is self._DONE):
+                self._start()
+                moved = True
+            pending = [i for i, w in enumerate(self.waits) if w is not self._DONE]
+            if not pending and self.started == len(self.gens):
+                return True
+            if moved:
+                continue
+            if not block:
+                return False
+            # Block on one piece's step; the others progress inside MPI meanwhile and are tested next pass.
+            MPI.Request.Waitall(self.waits[pending[0]])

@@ -72,3 +72,19 @@ def _round(comm: MPI.Comm, peers: list[int], send: np.ndarray, recv: np.ndarray,
     reqs += [comm.Isend([send[:n], MPI.BYTE], p, tag) for p in peers]
     MPI.Request.Waitall(reqs)
     return time.perf_counter() - t0
+
+
+_LINKS: dict[tuple[int, ...], LinkEstimate] = {}
+
+
+def measured_link(comm) -> LinkEstimate:
+    """probe_link(comm), once per group of ranks (by their COMM_WORLD ranks) in this process."""
+    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        key = tuple(group.Translate_ranks(list(range(group.Get_size())), world))
+    finally:
+        group.Free()
+        world.Free()
+    if key not in _LINKS:
+        _LINKS[key] = probe_link(comm)
+    return _LINKS[key]

@@ -1,7 +1,16 @@
 """P3's exchange: flat gradient buffers cut into slices, each owned by one rank, pushed and pulled by priority.
 
 Every rank is both a worker and the parameter server of 1/P of the slices
-(round-robin), so every link carries traffic both ways. Slices are cut from
+(round-robin), so every link carries traffic both ways. On nodes of several
+ranks (`nodes`), each slice is first summed inside the node by one of its
+ranks, only that rank exchanges it across nodes, and it shares the result
+inside the node, so a slice crosses a node's link once each way, as a ring's
+bytes do, instead of once per rank (node-local aggregation):
+
+    slice s, nodes [0 1] [2 3]: aggregator local rank s % 2, owner node (s // 2) % 2
+    s = 1: rank 0 -> 1 (node push)  rank 1 -> 3 (cross push)  3 <- 2 (node push)
+           3 averages all four, 3 -> 1 (cross result), 1 -> 0 and 3 -> 2 (node results)
+ Slices are cut from
 flat buffers (one per dtype) without regard to tensor boundaries, so small
 tensors share a slice instead of paying a message each. A slice's priority
 is that of its most urgent tensor (its layer's place in the forward pass):
@@ -48,7 +57,7 @@ class SlicePlan:
     """
 
     def __init__(self, buffer_sizes: list[int], segments: list[tuple[int, int, int]], slice_size: int,
-                 ranks: int, comm: MPI.Comm):
+                 ranks: int, comm: MPI.Comm, nodes: list[list[int]] | None = None):
         if not isinstance(slice_size, int) or slice_size < 1:
             raise ValueError(f"slice_size must be an integer >= 1, got {slice_size!r}")
         count = sum(-(-n // slice_size) for n in buffer_sizes)
@@ -59,6 +68,8 @@ class SlicePlan:
             self.slices += [(b, a, min(a + slice_size, n)) for a in range(0, n, slice_size)]
         self.count = len(self.slices)
         self.ranks = ranks
+        # Two levels only when both have more than one rank: otherwise node aggregation is the flat exchange.
+        self.nodes = nodes if nodes and len(nodes) > 1 and len(nodes[0]) > 1 else None
         first = {}
         for s, (b, a, _) in enumerate(self.slices):
             first.setdefault(b, s)
@@ -71,7 +82,34 @@ class SlicePlan:
                 self.tensors_of[s].append(t)
 
     def owner(self, s: int) -> int:
-        return s % self.ranks
+        """The rank that averages slice s over every rank."""
+        if self.nodes is None:
+            return s % self.ranks
+        L, N = len(self.nodes[0]), len(self.nodes)
+        return self.nodes[(s // L) % N][s % L]
+
+    def routes(self, rank: int) -> tuple[list[list[int]], list[int | None], list[list[int]]]:
+        """Per slice, for `rank`: whose pushes it sums (sources), whom it pushes the sum to (upstream, None:
+        it is the owner) and whom it sends the average to (downstream)."""
+        sources, upstream, downstream = [], [], []
+        for s in range(self.count):
+            owner = self.owner(s)
+            if self.nodes is None:
+                peers = [p for p in range(self.ranks) if p != rank] if rank == owner else []
+                sources.append(peers)
+                upstream.append(None if rank == owner else owner)
+                downstream.append(peers)
+                continue
+            L = len(self.nodes[0])
+            node = next(n for n in self.nodes if rank in n)
+            aggregator = node[s % L]
+            mates = [p for p in node if p != rank] if rank == aggregator else []
+            if rank == owner:  # also its node's aggregator: the node's ranks and the other nodes' aggregators
+                mates = mates + [n[s % L] for n in self.nodes if n is not node]
+            sources.append(mates)
+            downstream.append(mates)
+            upstream.append(None if rank == owner else owner if rank == aggregator else aggregator)
+        return sources, upstream, downstream
 
     def push_tag(self, s: int) -> int:
         return s
@@ -91,14 +129,18 @@ class SlicedExchange(Task):
 
     def __init__(self, comm: MPI.Comm, buffers: list[torch.Tensor], segments: list[tuple[int, int, int]],
                  slice_size: int, credit: int = 8, timeline=None, names: list[str] | None = None,
-                 relaxed_sleep: float = 100e-6):
+                 relaxed_sleep: float = 100e-6, nodes: list[list[int]] | None = None,
+                 node_aggregation: bool = True):
         if not isinstance(credit, int) or credit < 1:
             raise ValueError(f"credit must be an integer >= 1, got {credit!r}")
         if not relaxed_sleep > 0:
             raise ValueError(f"relaxed_sleep must be > 0 seconds, got {relaxed_sleep!r}")
         self.comm = drain_at_exit(comm.Dup())
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.plan = plan = SlicePlan([b.numel() for b in buffers], segments, slice_size, self.size, self.comm)
+        # nodes: the ranks of `comm` by node (mpicomm.Topology.nodes); they count cross_bytes, and with
+        # node_aggregation route each slice through its node's aggregator.
+        self.plan = plan = SlicePlan([b.numel() for b in buffers], segments, slice_size, self.size, self.comm,
+                                     nodes if node_aggregation else None)
         self.credit, self.timeline, self.relaxed_sleep = credit, timeline, relaxed_sleep
         self.urgent_sleep = min(URGENT_SLEEP_MAX, max(URGENT_SLEEP_MIN, relaxed_sleep / 8))
         self._waiters = 0  # training threads blocked in wait()
@@ -110,10 +152,10 @@ class SlicedExchange(Task):
         self.names = names or [f"tensor {t}" for t in range(len(segments))]
         self.views = [buffers[b][a:z] for b, a, z in plan.slices]
         self.wire = [v.view(torch.uint8).numpy() for v in self.views]  # what MPI sends and receives into
-        self.owned = [s for s in range(plan.count) if plan.owner(s) == self.rank]
-        self.peers = [p for p in range(self.size) if p != self.rank]
-        self.scratch = {s: torch.empty((self.size - 1, self.views[s].numel()), dtype=self.views[s].dtype)
-                        for s in self.owned} if self.size > 1 else {}
+        self.sources, self.upstream, self.downstream = plan.routes(self.rank)
+        self.owned = [s for s in range(plan.count) if self.sources[s]]  # slices this rank sums pushes of
+        self.scratch = {s: torch.empty((len(self.sources[s]), self.views[s].numel()), dtype=self.views[s].dtype)
+                        for s in self.owned}
         self.scratch_wire = {s: [row.view(torch.uint8).numpy() for row in rows] for s, rows in self.scratch.items()}
         self._nothing_to_send = np.array([not ids for ids in plan.slices_of], dtype=bool)
         self.tensor_done = self._nothing_to_send.copy()  # per tensor: holds the average of this step
@@ -125,6 +167,9 @@ class SlicedExchange(Task):
         self.error: BaseException | None = None
         self.log = RequestLog("p3 sliced exchange")
         self.messages = self.polls = 0  # sent and polled so far (benchmarks read them)
+        node_of = {r: k for k, n in enumerate(nodes or [list(range(self.size))]) for r in n}
+        self._crosses = [node_of.get(p, -1) != node_of.get(self.rank, -2) for p in range(self.size)]
+        self.cross_bytes = 0  # sent to ranks on other nodes so far (tests and benchmarks read it)
         self._reset()
 
     def set_priorities(self, priority: list[int]) -> None:
@@ -138,9 +183,9 @@ class SlicedExchange(Task):
         self._slices_left = [len(ids) for ids in plan.slices_of]  # per tensor: slices not yet averaged
         self.tensor_done[:] = self._nothing_to_send  # in place: averaged() hands out this array
         self._arrived = {s: 0 for s in self.owned}
-        self._got = {s: [False] * (self.size - 1) for s in self.owned}  # which peers' pushes arrived
-        self._local_ready = {s: False for s in self.owned}
-        self._results_left = {s: self.size - 1 for s in self.owned}
+        self._got = {s: [False] * len(self.sources[s]) for s in self.owned}  # which sources' pushes arrived
+        self._local_ready = [False] * plan.count
+        self._results_left = [len(d) for d in self.downstream]
         self._left = plan.count
         self._slice_finished = [False] * plan.count
         self._queue: list = []  # heap of (priority, slice, kind, peer)
@@ -197,10 +242,10 @@ class SlicedExchange(Task):
     def _post_push_receives(self) -> None:
         plan, log, comm = self.plan, self.log, self.comm
         for s in self.owned:
-            for k, peer in enumerate(self.peers):
+            for k, peer in enumerate(self.sources[s]):
                 self._reqs.append(log.irecv(comm, [self.scratch_wire[s][k], MPI.BYTE], peer, plan.push_tag(s)))
                 self._what.append((IN_PUSH, s, k))
-        self._active += len(self.owned) * len(self.peers)
+                self._active += 1
         self._posted = True
 
     def _tensor_ready(self, t: int) -> None:
@@ -211,11 +256,9 @@ class SlicedExchange(Task):
                 continue
             if self.size == 1:
                 self._slice_done(s)
-            elif plan.owner(s) == self.rank:
+            else:
                 self._local_ready[s] = True
                 self._try_aggregate(s)
-            else:
-                heapq.heappush(self._queue, (self.slice_priority[s], s, PUSH, plan.owner(s)))
 
     def _send_from_queue(self) -> None:
         plan, tl, queue = self.plan, self.timeline, self._queue
@@ -229,6 +272,8 @@ class SlicedExchange(Task):
             self._outgoing += 1
             self._active += 1
             self.messages += 1
+            if self._crosses[peer]:
+                self.cross_bytes += self.wire[s].nbytes
 
     def _complete(self) -> None:
         """One Testsome over every request in flight (one pass of MPI's progress engine per poll)."""
@@ -239,23 +284,23 @@ class SlicedExchange(Task):
         self._active -= len(idx)
         for i in idx:
             kind, s, x = what[i]
-            if kind == IN_PUSH:  # x: the peer's position in self.peers
+            if kind == IN_PUSH:  # x: the source's position in self.sources[s]
                 self._got[s][x] = True
                 self._arrived[s] += 1
                 self._try_aggregate(s)
             elif kind == IN_RESULT:  # x: the pull's timeline token
                 if tl:
                     tl.end(x)
-                self._slice_done(s)
+                self._share(s)
             else:
                 self._outgoing -= 1
                 if tl:
                     tl.end(x)
                 if kind == OUT_PUSH:
                     # Only now may the slice's memory receive the averaged result: it was the send buffer.
-                    token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=plan.owner(s)) if tl else None
-                    self._reqs.append(self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], plan.owner(s),
-                                                     plan.result_tag(s)))
+                    up = self.upstream[s]
+                    token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=up) if tl else None
+                    self._reqs.append(self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], up, plan.result_tag(s)))
                     self._what.append((IN_RESULT, s, token))
                     self._active += 1
                 else:
@@ -268,17 +313,29 @@ class SlicedExchange(Task):
             self._what = [what[i] for i in keep]
 
     def _try_aggregate(self, s: int) -> None:
-        """Owner: once every peer's push and the local gradient are in, average and send back."""
-        if not self._local_ready[s] or self._arrived[s] < self.size - 1:
+        """Once the local gradient and every source's push are in: sum; push the sum upstream, or (the owner)
+        average and send the average back."""
+        if not self._local_ready[s] or (s in self._arrived and self._arrived[s] < len(self.sources[s])):
             return
         view, tl = self.views[s], self.timeline
-        token = tl.begin(f"aggregate s{s}", "p3", track="comm", slice=s) if tl else None
-        for row in self.scratch[s]:  # row by row: no temporary the size of the slice
-            view.add_(row)
+        if s in self.scratch:
+            token = tl.begin(f"aggregate s{s}", "p3", track="comm", slice=s) if tl else None
+            for row in self.scratch[s]:  # row by row: no temporary the size of the slice
+                view.add_(row)
+            if tl:
+                tl.end(token)
+        if self.upstream[s] is not None:
+            heapq.heappush(self._queue, (self.slice_priority[s], s, PUSH, self.upstream[s]))
+            return
         view.div_(self.size)
-        if tl:
-            tl.end(token)
-        for peer in self.peers:
+        self._share(s)
+
+    def _share(self, s: int) -> None:
+        """The slice holds the average: send it on to those below (each result send's end finishes it), or done."""
+        if not self.downstream[s]:
+            self._slice_done(s)
+            return
+        for peer in self.downstream[s]:
             heapq.heappush(self._queue, (self.slice_priority[s], s, RESULT, peer))
 
     def _slice_done(self, s: int) -> None:
@@ -350,14 +407,19 @@ class SlicedExchange(Task):
             s = pending[0]
             if self._tensors_left[s]:
                 waits = "this rank's own gradients (its backward has not produced them)"
-            elif plan.owner(s) != self.rank:
-                waits = f"the average from its owner, rank {plan.owner(s)}"
-            elif self._arrived[s] < self.size - 1:
-                waits = f"pushes from rank(s) {[p for p, got in zip(self.peers, self._got[s]) if not got]}"
+            elif s in self._arrived and self._arrived[s] < len(self.sources[s]):
+                waits = f"pushes from rank(s) {[p for p, got in zip(self.sources[s], self._got[s]) if not got]}"
+            elif self.upstream[s] is not None and not self._results_sent(s):
+                waits = (f"the average from its {'owner' if self.upstream[s] == plan.owner(s) else 'aggregator'}, "
+                         f"rank {self.upstream[s]}")
             else:
                 waits = f"sending its average ({self._results_left[s]} peers left)"
             lines.append(f"{self.names[t]} ({len(pending)} slices left, e.g. slice {s} waits for {waits})")
         return "; ".join(lines[:6]) or "nothing (finishing)"
+
+    def _results_sent(self, s: int) -> bool:
+        """Whether any of slice s's averages has gone out from here (it then holds the average)."""
+        return self._results_left[s] < len(self.downstream[s])
 
     def _slice_pending(self, s: int) -> bool:
         return not self._slice_finished[s]

@@ -88,15 +88,21 @@ class P3Options(StrategyOptions):
 
     Either may be "auto" (the default): chosen from the link measured when
     wrapping, so that fast links get fewer, larger messages (runtime.p3.tuning).
+    node_aggregation: on several nodes of several ranks, each slice is summed
+    inside its node first and crosses the node's link once each way
+    (mpicomm.sliced_ps); False: every rank pushes its own (the flat exchange).
     """
 
     slice_size: int | str = AUTO
     credit: int | str = AUTO
+    node_aggregation: bool = True
     name = "p3"
 
     def __post_init__(self):
         _check_auto_or_int("slice_size", self.slice_size, 1)
         _check_auto_or_int("credit", self.credit, 1)
+        if not isinstance(self.node_aggregation, bool):
+            raise ValueError(f"node_aggregation must be True or False, got {self.node_aggregation!r}")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import torch.nn as nn
 
 from conftest import assert_everywhere
 from dp_helpers import sgd
+from mpicomm import link_probe
 from mpicomm.link_probe import probe_link
 from runtime import DistributedOptimizer, P3Options
 from runtime.p3 import tuning
@@ -44,9 +45,9 @@ def two_steps(world, strategy):
 
 def test_auto_settings_are_measured_once_agreed_everywhere_and_change_no_result(world, monkeypatch):
     probes = []
-    real = tuning.probe_link
-    monkeypatch.setattr(tuning, "probe_link", lambda comm: probes.append(1) or real(comm))
-    monkeypatch.setattr(tuning, "_LINKS", {})
+    real = link_probe.probe_link
+    monkeypatch.setattr(link_probe, "probe_link", lambda comm: probes.append(1) or real(comm))
+    monkeypatch.setattr(link_probe, "_LINKS", {})
     auto, t = two_steps(world, P3Options())
     _, again = two_steps(world, P3Options())
     reference, _ = two_steps(world, "allreduce")
@@ -59,7 +60,7 @@ def test_auto_settings_are_measured_once_agreed_everywhere_and_change_no_result(
 
 def test_a_small_model_is_not_probed(world, monkeypatch):
     """Below 4 smallest slices per rank the link cannot change the plan: no collective, no start-up cost."""
-    monkeypatch.setattr(tuning, "probe_link", lambda comm: pytest.fail("probed a small model"))
+    monkeypatch.setattr(link_probe, "probe_link", lambda comm: pytest.fail("probed a small model"))
     model = nn.Linear(64, 8)
     with DistributedOptimizer(sgd(model), model, P3Options()) as dopt:
         t = dopt.strategy.tuning

@@ -112,7 +112,8 @@ def test_hierarchical_allreduce_crosses_the_link_with_2_n_minus_1_over_n_of_the_
     e.process(allreduce(Host(e, c), nbytes, algorithm="hierarchical"))
     node = (1e-5 + nbytes / (80e9 / 8 * 2))  # L - 1 = 1 step of the host's ranks' B/L each, in shared memory
     cross = 2 * 3 * 1e-5 + 2 * 3 / 4 * nbytes / 1e9  # L rings of B/L at once on one link
-    assert e.run() == pytest.approx(2 * node + cross, rel=1e-9)
+    # In staggered pieces (mpicomm.hierarchical.pieces): the link's bytes at least, the three phases in turn at most.
+    assert 2 * 3 / 4 * nbytes / 1e9 <= e.run() <= 2 * node + cross + 1e-9
     # A flat ring pays 2(P-1) = 14 latencies and 2(P-1)/P of the bytes on the link: slower here.
     e2 = Engine()
     e2.process(allreduce(Host(e2, c), nbytes, algorithm="ring"))
@@ -123,7 +124,7 @@ def test_the_simulated_choice_is_the_runtimes():
     """Small buckets take recursive doubling at scale, large ones the hierarchy: the runtime's Chooser decides."""
     big = Cluster(nodes=128, ranks_per_node=8, bandwidth=25e9)
     assert choose(big, 4 << 10) == "doubling" and choose(big, 64 << 20) == "hierarchical"
-    assert choose(Cluster(nodes=1, ranks_per_node=4), 64 << 20) == "ring"
+    assert choose(Cluster(nodes=1, ranks_per_node=4), 64 << 20) in ("ring", "rabenseifner")  # one level
     with pytest.raises(UnknownStrategyError, match="algorithm must be one of"):
         simulate(toy(), fast_net(4), "wfbp@tree")
 
@@ -147,7 +148,8 @@ def test_compute_alone_is_the_profiled_step():
 def test_allreduce_adds_the_whole_exchange_after_backward():
     p, c = toy(), fast_net(4, latency=1e-4)
     exchange = 2 * 3 * 1e-4 + 2 * 3 / 4 * p.grad_bytes / (1e9 / 8)
-    assert simulate(p, c, "allreduce").t_iter_s == pytest.approx(p.compute_s + exchange, rel=1e-9)
+    assert simulate(p, c, "allreduce@ring").t_iter_s == pytest.approx(p.compute_s + exchange, rel=1e-9)
+    assert simulate(p, c, "allreduce").t_iter_s <= simulate(p, c, "allreduce@ring").t_iter_s + 1e-9  # auto: no worse
 
 
 def test_wait_free_strategies_hide_communication_behind_backward():

@@ -16,7 +16,7 @@ Implementations: ring (mpicomm's Ring as used: MPI's collective below its
 crossover, `--latency-bytes`), ring-only (the ring at every size), native
 (the MPI library's blocking collective), gloo (torch.distributed), and for
 allreduce mpicomm.Collectives' algorithms: doubling (recursive doubling),
-hierarchical (node reduce-scatter, cross-node allreduce, node allgather) and
+rabenseifner (recursive halving, then doubling), hierarchical (node reduce-scatter, cross-node allreduce, node allgather) and
 auto (the choice by size and layout; `--choose` writes a measured table of the
 best per size, which auto then follows). They are
 timed in rounds, the order rotated every round, so that drifting load
@@ -39,9 +39,10 @@ from jobs.common.report import parse_size as _parse_size
 from jobs.common.report import run_metadata, save_figure, write_document
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
-IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "hierarchical", "auto")
-ALGORITHM_IMPLS = ("doubling", "hierarchical", "auto")  # mpicomm.Collectives, allreduce only
-CHOOSE_AMONG = {"ring-only": "ring", "doubling": "doubling", "hierarchical": "hierarchical"}
+IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "rabenseifner", "hierarchical", "auto")
+ALGORITHM_IMPLS = ("doubling", "rabenseifner", "hierarchical", "auto")  # mpicomm.Collectives, allreduce only
+CHOOSE_AMONG = {"ring-only": "ring", "doubling": "doubling", "rabenseifner": "rabenseifner",
+                "hierarchical": "hierarchical"}
 GLOO_OPS = ("allreduce", "allgather", "broadcast")  # gloo has no CPU reduce_scatter
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 def parse_size(text: str) -> int:
@@ -250,7 +251,7 @@ def plot(rows, path: str, title: str) -> None:
     fig, axes = plt.subplots(1, len(ops), figsize=(4.2 * len(ops), 3.8), squeeze=False)
     for ax, op in zip(axes[0], ops):
         for impl, style in (("ring", "o-"), ("ring-only", "x-."), ("native", "s--"), ("gloo", "^:"),
-                            ("doubling", "v-"), ("hierarchical", "D-"), ("auto", "*:")):
+                            ("doubling", "v-"), ("rabenseifner", "<-"), ("hierarchical", "D-"), ("auto", "*:")):
             pts = sorted((r["bytes"], r["busbw_gbps"]) for r in rows if r["op"] == op and r["impl"] == impl)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=impl)
@@ -269,6 +270,7 @@ def main(argv=None, args=None) -> int:
     from mpi4py import MPI  # here, not at import: importing a job must not start MPI
 
     from mpicomm import Collectives, Ring, Topology
+    from mpicomm.algorithms import CostModel
     from mpicomm.ring import DEFAULT_CHUNK_BYTES
 
     comm = MPI.COMM_WORLD
@@ -293,7 +295,9 @@ def main(argv=None, args=None) -> int:
     topo = Topology(comm, ranks_per_node=args.ranks_per_node)
     for impl in ALGORITHM_IMPLS:
         if impl in args.impls:
-            rings[impl] = Collectives(topo, algorithm=impl, validate=validate, chunk_bytes=chunk)
+            # auto as the dense strategies build it: the cost model told the measured link (or a table).
+            model = CostModel.measured(topo) if impl == "auto" else None
+            rings[impl] = Collectives(topo, algorithm=impl, validate=validate, chunk_bytes=chunk, model=model)
     bench_comm = comm.Dup()
     rows = []
     say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "

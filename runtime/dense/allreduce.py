@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from mpicomm import Collectives
 
 from ..comm_hooks import GradBucket, allreduce_hook
 from ..strategy import Strategy, StrategyContext, wait_handles
+from .collectives import dense_collectives
 
 
 class AllreduceSync(Strategy):
@@ -25,8 +25,7 @@ class AllreduceSync(Strategy):
         super().__init__(ctx)
         # Shapes, dtypes and the order of calls were agreed when wrapping and are checked every
         # step; a fingerprint exchange per collective would only add latency.
-        self.ring = Collectives(ctx.topology, algorithm=getattr(ctx.options, "algorithm", None),
-                                validate=False)  # options of a registered subclass may lack it
+        self.ring = dense_collectives(ctx)
         self.hook_state, self.hook = None, allreduce_hook  # register_comm_hook may replace them
         by_buffer = [[] for _ in self.buffers.flats]
         for p, (b, _, _) in zip(self.params, self.buffers.segments):

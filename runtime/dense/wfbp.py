@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from mpicomm import Collectives
 from mpicomm.progress import HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
 from ..comm_hooks import GradBucket, allreduce_hook
 from ..strategy import Strategy, StrategyContext
 from .allreduce import _copy_back
+from .collectives import dense_collectives
 
 
 class WfbpSync(Strategy):
@@ -28,8 +28,7 @@ class WfbpSync(Strategy):
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
-        self.ring = Collectives(ctx.topology, algorithm=getattr(ctx.options, "algorithm", None),
-                                validate=False)  # options of a registered subclass may lack it
+        self.ring = dense_collectives(ctx)
         self.progress = ProgressThread("mpitrain-wfbp", drive=ctx.compute_off_host)
         self.hook_state, self.hook = None, allreduce_hook  # register_comm_hook may replace them
         self.bucket_params = buckets(self.params, ctx.options.fuse_bytes)

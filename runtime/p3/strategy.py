@@ -34,7 +34,9 @@ class P3Sync(Strategy):
         if self.timeline:
             self.timeline.instant("p3 tuning", "setup", settings=t.describe(itemsize))
         self.exchange = SlicedExchange(ctx.topology.world, flats, self.buffers.segments, t.slice_size, t.credit,
-                                       self.timeline, ctx.names, relaxed_sleep=t.relaxed_sleep)
+                                       self.timeline, ctx.names, relaxed_sleep=t.relaxed_sleep,
+                                       nodes=ctx.topology.nodes,
+                                       node_aggregation=getattr(o, "node_aggregation", True))
         self.progress = ProgressThread("mpitrain-p3")
         self.exchange.nudge = self.progress.nudge
         self.exchange.on_done = self._averaged

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mpicomm.link_probe import LinkEstimate, probe_link
+from mpicomm.link_probe import LinkEstimate, measured_link
 
 AUTO = "auto"
 # A slice should take long enough on the wire that its fixed cost (MPI's and the progress thread's
@@ -92,21 +92,3 @@ def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO) ->
 def needs_probe(ranks: int, total_bytes: int, slice_size=AUTO, credit=AUTO) -> bool:
     """Whether the link decides anything: a setting is auto and the model exceeds the fair-share bound."""
     return AUTO in (slice_size, credit) and ranks > 1 and total_bytes > MIN_SLICE_BYTES * SLICES_PER_OWNER * ranks
-
-
-_LINKS: dict[tuple[int, ...], LinkEstimate] = {}
-
-
-def measured_link(comm) -> LinkEstimate:
-    """probe_link(comm), once per group of ranks (by their COMM_WORLD ranks) in this process."""
-    from mpi4py import MPI
-
-    group, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
-    try:
-        key = tuple(group.Translate_ranks(list(range(group.Get_size())), world))
-    finally:
-        group.Free()
-        world.Free()
-    if key not in _LINKS:
-        _LINKS[key] = probe_link(comm)
-    return _LINKS[key]

@@ -6,13 +6,16 @@ link once per step, and its other L - 1 hops stay in shared memory):
   ring allreduce         2(P-1) steps of B/P per rank
   doubling allreduce     log2 P steps (two more when P is no power of two) of B per rank; a step
                          whose partner is 2^k >= L ranks away crosses the link for all L ranks
+  rabenseifner allreduce 2·log2 P steps (halving, then doubling), 2(P-1)/P·B per rank
   hierarchical allreduce 2(L-1) node steps of B/L (shared memory), then L cross-node allreduces of
-                         B/L at once (ring or doubling): the link carries 2(N-1)/N·B (ring)
+                         B/L at once (ring, doubling or rabenseifner): the link carries 2(N-1)/N·B
+                         (ring, rabenseifner)
 The allreduce's algorithm is the runtime's own choice (mpicomm.algorithms.Chooser, "auto" unless
 the schedule names one), told this cluster's latency and rates.
   ring reduce-scatter,   P-1 steps of B/P per rank (allgather: of the rank's part)
   p3 slice of s bytes    a push to its owner and the owner's pull back: 2 messages;
-                         of a host's L ranks' slices, (P-L)/P of the bytes cross the link
+                         of a host's L ranks' slices, (P-L)/P of the bytes cross the link; with
+                         node-local aggregation 4 messages, 2(N-1)/N·s on the link, 2(L-1)·s in the node
   flat top-k             an allgather of each rank's k (index, value) pairs (8 bytes each for fp32)
   hierarchical top-k     node reduce-scatter (shared memory), an allgather of k/L pairs per
                          rank across nodes (L of them in parallel), a node allgather
@@ -29,11 +32,12 @@ import math
 from collections import deque
 
 from mpicomm.algorithms import Chooser, CostModel, Layout
-from mpicomm.doubling import doubling_steps
+from mpicomm.doubling import doubling_steps, halving_steps
+from mpicomm.hierarchical import pieces
 from mpicomm.native import DEFAULT_LATENCY_BYTES
 
 from .cluster import Host
-from .engine import Event
+from .engine import Event, all_of
 
 PAIR_BYTES = 8  # a fp32 value and its int32 index (mpicomm.sparse_allreduce.pack)
 
@@ -76,6 +80,8 @@ def allreduce(host: Host, nbytes: float, name: str = "allreduce", algorithm: str
     how = choose(c, nbytes, algorithm)
     if how == "doubling":
         yield from _doubling(host, name, nbytes, c.ranks, c.ranks_per_node)
+    elif how == "rabenseifner":
+        yield from _rabenseifner(host, name, nbytes, c.ranks, c.ranks_per_node)
     elif how == "hierarchical":
         yield from _hierarchical(host, name, nbytes)
     else:
@@ -101,7 +107,51 @@ def _doubling(host: Host, name: str, nbytes: float, ranks: int, per_node: int, l
     yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=ranks_here * steps * nbytes))
 
 
+def _rabenseifner(host: Host, name: str, nbytes: float, ranks: int, per_node: int, lanes: int = 1):
+    """Halving then doubling over `ranks`: 2·log2 steps, 2(p-1)/p of the buffer per rank; lanes as _doubling's."""
+    c = host.cluster
+    steps = halving_steps(ranks)
+    if steps == 0 or nbytes <= 0:
+        return
+    m = ranks.bit_length() - 1
+    p2 = 1 << m
+    ranks_here = per_node * lanes
+    nic = shm = 0.0
+    for k in range(m):  # each halving step and its mirror in the doubling: n/2^(k+1) per rank
+        moved = 2 * ranks_here * nbytes / (2 << k)
+        if (p2 >> (k + 1)) >= per_node:
+            nic += moved
+        else:
+            shm += moved
+    fold = (steps - 2 * m) * ranks_here * nbytes  # the fold and unfold: whole buffers, within a pair
+    if per_node > 1:
+        shm += fold
+    else:
+        nic += fold
+    yield host.engine.timeout(steps * c.latency)
+    nic = nic if c.nodes > 1 else 0.0
+    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=nic + shm))
+
+
 def _hierarchical(host: Host, name: str, nbytes: float):
+    """mpicomm.hierarchical's: a large message in pieces(), each its own node-cross-node chain, each starting
+    once the one before has reduced inside the node."""
+    k = pieces(int(nbytes))
+    if k == 1:
+        yield from _hierarchical_piece(host, name, nbytes)
+        return
+    done, after = [], None
+    for i in range(k):
+        reduced = Event()
+        done.append(host.engine.process(_hierarchical_piece(host, f"{name} piece {i}", nbytes / k, after, reduced)))
+        after = reduced
+    yield all_of(done)
+
+
+def _hierarchical_piece(host: Host, name: str, nbytes: float, after: Event | None = None,
+                        reduced: Event | None = None):
+    if after is not None:
+        yield after
     c = host.cluster
     L, N = c.ranks_per_node, c.nodes
     block = nbytes / L
@@ -109,9 +159,13 @@ def _hierarchical(host: Host, name: str, nbytes: float):
         yield host.engine.timeout((L - 1) * c.latency)
         yield host.engine.start(host.transfer(f"{name} node reduce-scatter", 0.0, (L - 1) * nbytes,
                                               cpu_bytes=(L - 1) * nbytes))
+    if reduced is not None:
+        reduced.succeed()
     across = _chooser(c, "auto").model.cross_algorithm(nbytes, _chooser(c, "auto").layout)
     if across == "doubling":
         yield from _doubling(host, f"{name} cross", block, N, 1, lanes=L)
+    elif across == "rabenseifner":
+        yield from _rabenseifner(host, f"{name} cross", block, N, 1, lanes=L)
     elif N > 1:  # L cross rings at once, a block of B/L each: the link carries 2(N-1)/N·B
         yield host.engine.timeout(2 * (N - 1) * c.latency)
         nic = L * 2 * (N - 1) * block / N
@@ -133,20 +187,28 @@ def allgather(host: Host, part_bytes: float, name: str = "allgather", native: bo
     yield from _ring(host, name, P - 1, part_bytes, "allgather" if native else None, P * part_bytes)
 
 
-def slice_round_trip(host: Host, nbytes: float, name: str = "slice", poll: float = 0.0):
+def slice_round_trip(host: Host, nbytes: float, name: str = "slice", poll: float = 0.0, aggregate: bool = True):
     """One p3 slice of every rank of the host: pushed to its owner, averaged, pulled back.
 
-    poll: the progress thread's sleep between polls; each of the two messages is seen done half of one
-    late on average (the owner's before it pulls, ours before the credit is reused).
+    aggregate (node-local aggregation, on N > 1 nodes of L > 1 ranks): the node's ranks push it to its
+    aggregator, which exchanges it with the owner's node: 4 messages in turn, and the link carries the
+    slice once each way from the nodes that do not own it (2(N-1)/N of it per host each way).
+    poll: the progress thread's sleep between polls; each message is seen done half of one late on
+    average (the owner's before it pulls, ours before the credit is reused).
     """
     c = host.cluster
-    P, L = c.ranks, c.ranks_per_node
+    P, L, N = c.ranks, c.ranks_per_node, c.nodes
     if P == 1:
         return
-    yield host.engine.timeout(2 * (c.latency + poll / 2))
-    nic = 2 * L * nbytes * (P - L) / P
-    shm = 2 * L * nbytes * (L - 1) / P
-    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=2 * L * nbytes * (P - 1) / P))
+    if aggregate and N > 1 and L > 1:
+        yield host.engine.timeout(4 * (c.latency + poll / 2))
+        nic = 2 * nbytes * (N - 1) / N
+        shm = 2 * nbytes * (L - 1)
+    else:
+        yield host.engine.timeout(2 * (c.latency + poll / 2))
+        nic = 2 * L * nbytes * (P - L) / P
+        shm = 2 * L * nbytes * (L - 1) / P
+    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=nic + shm))
 
 
 def sparse_allgather(host: Host, pairs: float, name: str = "topk allgather"):

@@ -105,7 +105,8 @@ class P3Schedule(Schedule):
             _, s = heapq.heappop(self._ready)
             self._in_flight += 1
             proc = slice_round_trip(self.run.host, self.slices[s][0] * self.p.itemsize, f"slice {s}",
-                                    poll=self.tuning.relaxed_sleep)
+                                    poll=self.tuning.relaxed_sleep,
+                                    aggregate=self.options.get("node_aggregation", True))
             self.run.engine.process(proc).then(lambda _, s=s: self._returned(s))
 
     def _returned(self, s: int) -> None:

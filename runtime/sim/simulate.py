@@ -21,6 +21,7 @@ SCHEDULES = {
     "wfbp": (BucketSchedule, {}),
     "ddp": (DdpSchedule, {}),
     "p3": (P3Schedule, {}),
+    "p3-flat": (P3Schedule, {"node_aggregation": False}),  # every rank pushes its own slices across
     "hybcomm": (HybcommSchedule, {}),
     "hybcomm-sfb": (HybcommSchedule, {"force": "sfb"}),
     "hybcomm-ps": (HybcommSchedule, {"force": "ps"}),

@@ -1,0 +1,85 @@
+"""P3 with node-local aggregation: the same averages, each slice across a node's link once each way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from conftest import assert_everywhere
+from mpicomm import Topology
+from mpicomm.sliced_ps import SlicedExchange
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+
+SIZES, SLICE = [1000, 7, 12_345, 5, 3000], 256
+
+
+@pytest.fixture(params=[(4, 2), (4, 1), (2, 2), (3, 3)], ids=lambda p: f"P{p[0]}x{p[1]}")
+def layout(request, world):
+    P, L = request.param
+    if P > world.Get_size():
+        pytest.skip(f"needs {P} ranks")
+    comm = world.Split(0 if world.Get_rank() < P else MPI.UNDEFINED, world.Get_rank())
+    if comm == MPI.COMM_NULL:
+        pytest.skip(f"rank outside the {P}-rank group")
+    topo = Topology(comm, ranks_per_node=L)
+    yield topo
+    topo.free()
+    comm.Free()
+
+
+def run(topo, aggregate: bool, steps: int = 2):
+    """Poll a SlicedExchange of random gradients to the end, `steps` times; (buffers, their inputs, cross bytes)."""
+    r = topo.world.Get_rank()
+    buffers = [torch.empty(n) for n in SIZES]
+    ex = SlicedExchange(topo.world, buffers, [(t, 0, n) for t, n in enumerate(SIZES)], SLICE, credit=4,
+                        nodes=topo.nodes, node_aggregation=aggregate)
+    inputs = []
+    try:
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * step + r)
+            for b in buffers:
+                b.copy_(torch.randn(b.numel(), generator=gen))
+            inputs = [b.clone() for b in buffers]
+            ex.begin()
+            for t in reversed(range(len(SIZES))):  # backward's order
+                ex.ready(t)
+            while not ex.poll():
+                pass
+            assert all(ex.tensor_done)
+        return buffers, inputs, ex.cross_bytes / steps
+    finally:
+        ex.free()
+
+
+def test_averages_equal_the_flat_exchange_and_every_rank_holds_the_same(layout):
+    topo = layout
+    comm, P = topo.world, topo.size
+    got, inputs, _ = run(topo, aggregate=True)
+    flat, _, _ = run(topo, aggregate=False)
+    ok = True
+    for g, f, x in zip(got, flat, inputs):
+        ref = x.numpy().copy()
+        comm.Allreduce(MPI.IN_PLACE, ref)
+        ok &= bool(np.allclose(g.numpy(), ref / P, rtol=1e-5, atol=1e-6) and torch.allclose(g, f, rtol=1e-5, atol=1e-6))
+        first = g.numpy().copy()
+        comm.Bcast(first, root=0)
+        ok &= bool(np.array_equal(first, g.numpy()))  # one owner computed it, everyone holds its bits
+    assert_everywhere(comm, ok, f"averages on {topo}")
+
+
+def test_each_slice_crosses_a_nodes_link_once_each_way(layout):
+    topo = layout
+    comm, N, L = topo.world, topo.num_nodes, topo.local_size
+    total = 4 * sum(SIZES)  # float32 bytes of every slice
+    _, _, mine = run(topo, aggregate=True)
+    _, _, flat = run(topo, aggregate=False)
+    both = np.array([mine, flat])
+    comm.Allreduce(MPI.IN_PLACE, both)
+    # Node-local: each slice goes to its owner's node from the N-1 others and comes back: 2(N-1)·S over all
+    # links, 2(N-1)/N·S per node on average, as a ring. Flat: each of a node's L ranks pushes and pulls its own.
+    expect = 2 * (N - 1) * total  # with one rank a node (or one node) the same as the flat exchange
+    assert_everywhere(comm, both[0] == expect and both[1] == 2 * L * (N - 1) * total,
+                      f"cross bytes {both.tolist()} on {topo}, expected {expect} and {2 * L * (N - 1) * total}")
