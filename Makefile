@@ -81,8 +81,8 @@ test-mpi-hosts: setup
 # whose tests depend on the node layout, not the whole suite a third time (~120 s of CI on 2 cores).
 NODE_TESTS := $(addprefix tests/,test_topology_mpi.py test_sparse_mpi.py test_sparse_staged_mpi.py \
 	test_emulated_strategies_mpi.py test_branches_mpi.py test_checkpoint_mpi.py test_pipeline_mpi.py \
-	test_pipeline_rules_mpi.py test_pipeline_staging_mpi.py test_gpu_transparency_mpi.py test_collectives_mpi.py \
-	test_transparency_mpi.py)
+	test_pipeline_rules_mpi.py test_pipeline_staging_mpi.py test_gpu_transparency_mpi.py test_transparency_mpi.py \
+	test_pto_mpi.py)
 test-mpi-emulated: setup
 	MPITRAIN_RANKS_PER_NODE=2 MPITRAIN_EXPECT_NODES=2 $(RUN_MPI) -n 4 $(PYTEST_MPI) $(NODE_TESTS)
 

@@ -4,7 +4,10 @@
     coll.allreduce(grad, tag=b).wait()                # non-blocking like Ring.allreduce; tags as the Ring's
     coll.algorithm_for(grad.nbytes)                   # "ring" | "doubling" | "rabenseifner" | "hierarchical"
 
-Reduce-scatter, allgather(v) and broadcast are the flat Ring's (`coll.flat`).
+On nodes of several ranks placed node by node, an in-place reduce-scatter and an
+in-place allgatherv (PTO's pair) take the hierarchy too, keeping the flat ring's
+blocks (block r on world rank r); otherwise they, allgather and broadcast are
+the flat Ring's (`coll.flat`).
 Every rank must be built with the same algorithm settings (checked at once,
 on every rank). With validation, each allreduce first exchanges a
 fingerprint that includes the algorithm the rank picked, so ranks that would
@@ -13,6 +16,8 @@ hanging on each other's messages.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import numpy as np
 from mpi4py import MPI
@@ -23,16 +28,17 @@ from .algorithms import ALGORITHMS, Chooser, Layout
 from .buffers import OP_CODES, Buffer, BufferError, block_counts
 from .doubling import doubling_allreduce, halving_allreduce
 from .handle import Handle
-from .hierarchical import LANES, hierarchical_allreduce, pieces, pipelined
+from .hierarchical import (LANES, contiguous, hierarchical_allgather, hierarchical_allreduce,
+                           hierarchical_reduce_scatter, pieces, pipelined)
 from .requests import RequestLog, drain_at_exit
-from .ring import DEFAULT_CHUNK_BYTES, Ring
+from .ring import DEFAULT_CHUNK_BYTES, IN_PLACE, Ring
 from .topology import Topology
 
 __all__ = ["Collectives"]
 
 _CODES = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 _NAMES = {code: name for name, code in _CODES.items()}
-_EXTRA = V.FIELDS.index("extra")
+_ROOT = V.FIELDS.index("root")  # where a fingerprint carries the algorithm (unused by these kinds otherwise)
 
 
 class Collectives:
@@ -72,6 +78,11 @@ class Collectives:
                             Ring(topology.cross, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0))
                            for _ in range(LANES - 1)]
         self.rank, self.size, self.left = self.flat.rank, self.flat.size, self.flat.left
+        # The hierarchical reduce-scatter and allgather: whenever the layout allows and the setting is not a
+        # flat algorithm; decided without the message's size, so every rank takes the same path even when
+        # their lengths differ (validation then names them).
+        self.blocks_hierarchical = (layout.hierarchical and contiguous(topology.nodes) and chooser is not None
+                                    and chooser.algorithm in ("auto", "hierarchical"))
         self.counts = dict.fromkeys(ALGORITHMS, 0)  # allreduces started per algorithm (tests, reports)
 
     def algorithm_for(self, nbytes: int) -> str:
@@ -97,13 +108,21 @@ class Collectives:
         return Handle("allreduce", self._allreduce(buf, out, op, tag, log), log)
 
     def reduce_scatter(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
-        return self.flat.reduce_scatter(buf, out, op=op, tag=tag)
+        """As Ring.reduce_scatter; in place on two levels, by the hierarchy (the same blocks)."""
+        if out is not None or not self.blocks_hierarchical:
+            return self.flat.reduce_scatter(buf, out, op=op, tag=tag)
+        log = RequestLog("reduce_scatter")
+        return Handle("reduce_scatter", self._reduce_scatter(buf, op, tag, log), log)
 
     def allgather(self, buf, out=None, *, tag: int | None = None) -> Handle:
         return self.flat.allgather(buf, out, tag=tag)
 
     def allgatherv(self, buf, out=None, *, counts=None, tag: int | None = None) -> Handle:
-        return self.flat.allgatherv(buf, out, counts=counts, tag=tag)
+        """As Ring.allgatherv; IN_PLACE with counts on two levels, by the hierarchy."""
+        if buf is not IN_PLACE or out is None or counts is None or not self.blocks_hierarchical:
+            return self.flat.allgatherv(buf, out, counts=counts, tag=tag)
+        log = RequestLog("allgatherv")
+        return Handle("allgatherv", self._allgatherv(out, counts, tag, log), log)
 
     def broadcast(self, buf, root: int = 0, *, tag: int | None = None) -> Handle:
         return self.flat.broadcast(buf, root, tag=tag)
@@ -121,7 +140,7 @@ class Collectives:
         tag, problem = ring._tag(tag, problem)
         name = self.algorithm_for(src.count * src.itemsize) if src is not None else "ring"
         if self.validate and self.size > 1:
-            yield from self._agree(src, op, tag, name, problem)
+            yield from self._agree("allreduce", src, op, tag, name, problem)
         elif problem:
             raise problem
         if dst is not src:
@@ -143,16 +162,48 @@ class Collectives:
             yield from ring._ring(dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj
 
-    def _agree(self, src: Buffer | None, op: str, tag: int, name: str, problem):
-        """Generator step: fingerprints (the algorithm in `extra`); every rank raises the same error, or none."""
-        mine = V.fingerprint("allreduce", dtype=src.dtype_code if src else 0, op=OP_CODES.get(op, 0), tag=tag,
-                             count=src.count if src else 0, extra=_CODES[name], error=problem is not None)
+    def _reduce_scatter(self, buf, op, tag, log):
+        ring = self.flat
+        src, problem = ring._wrap(buf, "buf")
+        problem = problem or ring._check_op(op)
+        tag, problem = ring._tag(tag, problem)
+        if self.validate:
+            yield from self._agree("reduce_scatter", src, op, tag, "hierarchical", problem)
+        elif problem:
+            raise problem
+        counts = block_counts(src.count, self.size)
+        yield from hierarchical_reduce_scatter(self.node, self.cross, src, counts, op, tag, log)
+        lo = sum(counts[:self.rank])
+        return src.elements(lo, lo + counts[self.rank])
+
+    def _allgatherv(self, out, counts, tag, log):
+        ring = self.flat
+        dst, problem = ring._wrap(out, "out")
+        counts = [int(c) for c in counts]
+        if problem is None and (len(counts) != self.size or min(counts) < 0 or sum(counts) != dst.count):
+            problem = ValueError(f"counts must list {self.size} non-negative lengths summing to out's "
+                                 f"{dst.count} elements, got {counts}")
+        tag, problem = ring._tag(tag, problem)
+        if self.validate:
+            extra = zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
+            yield from self._agree("allgatherv", dst, "sum", tag, "hierarchical", problem, extra=extra)
+        elif problem:
+            raise problem
+        yield from hierarchical_allgather(self.node, self.cross, dst, counts, tag, log)
+        return dst.obj
+
+    def _agree(self, kind: str, ref: Buffer | None, op: str, tag: int, name: str, problem, extra: int = 0):
+        """Generator step: fingerprints (the algorithm in `root`); every rank raises the same error, or none."""
+        mine = V.fingerprint(kind, dtype=ref.dtype_code if ref else 0, op=OP_CODES.get(op, 0), root=_CODES[name],
+                             tag=tag, count=ref.count if ref else 0, extra=extra, error=problem is not None)
         table = yield from V.exchange(self.comm, mine)
         if problem:
-            raise type(problem)(f"allreduce: {problem}")
-        rest = np.delete(table, _EXTRA, axis=1)
-        if not V.agreed(table) and V.agreed(rest):
-            shown = ", ".join(f"rank {r}: {_NAMES.get(int(c), c)}" for r, c in enumerate(table[:, _EXTRA]))
-            raise V.CollectiveMismatchError(f"allreduce: ranks chose different algorithms ({shown}); "
-                                            "build Collectives with the same settings everywhere")
-        V.check("allreduce", table)
+            raise type(problem)(f"{kind}: {problem}")
+        if V.agreed(table):
+            return
+        others = table.copy()
+        others[:, _ROOT] = table[0, _ROOT]
+        V.check(kind, others)  # what else differs (a length, say) is named first: it is why the choice differs
+        shown = ", ".join(f"rank {r}: {_NAMES.get(int(c), c)}" for r, c in enumerate(table[:, _ROOT]))
+        raise V.CollectiveMismatchError(f"{kind}: ranks chose different algorithms ({shown}); "
+                                        "build Collectives with the same settings everywhere")

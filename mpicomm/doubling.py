@@ -41,36 +41,47 @@ def _world(new: int, rem: int) -> int:
     return 2 * new + 1 if new < rem else new + rem
 
 
-def doubling_allreduce(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: RequestLog):
-    """Generator (a Handle's algorithm): reduce `data` in place over `comm`; `comm`'s ranks all call it."""
+def _folded(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: RequestLog, exchange):
+    """Generator: `exchange(new, p2, rem, got)` among 2^m exchange ranks, the rest folded in around it.
+
+    The first 2(P - 2^m) ranks pair up: the even one hands its data to the odd one (which reduces it,
+    the lower rank's operand first), sits the exchange out and receives the result from it at the end.
+    """
     rank, size = comm.Get_rank(), comm.Get_size()
     if size == 1 or data.count == 0:
         return
     p2 = 1 << (size.bit_length() - 1)
     rem = size - p2
-    got = data.scratch(data.count)
-    whole, into = [data.bytes(), MPI.BYTE], [got.bytes(), MPI.BYTE]
-    if rank < 2 * rem and rank % 2 == 0:  # folded: the odd partner exchanges for both
+    whole, got = [data.bytes(), MPI.BYTE], data.scratch(data.count)
+    if rank < 2 * rem and rank % 2 == 0:
         yield [log.isend(comm, whole, rank + 1, tag)]
         yield [log.irecv(comm, whole, rank + 1, tag)]
         return
     if rank < 2 * rem:
-        yield [log.irecv(comm, into, rank - 1, tag)]
-        reduce_into(op, data.flat, got.flat, data.flat)  # the lower rank's operand first
-        new = rank // 2
-    else:
-        new = rank - rem
-    mask = 1
-    while mask < p2:
-        partner = _world(new ^ mask, rem)
-        yield [log.isend(comm, whole, partner, tag), log.irecv(comm, into, partner, tag)]
-        if partner < rank:
-            reduce_into(op, data.flat, got.flat, data.flat)
-        else:
-            reduce_into(op, data.flat, data.flat, got.flat)
-        mask <<= 1
+        yield [log.irecv(comm, [got.bytes(), MPI.BYTE], rank - 1, tag)]
+        reduce_into(op, data.flat, got.flat, data.flat)
+    yield from exchange(rank // 2 if rank < 2 * rem else rank - rem, p2, rem, got)
     if rank < 2 * rem:
         yield [log.isend(comm, whole, rank - 1, tag)]
+
+
+def doubling_allreduce(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: RequestLog):
+    """Generator (a Handle's algorithm): reduce `data` in place over `comm`; `comm`'s ranks all call it."""
+    rank = comm.Get_rank()
+
+    def exchange(new, p2, rem, got):
+        whole, into = [data.bytes(), MPI.BYTE], [got.bytes(), MPI.BYTE]
+        mask = 1
+        while mask < p2:
+            partner = _world(new ^ mask, rem)
+            yield [log.isend(comm, whole, partner, tag), log.irecv(comm, into, partner, tag)]
+            if partner < rank:
+                reduce_into(op, data.flat, got.flat, data.flat)
+            else:
+                reduce_into(op, data.flat, data.flat, got.flat)
+            mask <<= 1
+
+    yield from _folded(comm, data, op, tag, log, exchange)
 
 
 def halving_steps(size: int) -> int:
@@ -94,44 +105,29 @@ def halving_allreduce(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: Requ
         P = 4, blocks 0-3      halving        d=2: 0<->2 1<->3 (keep 0-1 / 2-3)   d=1: 0<->1 2<->3 (keep one)
                                doubling       d=1: 0<->1 2<->3 (hold two)         d=2: 0<->2 1<->3 (hold all)
     """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if size == 1 or data.count == 0:
-        return
-    p2 = 1 << (size.bit_length() - 1)
-    rem = size - p2
-    got = data.scratch(data.count)
-    whole = [data.bytes(), MPI.BYTE]
-    if rank < 2 * rem and rank % 2 == 0:
-        yield [log.isend(comm, whole, rank + 1, tag)]
-        yield [log.irecv(comm, whole, rank + 1, tag)]
-        return
-    if rank < 2 * rem:
-        yield [log.irecv(comm, [got.bytes(), MPI.BYTE], rank - 1, tag)]
-        reduce_into(op, data.flat, got.flat, data.flat)
-        new = rank // 2
-    else:
-        new = rank - rem
-    offs = offsets(block_counts(data.count, p2)) + [data.count]
-    lo, hi = 0, p2  # the blocks this rank holds
-    d = p2 // 2
-    while d:  # halving: keep the half on this rank's side of bit d
-        mid = (lo + hi) // 2
-        keep, give = ((lo, mid), (mid, hi)) if not new & d else ((mid, hi), (lo, mid))
-        a, z = offs[keep[0]], offs[keep[1]]
-        partner = _world(new ^ d, rem)
-        yield [log.isend(comm, [data.bytes(offs[give[0]], offs[give[1]]), MPI.BYTE], partner, tag),
-               log.irecv(comm, [got.bytes(a, z), MPI.BYTE], partner, tag)]
-        reduce_into(op, data.elements(a, z), data.elements(a, z), got.elements(a, z))
-        lo, hi = keep
-        d //= 2
-    d = 1
-    while d < p2:  # doubling: swap what each holds with the partner across bit d
-        width = hi - lo
-        other = (lo - width, lo) if new & d else (hi, hi + width)
-        partner = _world(new ^ d, rem)
-        yield [log.isend(comm, [data.bytes(offs[lo], offs[hi]), MPI.BYTE], partner, tag),
-               log.irecv(comm, [data.bytes(offs[other[0]], offs[other[1]]), MPI.BYTE], partner, tag)]
-        lo, hi = min(lo, other[0]), max(hi, other[1])
-        d *= 2
-    if rank < 2 * rem:
-        yield [log.isend(comm, whole, rank - 1, tag)]
+
+    def exchange(new, p2, rem, got):
+        offs = offsets(block_counts(data.count, p2)) + [data.count]
+        lo, hi = 0, p2  # the blocks this rank holds
+        d = p2 // 2
+        while d:  # halving: keep the half on this rank's side of bit d
+            mid = (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if not new & d else ((mid, hi), (lo, mid))
+            a, z = offs[keep[0]], offs[keep[1]]
+            partner = _world(new ^ d, rem)
+            yield [log.isend(comm, [data.bytes(offs[give[0]], offs[give[1]]), MPI.BYTE], partner, tag),
+                   log.irecv(comm, [got.bytes(a, z), MPI.BYTE], partner, tag)]
+            reduce_into(op, data.elements(a, z), data.elements(a, z), got.elements(a, z))
+            lo, hi = keep
+            d //= 2
+        d = 1
+        while d < p2:  # doubling: swap what each holds with the partner across bit d
+            width = hi - lo
+            other = (lo - width, lo) if new & d else (hi, hi + width)
+            partner = _world(new ^ d, rem)
+            yield [log.isend(comm, [data.bytes(offs[lo], offs[hi]), MPI.BYTE], partner, tag),
+                   log.irecv(comm, [data.bytes(offs[other[0]], offs[other[1]]), MPI.BYTE], partner, tag)]
+            lo, hi = min(lo, other[0]), max(hi, other[1])
+            d *= 2
+
+    yield from _folded(comm, data, op, tag, log, exchange)

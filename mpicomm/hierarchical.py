@@ -23,7 +23,8 @@ from .handle import Step
 from .requests import RequestLog
 from .ring import Ring
 
-__all__ = ["LANES", "PIECE_BYTES", "hierarchical_allreduce", "pieces", "pipelined"]
+__all__ = ["LANES", "PIECE_BYTES", "contiguous", "hierarchical_allgather", "hierarchical_allreduce",
+           "hierarchical_reduce_scatter", "pieces", "pipelined"]
 
 # A large message goes as up to LANES pieces of at least PIECE_BYTES, each on its own node and cross
 # communicators, staggered: a piece starts once the one before has reduced inside the node, so one piece's
@@ -118,3 +119,52 @@ class Together(Step):
                 return False
             # Block on one piece's step; the others progress inside MPI meanwhile and are tested next pass.
             MPI.Request.Waitall(self.waits[pending[0]])
+
+
+def contiguous(nodes: list[list[int]]) -> bool:
+    """Whether node m holds world ranks m·L .. m·L+L-1 (as launchers place ranks node by node): the layout the
+    hierarchical reduce-scatter and allgather keep the flat ring's blocks in."""
+    L = len(nodes[0])
+    return all(ranks == list(range(m * L, (m + 1) * L)) for m, ranks in enumerate(nodes))
+
+
+def hierarchical_reduce_scatter(node: Ring, cross: Ring, data: Buffer, counts: list[int], op: str, tag: int,
+                                log: RequestLog):
+    """Generator: block r of `counts` (world order) ends reduced in place on world rank r, as Ring's in-place
+    reduce-scatter leaves it; ranks placed node by node (contiguous()).
+
+    Node m's blocks are reduced inside every node first (a node reduce-scatter per node's chunk, so local
+    rank l holds its node's sum of block m·L+l for every m), then the cross ring of local rank l reduces
+    those N blocks (gathered into one scratch buffer) across nodes: the link carries (N-1)/N of the data.
+    """
+    L, N, l, n = node.size, cross.size, node.rank, cross.rank
+    offs = offsets(counts) + [data.count]
+    for m in range(N):
+        chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
+        yield from node._ring(chunk, counts[m * L:(m + 1) * L], range(0, L - 1), op, tag, log)
+    mine = [counts[m * L + l] for m in range(N)]
+    gathered = data.scratch(sum(mine))
+    at = offsets(mine)
+    for m in range(N):
+        gathered.bytes(at[m], at[m] + mine[m])[...] = data.bytes(offs[m * L + l], offs[m * L + l + 1])
+    yield from cross._ring(gathered, mine, range(0, N - 1), op, tag, log)
+    r = n * L + l
+    data.bytes(offs[r], offs[r + 1])[...] = gathered.bytes(at[n], at[n] + mine[n])
+
+
+def hierarchical_allgather(node: Ring, cross: Ring, data: Buffer, counts: list[int], tag: int, log: RequestLog):
+    """Generator: every rank's block r (already in place in `data`) gathered everywhere: across nodes within
+    each cross group first (its blocks gathered into scratch), then inside each node, chunk by chunk."""
+    L, N, l, n = node.size, cross.size, node.rank, cross.rank
+    offs = offsets(counts) + [data.count]
+    mine = [counts[m * L + l] for m in range(N)]
+    gathered = data.scratch(sum(mine))
+    at = offsets(mine)
+    r = n * L + l
+    gathered.bytes(at[n], at[n] + mine[n])[...] = data.bytes(offs[r], offs[r + 1])
+    yield from cross._ring(gathered, mine, range(N - 1, 2 * N - 2), None, tag, log)
+    for m in range(N):
+        data.bytes(offs[m * L + l], offs[m * L + l + 1])[...] = gathered.bytes(at[m], at[m] + mine[m])
+    for m in range(N):
+        chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
+        yield from node._ring(chunk, counts[m * L:(m + 1) * L], range(L - 1, 2 * L - 2), None, tag, log)

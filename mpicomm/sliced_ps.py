@@ -1,16 +1,7 @@
 """P3's exchange: flat gradient buffers cut into slices, each owned by one rank, pushed and pulled by priority.
 
 Every rank is both a worker and the parameter server of 1/P of the slices
-(round-robin), so every link carries traffic both ways. On nodes of several
-ranks (`nodes`), each slice is first summed inside the node by one of its
-ranks, only that rank exchanges it across nodes, and it shares the result
-inside the node, so a slice crosses a node's link once each way, as a ring's
-bytes do, instead of once per rank (node-local aggregation):
-
-    slice s, nodes [0 1] [2 3]: aggregator local rank s % 2, owner node (s // 2) % 2
-    s = 1: rank 0 -> 1 (node push)  rank 1 -> 3 (cross push)  3 <- 2 (node push)
-           3 averages all four, 3 -> 1 (cross result), 1 -> 0 and 3 -> 2 (node results)
- Slices are cut from
+(round-robin), so every link carries traffic both ways. Slices are cut from
 flat buffers (one per dtype) without regard to tensor boundaries, so small
 tensors share a slice instead of paying a message each. A slice's priority
 is that of its most urgent tensor (its layer's place in the forward pass):
@@ -23,6 +14,15 @@ A poll is one Testsome over every request of the step. The progress thread
 polls every `relaxed_sleep` (a fraction of a slice's time on the wire) unless
 the training thread waits for a layer's last few slices: then it is nudged
 awake and polls every `urgent_sleep`.
+
+On nodes of several ranks (`nodes`, node_aggregation), each slice is first
+summed inside its node by one of the node's ranks, only that rank exchanges
+it with the owner's node, and it shares the average inside the node: a slice
+crosses a node's link once each way, as a ring's bytes do, not once per rank.
+
+    slice s, nodes [0 1] [2 3]: aggregator local rank s % 2, owner node (s // 2) % 2
+    s = 3: 0 -> 1 and 2 -> 3 (node pushes), 1 -> 3 (cross push); 3 averages all four;
+           3 -> 1 (cross result), 1 -> 0 and 3 -> 2 (node results)
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class DistributedOptimizer:
         if pto:  # first: a refusal (mixed dtypes, a parameter it cannot place) leaves nothing half-built
             from .pto import ShardedUpdate
 
-            self.pto = ShardedUpdate(self.optimizer, self.params, self.comm)
+            self.pto = ShardedUpdate(self.optimizer, self.params, self.comm, topology=self.topology)
             self.pto.load_from(self.optimizer)
             self.optimizer.state.clear()  # the pieces hold the state now: 1/P of it per rank
         self.moved_momentum = cls.adopt_momentum(self.optimizer, self.options)

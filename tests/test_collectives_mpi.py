@@ -10,7 +10,8 @@ import torch
 from mpi4py import MPI
 
 from conftest import assert_everywhere
-from mpicomm import CollectiveMismatchError, Collectives, Topology, wait_all
+from layout_helpers import sub_topology
+from mpicomm import IN_PLACE, CollectiveMismatchError, Collectives, Topology, block_counts, wait_all
 from mpicomm.algorithms import ALGORITHMS, Chooser, CostModel, Layout
 
 pytestmark = pytest.mark.mpi
@@ -21,17 +22,9 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3), (4, 1), (4, 2), (4, 4)]  # (r
 
 @pytest.fixture(params=LAYOUTS, ids=lambda p: f"P{p[0]}x{p[1]}")
 def layout(request, world):
-    """A Topology of the first P world ranks with L ranks per (emulated) node; the other ranks skip."""
-    P, L = request.param
-    if P > world.Get_size():
-        pytest.skip(f"needs {P} ranks")
-    comm = world.Split(0 if world.Get_rank() < P else MPI.UNDEFINED, world.Get_rank())
-    if comm == MPI.COMM_NULL:
-        pytest.skip(f"rank outside the {P}-rank group")
-    topo = Topology(comm, ranks_per_node=L)
-    yield comm, topo
-    topo.free()
-    comm.Free()
+    """(comm, Topology) of the first P world ranks, L ranks per (emulated) node; the other ranks skip."""
+    with sub_topology(world, *request.param) as both:
+        yield both
 
 
 def lengths(P):
@@ -161,3 +154,37 @@ def test_detected_nodes(world, algorithm):
         world.Allreduce(x, ref)
         coll.allreduce(x).wait()
         assert_everywhere(world, np.array_equal(x, ref), f"{algorithm} on {topo}")
+
+
+def test_reduce_scatter_and_allgatherv_keep_the_flat_blocks(layout):
+    """PTO's pair: on two levels (placed node by node) by the hierarchy, block r on rank r as the ring leaves it."""
+    comm, topo = layout
+    P, r = comm.Get_size(), comm.Get_rank()
+    with Collectives(topo, chunk_bytes=64 << 10) as coll:
+        for n in lengths(P):
+            x = data(n, np.int64, r)
+            counts = block_counts(n, P)
+            ref = np.empty(counts[r], np.int64)
+            comm.Reduce_scatter(x, ref, counts)
+            got = coll.reduce_scatter(x).wait()
+            full = np.zeros(n, np.int64)
+            lo = sum(counts[:r])
+            full[lo:lo + counts[r]] = ref
+            every = np.empty(n, np.int64)
+            comm.Allgatherv(ref, [every, counts])
+            coll.allgatherv(IN_PLACE, full, counts=counts).wait()
+            assert_everywhere(comm, np.array_equal(got, ref) and np.shares_memory(got, x) | (counts[r] == 0)
+                              and np.array_equal(full, every), f"n={n} on {topo}")
+        took = coll.blocks_hierarchical
+        assert_everywhere(comm, took == (topo.num_nodes > 1 and topo.local_size > 1), f"hierarchical: {took}")
+
+
+def test_reduce_scatter_lengths_that_differ_fail_together(world):
+    if world.Get_size() != 4:
+        pytest.skip("needs 4 ranks")
+    with Topology(world, ranks_per_node=2) as topo, Collectives(topo, validate=True) as coll:
+        n = 8 if world.Get_rank() != 2 else 12
+        with pytest.raises(CollectiveMismatchError, match=r"reduce_scatter: ranks disagree on length .*rank 2: 12"):
+            coll.reduce_scatter(np.ones(n, np.float32)).wait()
+        with pytest.raises((CollectiveMismatchError, ValueError), match=r"counts|rank\(s\) \[0\] passed an invalid"):
+            coll.allgatherv(IN_PLACE, np.ones(8, np.float32), counts=[2, 2, 2, 2 + (world.Get_rank() == 0)]).wait()

@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from conftest import assert_everywhere
-from mpicomm import Topology
+from layout_helpers import sub_topology
 from mpicomm.sliced_ps import SlicedExchange
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -18,16 +18,8 @@ SIZES, SLICE = [1000, 7, 12_345, 5, 3000], 256
 
 @pytest.fixture(params=[(4, 2), (4, 1), (2, 2), (3, 3)], ids=lambda p: f"P{p[0]}x{p[1]}")
 def layout(request, world):
-    P, L = request.param
-    if P > world.Get_size():
-        pytest.skip(f"needs {P} ranks")
-    comm = world.Split(0 if world.Get_rank() < P else MPI.UNDEFINED, world.Get_rank())
-    if comm == MPI.COMM_NULL:
-        pytest.skip(f"rank outside the {P}-rank group")
-    topo = Topology(comm, ranks_per_node=L)
-    yield topo
-    topo.free()
-    comm.Free()
+    with sub_topology(world, *request.param) as (_, topo):
+        yield topo
 
 
 def run(topo, aggregate: bool, steps: int = 2):

@@ -8,7 +8,7 @@ from itertools import accumulate
 
 import torch
 
-from mpicomm import IN_PLACE, Ring, block_counts
+from mpicomm import IN_PLACE, Collectives, Ring, block_counts
 from mpicomm.agree import fail_together
 
 from ..emulate.accelerator import active as emulated_accelerator
@@ -67,7 +67,7 @@ class ShardedUpdate:
     (every rank's shard holds them already).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], comm):
+    def __init__(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], comm, topology=None):
         self.optimizer = optimizer
         self.params = list(params)
         # Everything checked here is the same on every rank, so every rank raises alike before
@@ -83,7 +83,9 @@ class ShardedUpdate:
         self.offsets = list(accumulate(self.numels, initial=0))
         self.numel = self.offsets[-1]
 
-        self.ring = Ring(comm)
+        # With the Topology of `comm` (DistributedOptimizer's), the parameters' allgather takes the hierarchy on
+        # several nodes of several ranks, as the gradients' reduce-scatter does (mpicomm.Collectives).
+        self.ring = Collectives(topology) if topology is not None else Ring(comm)
         self.rank, self.size = self.ring.rank, self.ring.size
         self.counts = block_counts(self.numel, self.size)
         bounds = list(accumulate(self.counts, initial=0))

@@ -176,15 +176,38 @@ def _hierarchical_piece(host: Host, name: str, nbytes: float, after: Event | Non
                                               cpu_bytes=(L - 1) * nbytes))
 
 
-def reduce_scatter(host: Host, nbytes: float, name: str = "reduce-scatter", native: bool = False):
-    P = host.cluster.ranks
-    yield from _ring(host, name, P - 1, nbytes / P, "reduce_scatter" if native else None, nbytes)
+def reduce_scatter(host: Host, nbytes: float, name: str = "reduce-scatter", native: bool = False,
+                   hierarchical: bool = False):
+    """The flat ring's; hierarchical (mpicomm.Collectives', PTO's gradients): on two levels the hierarchy."""
+    c = host.cluster
+    if hierarchical and c.nodes > 1 and c.ranks_per_node > 1:
+        yield from _two_level_blocks(host, name, nbytes)
+        return
+    yield from _ring(host, name, c.ranks - 1, nbytes / c.ranks, "reduce_scatter" if native else None, nbytes)
 
 
-def allgather(host: Host, part_bytes: float, name: str = "allgather", native: bool = False):
-    """Every rank ends with all P parts of `part_bytes` each."""
-    P = host.cluster.ranks
-    yield from _ring(host, name, P - 1, part_bytes, "allgather" if native else None, P * part_bytes)
+def allgather(host: Host, part_bytes: float, name: str = "allgather", native: bool = False,
+              hierarchical: bool = False):
+    """Every rank ends with all P parts of `part_bytes` each: the flat ring's, or (hierarchical) as reduce_scatter."""
+    c = host.cluster
+    if hierarchical and c.nodes > 1 and c.ranks_per_node > 1:
+        yield from _two_level_blocks(host, name, c.ranks * part_bytes)
+        return
+    yield from _ring(host, name, c.ranks - 1, part_bytes, "allgather" if native else None, c.ranks * part_bytes)
+
+
+def _two_level_blocks(host: Host, name: str, nbytes: float):
+    """mpicomm.hierarchical's reduce-scatter (or, mirrored, allgather) of `nbytes`: a node ring per node's chunk
+    (N·(L-1) steps, (L-1)/L of the data per rank in shared memory), one cross ring of N-1 steps ((N-1)/N of
+    it over the host's link)."""
+    c = host.cluster
+    L, N = c.ranks_per_node, c.nodes
+    yield host.engine.timeout(N * (L - 1) * c.latency)
+    shm = (L - 1) * nbytes
+    yield host.engine.start(host.transfer(f"{name} in the node", 0.0, shm, cpu_bytes=shm))
+    yield host.engine.timeout((N - 1) * c.latency)
+    nic = (N - 1) / N * nbytes
+    yield host.engine.start(host.transfer(f"{name} across", nic, 0.0, cpu_bytes=nic))
 
 
 def slice_round_trip(host: Host, nbytes: float, name: str = "slice", poll: float = 0.0, aggregate: bool = True):

@@ -178,9 +178,9 @@ def pto_update(run: Run, nbytes: float):
     """PTO: reduce-scatter, this rank's 1/P of the optimizer step, allgather of the parameters, which go back to
     the device (a GPU's profile)."""
     P = run.cluster.ranks
-    yield run.engine.process(reduce_scatter(run.host, nbytes, native=True))
+    yield run.engine.process(reduce_scatter(run.host, nbytes, native=True, hierarchical=True))
     yield run.compute("sharded optimizer", run.profile.optimizer_s / P)
-    yield run.engine.process(allgather(run.host, nbytes / P, "parameter allgather", native=True))
+    yield run.engine.process(allgather(run.host, nbytes / P, "parameter allgather", native=True, hierarchical=True))
     if run.copy_s(nbytes):
         yield run.compute("parameters to the device", run.copy_s(nbytes))
 
