@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from .doubling import doubling_steps, halving_steps
+from .hierarchical import pieces
 
 __all__ = ["ALGORITHMS", "CHOICES", "ENV_ALGORITHM", "ENV_TABLE", "Layout", "Chooser", "CostModel", "read_table"]
 
@@ -56,12 +57,19 @@ class CostModel:
     def measured(cls, topology) -> "CostModel":
         """From $MPITRAIN_LINK_BANDWIDTH, else, on several nodes, from the link measured once per process
         (mpicomm.link_probe, shared with p3's tuning; agreed by every rank): what a node's ranks push at once."""
-        if os.environ.get(ENV_LINK, "").strip() or topology.num_nodes == 1:
-            return cls.from_env()
+        from .agree import check_same_structure
         from .link_probe import measured_link
 
+        # Whether to probe (a collective) follows the variable: every rank must see the same one.
+        text = os.environ.get(ENV_LINK, "").strip()
+        check_same_structure(topology.world, [f"${ENV_LINK}={text!r}"], "setting")
+        if text or topology.num_nodes == 1:
+            return cls.from_env()
         link = measured_link(topology.world)
-        return cls(beta_cross=1 / (link.bandwidth * topology.local_size))
+        # The probe sends to every peer at once: (P-L)/(P-1) of a rank's bytes cross the link, which the
+        # node's L ranks share.
+        P, L = topology.size, topology.local_size
+        return cls(beta_cross=1 / (link.bandwidth * L * (P - L) / (P - 1)))
 
     @classmethod
     def from_env(cls) -> "CostModel":
@@ -109,9 +117,7 @@ class CostModel:
 
     def hierarchical(self, n: float, lay: Layout) -> float:
         N, L = lay.nodes, lay.per_node
-        from .hierarchical import pieces  # the runtime's split of a large message (no import circle at load)
-
-        k = pieces(int(n))
+        k = pieces(int(n))  # the runtime's split of a large message
         inner = 2 * (L - 1) * (self.alpha + n / k / L * self.beta_node)  # node reduce-scatter and allgather
         cross = min(self._cross(n / k, N).values())
         # k pieces in flight: one's node steps overlap another's cross-node steps.

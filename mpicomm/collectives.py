@@ -65,24 +65,35 @@ class Collectives:
         except Exception:
             self.comm.Free()
             raise
+        if problem:  # the same bad setting on every rank: each raises it
+            self.comm.Free()
+            raise problem
         self.chooser, self.layout = chooser, layout
         self.validate = V.default_validate() if validate is None else bool(validate)
-        self.flat = Ring(topology.world, validate=self.validate, chunk_bytes=chunk_bytes, latency_bytes=0)
-        self.node = Ring(topology.node, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0)
-        self.cross = Ring(topology.cross, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0)
-        # The pipelined hierarchy's pieces: one (node, cross) pair of communicators each, so that pieces of one
-        # allreduce (same tag, same peers) never match each other's messages.
-        self.lanes = [(self.node, self.cross)]
-        if layout.hierarchical:
-            self.lanes += [(Ring(topology.node, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0),
-                            Ring(topology.cross, validate=False, chunk_bytes=chunk_bytes, latency_bytes=0))
-                           for _ in range(LANES - 1)]
+        two_levels = layout.hierarchical and chooser.algorithm in ("auto", "hierarchical")
+        rings: list[Ring] = []
+
+        def ring(comm, validate=False) -> Ring:
+            rings.append(Ring(comm, validate=validate, chunk_bytes=chunk_bytes, latency_bytes=0))
+            return rings[-1]
+
+        try:
+            self.flat = ring(topology.world, self.validate)
+            self.node, self.cross = ring(topology.node), ring(topology.cross)
+            # The pipelined hierarchy's pieces: one (node, cross) pair of communicators each, so that pieces of
+            # one allreduce (same tag, same peers) never match each other's messages.
+            self.lanes = [(self.node, self.cross)] + [(ring(topology.node), ring(topology.cross))
+                                                      for _ in range(LANES - 1 if two_levels else 0)]
+        except BaseException:
+            for r in rings:
+                r.free()
+            self.comm.Free()
+            raise
         self.rank, self.size, self.left = self.flat.rank, self.flat.size, self.flat.left
         # The hierarchical reduce-scatter and allgather: whenever the layout allows and the setting is not a
         # flat algorithm; decided without the message's size, so every rank takes the same path even when
         # their lengths differ (validation then names them).
-        self.blocks_hierarchical = (layout.hierarchical and contiguous(topology.nodes) and chooser is not None
-                                    and chooser.algorithm in ("auto", "hierarchical"))
+        self.blocks_hierarchical = two_levels and contiguous(topology.nodes)
         self.counts = dict.fromkeys(ALGORITHMS, 0)  # allreduces started per algorithm (tests, reports)
 
     def algorithm_for(self, nbytes: int) -> str:
@@ -109,20 +120,21 @@ class Collectives:
 
     def reduce_scatter(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:
         """As Ring.reduce_scatter; in place on two levels, by the hierarchy (the same blocks)."""
-        if out is not None or not self.blocks_hierarchical:
+        if not self.blocks_hierarchical:
             return self.flat.reduce_scatter(buf, out, op=op, tag=tag)
         log = RequestLog("reduce_scatter")
-        return Handle("reduce_scatter", self._reduce_scatter(buf, op, tag, log), log)
+        return Handle("reduce_scatter", self._reduce_scatter(buf, out, op, tag, log), log)
 
     def allgather(self, buf, out=None, *, tag: int | None = None) -> Handle:
         return self.flat.allgather(buf, out, tag=tag)
 
     def allgatherv(self, buf, out=None, *, counts=None, tag: int | None = None) -> Handle:
-        """As Ring.allgatherv; IN_PLACE with counts on two levels, by the hierarchy."""
-        if buf is not IN_PLACE or out is None or counts is None or not self.blocks_hierarchical:
+        """As Ring.allgatherv; with `out` and `counts` on two levels, by the hierarchy (without either, as the
+        Ring does, the flat one: every rank must then pass neither)."""
+        if out is None or counts is None or not self.blocks_hierarchical:
             return self.flat.allgatherv(buf, out, counts=counts, tag=tag)
         log = RequestLog("allgatherv")
-        return Handle("allgatherv", self._allgatherv(out, counts, tag, log), log)
+        return Handle("allgatherv", self._allgatherv(buf, out, counts, tag, log), log)
 
     def broadcast(self, buf, root: int = 0, *, tag: int | None = None) -> Handle:
         return self.flat.broadcast(buf, root, tag=tag)
@@ -162,33 +174,54 @@ class Collectives:
             yield from ring._ring(dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj
 
-    def _reduce_scatter(self, buf, op, tag, log):
+    def _reduce_scatter(self, buf, out, op, tag, log):
         ring = self.flat
         src, problem = ring._wrap(buf, "buf")
         problem = problem or ring._check_op(op)
+        counts = block_counts(src.count if src else 0, self.size)
+        dst = None
+        if out is not None and problem is None:
+            dst, problem = ring._wrap(out, "out")
+            if dst is not None and (dst.count != counts[self.rank] or dst.dtype != src.dtype):
+                problem = BufferError(f"out has {dst.count} x {dst.dtype}, rank {self.rank} needs "
+                                      f"{counts[self.rank]} x {src.dtype}")
         tag, problem = ring._tag(tag, problem)
         if self.validate:
             yield from self._agree("reduce_scatter", src, op, tag, "hierarchical", problem)
         elif problem:
             raise problem
-        counts = block_counts(src.count, self.size)
-        yield from hierarchical_reduce_scatter(self.node, self.cross, src, counts, op, tag, log)
         lo = sum(counts[:self.rank])
-        return src.elements(lo, lo + counts[self.rank])
+        work = src
+        if dst is not None:  # out of place leaves buf as it was: the partial sums go to a copy
+            work = src.scratch(src.count)
+            work.copy_from(src)
+        yield from hierarchical_reduce_scatter(self.node, self.cross, work, counts, op, tag, log)
+        if dst is None:
+            return src.elements(lo, lo + counts[self.rank])
+        dst.bytes()[...] = work.bytes(lo, lo + counts[self.rank])
+        return dst.obj
 
-    def _allgatherv(self, out, counts, tag, log):
+    def _allgatherv(self, buf, out, counts, tag, log):
         ring = self.flat
         dst, problem = ring._wrap(out, "out")
         counts = [int(c) for c in counts]
         if problem is None and (len(counts) != self.size or min(counts) < 0 or sum(counts) != dst.count):
             problem = ValueError(f"counts must list {self.size} non-negative lengths summing to out's "
                                  f"{dst.count} elements, got {counts}")
+        src = None
+        if buf is not IN_PLACE and problem is None:
+            src, problem = ring._wrap(buf, "buf")
+            if src is not None and (src.count != counts[self.rank] or src.dtype != dst.dtype):
+                problem = BufferError(f"counts[{self.rank}]={counts[self.rank]} x {dst.dtype}, but buf has "
+                                      f"{src.count} x {src.dtype}")
         tag, problem = ring._tag(tag, problem)
         if self.validate:
             extra = zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
             yield from self._agree("allgatherv", dst, "sum", tag, "hierarchical", problem, extra=extra)
         elif problem:
             raise problem
+        if src is not None:
+            dst.copy_from(src, sum(counts[:self.rank]))
         yield from hierarchical_allgather(self.node, self.cross, dst, counts, tag, log)
         return dst.obj
 

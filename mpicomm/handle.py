@@ -61,14 +61,22 @@ class Handle:
             self._log.release()
 
     def _ready(self, block: bool) -> bool:
-        """Whether the current wait point is passed; with block, wait until it is."""
+        """Whether the current wait point is passed; with block, wait until it is. A Step that raises (a piece
+        of a pipelined collective) ends the handle with its error, as the algorithm raising would."""
         reqs = self._reqs
         if type(reqs) is list:
             if block:
                 MPI.Request.Waitall(reqs)
                 return True
             return MPI.Request.Testall(reqs)
-        return reqs.poll(block)
+        try:
+            return reqs.poll(block)
+        except BaseException as exc:
+            self._gen.close()
+            self._finish(None, exc)
+            if self._log is not None:
+                self._log.cancel()
+            return False
 
     @property
     def done(self) -> bool:
@@ -85,8 +93,8 @@ class Handle:
     def wait(self):
         """Block until complete and return the result (the output buffer)."""
         while not self._done:
-            self._ready(True)
-            self._advance()
+            if self._ready(True):
+                self._advance()
         if self._error is not None:
             raise self._error
         return self._result
@@ -160,8 +168,8 @@ def wait_all(handles: Iterable[Handle]) -> list:
         # algorithm advances, and no rank spins without ever blocking.
         head = pending[0]
         if isinstance(head, Handle):
-            head._ready(True)
-            head._advance()
+            if head._ready(True):
+                head._advance()
         else:
             head.wait()
         pending = [h for h in pending if not h.test()]

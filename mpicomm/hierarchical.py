@@ -98,6 +98,10 @@ class Together(Step):
             return gen.send(None)
         except StopIteration:
             return self._DONE
+        except BaseException:  # the handle ends with this error (Handle._ready); the other pieces are dropped
+            for g in self.gens:
+                g.close()
+            raise
 
     def poll(self, block: bool) -> bool:
         while True:

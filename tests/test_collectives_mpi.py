@@ -131,6 +131,21 @@ def test_ranks_with_different_settings_fail_together(world):
         bad = "tree" if world.Get_rank() == 0 else "ring"
         with pytest.raises((CollectiveMismatchError, ValueError), match="tree"):
             Collectives(topo, algorithm=bad)
+        with pytest.raises(ValueError, match="unknown allreduce algorithm 'tree'"):  # the same on every rank
+            Collectives(topo, algorithm="tree")
+
+
+def test_a_link_rate_set_on_some_ranks_only_is_named(world, monkeypatch):
+    """Whether the link is probed (a collective) follows $MPITRAIN_LINK_BANDWIDTH: ranks must agree on it."""
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    if world.Get_rank() == 1:
+        monkeypatch.setenv("MPITRAIN_LINK_BANDWIDTH", "1gbit")
+    else:
+        monkeypatch.delenv("MPITRAIN_LINK_BANDWIDTH", raising=False)
+    with Topology(world, ranks_per_node=1) as topo:
+        with pytest.raises(CollectiveMismatchError, match=r"rank 1: \$MPITRAIN_LINK_BANDWIDTH='1gbit'"):
+            CostModel.measured(topo)
 
 
 def test_lengths_that_differ_fail_together_naming_them(world):
@@ -166,6 +181,10 @@ def test_reduce_scatter_and_allgatherv_keep_the_flat_blocks(layout):
             counts = block_counts(n, P)
             ref = np.empty(counts[r], np.int64)
             comm.Reduce_scatter(x, ref, counts)
+            apart = np.empty(counts[r], np.int64)
+            kept = x.copy()
+            coll.reduce_scatter(x, apart).wait()  # out of place: x unchanged
+            unchanged = np.array_equal(x, kept)
             got = coll.reduce_scatter(x).wait()
             full = np.zeros(n, np.int64)
             lo = sum(counts[:r])
@@ -173,8 +192,10 @@ def test_reduce_scatter_and_allgatherv_keep_the_flat_blocks(layout):
             every = np.empty(n, np.int64)
             comm.Allgatherv(ref, [every, counts])
             coll.allgatherv(IN_PLACE, full, counts=counts).wait()
+            other = coll.allgatherv(ref, np.empty(n, np.int64), counts=counts).wait()
             assert_everywhere(comm, np.array_equal(got, ref) and np.shares_memory(got, x) | (counts[r] == 0)
-                              and np.array_equal(full, every), f"n={n} on {topo}")
+                              and unchanged and np.array_equal(apart, ref)
+                              and np.array_equal(full, every) and np.array_equal(other, every), f"n={n} on {topo}")
         took = coll.blocks_hierarchical
         assert_everywhere(comm, took == (topo.num_nodes > 1 and topo.local_size > 1), f"hierarchical: {took}")
 

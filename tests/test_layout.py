@@ -142,22 +142,19 @@ def test_jobs_root_holds_entry_points_and_sub_packages():
             assert '__name__ == "__main__"' in fh.read(), f"jobs/{f} is not an entry point: move it into a room"
 
 
-def test_every_mpi_test_file_that_reads_the_node_layout_runs_with_emulated_nodes():
-    """`make test-mpi-emulated` runs only the Makefile's NODE_TESTS: a file that builds a Topology or reads the node
-    layout must be among them, or the ranks_per_node override would never run it."""
+def test_every_mpi_test_file_runs_on_two_nodes_and_the_override_is_exercised():
+    """`make test-mpi-hosts` runs the whole MPI suite on 2 fake hosts (real node groups), so every file that reads
+    the node layout sees two nodes; `make test-mpi-emulated` runs NODE_TESTS under the ranks_per_node override,
+    which must include the override's own tests and the strategies end to end."""
     import re
 
     with open(os.path.join(ROOT, "Makefile")) as f:
         make = f.read()
+    hosts = make[make.index("\ntest-mpi-hosts:"):]
+    hosts = hosts[:hosts.index("\n\n")]
+    assert "$(FAKE_HOSTS)" in hosts and "$(PYTEST_MPI)" in hosts and not re.search(r"test_\w+\.py|NODE_TESTS", hosts), \
+        f"test-mpi-hosts must run the whole MPI suite on the fake hosts: {hosts!r}"
     listed = set(re.findall(r"test_\w+\.py", make[make.index("NODE_TESTS :="):make.index("test-mpi-emulated:")]))
     tests = os.path.join(ROOT, "tests")
-    reads = set()
-    for name in os.listdir(tests):
-        if name.startswith("test_") and name.endswith(".py"):
-            with open(os.path.join(tests, name)) as f:
-                text = f.read()
-            mpi = re.search(r"^pytestmark = .*pytest\.mark\.mpi\b", text, re.M)
-            if mpi and re.search(r"Topology\(|ranks_per_node|local_size|num_nodes", text):
-                reads.add(name)
     assert listed and all(os.path.exists(os.path.join(tests, n)) for n in listed), f"NODE_TESTS: {sorted(listed)}"
-    assert reads <= listed, f"add to NODE_TESTS in the Makefile: {sorted(reads - listed)}"
+    assert {"test_topology_mpi.py", "test_transparency_mpi.py"} <= listed, f"NODE_TESTS: {sorted(listed)}"

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import ROOT
-from mpicomm.sliced_ps import SlicePlan
+from mpicomm.slice_plan import SlicePlan
 from mpicomm.tags import TagError, check_tag, explicit_tag_bound
 
 SELF = MPI.COMM_SELF
@@ -119,7 +119,7 @@ def test_a_plan_with_more_tags_than_the_bound_is_refused_before_it_is_built():
     code = (
         "import resource\n"
         "from mpi4py import MPI\n"
-        "from mpicomm.sliced_ps import SlicePlan\n"
+        "from mpicomm.slice_plan import SlicePlan\n"
         "from mpicomm.tags import TagError, explicit_tag_bound\n"
         "vm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmSize:')) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))\n"

@@ -99,12 +99,15 @@ def _doubling(host: Host, name: str, nbytes: float, ranks: int, per_node: int, l
     if steps == 0 or nbytes <= 0:
         return
     m = ranks.bit_length() - 1
-    across = sum(1 for k in range(m) if (1 << k) >= per_node) + (steps - m) * (per_node == 1)
+    across = sum(1 for k in range(m) if (1 << k) >= per_node)  # exchange steps whose partner is on another node
+    # The fold and unfold: one whole buffer from each of the 2(P - 2^m) paired ranks, within its pair (a node's
+    # when nodes hold pairs): per rank, on average, this many buffers.
+    folds = (steps - m) * (ranks - (1 << m)) / ranks
     yield host.engine.timeout(steps * c.latency)
     ranks_here = per_node * lanes
-    nic = ranks_here * across * nbytes if c.nodes > 1 else 0.0
-    shm = ranks_here * (steps - across) * nbytes
-    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=ranks_here * steps * nbytes))
+    nic = ranks_here * nbytes * (across + (folds if per_node == 1 else 0.0)) if c.nodes > 1 else 0.0
+    shm = ranks_here * nbytes * (m - across + (folds if per_node > 1 else 0.0))
+    yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=nic + shm))
 
 
 def _rabenseifner(host: Host, name: str, nbytes: float, ranks: int, per_node: int, lanes: int = 1):
@@ -123,7 +126,7 @@ def _rabenseifner(host: Host, name: str, nbytes: float, ranks: int, per_node: in
             nic += moved
         else:
             shm += moved
-    fold = (steps - 2 * m) * ranks_here * nbytes  # the fold and unfold: whole buffers, within a pair
+    fold = ranks_here * nbytes * (steps - 2 * m) * (ranks - p2) / ranks  # as _doubling's folds
     if per_node > 1:
         shm += fold
     else:
@@ -224,7 +227,8 @@ def slice_round_trip(host: Host, nbytes: float, name: str = "slice", poll: float
     if P == 1:
         return
     if aggregate and N > 1 and L > 1:
-        yield host.engine.timeout(4 * (c.latency + poll / 2))
+        # 4 messages in turn; 2 for the 1/N of slices whose owner is on this node (no cross step for them).
+        yield host.engine.timeout((4 - 2 / N) * (c.latency + poll / 2))
         nic = 2 * nbytes * (N - 1) / N
         shm = 2 * nbytes * (L - 1)
     else:
