@@ -100,8 +100,14 @@ def ddp_parameters(world, make, X, Y, local_batch, loss=nn.functional.cross_entr
 
     from mpicomm.torchdist import init_gloo, shutdown_gloo
 
+    from mpicomm.agree import fail_together
+
     r = world.Get_rank()
-    init_gloo(world)
+    # A gloo collective that never completes (seen once on the fake hosts: rank 0 inside DDP's backward while
+    # the others had moved on) raises gloo's timeout on that rank well inside the test's own limit; every rank
+    # then fails together, naming it, instead of the others waiting in their next collective.
+    init_gloo(world, timeout_s=30)
+    problem, params = None, None
     try:
         torch.manual_seed(7)
         model = make()
@@ -112,9 +118,14 @@ def ddp_parameters(world, make, X, Y, local_batch, loss=nn.functional.cross_entr
             opt.zero_grad()
             loss(ddp(X[step][sl]), Y[step][sl]).backward()
             opt.step()
-        return [p.detach().clone() for p in model.parameters()]
+        params = [p.detach().clone() for p in model.parameters()]
+    except RuntimeError as exc:  # gloo's timeout, or its error when a peer's socket closed
+        problem = f"torch DDP over gloo: {exc}"
+    try:
+        fail_together(world, problem, RuntimeError)
     finally:
         shutdown_gloo(world)
+    return params
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):
