@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from ..comm_hooks import GradBucket, allreduce_hook
 from ..strategy import Strategy, StrategyContext, wait_handles
 from .collectives import dense_collectives

@@ -11,9 +11,9 @@ __all__ = ["dense_collectives"]
 def dense_collectives(ctx) -> Collectives:
     """Unvalidated (shapes and call order were agreed when wrapping and are checked every step).
 
-    With auto on several nodes the cost model gets the measured link (or $MPITRAIN_LINK_BANDWIDTH):
-    the crossovers between algorithms move with it (a 1 MiB bucket takes the hierarchy's ring across
-    1 Gbit/s, recursive doubling across 100). A registered subclass's options may lack `algorithm`.
+    With auto on several nodes the cost model gets the measured link (or $MPITRAIN_LINK_BANDWIDTH): the
+    crossovers between the algorithms move with the link's rate. A registered subclass's options may lack
+    `algorithm`.
     """
     algorithm = getattr(ctx.options, "algorithm", None)
     model = CostModel.measured(ctx.topology) if algorithm in (None, "auto") else None
