@@ -95,6 +95,7 @@ class Collectives:
         # their lengths differ (validation then names them).
         self.blocks_hierarchical = two_levels and contiguous(topology.nodes)
         self.counts = dict.fromkeys(ALGORITHMS, 0)  # allreduces started per algorithm (tests, reports)
+        self._across: dict[int, str] = {}  # bytes -> the hierarchy's cross-node algorithm
 
     def algorithm_for(self, nbytes: int) -> str:
         return self.chooser.choose(int(nbytes))
@@ -142,26 +143,19 @@ class Collectives:
     # -- the algorithm -----------------------------------------------------
     def _allreduce(self, buf, out, op, tag, log):
         ring = self.flat
-        src, problem = ring._wrap(buf, "buf")
-        problem = problem or ring._check_op(op)
-        dst = src
-        if out is not None and problem is None:
-            dst, problem = ring._wrap(out, "out")
-            if dst is not None and (dst.count != src.count or dst.dtype != src.dtype):
-                problem = BufferError(f"out has {dst.count} x {dst.dtype}, buf has {src.count} x {src.dtype}")
+        src, dst, problem = ring._operands(buf, out, op)
         tag, problem = ring._tag(tag, problem)
         name = self.algorithm_for(src.count * src.itemsize) if src is not None else "ring"
-        if self.validate and self.size > 1:
-            yield from self._agree("allreduce", src, op, tag, name, problem)
-        elif problem:
-            raise problem
+        yield from self._agree("allreduce", src, op, tag, name, problem)
         if dst is not src:
             dst.copy_from(src)
         self.counts[name] += 1
         if name == "hierarchical":
             nbytes = dst.count * dst.itemsize
             k = pieces(nbytes)
-            across = self.chooser.model.cross_algorithm(float(nbytes) / k, self.layout)
+            across = self._across.get(nbytes)
+            if across is None:  # per size once, as the choice itself: buckets repeat their sizes every step
+                across = self._across[nbytes] = self.chooser.model.cross_algorithm(float(nbytes) / k, self.layout)
             if k == 1:
                 yield from hierarchical_allreduce(self.node, self.cross, dst, op, tag, log, across)
             else:
@@ -186,10 +180,7 @@ class Collectives:
                 problem = BufferError(f"out has {dst.count} x {dst.dtype}, rank {self.rank} needs "
                                       f"{counts[self.rank]} x {src.dtype}")
         tag, problem = ring._tag(tag, problem)
-        if self.validate:
-            yield from self._agree("reduce_scatter", src, op, tag, "hierarchical", problem)
-        elif problem:
-            raise problem
+        yield from self._agree("reduce_scatter", src, op, tag, "hierarchical", problem)
         lo = sum(counts[:self.rank])
         work = src
         if dst is not None:  # out of place leaves buf as it was: the partial sums go to a copy
@@ -215,18 +206,21 @@ class Collectives:
                 problem = BufferError(f"counts[{self.rank}]={counts[self.rank]} x {dst.dtype}, but buf has "
                                       f"{src.count} x {src.dtype}")
         tag, problem = ring._tag(tag, problem)
-        if self.validate:
-            extra = zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
-            yield from self._agree("allgatherv", dst, "sum", tag, "hierarchical", problem, extra=extra)
-        elif problem:
-            raise problem
+        yield from self._agree("allgatherv", dst, "sum", tag, "hierarchical", problem,
+                               extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()))
         if src is not None:
             dst.copy_from(src, sum(counts[:self.rank]))
         yield from hierarchical_allgather(self.node, self.cross, dst, counts, tag, log)
         return dst.obj
 
     def _agree(self, kind: str, ref: Buffer | None, op: str, tag: int, name: str, problem, extra: int = 0):
-        """Generator step: fingerprints (the algorithm in `root`); every rank raises the same error, or none."""
+        """Generator step: fingerprints (the algorithm in `root`); every rank raises the same error, or none.
+
+        Unvalidated (or alone), only this rank's own problem raises, without any exchange."""
+        if not self.validate or self.size == 1:
+            if problem:
+                raise problem
+            return
         mine = V.fingerprint(kind, dtype=ref.dtype_code if ref else 0, op=OP_CODES.get(op, 0), root=_CODES[name],
                              tag=tag, count=ref.count if ref else 0, extra=extra, error=problem is not None)
         table = yield from V.exchange(self.comm, mine)

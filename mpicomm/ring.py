@@ -175,7 +175,8 @@ class Ring:
         return None if op in OP_CODES else ValueError(f"unsupported op {op!r} (use one of {sorted(OP_CODES)})")
 
     # -- algorithms --------------------------------------------------------
-    def _allreduce(self, buf, out, op, tag, log):
+    def _operands(self, buf, out, op):
+        """(src, dst, problem) of an allreduce: dst is src in place; a problem is returned, not raised."""
         src, problem = self._wrap(buf, "buf")
         problem = problem or self._check_op(op)
         dst = src
@@ -183,6 +184,10 @@ class Ring:
             dst, problem = self._wrap(out, "out")
             if dst is not None and (dst.count != src.count or dst.dtype != src.dtype):
                 problem = BufferError(f"out has {dst.count} x {dst.dtype}, buf has {src.count} x {src.dtype}")
+        return src, dst, problem
+
+    def _allreduce(self, buf, out, op, tag, log):
+        src, dst, problem = self._operands(buf, out, op)
         explicit = tag is not None
         tag, problem = self._tag(tag, problem)
         reqs = yield from self._agree("allreduce", problem, ref=src, op=op, tag=tag, explicit=explicit,
