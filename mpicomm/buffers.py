@@ -108,6 +108,28 @@ class Buffer:
         self.bytes(start, start + other.count)[...] = other.bytes()
 
 
+def wrap(obj, what: str):
+    """(Buffer, None) or (None, BufferError) without raising, so that the error can be shared first."""
+    problem = check_buffer(obj, what)
+    return (None, BufferError(problem)) if problem else (Buffer(obj, what, checked=True), None)
+
+
+def check_op(op: str) -> ValueError | None:
+    return None if op in OP_CODES else ValueError(f"unsupported op {op!r} (use one of {sorted(OP_CODES)})")
+
+
+def allreduce_operands(buf, out, op: str):
+    """(src, dst, problem) of an allreduce (dst is src in place); a problem is returned, to be shared first."""
+    src, problem = wrap(buf, "buf")
+    problem = problem or check_op(op)
+    dst = src
+    if out is not None and problem is None:
+        dst, problem = wrap(out, "out")
+        if dst is not None and (dst.count != src.count or dst.dtype != src.dtype):
+            problem = BufferError(f"out has {dst.count} x {dst.dtype}, buf has {src.count} x {src.dtype}")
+    return src, dst, problem
+
+
 def reduce_into(op: str, dst, a, b) -> None:
     """dst = a (op) b elementwise; arguments are same-length element views (dst may alias a)."""
     if is_torch(dst):

@@ -25,7 +25,7 @@ from mpi4py import MPI
 from . import validate as V
 from .agree import check_same_structure
 from .algorithms import ALGORITHMS, Chooser, Layout
-from .buffers import OP_CODES, Buffer, BufferError, block_counts
+from .buffers import OP_CODES, Buffer, BufferError, allreduce_operands, block_counts
 from .doubling import doubling_allreduce, halving_allreduce
 from .handle import Handle
 from .hierarchical import (LANES, contiguous, hierarchical_allgather, hierarchical_allreduce,
@@ -143,7 +143,7 @@ class Collectives:
     # -- the algorithm -----------------------------------------------------
     def _allreduce(self, buf, out, op, tag, log):
         ring = self.flat
-        src, dst, problem = ring._operands(buf, out, op)
+        src, dst, problem = allreduce_operands(buf, out, op)
         tag, problem = ring._tag(tag, problem)
         name = self.algorithm_for(src.count * src.itemsize) if src is not None else "ring"
         yield from self._agree("allreduce", src, op, tag, name, problem)

@@ -17,7 +17,8 @@ from mpi4py import MPI
 
 from . import native as N
 from . import validate as V
-from .buffers import OP_CODES, Buffer, BufferError, block_counts, check_buffer, chunk_ranges, offsets, reduce_into
+from .buffers import (OP_CODES, Buffer, BufferError, allreduce_operands, block_counts, check_op, chunk_ranges,
+                      offsets, reduce_into, wrap)
 from .handle import Handle
 from .requests import RequestLog, drain_at_exit
 from .tags import TagAllocator, TagError, check_tag
@@ -134,10 +135,7 @@ class Ring:
         except TagError as exc:
             return -1, problem or exc
 
-    def _wrap(self, obj, what):
-        """(Buffer, None) or (None, error) without raising, so the error can be shared first."""
-        problem = check_buffer(obj, what)
-        return (None, BufferError(problem)) if problem else (Buffer(obj, what, checked=True), None)
+    _wrap = staticmethod(wrap)  # (Buffer, None) or (None, error): the error is shared before it is raised
 
     def _agree(self, kind, problem, *, ref=None, op="sum", root=0, tag=0, count=None, extra=0,
                native=None, explicit=False):
@@ -171,23 +169,11 @@ class Ring:
         V.check(kind, table)
         return reqs
 
-    def _check_op(self, op):
-        return None if op in OP_CODES else ValueError(f"unsupported op {op!r} (use one of {sorted(OP_CODES)})")
+    _check_op = staticmethod(check_op)
 
     # -- algorithms --------------------------------------------------------
-    def _operands(self, buf, out, op):
-        """(src, dst, problem) of an allreduce: dst is src in place; a problem is returned, not raised."""
-        src, problem = self._wrap(buf, "buf")
-        problem = problem or self._check_op(op)
-        dst = src
-        if out is not None and problem is None:
-            dst, problem = self._wrap(out, "out")
-            if dst is not None and (dst.count != src.count or dst.dtype != src.dtype):
-                problem = BufferError(f"out has {dst.count} x {dst.dtype}, buf has {src.count} x {src.dtype}")
-        return src, dst, problem
-
     def _allreduce(self, buf, out, op, tag, log):
-        src, dst, problem = self._operands(buf, out, op)
+        src, dst, problem = allreduce_operands(buf, out, op)
         explicit = tag is not None
         tag, problem = self._tag(tag, problem)
         reqs = yield from self._agree("allreduce", problem, ref=src, op=op, tag=tag, explicit=explicit,
