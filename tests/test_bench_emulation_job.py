@@ -1,4 +1,5 @@
-"""mpitrain bench emulation: its tables, and the compute scales' table of host CPU against the step's length."""
+"""mpitrain bench emulation: its tables, the compute scales' table of host CPU against the step's length, and the
+floor under it (the thinnest step's host CPU after the host idled)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from jobs.bench.emulation import main
 from runtime.emulate import accelerator
 
 QUICK = ["--models", "mlp", "--devices", "v100", "--steps", "3", "--warmup", "1", "--no-hooked", "--waits", "10",
-         "--repeats", "1"]
+         "--repeats", "1", "--idles", ""]
 
 
 @pytest.fixture(autouse=True)
@@ -44,3 +45,35 @@ def test_each_scale_runs_the_steps_with_the_modelled_times_scaled(tmp_path, caps
 def test_a_scale_must_be_positive(capsys):
     code, _, err = exit_in_process(main, QUICK + ["--scales", "1,0"], capsys)
     assert code == 2 and "--scales: every scale must be > 0" in err
+
+
+def test_the_floor_table_times_each_work_after_each_idle(tmp_path, capsys):
+    out = tmp_path / "emulation.json"
+    assert main(QUICK[:-2] + ["--idles", "0,3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    header = "| host idle before, ms | work | host CPU, us (median) | shortest step within 2 %, ms |"
+    assert header in text
+    printed = [line.split(" | ") for line in text.split(header)[1].splitlines()[2:8]]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["table"] == "floor"]
+    works = ["empty interval", "bare torch step", "emulated step"]
+    assert [(r["idle_ms"], r["work"]) for r in rows] == [(i, w) for i in (0.0, 3.0) for w in works]
+    for row, cells in zip(rows, printed):
+        assert row["repeats"] == 10 and row["cpu_us"] > 0
+        assert row["shortest_step_at_2pct_ms"] == pytest.approx(row["cpu_us"] / 0.02 / 1e3)
+        assert cells[1] == row["work"] and float(cells[2]) == pytest.approx(row["cpu_us"], abs=0.05)
+    assert accelerator.active() is None  # the emulation it made is gone again
+
+
+def test_the_thinnest_emulated_step_is_an_emulated_training_step():
+    from jobs.bench.wake_tax import _emulated_step
+
+    step = _emulated_step()
+    weight = step.model[0].weight
+    assert hasattr(weight, "_emulated_grad") and accelerator.active() is not None  # emulate() put it in place
+    step()
+    assert weight.grad is not None and weight.grad.shape == weight.shape and weight.grad.abs().sum() > 0
+
+
+def test_an_idle_must_not_be_negative(capsys):
+    code, _, err = exit_in_process(main, QUICK[:-2] + ["--idles", "0,-1"], capsys)
+    assert code == 2 and "--idles: every idle length must be >= 0 ms" in err

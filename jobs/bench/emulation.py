@@ -30,8 +30,12 @@ unit by unit through autograd to fire them on time). --profiles runs measured pr
 as devices too, each on the model it was taken from. --scales S,... adds a
 fourth table: the same steps (no hooks) with the modelled times times S, and
 the host CPU each costs beyond the landing, which grows with how long the step
-sleeps (its Python runs from caches gone cold meanwhile). All figures: emulated
-compute, on this machine, one process.
+sleeps (its Python runs from caches gone cold meanwhile). --idles MS,...
+adds a fifth, the floor under that share: the host CPU of an empty interval, of
+the least autograd a step can run (bare torch) and of the thinnest emulated step
+(one Linear unit, no modelled time), right after the host slept each idle length
+(jobs.bench.wake_tax), with the shortest step whose host work could stay within
+2 % of its compute. All figures: emulated compute, on this machine, one process.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ import time
 from jobs.common.inputs import JobParser, at_least, comma_list, output_file, parse
 from jobs.common.outputs import write_results
 from jobs.common.report import machine, machine_line, run_metadata, save_figure
+
+from jobs.bench.wake_tax import IDLES_MS, floor_rows, format_floor
 
 MODELS = ("resnet50-224", "vgg19-224", "transformer-big")
 
@@ -66,6 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--scales", default="", metavar="S,...",
                    help="compute scales for a fourth table: each model and device's steps (no hooks) with its modelled "
                         "time times S, to show how the host's CPU a step follows the time it sleeps (default none)")
+    p.add_argument("--idles", default=",".join(f"{i:g}" for i in IDLES_MS), metavar="MS,...",
+                   help="host idle lengths for the floor table: the host CPU of the thinnest step right after the host "
+                        "slept this long (default %(default)s; empty: no floor table)")
     p.add_argument("--waits", default="10,100,1000", help="waits per 0.1 s in the wait table (default 10,100,1000)")
     p.add_argument("--repeats", type=int, default=5, help="repeats of each wait row (default 5)")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
@@ -88,6 +97,10 @@ def check_args(args) -> None:
     args.profiles = [(_profile_model(path), path) for path in comma_list("--profiles", args.profiles)] \
         if args.profiles.strip() else []
     args.waits = [int(w) for w in comma_list("--waits", args.waits)]
+    args.idles = [float(i) for i in comma_list("--idles", args.idles)] if args.idles.strip() else []
+    if any(not i >= 0 for i in args.idles):
+        from jobs.common.inputs import InputError
+        raise InputError("--idles", f"every idle length must be >= 0 ms, got {args.idles}")
     args.scales = [float(s) for s in comma_list("--scales", args.scales)] if args.scales.strip() else []
     if any(not s > 0 for s in args.scales):
         from jobs.common.inputs import InputError
@@ -249,7 +262,8 @@ def format_tables(rows) -> str:
                 "|---|---|---:|---:|---:|---:|"]
         out += [f"| {r['model']} | {r['device']} | {r['compute_scale']:g} | {r['modelled_s']:.4f} "
                 f"| {r['host_rest_s'] * 1e6:.0f} | {r['host_rest_share'] * 100:.2f} % |" for r in scaled]
-    return "\n".join(out)
+    floor = format_floor(rows)
+    return "\n".join(out + (["", floor] if floor else []))
 
 
 def plot(rows, path: str) -> None:
@@ -291,6 +305,8 @@ def main(argv=None, args=None) -> int:
             rows.append(step_row(name, dev, args.steps, args.warmup, hooks))
         # The host's CPU a step against how long the step sleeps: its Python runs from caches gone cold meanwhile.
         rows += [dict(step_row(name, dev, args.steps, args.warmup, scale=s), table="scales") for s in args.scales]
+    if args.idles:
+        rows += floor_rows(args.idles, 10 * args.repeats)
     print(format_tables(rows))
     meta = run_metadata("jobs.bench.emulation", argv, machine=machine(), compute="emulated", torch=torch.__version__)
     write_results(None, args, meta, rows, lambda path: plot(rows, path))
