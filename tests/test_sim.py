@@ -300,6 +300,42 @@ def test_a_driving_progress_thread_takes_its_cores_only_while_the_training_threa
     assert step(0.0, True) < step(0.25, True) < step(0.25, False)
 
 
+def test_module_buffers_cost_each_strategy_their_average_and_ddp_its_broadcast():
+    """runtime.model_buffers averages the floating-point buffers (float64) after each step, waited before the
+    next forward; torch DDP broadcasts rank 0's (float32) before each forward; the plain step does neither."""
+    n, latency = 1_000_000, 1e-4
+    bare, c = toy(opt=0.01, other=0.01), fast_net(4, latency=latency)
+    p = dataclasses.replace(bare, buffer_elements=n)
+    average = 2 * 2 * latency + 2 * 3 / 4 * 8 * n / (1e9 / 8)  # Rabenseifner's allreduce of the float64 staging vector
+    broadcast = 2 * (latency + 4 * n / (1e9 / 8))  # gloo's binomial tree: log2(4) steps of the whole buffer
+    assert simulate(p, c, "compute").t_iter_s == pytest.approx(simulate(bare, c, "compute").t_iter_s)
+    assert simulate(p, c, "allreduce@ring").t_iter_s == pytest.approx(
+        simulate(bare, c, "allreduce@ring").t_iter_s + average, rel=1e-9)
+    assert simulate(p, c, "ddp").t_iter_s == pytest.approx(simulate(bare, c, "ddp").t_iter_s + broadcast, rel=1e-6)
+    for s in ("wfbp", "p3", "topk", "hier-topk", "hybcomm"):
+        assert simulate(p, c, s).t_iter_s > simulate(bare, c, s).t_iter_s, s
+    one = Cluster(nodes=1, ranks_per_node=1)  # one rank: nothing to average
+    assert simulate(p, one, "allreduce").t_iter_s == pytest.approx(simulate(bare, one, "allreduce").t_iter_s)
+
+
+def test_profiles_count_the_floating_point_buffers_and_old_files_read_as_none(tmp_path):
+    from runtime.emulate.sim_profile import modelled_profile
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 6 * 6, 10))
+    x = torch.zeros(4, 3, 8, 8)
+    assert modelled_profile(model, "v100", (x,), "bn").buffer_elements == 16  # mean and var; not the step count
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p = measure(model, (x,), torch.zeros(4, dtype=torch.long), torch.nn.functional.cross_entropy, opt, steps=1,
+                warmup=1, name="bn", sparse_density=None, gflops=False)
+    assert p.buffer_elements == 16
+    old = p.to_json()
+    del old["buffer_elements"]  # a profile written before the field
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    assert Profile.load(str(path)).buffer_elements == 0
+
+
 def test_unknown_strategy_names_the_known_ones():
     with pytest.raises(UnknownStrategyError, match="allreduce"):
         simulate(toy(), fast_net(2), "gossip")

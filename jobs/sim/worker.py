@@ -83,7 +83,8 @@ def slowest_per_step(profiles: list):
     picks = [max((p.extra["steps"][i] for p in profiles), key=lambda st: st["total"]) for i in range(steps)]
     layers = tuple(Layer(l.name, fmean([st["fwd"][j] for st in picks]), fmean([st["bwd"][j] for st in picks]),
                          l.params, l.act_bytes, l.linear) for j, l in enumerate(first.layers))
-    keep = ("model", "batch_size", "device", "ranks_at_once", "cores", "cores_per_rank", "threads", "itemsize", "machine")
+    keep = ("model", "batch_size", "device", "ranks_at_once", "cores", "cores_per_rank", "threads", "itemsize",
+            "buffer_elements", "machine")
     return Profile(**{k: getattr(first, k) for k in keep}, layers=layers,
                    step_s=max(p.step_s for p in profiles), optimizer_s=fmean([st["opt"] for st in picks]),
                    other_s=max(0.0, fmean([st["rest"] for st in picks])),

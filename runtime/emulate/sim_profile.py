@@ -7,7 +7,7 @@ from torch import nn
 from .compute_model import ComputeModel, compute_model
 from .trace import EmulationError, trace
 
-__all__ = ["modelled_profile"]
+__all__ = ["modelled_profile", "buffer_elements"]
 
 GEMM_SIDE = 4096  # the GEMM whose modelled time gives the profile's rate (hybcomm's rebuild of the factors)
 
@@ -64,9 +64,14 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
                    ranks_at_once=1, cores=1.0, cores_per_rank=1.0, threads=1,
                    select_s_per_element=cm.select_s(elements) * scale / elements,
                    gflops=2.0 * GEMM_SIDE ** 3 / gemm / 1e9 if gemm > 0 else 100.0, copy_gbs=float(copy),
-                   itemsize=itemsize, memory_gbs=memory,
+                   itemsize=itemsize, memory_gbs=memory, buffer_elements=buffer_elements(model),
                    machine=f"modelled: {cm.label}" + (f", compute x{scale:g}" if scale != 1 else ""),
                    extra={"compute_model": cm.label, "compute_scale": scale})
+
+
+def buffer_elements(model: nn.Module) -> int:
+    """The elements of the model's floating-point buffers: what runtime.model_buffers averages each step."""
+    return sum(b.numel() for b in model.buffers() if b.is_floating_point())
 
 
 def _linear(call):

@@ -60,6 +60,9 @@ class Schedule:
     # True (staged): each group's average goes back to the device as its exchange completes it (the strategy calls
     # runtime.device's averaged(): wfbp's buckets, p3's tensors), not all at the update.
     sends_back = False
+    # True: a DistributedOptimizer's strategy, whose runtime.model_buffers averages the buffers after each step
+    # (the plain step, the "compute" contender, keeps each rank's own).
+    syncs_buffers = False
 
     def __init__(self, run: Run, **options):
         self.run, self.p = run, run.profile
@@ -99,6 +102,20 @@ class Schedule:
         """A process run before layer i's forward (p3: wait for its parameters, apply its update)."""
         return iter(())
 
+    def buffers_after_step(self) -> Event | None:
+        """runtime.model_buffers: after the step's exchange, MPI's own allreduce of the model's floating-point
+        buffers, staged in float64 (on the wire with whatever is still in flight); waited before the next
+        forward. None where there are none, or one rank. Rabenseifner's: MPICH's non-blocking allreduce of a
+        commutative sum over 2 KiB reduce-scatters and allgathers (2·log2 P steps, not a ring's 2(P-1))."""
+        n = self.p.buffer_elements
+        if not (self.syncs_buffers and n and self.run.cluster.ranks > 1):
+            return None
+        return self.run.engine.process(allreduce(self.run.host, 8 * n, "module buffers", "rabenseifner"))
+
+    def buffers_before_forward(self):
+        """A process run before each forward for the buffers (torch DDP: rank 0's broadcast)."""
+        return iter(())
+
     def grad_ready(self, i: int, step: int) -> None:
         """Layer i's gradients exist (backward order: last layer first)."""
 
@@ -134,7 +151,11 @@ def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
     p, ends = run.profile, []
 
     def proc():
+        buffers = None
         for step in range(steps):
+            if buffers is not None:
+                yield buffers  # the last step's average written back before this forward (BufferSync.finish)
+            yield from schedule.buffers_before_forward()
             for i, layer in enumerate(p.layers):
                 yield from schedule.before_forward(i, step)
                 yield run.compute(f"forward {layer.name}", layer.fwd_s)
@@ -144,6 +165,7 @@ def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
                 schedule.grad_ready(i, step)
             yield from schedule.finish(step)
             ends.append(run.engine.now)
+            buffers = schedule.buffers_after_step()
 
     run.engine.process(proc())
     run.engine.run()
@@ -156,6 +178,7 @@ class AllreduceSchedule(Schedule):
     """One ring allreduce of every gradient once backward is over and copied (or, with pto, PTO's halves)."""
 
     staged = True
+    syncs_buffers = True
     _copied: Event | None = None
 
     def grad_ready(self, i: int, step: int) -> None:
@@ -216,6 +239,7 @@ class BucketSchedule(Schedule):
     staged = True
     drives = True
     sends_back = True
+    syncs_buffers = True
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
@@ -269,6 +293,23 @@ class DdpSchedule(BucketSchedule):
     drives = False  # gloo's worker thread reads its sockets blocking
     sends_back = False
 
+    def buffers_after_step(self) -> Event | None:
+        return None  # DDP keeps no average of them: it broadcasts rank 0's before each forward
+
+    def buffers_before_forward(self):
+        """broadcast_buffers (DDP's default): rank 0's buffers (float32) to every rank before the forward may
+        start, by gloo's binomial tree: ceil(log2 P) steps of the whole buffer, the first ones (the nearest
+        ranks, consecutive ranks sharing a node) inside the node, the rest across."""
+        c, n = self.run.cluster, 4 * self.p.buffer_elements
+        if not n or c.ranks < 2:
+            return
+        steps = (c.ranks - 1).bit_length()
+        inside = min(steps, (c.ranks_per_node - 1).bit_length())
+        for k in range(steps):
+            yield self.run.engine.timeout(c.latency)
+            nic, shm = (0.0, n) if k < inside else (n, 0.0)
+            yield self.run.engine.start(self.run.host.transfer("DDP buffers broadcast", nic, shm, duplex=False))
+
     @property
     def algorithm(self) -> str:
         return "ring"  # gloo's (and NCCL's) ring, whatever the layout
@@ -294,6 +335,8 @@ def topk_pairs(elements: int, density: float) -> int:
 
 class TopkSchedule(Schedule):
     """Top-k after backward: the local work (the profile's, selection and summing), the exchange, optimizer."""
+
+    syncs_buffers = True
 
     def finish(self, step: int):
         run, p = self.run, self.p

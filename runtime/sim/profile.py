@@ -48,7 +48,9 @@ class Profile:
     gflops: one rank's GEMM rate (sufficient-factor rebuild); copy_gbs: GB/s of a copy between pinned host
     memory and the device (0: not measured, a CPU's profile or an older one); itemsize: bytes per gradient
     element; memory_gbs: GB/s of an element-wise pass over device memory, reads and writes together
-    (accumulating micro-batches' gradients; 0: not known, and not simulated).
+    (accumulating micro-batches' gradients; 0: not known, and not simulated); buffer_elements: the model's
+    floating-point buffers (BatchNorm statistics), which every rank's buffers are made equal over after each step
+    (runtime.model_buffers; torch DDP broadcasts them before each forward).
     """
 
     model: str
@@ -67,6 +69,7 @@ class Profile:
     copy_gbs: float = 0.0
     itemsize: int = 4
     memory_gbs: float = 0.0
+    buffer_elements: int = 0
     machine: str = ""
     extra: dict = field(default_factory=dict)
 
