@@ -47,11 +47,10 @@ import resource
 import statistics
 import time
 
+from jobs.bench.wake_tax import IDLES_MS, floor_rows, format_floor
 from jobs.common.inputs import JobParser, at_least, comma_list, output_file, parse
 from jobs.common.outputs import write_results
 from jobs.common.report import machine, machine_line, run_metadata, save_figure
-
-from jobs.bench.wake_tax import IDLES_MS, floor_rows, format_floor
 
 MODELS = ("resnet50-224", "vgg19-224", "transformer-big")
 

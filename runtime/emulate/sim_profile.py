@@ -7,7 +7,7 @@ from torch import nn
 from .compute_model import ComputeModel, compute_model
 from .trace import EmulationError, trace
 
-__all__ = ["modelled_profile", "buffer_elements"]
+__all__ = ["modelled_profile"]
 
 GEMM_SIDE = 4096  # the GEMM whose modelled time gives the profile's rate (hybcomm's rebuild of the factors)
 
@@ -24,6 +24,7 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
     So the simulator and emulate() time the same work from the same trace: what the two then disagree on is the
     communication and the host, which is what a validation of the simulator against emulation should see.
     """
+    from runtime.sim.measure import buffer_elements
     from runtime.sim.profile import Layer, Profile
 
     if not scale > 0:
@@ -67,11 +68,6 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
                    itemsize=itemsize, memory_gbs=memory, buffer_elements=buffer_elements(model),
                    machine=f"modelled: {cm.label}" + (f", compute x{scale:g}" if scale != 1 else ""),
                    extra={"compute_model": cm.label, "compute_scale": scale})
-
-
-def buffer_elements(model: nn.Module) -> int:
-    """The elements of the model's floating-point buffers: what runtime.model_buffers averages each step."""
-    return sum(b.numel() for b in model.buffers() if b.is_floating_point())
 
 
 def _linear(call):

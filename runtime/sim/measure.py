@@ -149,8 +149,13 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
                    ranks_at_once=ranks_at_once, cores=cores,
                    cores_per_rank=1.0 if cuda else min(float(threads), cores / ranks_at_once),
                    threads=threads, select_s_per_element=select, gflops=rate, copy_gbs=copy,
-                   itemsize=4, buffer_elements=sum(b.numel() for b in model.buffers() if b.is_floating_point()),
-                   machine=machine, extra=extra)
+                   itemsize=4, buffer_elements=buffer_elements(model), machine=machine, extra=extra)
+
+
+def buffer_elements(model: torch.nn.Module) -> int:
+    """The elements of the model's floating-point buffers (BatchNorm statistics): what runtime.model_buffers
+    averages after each step; integer ones (num_batches_tracked) advance alike on every rank."""
+    return sum(b.numel() for b in model.buffers() if b.is_floating_point())
 
 
 def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: int = 3) -> float:

@@ -48,9 +48,9 @@ class Profile:
     gflops: one rank's GEMM rate (sufficient-factor rebuild); copy_gbs: GB/s of a copy between pinned host
     memory and the device (0: not measured, a CPU's profile or an older one); itemsize: bytes per gradient
     element; memory_gbs: GB/s of an element-wise pass over device memory, reads and writes together
-    (accumulating micro-batches' gradients; 0: not known, and not simulated); buffer_elements: the model's
-    floating-point buffers (BatchNorm statistics), which every rank's buffers are made equal over after each step
-    (runtime.model_buffers; torch DDP broadcasts them before each forward).
+    (accumulating micro-batches' gradients; 0: not known, and not simulated); buffer_elements: elements of the
+    model's floating-point buffers (BatchNorm statistics), made equal on every rank each step (runtime.model_buffers
+    averages them after the step; torch DDP broadcasts rank 0's before each forward; 0 in older files).
     """
 
     model: str
