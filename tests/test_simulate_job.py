@@ -155,6 +155,28 @@ def test_validate_measures_profiles_calibrates_and_compares(tmp_path):
     assert t["rate"] > 0 and t["cpu_per_byte"] > 0 and 0 < t["efficiency"] <= 1
     assert (tmp_path / "profiles" / "mlp-b8-r2.json").exists() and (tmp_path / "val-measured-2r.json").exists()
     assert "worst:" in proc.stdout and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    (ranked,) = doc["meta"]["rankings"]  # one configuration: mlp, 1gbit, 2 ranks
+    assert (ranked["model"], ranked["bandwidth"], ranked["ranks"], ranked["pairs"]) == ("mlp", "1gbit", 2, 1)
+    assert "ranking, mlp 1gbit 2 ranks: " in proc.stdout
+
+
+def _ranked(strategy, measured, simulated, rounds):
+    return dict(model="m", bandwidth="1gbit", ranks=4, strategy=strategy, measured_s=measured, simulated_s=simulated,
+                measured_rounds_s=rounds)
+
+
+def test_rankings_count_only_the_pairs_the_measured_rounds_order():
+    from jobs.sim.validate import rankings
+
+    rows = [_ranked("compute", 1.0, 1.0, []),
+            _ranked("a", 1.0, 1.2, [0.99, 1.01]),  # a and b: rounds apart, order swapped by the simulation
+            _ranked("b", 1.5, 1.1, [1.49, 1.51]),
+            _ranked("c", 1.52, 2.0, [1.45, 1.60])]  # c's rounds overlap b's: no measured order between them
+    (k,) = rankings(rows)
+    assert k["pairs"] == 3 and not k["same_order"]
+    assert k["separated"] == 2 and k["swapped"] == ["a/b"]  # a/c is ordered alike; b/c is not counted
+    rows[1]["simulated_s"] = 1.0
+    assert rankings(rows)[0]["swapped"] == [] and rankings(rows)[0]["same_order"]
 
 
 @pytest.mark.cluster

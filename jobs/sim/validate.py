@@ -38,8 +38,11 @@ row is simulated as it ran (its links, its compute scale) and reported at the
 rate asked, as jobs.bench reports it. Rows given with --measured that ran
 emulated are simulated so whatever --compute says.
 Prints measured and simulated T_iter with the error per configuration, the
-worst case, writes JSON rows and a PNG (simulated against measured, the
-+-10 % band shaded).
+worst case, and per configuration whether the simulator ranks the strategies
+as measured, with how many of the pairs that the measured rounds order (every
+round of one faster than every round of the other) it keeps in that order;
+writes JSON rows (the rankings in its metadata) and a PNG (simulated against
+measured, the +-10 % band shaded).
 """
 
 from __future__ import annotations
@@ -281,7 +284,30 @@ def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3)
 def _row(m: dict, strategy: str, measured: float, simulated: float, bare: float, share: float) -> dict:
     return dict(model=m["model"], strategy=strategy, bandwidth=m["bandwidth"], ranks=m["ranks"],
                 measured_s=measured, simulated_s=simulated, error=(simulated - measured) / measured,
-                comm_cores=share, simulated_without_comm_cpu_s=bare, error_without_comm_cpu=(bare - measured) / measured)
+                comm_cores=share, simulated_without_comm_cpu_s=bare, error_without_comm_cpu=(bare - measured) / measured,
+                measured_rounds_s=list(m.get("t_iter_rounds_s") or []) if strategy != "compute" else [])
+
+
+def rankings(rows) -> list[dict]:
+    """Per configuration (model, link, ranks): whether the simulator orders the strategies as measured, and over
+    the pairs that the measurement itself orders (every round of one faster than every round of the other), how
+    many it orders the same way. A pair whose rounds interleave has no measured order to agree with."""
+    out = []
+    for key in dict.fromkeys((r["model"], r["bandwidth"], r["ranks"]) for r in rows):
+        rs = [r for r in rows if (r["model"], r["bandwidth"], r["ranks"]) == key and r["strategy"] != "compute"]
+        order = lambda k: [r["strategy"] for r in sorted(rs, key=lambda r: r[k])]  # noqa: E731
+        separated, swapped = 0, []
+        for i, a in enumerate(rs):
+            for b in rs[i + 1:]:
+                ra, rb = a["measured_rounds_s"], b["measured_rounds_s"]
+                if not (ra and rb) or not (max(ra) < min(rb) or max(rb) < min(ra)):
+                    continue
+                separated += 1
+                if (a["measured_s"] < b["measured_s"]) != (a["simulated_s"] < b["simulated_s"]):
+                    swapped.append(f"{a['strategy']}/{b['strategy']}")
+        out.append(dict(model=key[0], bandwidth=key[1], ranks=key[2], same_order=order("measured_s") ==
+                        order("simulated_s"), pairs=len(rs) * (len(rs) - 1) // 2, separated=separated, swapped=swapped))
+    return out
 
 
 def markdown(rows) -> str:
@@ -346,9 +372,13 @@ def main(argv=None) -> int:
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     print(f"\nworst: {worst['model']} {worst['strategy']} {worst['bandwidth']} {worst['ranks']} ranks "
           f"{100 * worst['error']:+.1f} %; {within} of {len(rows)} within 10 %")
+    for k in rankings(rows):
+        print(f"ranking, {k['model']} {k['bandwidth']} {k['ranks']} ranks: {'same' if k['same_order'] else 'differs'}; "
+              f"{k['separated'] - len(k['swapped'])} of the {k['separated']} pairs the rounds order (of {k['pairs']}) "
+              f"in the same order" + (f", swapped: {', '.join(k['swapped'])}" if k["swapped"] else ""))
     if args.json:
         write_json(args.json, run_metadata("jobs.simulate", ["--validate", *(argv or sys.argv[1:])],
-                                           machine=machine(), calibration=cal), rows)
+                                           machine=machine(), calibration=cal, rankings=rankings(rows)), rows)
     if args.plot:
         plot(rows, args.plot)
     return 0
