@@ -295,7 +295,8 @@ def rankings(rows) -> list[dict]:
     out = []
     for key in dict.fromkeys((r["model"], r["bandwidth"], r["ranks"]) for r in rows):
         rs = [r for r in rows if (r["model"], r["bandwidth"], r["ranks"]) == key and r["strategy"] != "compute"]
-        order = lambda k: [r["strategy"] for r in sorted(rs, key=lambda r: r[k])]  # noqa: E731
+        measured_order = [r["strategy"] for r in sorted(rs, key=lambda r: r["measured_s"])]
+        simulated_order = [r["strategy"] for r in sorted(rs, key=lambda r: r["simulated_s"])]
         separated, swapped = 0, []
         for i, a in enumerate(rs):
             for b in rs[i + 1:]:
@@ -305,8 +306,8 @@ def rankings(rows) -> list[dict]:
                 separated += 1
                 if (a["measured_s"] < b["measured_s"]) != (a["simulated_s"] < b["simulated_s"]):
                     swapped.append(f"{a['strategy']}/{b['strategy']}")
-        out.append(dict(model=key[0], bandwidth=key[1], ranks=key[2], same_order=order("measured_s") ==
-                        order("simulated_s"), pairs=len(rs) * (len(rs) - 1) // 2, separated=separated, swapped=swapped))
+        out.append(dict(model=key[0], bandwidth=key[1], ranks=key[2], same_order=measured_order == simulated_order,
+                        pairs=len(rs) * (len(rs) - 1) // 2, separated=separated, swapped=swapped))
     return out
 
 
@@ -372,13 +373,14 @@ def main(argv=None) -> int:
     within = sum(abs(r["error"]) <= 0.10 for r in rows)
     print(f"\nworst: {worst['model']} {worst['strategy']} {worst['bandwidth']} {worst['ranks']} ranks "
           f"{100 * worst['error']:+.1f} %; {within} of {len(rows)} within 10 %")
-    for k in rankings(rows):
+    ranked = rankings(rows)
+    for k in ranked:
         print(f"ranking, {k['model']} {k['bandwidth']} {k['ranks']} ranks: {'same' if k['same_order'] else 'differs'}; "
               f"{k['separated'] - len(k['swapped'])} of the {k['separated']} pairs the rounds order (of {k['pairs']}) "
               f"in the same order" + (f", swapped: {', '.join(k['swapped'])}" if k["swapped"] else ""))
     if args.json:
         write_json(args.json, run_metadata("jobs.simulate", ["--validate", *(argv or sys.argv[1:])],
-                                           machine=machine(), calibration=cal, rankings=rankings(rows)), rows)
+                                           machine=machine(), calibration=cal, rankings=ranked), rows)
     if args.plot:
         plot(rows, args.plot)
     return 0
