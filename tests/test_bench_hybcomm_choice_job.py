@@ -41,6 +41,8 @@ def test_local_run_measures_both_paths_and_the_models_pick(tmp_path):
     assert f"the cost model picked the faster path in {agree} of 2 cases" in proc.stdout
     assert proc.stdout.count("\n- net.1 784×256 K=") == 2 - agree  # every miss listed
     assert "| net.1 784×256 | 2 | 2 |" in proc.stdout and "| net.1 784×256 | 8 | 2 |" in proc.stdout
+    for K in (2, 8):  # a progress line per case as it finishes, before the tables
+        assert f" s: net.1 784×256 K={K} P=2: sfb " in proc.stdout.split("|")[0]
     summary = doc["meta"]["summary"]
     assert (summary["cases"], summary["agree"], len(summary["misses"])) == (2, agree, 2 - agree)
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -118,6 +118,7 @@ class ChoiceBench:
         self.topo = Topology(ranks_per_node=args.ranks_per_node)
         self.comm, self.P, self.rank = self.topo.world, self.topo.size, self.topo.rank
         self.compute = Compute.from_args(args)
+        self.started = time.perf_counter()
         self.loss = self.compute.loss(lambda out, _target=None: out.square().mean())
         self.gflops = None  # the cost model's GEMM rate: measured by the strategy at wrap (real compute)
         if self.compute.emulated:
@@ -190,6 +191,11 @@ class ChoiceBench:
                     times[path].append(self.run(module, x, path))
             rows.append(row(args, index, layer, K, self.P, plan, gflops, times, self.rebuild_seconds(layer, K),
                             self.compute))
+            if self.rank == 0:  # progress (jobs.common.cluster_sweep shows "# " lines): a large layer takes minutes
+                r = rows[-1]
+                print(f"# {time.perf_counter() - self.started:.0f} s: {layer.name} {layer.M}×{layer.N} K={K} "
+                      f"P={self.P}: sfb {r['sfb_s'] * 1e3:.1f} ms, ps {r['ps_s'] * 1e3:.1f} ms, picked "
+                      f"{r['predicted']}", flush=True)
         del module
         gc.collect()
         return rows
