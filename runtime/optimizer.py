@@ -137,7 +137,8 @@ class DistributedOptimizer:
                               self.policy, shard_gradients=pto and cls.can_shard_gradients,
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
-        self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device)
+        self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device,
+                                        self.strategy.staging_groups())
         if self.staging is not None and self.pto is None:  # copies back as averaged (PTO reads the host shard)
             self.strategy.on_averaged = self.staging.averaged
         self.transport = describe_transport(self.device, self.staged, cls.on_device, self.strategy.drives)
