@@ -57,9 +57,10 @@ class DistributedOptimizer:
     produced a gradient for in a step are not updated, as with one process.
 
     A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
-    unchanged: each gradient goes to pinned host memory on a side CUDA stream as backward finalises it,
-    MPI averages it there while the GPU goes on, and the average returns on a side stream before the
-    update (runtime.device.staging; `transport` says which path runs). The sparse strategies select on
+    unchanged: gradients go to pinned host memory on a side CUDA stream a bucket at a time as backward
+    finalises them, MPI averages them there while the GPU goes on, and each average returns on a side
+    stream as its exchange completes, before the update (runtime.device.staging; `transport` says which
+    path runs). The sparse strategies select on
     the GPU and move (index, value) pairs.
     """
 
