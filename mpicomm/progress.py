@@ -100,11 +100,17 @@ class ProgressThread:
     hosts on 2 cores, ResNet-50 at 1 Gbit/s: wfbp's step 2.61 -> 2.07 s, the
     medians of 8 interleaved runs, benchmarks/claims.md). Ranks computing on
     the CPU keep the back-off: spinning would take their neighbours' cores.
+
+    setup: called first on the thread, before any task (a task that touches a
+    GPU needs the thread's current device set: runtime.device.threads); if it
+    raises, every task submitted fails with its error.
     """
 
     def __init__(self, name: str = "mpitrain-progress", min_sleep: float = 10e-6, max_sleep: float = 100e-6,
-                 drive: bool = False):
+                 drive: bool = False, setup=None):
         require_thread_multiple()
+        self.setup = setup
+        self._setup_error: BaseException | None = None
         self._pending: collections.deque = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
@@ -128,6 +134,11 @@ class ProgressThread:
         return fut
 
     def _run(self) -> None:
+        if self.setup is not None:
+            try:
+                self.setup()
+            except BaseException as exc:  # raised by every task instead of running it
+                self._setup_error = exc
         sleep = self.min_sleep
         while True:
             with self._cv:
@@ -139,6 +150,8 @@ class ProgressThread:
             finished, caps = [], []
             for fut in batch:
                 try:
+                    if self._setup_error is not None:
+                        raise self._setup_error
                     if fut.task.poll():
                         finished.append(fut)
                     else:

@@ -57,9 +57,10 @@ class DistributedOptimizer:
     produced a gradient for in a step are not updated, as with one process.
 
     A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
-    unchanged: each gradient goes to pinned host memory on a side CUDA stream as backward finalises it,
-    MPI averages it there while the GPU goes on, and the average returns on a side stream before the
-    update (runtime.device.staging; `transport` says which path runs). The sparse strategies select on
+    unchanged: gradients go to pinned host memory on a side CUDA stream a bucket at a time as backward
+    finalises them, MPI averages them there while the GPU goes on, and each average returns on a side
+    stream as its exchange completes, before the update (runtime.device.staging; `transport` says which
+    path runs). The sparse strategies select on
     the GPU and move (index, value) pairs.
     """
 
@@ -137,7 +138,8 @@ class DistributedOptimizer:
                               self.policy, shard_gradients=pto and cls.can_shard_gradients,
                               momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
         self.strategy = cls(ctx)
-        self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device)
+        self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device,
+                                        self.strategy.staging_groups())
         if self.staging is not None and self.pto is None:  # copies back as averaged (PTO reads the host shard)
             self.strategy.on_averaged = self.staging.averaged
         self.transport = describe_transport(self.device, self.staged, cls.on_device, self.strategy.drives)

@@ -97,6 +97,12 @@ class Strategy:
         """Before construction: take over the optimizer's momentum (DGC's correction); returns what was taken."""
         return 0.0
 
+    def staging_groups(self) -> list[list[int]] | None:
+        """Where the wrapper stages gradients through host memory: the groups of parameter indices to copy to
+        the host together, each once all its gradients are final (every index once; None: groups of about a
+        megabyte, last parameters first). Bucketed strategies give their buckets: nothing waits longer."""
+        return None
+
     def set_priorities(self, priority: list[int]) -> None:
         """Per parameter, its layer's place in the first forward pass (smaller: needed sooner)."""
 

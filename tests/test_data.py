@@ -211,3 +211,19 @@ def test_device_feed_on_cuda_is_pinned_and_non_blocking():
         assert gx.is_cuda and gy.is_cuda and torch.equal(gx.cpu(), x) and torch.equal(gy.cpu(), y)
     got = feed.take(first[0], torch.tensor([3, 1]))
     assert torch.equal(got[0].cpu(), first[0][0][[3, 1]]) and torch.equal(got[1].cpu(), first[0][1][[3, 1]])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices (torch sees fewer)")
+def test_device_feed_marks_its_buffer_free_on_the_stream_that_copied():
+    """Feeding the second GPU while the first is current: the buffer's event is recorded on the second GPU's
+    stream, behind the copy (recorded on the first's, it would say free while the copy still waits)."""
+    torch.cuda.set_device(0)
+    feed = DeviceFeed("cuda:1")
+    with torch.cuda.device(1):
+        torch.cuda._sleep(200_000_000)  # the copy queues behind this on GPU 1
+    feed(_batch(0, n=256))
+    assert not any(slot[1].query() for pool in feed._pools.values() for slot in pool), "event on the wrong stream"
+    torch.cuda.synchronize(1)
+    assert all(slot[1].query() for pool in feed._pools.values() for slot in pool)

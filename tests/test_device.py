@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -11,7 +12,9 @@ import torch.nn as nn
 from mpicomm.cuda_support import describe_cuda_support, mpi_cuda_aware
 from runtime import DistributedOptimizer
 from runtime.device import STAGING_ENV, GradientStaging, model_device, staging_wanted
-from runtime.device.staging import coalesce
+from runtime.device.delivery import Delivery
+from runtime.device.staging import coalesce, size_groups
+from runtime.device.threads import device_setup
 from runtime.grad_buffers import GradientBuffers
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
@@ -125,6 +128,80 @@ def test_cpu_staging_sends_back_as_averaged_and_to_device_then_copies_nothing():
     staging.close()
 
 
+def test_staging_copies_and_hands_over_a_group_at_a_time():
+    """One copy of the group's slice and one hand-over once its last gradient is final (on a GPU: one event,
+    one copy and one queue put per group, on the thread that launches backward's kernels), in hook order."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])  # 6 parameters
+    names, params = named(model)
+    buffers = GradientBuffers(params, names, staged=True)
+    delivered = []
+    staging = GradientStaging(buffers, delivered.append, groups=[[5, 4, 3], [2, 1, 0]])
+    model(torch.randn(2, 4)).sum().backward()
+    for i in (5, 3):
+        staging.to_host(i)
+    assert delivered == [] and staging.batches_to_host == staging.copies_to_host == 0
+    staging.to_host(4)
+    assert delivered == [5, 3, 4] and staging.batches_to_host == staging.copies_to_host == 1
+    assert torch.equal(buffers.flats[0][buffers.segments[3][1]:], buffers.device_flats[0][buffers.segments[3][1]:])
+    assert float(buffers.flats[0][:buffers.segments[3][1]].abs().sum()) == 0  # the other group: not yet
+    for i in (2, 1, 0):
+        staging.to_host(i)
+    assert delivered == [5, 3, 4, 2, 1, 0] and staging.batches_to_host == staging.copies_to_host == 2
+    assert torch.equal(buffers.flats[0], buffers.device_flats[0])
+    for i in range(6):  # the next step: the groups start over
+        staging.to_host(i)
+    assert staging.batches_to_host == 4
+    with pytest.raises(ValueError, match="every parameter index"):
+        GradientStaging(buffers, print, groups=[[0, 1], [1, 2, 3, 4, 5]])
+
+
+def test_staging_groups_by_size_last_parameters_first_one_dtype_each():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, dtype=torch.float64), nn.Linear(8, 8))
+    names, params = named(model)
+    buffers = GradientBuffers(params, names, staged=True)
+    assert size_groups(buffers, 1 << 20) == [[5, 4], [3, 2], [1, 0]]  # small: one group per run of a dtype
+    assert size_groups(buffers, 300) == [[5, 4], [3], [2], [1, 0]]  # the float64 weight (512 bytes) alone
+    assert size_groups(buffers, 256) == [[5], [4], [3], [2], [1], [0]]  # a group never spans a large weight
+
+
+def test_a_wrapped_model_goes_to_the_host_a_bucket_at_a_time(monkeypatch):
+    """Through DistributedOptimizer's hooks (one rank): wfbp's buckets are the groups; 12 parameters, 1 batch."""
+    monkeypatch.setenv(STAGING_ENV, "force")
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)])
+    dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "wfbp")
+    try:
+        for _ in range(2):
+            dopt.zero_grad()
+            model(torch.randn(3, 6)).sum().backward()
+            dopt.step()
+        assert dopt.staging.copies_to_host == 2  # one copy a step, not 12
+        assert dopt.staging.groups == dopt.strategy.bucket_params == [list(range(11, -1, -1))]
+        assert dopt.staging.batches_to_host == 2
+    finally:
+        dopt.close()
+
+
+def test_the_staging_thread_runs_its_setup_first():
+    ran, delivered = [], []
+    delivery = Delivery(lambda i, copy: None, delivered.append, lambda: None,
+                        setup=lambda: ran.append(threading.get_ident()))
+    delivery.put(7, None)
+    delivery.drain()
+    assert ran == [delivery._thread.ident] and delivered == [7]
+    delivery.close()
+
+    def broken():
+        raise RuntimeError("no such device")
+
+    delivery = Delivery(lambda i, copy: None, delivered.append, lambda: None, setup=broken)
+    delivery.put(8, None)
+    with pytest.raises(RuntimeError, match="no such device"):
+        delivery.drain()
+    assert delivered == [7]
+    delivery.close()
+    assert device_setup(torch.device("cpu")) is None
+
+
 def test_unstaged_buffers_are_one_memory():
     names, params = named(nn.Linear(3, 2))
     buffers = GradientBuffers(params, names)
@@ -163,3 +240,57 @@ def test_cuda_staging_delivers_in_hook_order_and_returns_on_the_stream():
     for h in hooks:
         h.remove()
     staging.close()
+
+
+needs_two_gpus = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                    reason="needs two CUDA devices (torch sees fewer)")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_staging_thread_sleeps_while_it_waits_for_a_copy():
+    """Its events are blocking: waiting on one costs the host (almost) no CPU time; a spinning wait would
+    take a core for as long as the GPU is busy."""
+    model = nn.Linear(8, 8).cuda()
+    names, params = named(model)
+    staging = GradientStaging(GradientBuffers(params, names, staged=True), lambda i: None)
+    with torch.cuda.stream(staging.stream):
+        torch.cuda._sleep(400_000_000)  # 0.2-0.4 s
+        staging.copied[0].record(staging.stream)
+    cpu, wall = time.thread_time(), time.perf_counter()
+    staging.copied[0].synchronize()
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    assert wall > 0.05 and cpu < 0.5 * wall, f"waited {wall:.3f} s using {cpu:.3f} s of CPU"
+    staging.close()
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_staging_and_progress_threads_work_on_the_models_gpu():
+    """A model on the second GPU while the training thread's current device is the first: the staging thread
+    and wfbp's progress thread set theirs to the model's (no context on GPU 0, streams and events there)."""
+    torch.cuda.set_device(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4)).to("cuda:1")
+    names, params = named(model)
+    buffers = GradientBuffers(params, names, staged=True)
+    seen = []
+    staging = GradientStaging(buffers, lambda i: seen.append(torch.cuda.current_device()))
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: staging.to_host(i)) for i, p in enumerate(params)]
+    model(torch.randn(5, 64, device="cuda:1")).sum().backward()
+    staging.drain()
+    assert seen == [1] * len(params) and torch.cuda.current_device() == 0
+    for h in hooks:
+        h.remove()
+    staging.close()
+    from mpicomm.progress import ProgressThread, Task
+
+    class Where(Task):
+        def poll(self):
+            self.device = torch.cuda.current_device()
+            return True
+
+    progress = ProgressThread("test-device", setup=device_setup(torch.device("cuda", 1)))
+    try:
+        assert progress.submit(Where()).wait(30).device == 1
+    finally:
+        progress.stop()

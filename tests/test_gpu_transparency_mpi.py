@@ -34,3 +34,90 @@ def test_equals_single_process_on_whole_batch(world, device, strategy, pto):
                                                     "from one process on the whole batch")
     assert_everywhere(world, not close(got, train(None, world, X[:, :1], Y[:, :1], device=device)),
                       "test cannot fail")
+
+
+# ----------------------------------------------------------------------------- the waits, under delays
+
+DELAY_CYCLES = 40_000_000  # torch.cuda._sleep: ~20-40 ms at 1-2 GHz, far longer than any copy here
+WIDE, CLASSES, DELAYED_STEPS, DELAYED_BATCH = 2048, 10, 4, 8
+
+
+class Delay(torch.autograd.Function):
+    """Identity; its backward first sleeps on the stream backward runs on: the gradients of the layers
+    below are produced that much later than their hooks fire on the host."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad.is_cuda:
+            torch.cuda._sleep(DELAY_CYCLES)
+        return grad
+
+
+class Wide(torch.nn.Module):
+    """16 MiB weights: each copy to or from the host takes milliseconds (a missing wait reads stale values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(64, WIDE)
+        self.mid = torch.nn.Linear(WIDE, WIDE)
+        self.mid2 = torch.nn.Linear(WIDE, WIDE)
+        self.out = torch.nn.Linear(WIDE, CLASSES)
+
+    def forward(self, x):
+        h = Delay.apply(torch.tanh(self.inp(x)))
+        h = Delay.apply(torch.tanh(self.mid(h)))
+        return self.out(torch.tanh(self.mid2(h)))
+
+
+def wide_train(strategy, world, device, local=DELAYED_BATCH):
+    """DELAYED_STEPS SGD steps of Wide; strategy None: one process on the whole batch. Under a strategy the
+    staging's side streams sleep before every backward: copies to the host, and back, start late."""
+    from dp_helpers import wrap
+
+    g = torch.Generator().manual_seed(99)
+    P, r = world.Get_size(), world.Get_rank()
+    X = torch.randn(DELAYED_STEPS, DELAYED_BATCH * P, 64, generator=g).to(device)
+    Y = torch.randint(0, CLASSES, (DELAYED_STEPS, DELAYED_BATCH * P), generator=g).to(device)
+    torch.manual_seed(3)
+    model = Wide().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dopt = wrap(opt, model, strategy) if strategy else opt
+    staging = getattr(dopt, "staging", None)
+    for step in range(DELAYED_STEPS):
+        x, y = X[step], Y[step]
+        x, y = (x[r * local:(r + 1) * local], y[r * local:(r + 1) * local]) if strategy else (x[:local * P],
+                                                                                               y[:local * P])
+        dopt.zero_grad()
+        if staging is not None and staging.cuda:
+            # Copies to the host start a quarter delay in (before most gradients exist: each must wait for its
+            # own); copies back start after four (long after backward: the update must wait for them).
+            for side, cycles in ((staging.stream, DELAY_CYCLES // 4), (staging.back_stream, 4 * DELAY_CYCLES)):
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(cycles)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        dopt.step()
+    if strategy:
+        model(X[0][:1])  # p3: the last step's updates, through its gates
+        ok = staging is not None and staging.batches_to_host < DELAYED_STEPS * len(list(model.parameters()))
+        dopt.close()
+        assert ok, "gradients must go to the host a bucket at a time"
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+def test_every_wait_holds_under_delays_on_the_compute_and_side_streams(world, device, strategy):
+    """A model whose copies take milliseconds, its backward delayed on the compute stream and the staging's
+    side streams delayed too: a copy that did not wait for its gradient, a hand-over that did not wait for its
+    copy, or an update that did not wait for the copies back would read stale values and differ."""
+    reference = wide_train(None, world, device)
+    got = wide_train(strategy, world, device)
+    tol = dict(rtol=1e-4, atol=1e-5)
+    assert_everywhere(world, all(torch.allclose(a, b, **tol) for a, b in zip(got, reference)),
+                      f"{strategy} on {device} under delays differs from one process on the whole batch")
+    half = wide_train(None, world, device, local=DELAYED_BATCH // 2)
+    assert_everywhere(world, not all(torch.allclose(a, b, **tol) for a, b in zip(half, reference)),
+                      "test cannot fail")

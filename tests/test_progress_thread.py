@@ -368,3 +368,27 @@ def test_handle_task_passes_on_the_handles_error(pt):
         with pytest.raises(TypeError, match="out has 3"):  # mpicomm.BufferError is a TypeError
             future.wait(WAIT)
         assert calls == []
+
+
+def test_setup_runs_first_on_the_thread_and_its_error_fails_every_task():
+    """What a thread serving a GPU needs before any task (runtime.device.threads: set_device) runs on it."""
+    ran = []
+    pt = ProgressThread("test-setup", setup=lambda: ran.append(threading.get_ident()))
+    try:
+        task = Countdown(1)
+        pt.submit(task).wait(WAIT)
+        assert ran == [pt._thread.ident] and task.polls == 1
+    finally:
+        pt.stop()
+
+    def broken():
+        raise RuntimeError("no such device")
+
+    pt = ProgressThread("test-setup-fails", setup=broken)
+    try:
+        task = Countdown(1)
+        with pytest.raises(RuntimeError, match="no such device"):
+            pt.submit(task).wait(WAIT)
+        assert task.polls == 0
+    finally:
+        pt.stop()

@@ -68,8 +68,10 @@ def test_every_gradient_goes_out_and_back_once_per_step(world, forced):
                     p.grad.mul_(0.5)
             before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
             dopt.step()
-        staging = dopt.staging
-        ok = (staging is not None and staging.copies_to_host == 3 * n and "staged" in dopt.transport
+        staging, buckets = dopt.staging, len(dopt.strategy.bucket_params)
+        # A bucket at a time: one copy (its slice of the flat buffer) and one hand-over per bucket, not per parameter.
+        ok = (staging is not None and staging.copies_to_host == staging.batches_to_host == 3 * buckets < 3 * n
+              and staging.outstanding.count(False) == n and "staged" in dopt.transport
               and dopt.buffers.flats[0].data_ptr() != dopt.buffers.device_flats[0].data_ptr())
         # Every bucket's average went back as its allreduce completed, on the progress thread; none at the update.
         ok = ok and staging.copies_to_device == staging.copies_as_averaged > 0
@@ -77,6 +79,45 @@ def test_every_gradient_goes_out_and_back_once_per_step(world, forced):
         after = [p.detach() for p in model.parameters() if p.requires_grad]
         ok = ok and all(torch.allclose(a, b - 0.05 * g * 0.5, atol=1e-7) for a, b, g in zip(after, before, averaged))
     assert_everywhere(world, ok, "staging copies or post-synchronize edits wrong")
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "p3", "hybcomm"])
+def test_gradients_go_to_the_host_in_groups_not_one_by_one(world, forced, strategy):
+    """Strategies without buckets of their own: neighbouring gradients go out together (about a megabyte a
+    group), one copy and one hand-over to the staging thread each: here the whole small model at once."""
+    model, X, Y = edgy(world)
+    with wrap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05), model, strategy) as dopt:
+        for step in range(2):
+            dopt.zero_grad()
+            local_backward(world, model, X, Y, step)
+            dopt.step()
+        staging = dopt.staging
+        ok = len(staging.groups) == 1 and staging.batches_to_host == 2 and staging.copies_to_host == 2 * len(
+            staging._ranges[0])
+    assert_everywhere(world, ok, f"{strategy}: gradients must go to the host a group at a time")
+
+
+def test_staged_allreduce_in_pieces_equals_single_process(world, forced, monkeypatch):
+    """Staged, allreduce runs piece by piece and sends each piece's average back as it completes (the early
+    copy-back), not all of it after the last byte; still synchronous SGD."""
+    from runtime.dense import AllreduceSync
+
+    monkeypatch.setattr(AllreduceSync, "piece_bytes", 200)  # Edgy's 11 x 13 weight alone, neighbours together
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    assert_everywhere(world, close(train("allreduce", world, X, Y), reference), "staged allreduce in pieces differs")
+    model, X, Y = edgy(world)
+    n = sum(p.requires_grad for p in model.parameters())
+    with wrap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05), model, "allreduce") as \
+            dopt:
+        for step in range(2):
+            dopt.zero_grad()
+            local_backward(world, model, X, Y, step)
+            dopt.step()
+        staging, pieces = dopt.staging, dopt.strategy.pieces
+        ok = 1 < len(pieces) < n and sorted(i for idxs, _ in pieces for i in idxs) == list(range(n))
+        ok = ok and staging.copies_to_device == staging.copies_as_averaged == 2 * len(pieces)
+    assert_everywhere(world, ok, "staged allreduce must send each piece back as it completes")
 
 
 def test_p3_sends_each_tensors_average_back_as_its_last_slice_returns(world, forced):

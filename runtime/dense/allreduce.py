@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections import deque
+
+from mpicomm.stall import DRIVE, wait_until
+
 from ..comm_hooks import GradBucket, allreduce_hook
 from ..strategy import Strategy, StrategyContext, wait_handles
 from .collectives import dense_collectives
@@ -14,11 +18,19 @@ class AllreduceSync(Strategy):
     rank's block of the averaged flat gradient is left in `grad_shard`, and
     .grad keeps the local values, unless `finish(full=True)` asks for the
     whole average (synchronize() before step(), to read or clip gradients).
+
+    Staged through host memory (a GPU model) with the default hook, the
+    allreduce runs in pieces of about `piece_bytes` (whole parameters), two
+    at a time, and each piece's average goes back to the device as it
+    completes (`on_averaged`), behind the exchange of the rest, instead of
+    the whole gradient after the last byte (548 MB for VGG-19).
     """
 
     name = "allreduce"
     hooks = True
     can_shard_gradients = True
+    piece_bytes = 32 << 20  # a piece's copy back (~3 ms over PCIe) overlaps the next piece's exchange
+    PIECES_IN_FLIGHT = 2  # the wire stays busy while a finished piece is handed back
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -30,6 +42,7 @@ class AllreduceSync(Strategy):
         for p, (b, _, _) in zip(self.params, self.buffers.segments):
             by_buffer[b].append(p)
         self.buckets = [GradBucket(b, flat, by_buffer[b], self.ring, b) for b, flat in enumerate(self.buffers.flats)]
+        self.pieces = self._pieces() if self.buffers.staged else []  # (parameter indices, GradBucket)
         self._shard = None
         self._handles: list = []
 
@@ -40,6 +53,10 @@ class AllreduceSync(Strategy):
             self._handles = [self.ring.reduce_scatter(self.buffers.flats[0], tag=0)]
             (shard,) = wait_handles(self._handles, "reduce-scatter of the gradients", self.ctx, self._report)
             self._shard = shard.div_(self.size)
+        elif self.pieces and self.on_averaged is not None and self.hook is allreduce_hook:
+            span = tl.begin(f"allreduce ({len(self.pieces)} pieces)", "sync", track="comm") if tl else None
+            self._shard = None
+            self._in_pieces()
         else:
             span = tl.begin("allreduce (fused)", "sync", track="comm") if tl else None
             self._shard = None
@@ -50,6 +67,46 @@ class AllreduceSync(Strategy):
         self._handles = []
         if span is not None:
             tl.end(span)
+
+    def _pieces(self) -> list:
+        """Each buffer cut at parameter boundaries into pieces of about piece_bytes, in memory order."""
+        segments, out = self.buffers.segments, []
+        for b, flat in enumerate(self.buffers.flats):
+            members = sorted((i for i, seg in enumerate(segments) if seg[0] == b), key=lambda i: segments[i][1])
+            limit = max(1, self.piece_bytes // flat.element_size())
+            current: list[int] = []
+            for i in members:
+                current.append(i)
+                if segments[i][2] - segments[current[0]][1] >= limit or i == members[-1]:
+                    lo, hi = segments[current[0]][1], segments[i][2]
+                    out.append((current, flat[lo:hi]))
+                    current = []
+        return [(idxs, GradBucket(k, buf, [self.params[i] for i in idxs], self.ring, k))
+                for k, (idxs, buf) in enumerate(out)]
+
+    def _in_pieces(self) -> None:
+        """The allreduce piece by piece, PIECES_IN_FLIGHT at once; each average handed back (on_averaged) as its
+        piece completes, in order, so that its copy to the device overlaps the exchange of the next ones."""
+        pending, inflight = deque(self.pieces), deque()
+
+        def advance() -> bool:
+            while True:
+                while pending and len(inflight) < self.PIECES_IN_FLIGHT:
+                    idxs, bucket = pending.popleft()
+                    inflight.append((idxs, bucket, self.hook(self.hook_state, bucket)))
+                    self._handles = [h for _, _, h in inflight]
+                done = [h.test() for _, _, h in inflight]  # every one tested: each progresses only when tested
+                if not done[0]:
+                    return False
+                idxs, bucket, handle = inflight.popleft()
+                self._handles = [h for _, _, h in inflight]
+                _copy_back(bucket, handle.wait())
+                self.on_averaged(idxs)
+                if not inflight and not pending:
+                    return True
+
+        wait_until(advance, what="allreduce of the gradients", report=self._report, policy=self.ctx.policy,
+                   who=f"rank {self.ctx.topology.rank}: ", interrupt=self.ctx.interrupt, spin=DRIVE)
 
     def _report(self) -> str:
         return f"ring step waits for its left neighbour, rank {self.ring.left}"

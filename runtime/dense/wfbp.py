@@ -6,6 +6,7 @@ from mpicomm.progress import HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
 from ..comm_hooks import GradBucket, allreduce_hook
+from ..device.threads import device_setup
 from ..strategy import Strategy, StrategyContext
 from .allreduce import _copy_back
 from .collectives import dense_collectives
@@ -29,7 +30,8 @@ class WfbpSync(Strategy):
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
         self.ring = dense_collectives(ctx)
-        self.progress = ProgressThread("mpitrain-wfbp", drive=ctx.compute_off_host)
+        self.progress = ProgressThread("mpitrain-wfbp", drive=ctx.compute_off_host,
+                                       setup=device_setup(self.buffers.device))  # averages go back from it
         self.hook_state, self.hook = None, allreduce_hook  # register_comm_hook may replace them
         self.bucket_params = buckets(self.params, ctx.options.fuse_bytes)
         self.bucket_of = {i: b for b, idxs in enumerate(self.bucket_params) for i in idxs}
@@ -47,6 +49,9 @@ class WfbpSync(Strategy):
     @classmethod
     def layout(cls, params, options, model=None) -> list[int]:
         return [i for bucket in buckets(params, options.fuse_bytes) for i in bucket]
+
+    def staging_groups(self) -> list[list[int]]:
+        return self.bucket_params
 
     def grad_ready(self, i: int) -> None:
         b = self.bucket_of[i]

@@ -13,14 +13,16 @@ __all__ = ["Delivery"]
 
 class Delivery:
     """put(i, copy) from a backward hook; on this thread, arrive(i, copy) waits for that copy alone (a CUDA
-    event, or an emulated copy's modelled time), then deliver(i) hands gradient i to the strategy, which
-    starts MPI from here. drain() blocks until every gradient put so far is delivered and re-raises the first
-    delivery's error; while it waits, interrupt() lets a failure elsewhere (another rank's) stop it."""
+    event, or an emulated copy's modelled time), then deliver(i) hands gradient i (or bucket i: whatever the
+    caller numbers) to the strategy, which starts MPI from here. drain() blocks until everything put so far is
+    delivered and re-raises the first delivery's error; while it waits, interrupt() lets a failure elsewhere
+    (another rank's) stop it. setup: run first on the thread (device_setup: the GPU it waits on)."""
 
     def __init__(self, arrive: Callable, deliver: Callable[[int], None], interrupt: Callable[[], None],
-                 timeline=None):
+                 timeline=None, setup: Callable[[], None] | None = None):
         require_thread_multiple()
         self.arrive, self.deliver, self.interrupt, self.timeline = arrive, deliver, interrupt, timeline
+        self.setup = setup
         self.error: BaseException | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
@@ -34,6 +36,11 @@ class Delivery:
         self._queue.put((i, copy))
 
     def _run(self) -> None:
+        if self.setup is not None:
+            try:
+                self.setup()
+            except BaseException as exc:  # every later item is skipped; drain() raises it
+                self.error = exc
         while True:
             item = self._queue.get()
             if item is None:

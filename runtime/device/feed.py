@@ -58,7 +58,9 @@ class DeviceFeed:
         # copy=True: a tensor of its own on a CPU device too, as the GPU copy is, so the buffer can be reused.
         out = slot[0].to(self.device, non_blocking=self.pinned, copy=True)
         if slot[1] is not None:
-            slot[1].record()  # on the current stream, after the copy: done means the buffer is free
+            # On the stream the copy ran on (the device's current one, whichever device is current on this
+            # thread), after it: done means the buffer is free.
+            slot[1].record(torch.cuda.current_stream(self.device))
         return out
 
     def _slot(self, shape: tuple, dtype: torch.dtype) -> list:
@@ -75,7 +77,7 @@ class DeviceFeed:
             slot = pool.popleft()
         elif len(pool) < self.max_buffers:
             slot = [torch.empty(shape, dtype=dtype, pin_memory=self.pinned),
-                    torch.cuda.Event() if self.pinned else None]
+                    torch.cuda.Event(blocking=True) if self.pinned else None]  # the host may wait: it sleeps
         else:
             slot = pool.popleft()
             slot[1].synchronize()  # max_buffers copies in flight: the GPU is that far behind anyway

@@ -49,13 +49,14 @@ def staging_wanted(device: torch.device) -> bool:
     return device.type != "cpu" or value == "force"
 
 
-def gradient_staging(buffers, deliver, interrupt, timeline, on_device: bool):
-    """What moves the wrapper's gradients to the host for MPI and back: GradientStaging for a staged model,
-    EmulatedStaging (the copies' modelled time) under emulated compute (runtime.emulate), else nothing."""
+def gradient_staging(buffers, deliver, interrupt, timeline, on_device: bool, groups=None):
+    """What moves the wrapper's gradients to the host for MPI and back: GradientStaging for a staged model
+    (in `groups`, the strategy's buckets, or its own), EmulatedStaging (the copies' modelled time) under
+    emulated compute (runtime.emulate), else nothing."""
     if on_device:  # the strategy moves (index, value) pairs itself
         return None
     if buffers.staged:
-        return GradientStaging(buffers, deliver, interrupt, timeline)
+        return GradientStaging(buffers, deliver, interrupt, timeline, groups)
     acc = emulated_accelerator()
     return EmulatedStaging(acc, buffers, deliver, interrupt, timeline) if acc is not None else None
 

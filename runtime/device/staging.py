@@ -9,6 +9,9 @@ import torch
 
 from ..grad_buffers import GradientBuffers
 from .delivery import Delivery
+from .threads import device_setup
+
+GROUP_BYTES = 1 << 20  # gradients go to the host in groups of about this size where the strategy has no buckets
 
 
 def coalesce(segments: list[tuple[int, int, int]], indices) -> list[tuple[int, int, int]]:
@@ -24,44 +27,86 @@ def coalesce(segments: list[tuple[int, int, int]], indices) -> list[tuple[int, i
     return [tuple(r) for r in ranges]
 
 
-class GradientStaging:
-    """Device -> host as each gradient is final, host -> device once its average is back.
+def size_groups(buffers: GradientBuffers, nbytes: int = GROUP_BYTES) -> list[list[int]]:
+    """Runs of neighbouring parameters of about nbytes (a large gradient alone), last parameters first
+    (backward's order), each within one buffer: how gradients go to the host where the strategy has no buckets.
+    A run never reaches across a large gradient, so no gradient waits for more than its neighbours'."""
+    out, current, size = [], [], 0
+    for i in reversed(range(len(buffers.params))):
+        p, b = buffers.params[i], buffers.segments[i][0]
+        n = p.numel() * p.element_size()
+        if current and (buffers.segments[current[0]][0] != b or n >= nbytes):
+            out.append(current)
+            current, size = [], 0
+        if n >= nbytes:
+            out.append([i])
+            continue
+        current.append(i)
+        size += n
+        if size >= nbytes:
+            out.append(current)
+            current, size = [], 0
+    if current:
+        out.append(current)
+    return out
 
-    On a GPU: when backward finalises parameter i, an event is recorded on
-    the stream that produced the gradient, a side stream waits for it and
-    copies the gradient into the pinned mirror (non-blocking), and a staging
-    thread waits for that copy alone before handing i to the strategy (which
-    then starts MPI on host memory): the GPU goes on computing earlier
-    layers meanwhile, and nothing synchronises the whole device. After
-    `strategy.wait(indices)` the averaged values go back on the side stream
-    and the current stream waits on an event, so the optimizer's update, or
-    the layer's next forward pass (p3), runs after them on the GPU, without
-    the CPU waiting. A strategy that completes averages a group at a time on
-    its own thread (wfbp's buckets, p3's tensors) calls `averaged(indices)`
-    there instead: those go back at once, on a stream of their own (the
-    second copy engine), behind the exchange of the rest, and `to_device`
-    only makes the current stream wait for them. Events are made once per
-    parameter and reused.
+
+class GradientStaging:
+    """Device -> host a group at a time as its gradients are final, host -> device once its average is back.
+
+    Gradients go out in groups (`groups`: the strategy's buckets, wfbp's;
+    else about GROUP_BYTES of neighbours, size_groups). On a GPU: when
+    backward has finalised every gradient of a group, an event is recorded
+    on the stream that produced them (on each, if several did), a side stream
+    waits for it and copies the group's slice of the flat buffer into the
+    pinned mirror (non-blocking; one copy per contiguous range), and a
+    staging thread waits for that copy alone (a blocking event: the thread
+    sleeps, it does not spin) before handing the group's parameters to the
+    strategy (which then starts MPI on host memory): the GPU goes on
+    computing earlier layers meanwhile, and nothing synchronises the whole
+    device. The thread that launches backward's kernels does one event, one
+    wait, one copy per range and one queue put per group, not per parameter.
+    After `strategy.wait(indices)` the averaged values go back on the side
+    stream and the current stream waits on an event, so the optimizer's
+    update, or the layer's next forward pass (p3), runs after them on the
+    GPU, without the CPU waiting. A strategy that completes averages a group
+    at a time on its own thread (wfbp's buckets, p3's tensors, allreduce's
+    pieces) calls `averaged(indices)` there instead: those go back at once,
+    on a stream of their own (the second copy engine), behind the exchange
+    of the rest, and `to_device` only makes the current stream wait for
+    them. Events are made once and reused.
 
     On a CPU model under MPITRAIN_STAGING=force the same bookkeeping runs
     with synchronous copies and no thread: how CI checks it without a GPU.
     """
 
     def __init__(self, buffers: GradientBuffers, deliver: Callable[[int], None],
-                 interrupt: Callable[[], None] = lambda: None, timeline=None):
+                 interrupt: Callable[[], None] = lambda: None, timeline=None,
+                 groups: list[list[int]] | None = None):
         if not buffers.staged:
             raise ValueError("GradientStaging needs GradientBuffers built with staged=True (a host mirror)")
         self.buffers, self.deliver, self.interrupt, self.timeline = buffers, deliver, interrupt, timeline
         self.device = buffers.device
         self.cuda = self.device.type == "cuda"
+        n = len(buffers.params)
+        self.groups = [list(g) for g in (size_groups(buffers) if groups is None else groups)]
+        self.group_of = [-1] * n
+        for g, members in enumerate(self.groups):
+            for i in members:
+                self.group_of[i] = g
+        if sorted(i for members in self.groups for i in members) != list(range(n)):
+            raise ValueError(f"staging groups must hold every parameter index 0..{n - 1} once, got {self.groups}")
+        self._ranges = [coalesce(buffers.segments, members) for members in self.groups]
+        self._left = [len(members) for members in self.groups]  # gradients of each group still to come this step
+        self._arrived: list[list[int]] = [[] for _ in self.groups]  # in hook order
         self.copies_to_host = self.copies_to_device = 0  # per-range copies issued (reported, tested)
+        self.batches_to_host = 0  # groups sent: on a GPU, one event, one copy per range and one queue put each
         self.copies_as_averaged = 0  # of copies_to_device, those averaged() made as the exchange finished them
         # Whose average is still in the mirror only: each goes back once per step, so that what the
         # user does to .grad after synchronize() (clipping) is not overwritten by step()'s wait.
-        self.outstanding = [False] * len(buffers.params)
+        self.outstanding = [False] * n
         # Those sent back early (averaged): per parameter, (the sequence number of the copy that took it, the index
         # of the event recorded after it), None if none.
-        n = len(buffers.params)
         self._early: list[tuple[int, int] | None] = [None] * n
         self._sent_back = 0
         self._lock = threading.Lock()  # averaged() runs on the strategy's thread, to_device() on the training one
@@ -69,31 +114,64 @@ class GradientStaging:
             return
         self.stream = torch.cuda.Stream(self.device)
         self.back_stream = torch.cuda.Stream(self.device)  # averaged()'s copies: not queued behind the gradients'
-        self.produced = [torch.cuda.Event() for _ in range(n)]  # gradient i final on its compute stream
-        self.copied = [torch.cuda.Event() for _ in range(n)]  # its host copy complete
-        self.returned = torch.cuda.Event()  # the last averaged values are back on the device
+        # Per group, the streams that produced its gradients this step and an event for each (made as needed).
+        self._streams: list[list] = [[] for _ in self.groups]
+        self._produced: list[list] = [[] for _ in self.groups]
+        # The staging thread's host waits on these: blocking, so that it sleeps instead of spinning a core.
+        self.copied = [torch.cuda.Event(blocking=True) for _ in self.groups]  # group g's host copy complete
+        self.returned = torch.cuda.Event()  # the last averaged values are back on the device (waited by streams)
         self.back = [torch.cuda.Event() for _ in range(n)]  # back[j]: averaged()'s copy whose last index is j
-        self._thread_device = threading.local()
-        # This copy only (synchronize releases the GIL), never the device; then the strategy gets i.
-        self.delivery = Delivery(lambda i, event: event.synchronize(), deliver, interrupt, timeline)
+        # This copy only (synchronize releases the GIL), never the device; then the strategy gets the group.
+        self.delivery = Delivery(lambda g, event: event.synchronize(), self._deliver_group, interrupt,
+                                 setup=device_setup(self.device))
 
     # -- device -> host ------------------------------------------------------
     def to_host(self, i: int) -> None:
-        """Parameter i's gradient is final on the device: copy it to the mirror, then deliver(i)."""
-        host, dev = self.buffers.flat_views[i], self.buffers.device_flat_views[i]
-        self.copies_to_host += 1
+        """Parameter i's gradient is final on the device: once its group's are, copy them to the mirror, then
+        deliver each (in hook order)."""
         self.outstanding[i] = True
+        g = self.group_of[i]
+        self._arrived[g].append(i)
+        if self.cuda:
+            # The hook runs on the thread and stream that produced the gradient (autograd's device thread).
+            stream, seen = torch.cuda.current_stream(self.device), self._streams[g]
+            if not seen or (seen[-1] != stream and stream not in seen):
+                seen.append(stream)
+        self._left[g] -= 1
+        if self._left[g] == 0:
+            self._left[g] = len(self.groups[g])  # for the next step
+            self._send(g)
+
+    def _send(self, g: int) -> None:
+        """Group g's gradients are all final: one copy per range into the mirror, then delivered."""
+        ranges, b = self._ranges[g], self.buffers
+        self.copies_to_host += len(ranges)
+        self.batches_to_host += 1
         if not self.cuda:
-            host.copy_(dev)
-            self.deliver(i)
+            for k, a, z in ranges:
+                b.flats[k][a:z].copy_(b.device_flats[k][a:z])
+            self._deliver_group(g)
             return
-        # The hook runs on the thread and stream that produced the gradient (autograd's device thread).
-        self.produced[i].record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(self.produced[i])
-        with torch.cuda.stream(self.stream):
-            host.copy_(dev, non_blocking=True)
-            self.copied[i].record(self.stream)
-        self.delivery.put(i, self.copied[i])
+        streams, events = self._streams[g], self._produced[g]
+        with torch.cuda.device(self.device):  # autograd's device thread, or the training thread (unsent gradients)
+            while len(events) < len(streams):
+                events.append(torch.cuda.Event())
+            for stream, event in zip(streams, events):
+                event.record(stream)
+                self.stream.wait_event(event)
+            streams.clear()
+            with torch.cuda.stream(self.stream):
+                for k, a, z in ranges:
+                    b.flats[k][a:z].copy_(b.device_flats[k][a:z], non_blocking=True)
+                self.copied[g].record(self.stream)
+        self.delivery.put(g, self.copied[g])
+
+    def _deliver_group(self, g: int) -> None:
+        arrived, self._arrived[g] = self._arrived[g], []
+        if self.timeline:
+            self.timeline.instant(f"on host: {len(arrived)} params", "staging", track="staging", group=g)
+        for i in arrived:
+            self.deliver(i)
 
     def drain(self) -> None:
         """Block until every copied gradient has been delivered (in hook order); re-raise a delivery's error."""
@@ -113,9 +191,6 @@ class GradientStaging:
             last = indices[-1]
             for i in indices:
                 self._early[i] = (self._sent_back, last)
-            if self.cuda and not getattr(self._thread_device, "set", False):  # this thread's CUDA: the model's device
-                torch.cuda.set_device(self.device)
-                self._thread_device.set = True
             # Issued under the lock, so a to_device() that finds _early set finds the event recorded.
             self._put_back(ranges, self.back_stream if self.cuda else None, self.back[last] if self.cuda else None)
         if self.timeline:
@@ -134,13 +209,15 @@ class GradientStaging:
 
     def _put_back(self, ranges, stream, event) -> None:
         """Copy these ranges of the mirror into the device's gradients: on a CPU at once, else on `stream`
-        (non-blocking, from pinned memory), recording `event` after them."""
+        (non-blocking, from pinned memory), recording `event` after them. On the model's device whichever
+        thread calls (a progress thread set it already; the training thread's own current device is left as
+        the user set it)."""
         b = self.buffers
         if not self.cuda:
             for k, a, z in ranges:
                 b.device_flats[k][a:z].copy_(b.flats[k][a:z])
             return
-        with torch.cuda.stream(stream):
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for k, a, z in ranges:
                 b.device_flats[k][a:z].copy_(b.flats[k][a:z], non_blocking=True)
             event.record(stream)

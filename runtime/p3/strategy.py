@@ -6,6 +6,7 @@ from mpicomm.progress import ProgressThread
 from mpicomm.sliced_ps import SlicedExchange
 from mpicomm.stall import wait_until
 
+from ..device.threads import device_setup
 from ..strategy import Strategy, StrategyContext
 from .tuning import tune
 
@@ -37,7 +38,7 @@ class P3Sync(Strategy):
                                        self.timeline, ctx.names, relaxed_sleep=t.relaxed_sleep,
                                        nodes=ctx.topology.nodes,
                                        node_aggregation=getattr(o, "node_aggregation", True))
-        self.progress = ProgressThread("mpitrain-p3")
+        self.progress = ProgressThread("mpitrain-p3", setup=device_setup(self.buffers.device))  # copies back
         self.exchange.nudge = self.progress.nudge
         self.exchange.on_done = self._averaged
         self.future = None  # the exchange of the newest step on the progress thread
