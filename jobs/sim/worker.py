@@ -44,13 +44,20 @@ def parse_args(argv=None):
 def profile(args, comm) -> None:
     import torch
 
+    from jobs.common.devices import rank_device
     from jobs.common.report import machine, machine_line
+    from mpicomm.topology import Topology
     from runtime.sim.measure import measure
     from runtime.sim.profile import Profile
     from runtime.workloads.models import build_model, loss_fn, model_input
 
     torch.set_num_threads(args.threads)
-    dev = torch.device("cuda", comm.Get_rank() % torch.cuda.device_count()) if args.device == "cuda" else "cpu"
+    # The GPU of this rank's node-local rank, made current (as the training jobs choose it): measure's
+    # torch.cuda.synchronize() waits on the current device, so a rank timing another GPU than the
+    # current one would time its launches, not its kernels. The world rank would also pick a GPU
+    # that is not this host's n-th on a second host.
+    with Topology(comm) as topo:
+        dev = rank_device(args.device, topo)
     torch.manual_seed(0)
     model = build_model(args.model).to(dev)
     inputs, target = model_input(args.model, args.batch_size, comm.Get_rank())
@@ -90,7 +97,8 @@ def slowest_per_step(profiles: list):
                    other_s=max(0.0, fmean([st["rest"] for st in picks])),
                    select_s_per_element=max(p.select_s_per_element for p in profiles),
                    gflops=min(p.gflops for p in profiles), copy_gbs=min(p.copy_gbs for p in profiles),
-                   extra={"step_s_ranks": [p.step_s for p in profiles], "merged": "slowest rank per step"})
+                   extra={"step_s_ranks": [p.step_s for p in profiles], "rank_devices": [p.device for p in profiles],
+                          "merged": "slowest rank per step"})
 
 
 def transport(args, comm) -> None:
