@@ -6,8 +6,10 @@
 profile: every rank profiles the same model at the same time (runtime.sim.measure), so that a
 profile taken on n ranks of one machine carries the contention those n ranks put on its cores
 and memory, as a training run of n ranks there does. Rank 0 writes the profile whose every
-figure comes from the rank slowest at each step (slowest_per_step). transport: mpicomm.transport_probe between pairs of ranks, then
-the ring allreduce's rate over all of them.
+figure comes from the rank slowest at each step (slowest_per_step). With --device cuda each rank
+profiles its node-local rank's GPU, as the training jobs (jobs.common.devices.rank_device).
+transport: mpicomm.transport_probe between pairs of ranks, then the ring allreduce's rate over
+all of them.
 Both print one "ROW {json}" line.
 """
 
