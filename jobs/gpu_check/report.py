@@ -30,7 +30,7 @@ def pytest_summary(result: Result, folder: str) -> str:
     """pytest's last summary line and its FAILED/ERROR lines (-rfE), from the log."""
     with open(os.path.join(folder, result.log), errors="replace") as f:
         lines = [line.rstrip() for line in f]
-    if any(line.startswith("[") and "] " in line for line in lines):  # mpiexec -prepend-rank: rank 0's lines
+    if any(line.startswith("[0] ") for line in lines):  # mpiexec -prepend-rank: rank 0's lines
         lines = [line.split("] ", 1)[1] for line in lines if line.startswith("[0] ")]
     summary = next((line.strip("= ") for line in reversed(lines) if _PYTEST_SUMMARY.search(line)), None)
     failed = list(dict.fromkeys(line for line in lines if line.startswith(("FAILED ", "ERROR "))))

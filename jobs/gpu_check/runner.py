@@ -12,7 +12,10 @@ from dataclasses import asdict, dataclass, field
 HEARTBEAT_S = 30.0  # a progress line at least this often while a part runs
 MIN_START_S = 10.0  # a part is not started with less of the run's budget left: it could not finish
 TAIL_LINES = 15  # of a failed part's log, in the report
-GRACE_S = 5.0  # between SIGTERM and SIGKILL for a part past its limit
+# A part past its limit gets SIGINT first: the jobs end as on ^C, tearing down what they started in sessions of
+# their own (an MPI job's ranks, an emulated cluster's namespaces), which the signals to the part's own group
+# would not reach; then SIGTERM, then SIGKILL, each after its grace.
+STOP = ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, None))
 
 
 @dataclass
@@ -72,8 +75,11 @@ def run_part(part: Part, folder: str, budget_left_s: float, say=print, cwd: str 
         out.write(f"$ {command}\n")
         out.flush()
         try:
+            # SIGINT as the default in the part, even where this driver was started with it ignored (a
+            # background job): Python then makes it a KeyboardInterrupt.
             proc = subprocess.Popen(part.cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env={**os.environ, **part.env}, cwd=cwd, start_new_session=True)
+                                    env={**os.environ, **part.env}, cwd=cwd, start_new_session=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         except OSError as exc:
             result.status, result.problem = "failed", f"could not start: {exc}"
             return result
@@ -111,8 +117,8 @@ def _wait(proc: subprocess.Popen, start: float, limit: float, name: str, log: st
 
 
 def _end_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the part's process group (mpiexec and its ranks with it), SIGKILL if still there after GRACE_S."""
-    for sig, grace in ((signal.SIGTERM, GRACE_S), (signal.SIGKILL, None)):
+    """STOP's signals to the part's process group, in turn, until it has ended."""
+    for sig, grace in STOP:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
