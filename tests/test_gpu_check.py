@@ -14,16 +14,23 @@ import torch
 from conftest import exit_in_process
 from jobs.gpu_check.main import main, run_all
 from jobs.gpu_check.parts import box_parts, gpu_slug, paper_batches
+from jobs.gpu_check.pytest_log import none_passed
 from jobs.gpu_check.report import summarize
 from jobs.gpu_check.runner import Part, Result
 
 PY = sys.executable
 TESTS = """
+import pytest
+
 def test_one():
     pass
 
 def test_two():
     assert 1 == 2
+
+@pytest.mark.skip(reason="as a gpu test without a GPU")
+def test_skipped():
+    pass
 """
 
 
@@ -38,11 +45,11 @@ def test_without_a_gpu_it_stops_at_once_with_one_line_and_exit_2(tmp_path, capsy
 def test_every_part_runs_whatever_the_others_do_and_the_report_says_which_failed(tmp_path):
     (tmp_path / "test_tiny.py").write_text(TESTS)
     write = "open('out.txt', 'w').write('x'); print('wrote it')"
+    pytest = [PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-c", os.devnull,
+              str(tmp_path / "test_tiny.py")]
     parts = [
-        Part("tests", "a real pytest run, one test failing",
-             [PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "-c", os.devnull,
-              str(tmp_path / "test_tiny.py")],
-             60, "pytest"),
+        Part("tests", "a real pytest run, one test failing", pytest, 60, "pytest", check=none_passed),
+        Part("skips", "every test it selects skips", [*pytest, "-k", "skipped"], 60, "pytest", check=none_passed),
         Part("slow", "outruns its limit", [PY, "-c", "import time; print('started', flush=True); time.sleep(60)"], 1.5),
         Part("writes", "exits 0 and writes its output", [PY, "-c", write.replace("out.txt", str(tmp_path / "o.txt"))],
              30, outputs=("o.txt",)),
@@ -54,18 +61,20 @@ def test_every_part_runs_whatever_the_others_do_and_the_report_says_which_failed
                       heartbeat_s=0.5)
     assert time.monotonic() - start < 50  # the slow part was ended at its limit, not after its 60 s
     status = {r.name: r.status for r in results}
-    assert status == {"tests": "failed", "slow": "timed out", "writes": "passed", "forgets": "failed"}, \
+    assert status == {"tests": "failed", "skips": "failed", "slow": "timed out", "writes": "passed",
+                      "forgets": "failed"}, \
         [(r.name, r.status, r.problem, r.seconds) for r in results]
     assert any(line.startswith("  slow: ") for line in said), said  # progress while it ran
 
     doc = json.loads((tmp_path / "report.json").read_text())
-    assert doc["failed"] == ["tests", "slow", "forgets"] and not doc["passed"] and doc["complete"]
-    tests = doc["parts"][0]
+    assert doc["failed"] == ["tests", "skips", "slow", "forgets"] and not doc["passed"] and doc["complete"]
+    tests, skips = doc["parts"][:2]
     assert "1 failed, 1 passed" in tests["summary"] and "FAILED" in tests["summary"] and "test_two" in tests["summary"]
-    assert "wrote it" in (tmp_path / doc["parts"][2]["log"]).read_text()
-    assert "KeyboardInterrupt" in (tmp_path / doc["parts"][1]["log"]).read_text()  # ended as by ^C: jobs clean up
+    assert skips["returncode"] == 0 and "no test passed (1 skipped, 2 deselected" in skips["problem"], skips
+    assert "wrote it" in (tmp_path / doc["parts"][3]["log"]).read_text()
+    assert "KeyboardInterrupt" in (tmp_path / doc["parts"][2]["log"]).read_text()  # ended as by ^C: jobs clean up
     md = (tmp_path / "report.md").read_text()
-    assert "FAILED: tests, slow, forgets" in md and "| writes | passed |" in md
+    assert "FAILED: tests, skips, slow, forgets" in md and "| writes | passed |" in md
     assert "did not write missing.json" in md and "[logs/slow.log](logs/slow.log)" in md
 
 

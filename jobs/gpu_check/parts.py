@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 
+from jobs.gpu_check.pytest_log import none_passed
 from jobs.gpu_check.runner import Part
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -62,11 +63,11 @@ def box_parts(folder: str, gpu: str, wanted=NAMES, bandwidth: str = "10gbit") ->
         # installed, runs 4 at once (the machine has 16 cores; each job's ranks share the GPU).
         xdist = ["-n", "4"] if importlib.util.find_spec("xdist") else []
         parts.append(Part("tests-serial", "serial gpu tests (plain pytest)", [*pytest, "-m", "gpu and not mpi",
-                          *xdist], 300, "pytest"))
+                          *xdist], 300, "pytest", check=none_passed))
     if "tests-mpi" in wanted:
         parts.append(Part("tests-mpi", "MPI gpu tests (mpiexec -n 4)",
                           [py, os.path.join("tests", "run_mpi.py"), mpiexec(), "-prepend-rank", "-n", "4", py, "-m",
-                           "mpi4py", "-m", *pytest[2:], "-m", "gpu and mpi"], 180, "pytest"))
+                           "mpi4py", "-m", *pytest[2:], "-m", "gpu and mpi"], 180, "pytest", check=none_passed))
     if "mstopk" in wanted:
         parts.append(Part("mstopk", "MSTopK against torch.topk at 1M, 25M, 100M elements",
                           [py, "-m", "jobs.bench.mstopk", "--device", "cuda", "--sizes", "1M,25M,100M",

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 
+from jobs.gpu_check import pytest_log
 from jobs.gpu_check.runner import Result
-
-_PYTEST_SUMMARY = re.compile(r"\b\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
 
 
 def summarize(result: Result, folder: str) -> str:
@@ -28,13 +26,9 @@ def summarize(result: Result, folder: str) -> str:
 
 def pytest_summary(result: Result, folder: str) -> str:
     """pytest's last summary line and its FAILED/ERROR lines (-rfE), from the log."""
-    with open(os.path.join(folder, result.log), errors="replace") as f:
-        lines = [line.rstrip() for line in f]
-    if any(line.startswith("[0] ") for line in lines):  # mpiexec -prepend-rank: rank 0's lines
-        lines = [line.split("] ", 1)[1] for line in lines if line.startswith("[0] ")]
-    summary = next((line.strip("= ") for line in reversed(lines) if _PYTEST_SUMMARY.search(line)), None)
-    failed = list(dict.fromkeys(line for line in lines if line.startswith(("FAILED ", "ERROR "))))
-    out = [f"pytest: {summary or 'no summary line (see the log)'}"]
+    lines = pytest_log.read(os.path.join(folder, result.log))
+    failed = pytest_log.failures(lines)
+    out = [f"pytest: {pytest_log.summary(lines) or 'no summary line (see the log)'}"]
     out += [f"- {line[:300]}" for line in failed[:20]]
     return "\n".join(out)
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 HEARTBEAT_S = 30.0  # a progress line at least this often while a part runs
 MIN_START_S = 10.0  # a part is not started with less of the run's budget left: it could not finish
@@ -21,7 +22,7 @@ STOP = ((signal.SIGINT, 15.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, None))
 @dataclass
 class Part:
     """A command of the check. outputs: files (relative to the run's folder) it must leave; kind: how the report
-    summarises it (jobs.gpu_check.report.SUMMARIES)."""
+    summarises it (jobs.gpu_check.report.SUMMARIES); check(log path): why a run that exited 0 failed, or None."""
 
     name: str
     title: str
@@ -30,6 +31,7 @@ class Part:
     kind: str = "log"
     outputs: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    check: Callable[[str], str | None] | None = None
 
 
 @dataclass
@@ -94,6 +96,8 @@ def run_part(part: Part, folder: str, budget_left_s: float, say=print, cwd: str 
         result.status, result.problem = "failed", f"exit status {proc.returncode}"
     elif missing:
         result.status, result.problem = "failed", f"exit status 0 but did not write {', '.join(missing)}"
+    elif part.check is not None and (why := part.check(os.path.join(folder, log))):
+        result.status, result.problem = "failed", why
     else:
         result.status = "passed"
     return result
