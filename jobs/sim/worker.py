@@ -56,8 +56,8 @@ def profile(args, comm) -> None:
     torch.set_num_threads(args.threads)
     # The GPU of this rank's node-local rank, made current (as the training jobs choose it): measure's
     # torch.cuda.synchronize() waits on the current device, so a rank timing another GPU than the
-    # current one would time its launches, not its kernels. The world rank would also pick a GPU
-    # that is not this host's n-th on a second host.
+    # current one would time its launches, not its kernels. By world rank, a second host's ranks
+    # would not start at its GPU 0 wherever its ranks and GPUs differ in number.
     with Topology(comm) as topo:
         dev = rank_device(args.device, topo)
     torch.manual_seed(0)
