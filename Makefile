@@ -17,7 +17,7 @@ FAKE_HOSTS := -hosts n1:2,n2:2 -launcher ssh -launcher-exec mpicomm/launcher/fak
 STAMP := $(VENV)/.mpitrain-setup
 
 .PHONY: setup setup-system setup-corpus bytecode demo test test-serial test-mpi test-mpi-hosts test-mpi-emulated test-cluster test-slurm \
-	bench-collectives clean
+	bench-collectives gpu-check clean
 
 setup: setup-system $(STAMP) setup-corpus bytecode
 
@@ -100,6 +100,17 @@ test-slurm: setup
 bench-collectives: setup
 	mkdir -p results
 	timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $(NP) $(MPITRAIN) bench collectives --json results/collectives.json
+
+# Everything GPU in one run (jobs.gpu_check): the gpu tests (serial ones with plain pytest, MPI ones under
+# mpiexec -n 4), MSTopK, the staging overhead, 2 x 2 throughput, the profiles; one report, exit 1 if a part failed,
+# 2 without a GPU. No set-up (a GPU machine may have no package registry, and `setup` installs a CPU torch): the
+# python on PATH, an activated venv's or the machine's own with its CUDA torch (the device box's run.sh puts
+# its venv first on PATH), with this checkout on PYTHONPATH. GPU_CHECK_DIR=DIR: the report's folder (default
+# gpu-check-DATE-TIME); GPU_CHECK_ARGS: more options (--parts, --budget: mpitrain gpu-check --help).
+GPU_PYTHON ?= $(shell command -v python 2>/dev/null || command -v python3)
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m jobs.gpu_check.main \
+	  $(if $(GPU_CHECK_DIR),--out $(GPU_CHECK_DIR)) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) results *.egg-info

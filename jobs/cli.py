@@ -27,6 +27,7 @@ COMMANDS = (
     ("cluster", "jobs.cluster", "alone", "hosts in network namespaces, shaped links, MPI jobs across them (root)"),
     ("topology", "jobs.topology", "MPI", "how MPI sees this allocation: nodes, ranks per node, groups"),
     ("soak", "jobs.soak", "MPI", "thousands of steps under one strategy, watching for leaks"),
+    ("gpu-check", "jobs.gpu_check.main", "alone", "every gpu test and GPU benchmark, one report (make gpu-check)"),
 )
 BENCHMARKS = (
     ("strategies", "jobs.bench.strategies", "alone", "each strategy's samples/s across link rates (and torch DDP)"),

@@ -31,6 +31,44 @@ def _launcher_rank() -> int:
     return 0
 
 
+def _world_size() -> int:
+    """The MPI world's size: MPI's own where it has started (python -m mpi4py), else the launcher's word."""
+    MPI = sys.modules.get("mpi4py.MPI")
+    if MPI is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+        return MPI.COMM_WORLD.Get_size()
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 1
+
+
+def serial_under_mpi(markexpr: str, ranks: int, serial: list[str]) -> str | None:
+    """Why a run may not go on: serial tests (not marked mpi) selected in an MPI world of several ranks.
+
+    Every rank would run each of them at once: a GPU test's model N times on one GPU, a job test's own
+    mpiexec started inside an MPI rank (with the outer launcher's environment). The message names the
+    two commands that run the selection as the suites are meant to run.
+    """
+    if ranks <= 1 or not serial:
+        return None
+    expr = f"({markexpr})" if " or " in markexpr else markexpr
+    plain = f'-m "{expr} and not mpi"' if expr else '-m "not mpi"'
+    under = f'-m "{expr} and mpi"' if expr else "-m mpi"
+    shown = ", ".join(serial[:3]) + (f" and {len(serial) - 3} more" if len(serial) > 3 else "")
+    return (f"{len(serial)} serial test(s) (not marked mpi) selected under an MPI world of {ranks} ranks: every "
+            f"rank would run each one ({shown}). Run serial tests with plain pytest: python -m pytest {plain}; "
+            f"MPI tests under mpiexec: mpiexec -n 4 python -m mpi4py -m pytest {under}")
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected
+def pytest_collection_modifyitems(config, items):
+    """Under mpiexec only tests marked mpi may run: stop before any test with the commands that run them."""
+    why = serial_under_mpi(config.getoption("markexpr") or "", _world_size(),
+                           [item.nodeid for item in items if item.get_closest_marker("mpi") is None])
+    if why:
+        pytest.exit(why, returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 _quiet_report = None
 
 

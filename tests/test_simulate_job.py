@@ -38,9 +38,36 @@ def test_take_profile_writes_every_layer_measured_on_every_rank(mlp_profile):
 
     p = Profile.load(str(mlp_profile))
     assert p.model == "mlp" and p.ranks_at_once == 2 and p.batch_size == 8 and len(p.extra["step_s_ranks"]) == 2
+    assert p.extra["rank_devices"] == ["cpu", "cpu"]
     linears = [m for m in build_model("mlp").modules() if isinstance(m, torch.nn.Linear)]
     assert [l.linear[:2] for l in p.layers] == [(m.in_features, m.out_features) for m in linears]
     assert p.compute_s > 0 and all(l.fwd_s > 0 and l.bwd_s > 0 for l in p.layers)
+
+
+def cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(cuda_devices() < 2, reason="needs 2 CUDA devices (torch sees fewer)")
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks_per_node, devices", [(None, ["cuda:0", "cuda:1"]), ("1", ["cuda:0", "cuda:0"])])
+def test_a_gpu_profile_takes_each_ranks_gpu_by_its_local_rank(tmp_path, ranks_per_node, devices):
+    """Two ranks on one host take GPUs 0 and 1; as two (emulated) hosts of one rank each, both take their host's
+    first GPU, as the training jobs do. By world rank the second would have timed GPU 1 while synchronising GPU 0."""
+    from runtime.sim import Profile
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("MPITRAIN_RANKS_PER_NODE", None)
+    env.update({"MPITRAIN_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})
+    out = tmp_path / "mlp-cuda.json"
+    proc = subprocess.run([sys.executable, "-m", "jobs.simulate", "--take-profile", "--device", "cuda", "--model",
+                           "mlp", "--ranks", "2", "--batch-size", "8", "--out", str(out)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert Profile.load(str(out)).extra["rank_devices"] == devices
 
 
 @pytest.mark.timeout(300)

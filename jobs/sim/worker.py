@@ -6,8 +6,10 @@
 profile: every rank profiles the same model at the same time (runtime.sim.measure), so that a
 profile taken on n ranks of one machine carries the contention those n ranks put on its cores
 and memory, as a training run of n ranks there does. Rank 0 writes the profile whose every
-figure comes from the rank slowest at each step (slowest_per_step). transport: mpicomm.transport_probe between pairs of ranks, then
-the ring allreduce's rate over all of them.
+figure comes from the rank slowest at each step (slowest_per_step). With --device cuda each rank
+profiles its node-local rank's GPU, as the training jobs (jobs.common.devices.rank_device).
+transport: mpicomm.transport_probe between pairs of ranks, then the ring allreduce's rate over
+all of them.
 Both print one "ROW {json}" line.
 """
 
@@ -44,13 +46,20 @@ def parse_args(argv=None):
 def profile(args, comm) -> None:
     import torch
 
+    from jobs.common.devices import rank_device
     from jobs.common.report import machine, machine_line
+    from mpicomm.topology import Topology
     from runtime.sim.measure import measure
     from runtime.sim.profile import Profile
     from runtime.workloads.models import build_model, loss_fn, model_input
 
     torch.set_num_threads(args.threads)
-    dev = torch.device("cuda", comm.Get_rank() % torch.cuda.device_count()) if args.device == "cuda" else "cpu"
+    # The GPU of this rank's node-local rank, made current (as the training jobs choose it): measure's
+    # torch.cuda.synchronize() waits on the current device, so a rank timing another GPU than the
+    # current one would time its launches, not its kernels. By world rank, a second host's ranks
+    # would not start at its GPU 0 wherever its ranks and GPUs differ in number.
+    with Topology(comm) as topo:
+        dev = rank_device(args.device, topo)
     torch.manual_seed(0)
     model = build_model(args.model).to(dev)
     inputs, target = model_input(args.model, args.batch_size, comm.Get_rank())
@@ -90,7 +99,8 @@ def slowest_per_step(profiles: list):
                    other_s=max(0.0, fmean([st["rest"] for st in picks])),
                    select_s_per_element=max(p.select_s_per_element for p in profiles),
                    gflops=min(p.gflops for p in profiles), copy_gbs=min(p.copy_gbs for p in profiles),
-                   extra={"step_s_ranks": [p.step_s for p in profiles], "merged": "slowest rank per step"})
+                   extra={"step_s_ranks": [p.step_s for p in profiles], "rank_devices": [p.device for p in profiles],
+                          "merged": "slowest rank per step"})
 
 
 def transport(args, comm) -> None:

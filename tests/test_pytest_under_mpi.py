@@ -1,0 +1,48 @@
+"""conftest's guard: pytest under mpiexec runs only tests marked mpi; serial ones stop the run, naming both commands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, serial_under_mpi
+from mpicomm.launch import mpiexec
+
+TESTS = """
+import os
+import pytest
+
+@pytest.mark.gpu
+def test_serial_gpu():  # a serial gpu test, as the job-level ones (which start their own mpiexec)
+    open(os.path.join(os.path.dirname(__file__), f"ran-{os.getpid()}"), "w").close()
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_mpi_gpu():
+    pass
+"""
+
+
+def test_the_old_gpu_command_runs_no_serial_test_on_every_rank_and_names_the_right_commands(tmp_path):
+    (tmp_path / "test_both.py").write_text(TESTS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    # The command README and setup.cfg used to give, with this project's conftest and markers.
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-m", "gpu", "-q",
+           "-p", "no:cacheprovider", "-p", "conftest", "-c", os.path.join(ROOT, "setup.cfg"), "--rootdir",
+           str(tmp_path), str(tmp_path / "test_both.py")]
+    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    text = out.stdout + out.stderr
+    assert not list(tmp_path.glob("ran-*")), f"the serial test ran on {len(list(tmp_path.glob('ran-*')))} ranks"
+    assert out.returncode != 0, text
+    assert 'python -m pytest -m "gpu and not mpi"' in text and \
+        'mpiexec -n 4 python -m mpi4py -m pytest -m "gpu and mpi"' in text, text
+    assert text.count("serial test(s)") == 1, text  # rank 0 says it; the others keep quiet
+
+
+def test_the_message_keeps_the_selection_and_lets_mpi_only_or_one_rank_runs_through():
+    assert serial_under_mpi("gpu", 4, []) is None  # -m "gpu and mpi": nothing serial left
+    assert serial_under_mpi("gpu", 1, ["t.py::a"]) is None  # plain pytest (or mpiexec -n 1)
+    why = serial_under_mpi("gpu or cluster", 4, [f"t.py::t{i}" for i in range(5)])
+    assert '-m "(gpu or cluster) and not mpi"' in why and "t.py::t2 and 2 more" in why and "4 ranks" in why
+    assert '-m "not mpi"' in serial_under_mpi("", 2, ["t.py::a"])
