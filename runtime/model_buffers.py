@@ -61,7 +61,7 @@ class _Pack:
         self.snapshots = [b.detach().clone() for b in watched]
         if self.cuda:
             self.copied = torch.cuda.Event(blocking=True)  # the host waits on it: no spinning
-            self.returned = torch.cuda.Event()  # the last average's copy back: the next pack's copy waits for it
+            self.returned = torch.cuda.Event(blocking=True)  # the last average unpacked: the next pack waits for it
             self._returned = False
 
     def gather(self) -> int:
@@ -87,13 +87,14 @@ class _Pack:
         """Write the host slice's values back into the sent buffers; returns the copies issued."""
         if not self.sent:
             return 0
-        copies = 0
         if self.cuda:  # on the current stream: the forward pass that follows reads them after it
             self.work[:self.nvalues].copy_(self.host[:self.nvalues], non_blocking=True)
-            self.returned.record(torch.cuda.current_stream(self.device))
-            self._returned, copies = True, 1
         torch._foreach_copy_([b.detach() for b in self.sent], self.views)
-        return copies
+        if not self.cuda:
+            return 0
+        self.returned.record(torch.cuda.current_stream(self.device))  # the host slice and `work` read
+        self._returned = True
+        return 1
 
     def changed(self) -> list[torch.Tensor]:
         """The watched buffers whose summed flag in the host slice is non-zero (the same on every rank)."""
@@ -120,6 +121,10 @@ class BufferSync:
     estimate than any one rank's); "broadcast" is DDP's behaviour. Which
     buffers travel: `synced_buffers`; a watched buffer found changed on some
     rank is averaged at once (one blocking allreduce) and sent from then on.
+    On a GPU the pack is queued on the current stream of step(), behind the
+    forward pass that wrote the buffers when it ran on that stream (a
+    forward pass on another stream must be joined to it first, as for the
+    gradients), and the host waits for that one copy alone.
     """
 
     def __init__(self, model: torch.nn.Module, comm: MPI.Comm, mode: str, policy: StallPolicy, interrupt=None,
@@ -142,6 +147,9 @@ class BufferSync:
 
     def _layout(self) -> None:
         """One pack per device (a model's buffers are on one), each a slice of the host vector MPI reduces."""
+        if not self.active:
+            self.packs, self.staging = [], np.zeros(0)
+            return
         devices = list(dict.fromkeys(b.device for b in self.buffers + self.watched))
         groups = [([b for b in self.buffers if b.device == d], [b for b in self.watched if b.device == d])
                   for d in devices]

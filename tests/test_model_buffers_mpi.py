@@ -107,7 +107,7 @@ class Stats(nn.Module):
 
 def per_buffer_average(world, b: torch.Tensor) -> torch.Tensor:
     """The mean over ranks of one buffer as the per-buffer code computed it: float64 sum, times 1/P, cast back."""
-    total = b.detach().double().numpy().copy()
+    total = b.detach().cpu().double().numpy().copy()
     world.Allreduce(MPI.IN_PLACE, total)
     return torch.from_numpy(total * (1.0 / world.Get_size())).to(b.dtype).view(b.shape)
 
@@ -177,3 +177,60 @@ def test_a_watched_buffer_changed_on_one_rank_is_averaged_at_once_and_sent_from_
     assert_everywhere(world, ok, f"cache {model.cache.tolist()}, {sync.collectives} collectives")
     sync.free()
     comm.Free()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+def test_cuda_buffers_travel_in_one_copy_each_way_behind_the_work_that_wrote_them(world):
+    """On a GPU: one packed copy to pinned memory and one back per step, bitwise the per-buffer average. The
+    buffers' new values are written behind ~50 ms of GPU work (as a forward pass leaves them queued): the pack
+    must be ordered after them, and the average written back before the next reads."""
+    from jobs.common.devices import rank_device
+    from mpicomm import Topology
+    from mpicomm.stall import StallPolicy
+    from runtime.model_buffers import BufferSync
+
+    with Topology(world) as topo:
+        device = rank_device("cuda", topo)
+    r = world.Get_rank()
+    host, model = Stats(), Stats().to(device)
+    comm = world.Dup()
+    sync = BufferSync(model, comm, "average", StallPolicy())
+    names = ["bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var", "ema"]
+    positions, ok, why = model.positions.clone(), True, ""
+    for step in range(3):
+        rank_values(host, r, step)
+        want = [per_buffer_average(world, host.get_buffer(n)) for n in names]
+        pinned = [host.get_buffer(n).pin_memory() for n in names]
+        torch.cuda._sleep(100_000_000)
+        with torch.no_grad():
+            for n, v in zip(names, pinned):
+                model.get_buffer(n).copy_(v, non_blocking=True)
+        sync.start()
+        sync.finish()
+        for n, w in zip(names, want):
+            if not torch.equal(model.get_buffer(n).cpu(), w):
+                ok, why = False, f"step {step}: {n} differs by {float((model.get_buffer(n).cpu() - w).abs().max())}"
+    ok = ok and (sync.copies_to_host, sync.copies_to_device, sync.collectives) == (3, 3, 3)
+    ok = ok and torch.equal(model.positions, positions) and len(sync.watched) == 2
+    assert_everywhere(world, ok, f"{why}; copies {sync.copies_to_host} out, {sync.copies_to_device} back, "
+                                 f"{sync.collectives} collectives")
+    sync.free()
+    comm.Free()
+
+
+def test_which_buffers_travel(world):
+    """BatchNorm's statistics are sent, its counter is not; the Transformer's positions are watched only; with
+    "broadcast" every floating buffer is sent (the rule runtime.sim mirrors)."""
+    from runtime.model_buffers import synced_buffers
+    from runtime.workloads.models import TransformerNMT
+
+    nmt = TransformerNMT(vocab=16, d_model=8, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                         dim_feedforward=16, max_len=12)
+    model = bn_model()
+    bn = model[1]
+    ok = synced_buffers(nmt) == ([], [nmt.positions]) and synced_buffers(nmt, "broadcast") == ([nmt.positions], [])
+    sent, watched = synced_buffers(model)
+    ok = ok and [id(b) for b in sent] == [id(bn.running_mean), id(bn.running_var)] and watched == []
+    ok = ok and synced_buffers(model, "none") == ([], [])
+    assert_everywhere(world, ok, "synced_buffers")

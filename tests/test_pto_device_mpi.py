@@ -98,7 +98,7 @@ def test_staged_pto_after_synchronize_updates_with_the_edited_gradients(world, f
 # -- on a GPU -------------------------------------------------------------------------------------------------
 
 class Wide(nn.Module):
-    """4.5 M parameters (18 MB): the parameters' copy back takes milliseconds, not microseconds."""
+    """4.3 M parameters (17 MB): the parameters' copy back takes milliseconds, not microseconds."""
 
     def __init__(self):
         super().__init__()
