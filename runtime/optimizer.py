@@ -332,10 +332,16 @@ class DistributedOptimizer:
         if self.strategy.deferred and not immediately and self.pto is None:
             self.deferred.owe(mask, self._hyper)
             return
-        self._wait(range(len(self.params)))
         if self.pto is not None:
-            self.pto.step(self.strategy.grad_shard, skip=np.flatnonzero(~mask).tolist())
+            # The sharded update reads the averages where the strategy left them (staged: the host mirror) and
+            # writes the parameters itself: they do not go back to .grad on the device, unless synchronize()
+            # put them there for the user to read or edit (`immediately`), where it then reads them.
+            self.strategy.wait(range(len(self.params)))
+            where = None if immediately else \
+                self.buffers.flat_views if self.staging is not None else self.buffers.device_flat_views
+            self.pto.step(self.strategy.grad_shard, skip=np.flatnonzero(~mask).tolist(), grads=where)
         else:
+            self._wait(range(len(self.params)))
             self.updater.step(np.flatnonzero(mask).tolist(), self._hyper)
 
     def _apply(self, indices=None) -> None:

@@ -15,7 +15,8 @@ from ..emulate.accelerator import active as emulated_accelerator
 from ..emulate.emulated import optimizer_state
 from ..grad_buffers import memory_order
 from .groups import group_layout, group_members, identity
-from .state import laid_out_like, same_value, state_kind
+from .state import host_hyper, laid_out_like, placed_like_optimizer, same_value, state_kind
+from .transfers import ShardTransfers
 
 
 class ShardedUpdate:
@@ -54,9 +55,14 @@ class ShardedUpdate:
     noticed.
 
     The shard, its optimizer state and the allgather live in host memory
-    whatever the parameters' device: MPI works on the host, and a GPU model
-    reads its shard from, and gets its parameters back to, the GPU with one
-    copy each (state tensors loaded from a GPU optimizer are moved to the host).
+    whatever the parameters' device: MPI works on the host. The private
+    optimizer runs there with `capturable` off (a CUDA-graph setting of the
+    device's optimizer; the update is the same). With a GPU model the
+    shard's gradient is gathered with one batched copy and one wait (none if
+    `grads` are host tensors, as the staged mirror is), and the gathered
+    parameters go back from pinned memory without a wait, on the current
+    stream, ahead of the next forward pass (runtime.pto.transfers; state
+    tensors loaded from a GPU optimizer are moved to the host).
 
     Under emulated compute (runtime.emulate) the shard's update waits the
     device's modelled optimizer time for its elements (kind "optimizer", as
@@ -93,10 +99,11 @@ class ShardedUpdate:
         start, stop = self._bounds[self.rank]
 
         # The allgather target: block r is this rank's shard, which the pieces are views of,
-        # so the update writes straight into what is sent.
-        self.flat = torch.empty(self.numel, dtype=self.dtype)
+        # so the update writes straight into what is sent. Pinned for a GPU model (copies without a wait).
+        self.transfers = ShardTransfers(self.params)
+        self.flat = self.transfers.host(self.numel, self.dtype)
         self._mine = self.flat[start:stop]
-        self._grad = torch.empty(stop - start, dtype=self.dtype)
+        self._grad = self.transfers.host(stop - start, self.dtype)
         # (param index, first, last element inside the param, position in the shard) of each
         # parameter that overlaps this rank's shard, and the shard view the optimizer steps.
         self._pieces = []
@@ -122,16 +129,16 @@ class ShardedUpdate:
         cls = type(self.optimizer)
         sig = inspect.signature(cls.__init__).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.values()):
-            kwargs = dict(self.optimizer.defaults)
+            kwargs = host_hyper(self.optimizer.defaults)
         else:
             # defaults can hold keys the constructor does not take (AdamW's decoupled_weight_decay);
             # the groups carry every hyper-parameter anyway.
-            kwargs = {k: v for k, v in self.optimizer.defaults.items() if k in sig}
+            kwargs = {k: v for k, v in host_hyper(self.optimizer.defaults).items() if k in sig}
         return cls(groups, **kwargs)
 
     @staticmethod
     def _hyper(group) -> dict:
-        return {k: v for k, v in group.items() if k != "params"}
+        return host_hyper(group)
 
     def _check_same_groups(self, optimizer) -> None:
         if group_layout(optimizer) == self._layout:
@@ -144,19 +151,20 @@ class ShardedUpdate:
             raise ValueError(f"the optimizer's param groups changed since ShardedUpdate was built: {why}")
 
     # -- the update ----------------------------------------------------------------
-    def step(self, grad_shard: torch.Tensor | None = None, skip=()) -> None:
+    def step(self, grad_shard: torch.Tensor | None = None, skip=(), grads=None) -> None:
         """One optimizer step: update this rank's shard, then allgather so every rank has all parameters.
 
-        grad_shard None: the averaged gradients are read from each param's .grad
-        (None as zeros). Otherwise it is the averaged gradient of exactly this
+        grad_shard None: the averaged gradients are read from `grads`, one
+        tensor per parameter in its memory order (default: each param's .grad,
+        None as zeros). Otherwise it is the averaged gradient of exactly this
         rank's shard (stop - start elements), e.g. a reduce-scatter's output.
         skip: indices of parameters to leave untouched (no rank produced a
         gradient for them), state included.
         """
-        self.update_shard(grad_shard, skip)
+        self.update_shard(grad_shard, skip, grads)
         self.allgather_params()
 
-    def update_shard(self, grad_shard: torch.Tensor | None = None, skip=()) -> None:
+    def update_shard(self, grad_shard: torch.Tensor | None = None, skip=(), grads=None) -> None:
         """The first half of `step`: run the private optimizer on this rank's shard (no communication)."""
         self._check_same_groups(self.optimizer)
         for sg, ug in zip(self._opt.param_groups, self.optimizer.param_groups):
@@ -171,15 +179,13 @@ class ShardedUpdate:
             acc.issue("optimizer", acc.model.optimizer_s(sum(stepped), len(stepped), optimizer_state(self.optimizer)))
             return
         with torch.no_grad():
+            self.transfers.host_free()  # the last parameters' copy to the device has read the shard
             self._read_params()
             if grad_shard is None:
                 grad = self._grad
-                for i, a, z, pos in self._pieces:
-                    g = self.params[i].grad
-                    if g is None:
-                        grad[pos:pos + z - a].zero_()
-                    else:
-                        grad[pos:pos + z - a] = memory_order(g.detach())[a:z]
+                sources = [(None if g is None else memory_order(g.detach())[a:z], pos) for (i, a, z, pos), g in
+                           zip(self._pieces, self._grads_of(grads))]
+                self.transfers.gather(sources, grad, [z - a for _, a, z, _ in self._pieces])
             else:
                 if grad_shard.numel() != stop - start:
                     raise ValueError(f"grad_shard has {grad_shard.numel()} elements, rank {self.rank}'s shard "
@@ -191,8 +197,17 @@ class ShardedUpdate:
                 leaf.grad = None if i in skip else grad[pos:pos + z - a]
         self._opt.step()
 
+    def _grads_of(self, grads) -> list:
+        """Each piece's parameter's gradient: from `grads` (one tensor per parameter) or .grad."""
+        if grads is None:
+            return [self.params[i].grad for i, *_ in self._pieces]
+        if len(grads) != len(self.params):
+            raise ValueError(f"grads holds {len(grads)} tensors for {len(self.params)} parameters")
+        return [grads[i] for i, *_ in self._pieces]
+
     def allgather_params(self) -> None:
         """The second half of `step`: gather every rank's updated shard and copy it into the parameters."""
+        self.transfers.host_free()
         self.ring.allgatherv(IN_PLACE, self.flat, counts=self.counts).wait()
         acc = emulated_accelerator()
         if acc is not None:  # the parameters did not change (no update ran): only the copy's time is owed
@@ -200,8 +215,8 @@ class ShardedUpdate:
             self._written = [identity(p) for p in self.params]
             return
         with torch.no_grad():
-            for p, a, z in zip(self.params, self.offsets[:-1], self.offsets[1:]):
-                memory_order(p.detach()).copy_(self.flat[a:z])
+            self.transfers.to_params([memory_order(p.detach()) for p in self.params],
+                                     [self.flat[a:z] for a, z in zip(self.offsets[:-1], self.offsets[1:])])
         self._written = [identity(p) for p in self.params]
 
     def refresh(self) -> None:
@@ -266,6 +281,7 @@ class ShardedUpdate:
                 if v is not None:
                     local[pos:pos + z - a] = v
             full[k] = self.ring.allgatherv(local, torch.empty(self.numel, dtype=local.dtype), counts=self.counts).wait()
+        group_of = {i: gi for gi, m in enumerate(self._members) for i in m}
         for i, p in enumerate(self.params):
             entry = {}
             for k, (kind, value) in merged.get(i, {}).items():  # the optimizer's own key order
@@ -273,7 +289,8 @@ class ShardedUpdate:
                     entry[k] = torch.empty_like(p, dtype=full[k].dtype)  # the param's memory format
                     memory_order(entry[k]).copy_(full[k][self.offsets[i]:self.offsets[i + 1]])
                 else:
-                    entry[k] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+                    entry[k] = placed_like_optimizer(k, value.clone(), p, optimizer.param_groups[group_of[i]]) \
+                        if torch.is_tensor(value) else copy.deepcopy(value)
             if entry:
                 optimizer.state[p] = entry
             else:
