@@ -272,6 +272,22 @@ def test_wfbp_and_p3_send_each_average_back_as_it_completes_and_expose_only_the_
     assert extra == pytest.approx(9 * layer_s, rel=0.01)
 
 
+def test_staged_allreduce_in_pieces_exposes_only_the_last_pieces_copy_back():
+    """runtime.dense.allreduce's staged pieces (about 32 MiB of whole parameters, cut by its own `pieces`):
+    each piece's averages go back as it completes, so after the exchange only the last piece's are left."""
+    from runtime.dense.allreduce import AllreduceSync, pieces
+
+    assert pieces([3, 3, 3, 1], 4) == [[0, 1], [2, 3]] and pieces([5], 4) == [[0]] and pieces([1, 1], 4) == [[0, 1]]
+    c = fast_net(4, bw=10e9)
+    p = toy(n=8, bwd=0.05, params=AllreduceSync.piece_bytes // 4 + 1)  # a piece a layer, copied in 34 ms
+    gpu = dataclasses.replace(p, device="cuda", copy_gbs=1.0)
+    layer_s = p.layers[0].elements * 4 / 1e9
+    extra = simulate(gpu, c, "allreduce").t_iter_s - simulate(p, c, "allreduce").t_iter_s
+    # The last layer's copy to the host (the rest hide behind backward) and the last piece's back; 8 pieces pay
+    # 7 more rings' latencies than one.
+    assert extra == pytest.approx(2 * layer_s, rel=0.02)
+
+
 def test_a_driving_progress_thread_takes_its_cores_only_while_the_training_thread_waits():
     c = fast_net(2, comm_cores=0.25, cores_per_host=1.0)
     host = Host(Engine(), c)

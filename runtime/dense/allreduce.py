@@ -1,4 +1,4 @@
-"""The baseline: one ring allreduce per dtype buffer once backward is over (or a reduce-scatter for PTO)."""
+"""The baseline: the gradients allreduced once backward is over (fused, or in pieces where staged; PTO: halves)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ class AllreduceSync(Strategy):
     .grad keeps the local values, unless `finish(full=True)` asks for the
     whole average (synchronize() before step(), to read or clip gradients).
 
-    Staged through host memory (a GPU model) with the default hook, the
-    allreduce runs in pieces of about `piece_bytes` (whole parameters), two
-    at a time, and each piece's average goes back to the device as it
-    completes (`on_averaged`), behind the exchange of the rest, instead of
-    the whole gradient after the last byte (548 MB for VGG-19).
+    Staged through host memory (a GPU model, or an emulated one's modelled
+    copies) with the default hook, the allreduce runs in pieces of about
+    `piece_bytes` (whole parameters), two at a time, and each piece's
+    average goes back to the device as it completes (`on_averaged`), behind
+    the exchange of the rest, instead of the whole gradient after the last
+    byte (548 MB for VGG-19).
     """
 
     name = "allreduce"
@@ -42,7 +43,8 @@ class AllreduceSync(Strategy):
         for p, (b, _, _) in zip(self.params, self.buffers.segments):
             by_buffer[b].append(p)
         self.buckets = [GradBucket(b, flat, by_buffer[b], self.ring, b) for b, flat in enumerate(self.buffers.flats)]
-        self.pieces = self._pieces() if self.buffers.staged else []  # (parameter indices, GradBucket)
+        # Staged or emulated (a device's copies to model): in pieces; (parameter indices, GradBucket) each.
+        self.pieces = self._pieces() if ctx.compute_off_host else []
         self._shard = None
         self._handles: list = []
 
@@ -69,18 +71,14 @@ class AllreduceSync(Strategy):
             tl.end(span)
 
     def _pieces(self) -> list:
-        """Each buffer cut at parameter boundaries into pieces of about piece_bytes, in memory order."""
+        """Each buffer cut at parameter boundaries into pieces of about piece_bytes (`pieces`), memory order."""
         segments, out = self.buffers.segments, []
         for b, flat in enumerate(self.buffers.flats):
             members = sorted((i for i, seg in enumerate(segments) if seg[0] == b), key=lambda i: segments[i][1])
-            limit = max(1, self.piece_bytes // flat.element_size())
-            current: list[int] = []
-            for i in members:
-                current.append(i)
-                if segments[i][2] - segments[current[0]][1] >= limit or i == members[-1]:
-                    lo, hi = segments[current[0]][1], segments[i][2]
-                    out.append((current, flat[lo:hi]))
-                    current = []
+            sizes = [segments[i][2] - segments[i][1] for i in members]
+            for run in pieces(sizes, self.piece_bytes // flat.element_size()):
+                idxs = [members[j] for j in run]
+                out.append((idxs, flat[segments[idxs[0]][1]:segments[idxs[-1]][2]]))
         return [(idxs, GradBucket(k, buf, [self.params[i] for i in idxs], self.ring, k))
                 for k, (idxs, buf) in enumerate(out)]
 
@@ -132,3 +130,16 @@ def _copy_back(bucket: GradBucket, result) -> None:
                          f"bucket {bucket.index} of {buf.numel()} elements: it must complete with the averaged bucket")
     if result.data_ptr() != buf.data_ptr():
         buf.copy_(result.reshape(-1))
+
+
+def pieces(sizes: list[int], limit: int) -> list[list[int]]:
+    """Positions of consecutive parameters (`sizes` in elements, memory order) cut into runs of at least
+    `limit` elements, the last one what is left: the staged allreduce's pieces (the simulator cuts the same)."""
+    out, run, total = [], [], 0
+    for j, n in enumerate(sizes):
+        run.append(j)
+        total += n
+        if total >= max(1, limit):
+            out.append(run)
+            run, total = [], 0
+    return out + [run] if run else out

@@ -175,9 +175,11 @@ def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
 
 
 class AllreduceSchedule(Schedule):
-    """One ring allreduce of every gradient once backward is over and copied (or, with pto, PTO's halves)."""
+    """One allreduce of every gradient once backward is over and copied (or, with pto, PTO's halves); staged,
+    in runtime.dense.allreduce's pieces, each one's averages back to the device as it completes."""
 
     staged = True
+    sends_back = True
     syncs_buffers = True
     _copied: Event | None = None
 
@@ -188,13 +190,32 @@ class AllreduceSchedule(Schedule):
         nbytes = self.p.grad_bytes
         if self._copied is not None:
             yield self._copied
-        if self.options.get("pto"):
+        if self.options.get("pto"):  # the sharded update reads the averages on the host: none go back
             yield from pto_update(self.run, nbytes)
-            yield from self.back()  # the averages, as the staged update leaves them
             return
-        yield self.run.engine.process(allreduce(self.run.host, nbytes, algorithm=self.options.get("algorithm")))
+        if self.staged and self.run.copy_s(1):
+            yield from self.in_pieces()
+        else:
+            yield self.run.engine.process(allreduce(self.run.host, nbytes, algorithm=self.options.get("algorithm")))
         yield from self.back()
         yield self.run.compute("optimizer", self.p.optimizer_s)
+
+    def in_pieces(self):
+        """The training thread drives the pieces in turn; each one's averages go back (send_back) behind the
+        exchange of the next. Two in flight in the runtime: only their latencies overlap, not modelled."""
+        from runtime.dense.allreduce import AllreduceSync, pieces
+
+        sizes, owner = param_layers(self.p)
+        back = []
+        for k, run in enumerate(pieces(sizes, AllreduceSync.piece_bytes // self.p.itemsize)):
+            by_layer: dict[int, int] = {}
+            for j in run:
+                by_layer[owner[j]] = by_layer.get(owner[j], 0) + sizes[j] * self.p.itemsize
+            done = self.run.engine.process(allreduce(self.run.host, sum(by_layer.values()), f"piece {k}",
+                                                     self.options.get("algorithm")))
+            yield done
+            back.append(self.send_back(by_layer, done))
+        yield all_of(back)
 
 
 def pto_update(run: Run, nbytes: float):

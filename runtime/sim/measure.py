@@ -153,9 +153,13 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
 
 
 def buffer_elements(model: torch.nn.Module) -> int:
-    """The elements of the model's floating-point buffers (BatchNorm statistics): what runtime.model_buffers
-    averages after each step; integer ones (num_batches_tracked) advance alike on every rank."""
-    return sum(b.numel() for b in model.buffers() if b.is_floating_point())
+    """The float64 elements runtime.model_buffers averages after each step: the floating-point state buffers
+    (BatchNorm statistics) and a flag per watched one (a constant such as the Transformer's positions; integer
+    ones, num_batches_tracked, advance alike on every rank). DDP's broadcast is priced on the same count."""
+    from runtime.buffer_selection import synced_buffers
+
+    sent, watched = synced_buffers(model)
+    return sum(b.numel() for b in sent) + len(watched)
 
 
 def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: int = 3) -> float:
