@@ -55,9 +55,12 @@ def flush_against_one_process(world, stages, replicas, balance, **kw) -> tuple[b
         hosts = {t.data_ptr() for t in link._acts + link._grads}
         devices = {t.data_ptr() for box in link._in.values() for t in box.device}
         on = {p.device.type for p in pipe.params}
-        ok = isinstance(link, StagedLink) and not hosts & devices and err < 1e-5 and not link._staging and \
-            on == {device}
-        seen = f"error {err:.3g}, link {type(link).__name__}, parameters on {on}, {link.host_buffers} host buffers"
+        # The host waited for the device only to read the losses: once per micro-batch, on the last stage.
+        waits = pipe.stats()["host_waits"]
+        ok = isinstance(link, StagedLink) and not hosts & devices and err < 1e-5 and on == {device} and \
+            waits == (20 * 4 if pipe.last else 0)
+        seen = f"error {err:.3g}, link {type(link).__name__}, parameters on {on}, {link.host_buffers} host buffers, " \
+               f"{waits} host waits"
         pipe.close()
         topo.free()
         comm.Free()
@@ -109,6 +112,22 @@ def test_stash_keeps_copies_only_where_a_backward_reads_weights(world):
     stage = stats["stage"]
     want = {0: 0, 1: 3, 2: 2, 3: 0}[stage]  # micro-batches in flight: one copy of the Linear's weight each
     assert_everywhere(world, len(held) == want, f"stage {stage}: {len(held)} weight copies, {want} expected")
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "flush"])
+def test_the_host_waits_for_the_device_only_to_read_losses(world, mode):
+    """Staged sends are posted by the link's thread as their copies complete, never waited for at a step's end; the
+    last stage reads each micro-batch's loss once its backward is queued (before its gradient leaves)."""
+    needs_four(world)
+    pipe = Pipeline(build(), sgd, loss_fn=F.cross_entropy, balance=[2, 2, 2, 1], microbatches=4, mode=mode,
+                    staging=True)
+    losses = [pipe.train_step(*parts[0]) for parts in data(3, 8)]
+    waits, threaded = pipe.stats()["host_waits"], pipe.link._poster is not None
+    pipe.close()
+    want = 3 * 4 if pipe.last else 0
+    ok = waits == want and threaded and all((v is not None) == pipe.last for v in losses)
+    assert_everywhere(world, ok, f"{mode}, stage {pipe.stage}: {waits} host waits in 3 steps ({want} expected), "
+                                 f"sends posted by a thread: {threaded}, losses {losses}")
 
 
 def test_the_staging_environment_variable_forces_it(world, monkeypatch):
