@@ -45,8 +45,8 @@ class _WholeBuffer(torch.autograd.Function):
     def backward(ctx, g):
         x, whole = ctx.saved_tensors
         w = whole.as_strided(*ctx.where)
-        return g @ w, (g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])), g.reshape(-1, g.shape[-1]).sum(0), \
-            None
+        rows = g.reshape(-1, g.shape[-1])
+        return g @ w, rows.t() @ x.reshape(-1, x.shape[-1]), rows.sum(0), None
 
 
 class FlatLinear(nn.Linear):

@@ -1,4 +1,4 @@
-"""Where a stage's parameters live: each storage holding parameters seen whole, so a saved tensor is found by its storage.
+"""Where a stage's parameters live: each storage holding parameters seen whole, saved tensors found by storage.
 
 A parameter usually has a storage of its own, but not always: on CUDA,
 nn.LSTM's flatten_parameters() re-points its weights into one cuDNN buffer

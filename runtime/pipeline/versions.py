@@ -40,8 +40,12 @@ backward time:
 
 Gradients always land on the parameters themselves (autograd's leaves), so
 the optimizer and the data-parallel strategies see nothing unusual. Every
-copy (stash pool, spectrain's buffers) is made like its parameter, on the
-stage's device: a GPU stage keeps its weight versions on the GPU.
+copy (stash pool, spectrain's buffers) is of a whole storage holding
+parameters (runtime.pipeline.storages: one per parameter, or one for all the
+weights of an LSTM that cuDNN flattened into one buffer), on the stage's
+device: a GPU stage keeps its weight versions on the GPU. A prediction is
+written and undone parameter by parameter, so it never touches elements of
+a storage that are no parameter's.
 """
 
 from __future__ import annotations
