@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from mpicomm.failstop import PeerFailedError
 
 from .checks import PipelineError
@@ -20,7 +22,7 @@ _HEARD = f"stopped with {DivergenceError.__name__}: "
 
 
 class LossWatch:
-    """Checks each micro-batch's loss on a last stage before its backward, so a diverged one is never applied.
+    """Checks each micro-batch's loss on a last stage before its gradient is sent or applied: a diverged one never is.
 
     Diverged: not finite, or above `factor` times the first micro-batch's loss
     (the untrained model's; only when that is positive). factor None: only a
@@ -32,6 +34,26 @@ class LossWatch:
             raise ValueError(f"diverge_factor must be > 1 or None, got {factor!r}")
         self.factor, self.where = factor, where
         self.reference: float | None = None
+        self.computed: list[torch.Tensor] = []  # this step's micro-batch losses, where they were computed
+        self.values: list[float] = []  # those read so far
+        self.reads = 0  # device-to-host reads: the host waited for the device
+
+    def new_step(self) -> None:
+        self.computed, self.values = [], []
+
+    def read(self, step: int) -> None:
+        """Read the losses computed and not read yet (one copy for all) and check each."""
+        new = self.computed[len(self.values):]
+        if not new:
+            return
+        self.reads += 1
+        for v in (torch.stack(new).tolist() if len(new) > 1 else [float(new[0])]):
+            self.values.append(v)
+            self.check(v, step, len(self.values) - 1)
+
+    def mean(self, step: int) -> float:
+        self.read(step)
+        return sum(self.values) / len(self.values)
 
     def check(self, loss: float, step: int, micro: int) -> None:
         at = f"training diverged at step {step} (micro-batch {micro}): loss {loss:.4g}"

@@ -193,7 +193,8 @@ class Pipeline:
             elif self.first and (tuple(xs[0].shape), xs[0].dtype) != self._input_meta:
                 raise ValueError(f"inputs of micro-batch shape {describe(xs[0].shape, xs[0].dtype)}, but the "
                                  f"pipeline was set up for {describe(*self._input_meta)} at its first step")
-            losses = []
+            if self.last:
+                self.watch.new_step()
             first = self._next
             ops = list(schedule.step_ops(self.stage, self.stages, first, self.microbatches, self._base))
             if self.mode == "flush":
@@ -201,7 +202,7 @@ class Pipeline:
             for op, i in ops:
                 if op == schedule.FORWARD:
                     k = i - first
-                    self._forward(i, xs[k] if xs else None, ys[k] if ys else None, losses)
+                    self._forward(i, xs[k] if xs else None, ys[k] if ys else None)
                 else:
                     self._backward(i)
             self.link.post_sends()
@@ -210,11 +211,13 @@ class Pipeline:
                 self._base = self._next
                 self._update()
             self.steps += 1
-            return sum(losses) / len(losses) if self.last else None
+            if not self.last:
+                return None
+            return self.watch.mean(self.steps)
         except BaseException as exc:
             raise self._fail(exc)
 
-    def _forward(self, i: int, x, target, losses) -> None:
+    def _forward(self, i: int, x, target) -> None:
         if not self.first:
             x = self.link.activation(i)
             if self._grad_in and not x.requires_grad:
@@ -224,10 +227,9 @@ class Pipeline:
             out = self.module(x)
         if self.last:
             loss = self.loss_fn(out, target)
-            # Read before the backward, so that a diverged loss is never applied (on a GPU: one host
-            # synchronisation per micro-batch, on the last stage only).
-            losses.append(float(loss.detach()))
-            self.watch.check(losses[-1], self.steps + 1, len(losses) - 1)
+            self.watch.computed.append(loss.detach())
+            if self.dopt is not None:  # its gradients may reach the other replicas during the backward
+                self.watch.read(self.steps + 1)
             out = loss / self.microbatches if self.mode == "flush" else loss
         else:
             self.link.send_activation(i, out)
@@ -244,6 +246,10 @@ class Pipeline:
                 torch.autograd.backward(out, grad)
         if span is not None:
             self.timeline.end(span)
+        if self.last:
+            # Read once the backward is queued (the device computes it meanwhile), before its gradient is
+            # sent or applied: a diverged loss is never applied, here or on another stage.
+            self.watch.read(self.steps + 1)
         if self._grad_in:
             self.link.send_gradient(i, x.grad if x.grad is not None else torch.zeros_like(x))
             x.grad = None
@@ -342,11 +348,15 @@ class Pipeline:
         return exc
 
     def stats(self) -> dict:
-        """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held."""
+        """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held, and
+        host_waits: the times training waited for the device (loss reads, staged copies)."""
+        link_waits = sum(c.host_waits for c in (self.link.inbound, self.link.outbound)) \
+            if isinstance(self.link, StagedLink) else 0
         return dict(stage=self.stage, device=str(self.device), bytes_sent=self.link.bytes_sent if self.link else 0,
                     messages_sent=self.link.messages_sent if self.link else 0, updates=self.versions.updates,
                     weight_copy_bytes=self.versions.held_bytes(),
-                    parameter_bytes=sum(p.numel() * p.element_size() for p in self.params))
+                    parameter_bytes=sum(p.numel() * p.element_size() for p in self.params),
+                    host_waits=(self.watch.reads if self.watch else 0) + link_waits)
 
     def state_dict(self) -> dict:
         """This stage's weights and optimizer state, and its layers (drain() first in an asynchronous mode).

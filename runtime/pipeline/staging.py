@@ -10,6 +10,15 @@ non_blocking on the inbound side stream, behind an event marking that the
 stage's compute is done with that device buffer's previous micro-batch, and
 the compute stream (not the host) waits for the copy's event before using it.
 
+Neither waits on the host for a copy at a step's end: a thread of the link
+(Poster) sleeps on each outbound copy's event in turn and posts its Isend as
+soon as it completes, so a neighbour gets it even while this rank's caller
+blocks elsewhere (a barrier, a collective), and the host may run ahead of
+the device by more than a step. Without MPI_THREAD_MULTIPLE the Isends are
+posted by the link's polls instead, and the last copy of a step is waited
+for at its end. Every event the host (or that thread) synchronizes on is a
+blocking one: the waiting thread sleeps instead of spinning a core.
+
 The same bookkeeping runs on the CPU with separate host buffers and
 synchronous copies (every event complete at once), so CPU tests cover it:
 Pipeline(staging=True) or MPITRAIN_STAGING=force.
@@ -17,9 +26,13 @@ Pipeline(staging=True) or MPITRAIN_STAGING=force.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 import torch
+from mpi4py import MPI
+
+from mpicomm.stall import wait_until
 
 from .transport import TAG_ACTIVATION, TAG_GRADIENT, PipelineShapeError, StageLink, _bytes, describe
 
@@ -69,9 +82,16 @@ class Copier:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.host_waits = 0  # times the training thread waited on one of these copies (tests count them)
 
     def event(self):
-        return torch.cuda.Event() if self.cuda else DONE
+        # Blocking: a host thread synchronizing on it sleeps until it completes instead of spinning a core.
+        return torch.cuda.Event(blocking=True) if self.cuda else DONE
+
+    def block(self, event) -> None:
+        """The training thread waits for `event` (counted: the host stops running ahead of the device here)."""
+        self.host_waits += 1
+        event.synchronize()
 
     def mark(self, event) -> None:
         """Record `event` on the compute stream: it completes when what is queued there now has run."""
@@ -121,6 +141,62 @@ class _Slot:
         self.dest = self.source = self.request = None
 
 
+class Poster:
+    """A thread that posts each staged send's Isend as soon as its copy is done, sleeping on the copy's event."""
+
+    def __init__(self, link: "StagedLink"):
+        self.link = link
+        self.queue: deque[_Slot] = deque()  # copies queued, Isend not posted yet (in the order sent)
+        self._posted: list[_Slot] = []  # posted since the link last took them
+        self.error: BaseException | None = None
+        self._cv = threading.Condition()
+        self._stop = self._abort = False
+        self._thread = threading.Thread(target=self._run, name=f"pipeline stage {link.stage} sends", daemon=True)
+        self._thread.start()
+
+    def put(self, slot: _Slot) -> None:
+        with self._cv:
+            self.queue.append(slot)
+            self._cv.notify()
+
+    def _run(self) -> None:
+        link = self.link
+        try:
+            if link.device.type == "cuda":
+                torch.cuda.set_device(link.device)  # this thread's CUDA calls on the stage's GPU, not GPU 0
+            while True:
+                with self._cv:
+                    while not self.queue and not self._stop:
+                        self._cv.wait()
+                    if self._abort or not self.queue:
+                        return
+                    slot = self.queue[0]
+                slot.done.synchronize()  # one stream: copies complete in order
+                with self._cv:
+                    if self._abort:
+                        return
+                    slot.request = link.log.isend(link.comm, _bytes(slot.host), slot.dest, slot.tag)
+                    self.queue.popleft()
+                    self._posted.append(slot)
+        except BaseException as exc:  # raised on the training thread by its next poll
+            self.error = exc
+
+    def take(self) -> list[_Slot]:
+        """The slots posted since the last call; raises what stopped the thread, if anything did."""
+        with self._cv:
+            out, self._posted = self._posted, []
+        if self.error is not None:
+            raise self.error
+        return out
+
+    def stop(self, abort: bool = False) -> None:
+        """End the thread: after posting what is queued, or at once (abort: the link cancels its requests)."""
+        with self._cv:
+            self._stop, self._abort = True, abort
+            self._cv.notify()
+        self._thread.join()
+
+
 class StagedLink(StageLink):
     """A StageLink for a stage whose tensors live on `device`: everything crosses through host buffers."""
 
@@ -143,8 +219,10 @@ class StagedLink(StageLink):
             else [],
             TAG_GRADIENT: [self._slot(TAG_GRADIENT) for _ in range(2)] if self.prev is not None else []}
         self._after = self.outbound.event()  # reused: a stream's wait takes the event as it is when asked
-        self._staging: deque[_Slot] = deque()  # copies queued, Isend not posted yet (in the order sent)
+        self._staging: deque[_Slot] = deque()  # without a Poster: copies queued, Isend not posted yet
         self._posted: list[_Slot] = []  # Isend posted, not known complete
+        sends = bool(self._pools[TAG_ACTIVATION] or self._pools[TAG_GRADIENT])
+        self._poster = Poster(self) if sends and MPI.Query_thread() == MPI.THREAD_MULTIPLE else None
         self.host_buffers = sum(len(p) for p in self._pools.values())  # grows only if every one is in use
 
     def _buffer(self, meta) -> torch.Tensor:
@@ -168,7 +246,7 @@ class StagedLink(StageLink):
             if not must:
                 box.ahead = micro  # posted by a later poll
                 return
-            box.landed[s].synchronize()  # this one buffer's copy, needed now (rare: the ring is two deep or more)
+            self.inbound.block(box.landed[s])  # this one buffer's copy, needed now (rare: the ring is 2 deep or more)
         box.ahead = None
         box.requests[micro] = self.log.irecv(self.comm, _bytes(box.host[s]), box.source, box.tag)
 
@@ -198,7 +276,10 @@ class StagedLink(StageLink):
         self.outbound.copy(slot.host, t.detach(), self._after, slot.done)
         # Holding the tensor keeps the caching allocator from handing its memory out before the copy has run.
         slot.source, slot.dest = t, dest
-        self._staging.append(slot)
+        if self._poster is not None:
+            self._poster.put(slot)
+        else:
+            self._staging.append(slot)
         nbytes = t.numel() * t.element_size()
         self.bytes_sent += nbytes
         self.messages_sent += 1
@@ -219,16 +300,17 @@ class StagedLink(StageLink):
 
     def _poll(self) -> None:
         """Post the Isends whose copies are done (in order), recycle delivered buffers, post deferred receives."""
+        if self._poster is not None:
+            self._posted += self._poster.take()
         while self._staging and self._staging[0].done.query():  # one stream: copies complete in order
             slot = self._staging.popleft()
-            slot.source = None
             slot.request = self.log.isend(self.comm, _bytes(slot.host), slot.dest, slot.tag)
             self._posted.append(slot)
         if self._posted:
             pending = []
             for slot in self._posted:
                 if slot.request.Test():
-                    slot.request = None
+                    slot.request = slot.source = None  # the copy has run: the tensor's memory may be reused
                     self._pools[slot.tag].append(slot)
                 else:
                     pending.append(slot)
@@ -238,14 +320,19 @@ class StagedLink(StageLink):
                 self._post_into(box, box.ahead, must=False)
 
     def post_sends(self) -> None:
-        """Every send handed to MPI, waiting for the last copy (at a step's end: a neighbour may need them while
-        this rank's caller blocks elsewhere, in a barrier or a collective)."""
+        """At a step's end, every send handed to MPI: a neighbour may need them while this rank's caller blocks
+        elsewhere (a barrier, a collective). The Poster does it as each copy completes; without one, the host
+        waits here for the step's last copy."""
         if self._staging:
-            self._staging[-1].done.synchronize()  # the last copy of the stream: all before it are done too
-            self._poll()
+            self.outbound.block(self._staging[-1].done)  # the last copy of the stream: all before it are done too
+        self._poll()
 
     def flush_sends(self) -> None:
         self.post_sends()
+        if self._poster is not None:
+            poster = self._poster
+            wait_until(lambda: (self._poll(), not poster.queue)[1], what=f"stage {self.stage}: sends to be copied "
+                       "out of the device", policy=self.policy, interrupt=self.interrupt)
         while self._posted:
             self._wait(self._posted[0].request, "a send to a neighbouring stage to be received")
             self._poll()
@@ -259,7 +346,10 @@ class StagedLink(StageLink):
         return super().recv_eval(shape, dtype).to(self.device)
 
     # -- failing and ending -------------------------------------------------------------------
-    def _forget(self) -> None:
+    def _forget(self, abort: bool) -> None:
+        if self._poster is not None:
+            self._poster.stop(abort)
+            self._poster = None
         self._staging.clear()
         self._posted = []
         for box in self._in.values():
@@ -267,9 +357,10 @@ class StagedLink(StageLink):
             box.ahead = None
 
     def cancel(self) -> None:
+        self._forget(abort=True)  # the thread first: it must post nothing while the requests are cancelled
         super().cancel()
-        self._forget()
 
     def close(self) -> None:
+        self.flush_sends()
+        self._forget(abort=False)
         super().close()
-        self._forget()

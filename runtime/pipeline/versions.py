@@ -40,8 +40,12 @@ backward time:
 
 Gradients always land on the parameters themselves (autograd's leaves), so
 the optimizer and the data-parallel strategies see nothing unusual. Every
-copy (stash pool, spectrain's buffers) is made like its parameter, on the
-stage's device: a GPU stage keeps its weight versions on the GPU.
+copy (stash pool, spectrain's buffers) is of a whole storage holding
+parameters (runtime.pipeline.storages: one per parameter, or one for all the
+weights of an LSTM that cuDNN flattened into one buffer), on the stage's
+device: a GPU stage keeps its weight versions on the GPU. A prediction is
+written and undone parameter by parameter, so it never touches elements of
+a storage that are no parameter's.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from .storages import ParamStorages
 
 MODES = ("flush", "vanilla", "stash", "spectrain")
 SPECTRAIN_VARIANTS = ("paper", "once")
@@ -105,25 +111,23 @@ class WeightVersions:
         if len(devices) > 1:
             raise ValueError(f"a stage's parameters are on {sorted(map(str, devices))}: put the stage on one device")
         self.device = devices.pop() if devices else torch.device("cpu")  # where every weight copy is made
-        # Parameters are found by their storage: saved tensors are often views (weight.t()).
-        self._index = {}
-        for i, p in enumerate(params):
-            if p.untyped_storage().nbytes() != p.numel() * p.element_size():
-                raise ValueError(f"parameter #{i} {tuple(p.shape)} shares its storage with other tensors; "
-                                 "the pipeline's weight versions need each parameter in storage of its own")
-            self._index[p.untyped_storage().data_ptr()] = i
+        # Saved tensors are found by their storage (they are often views: weight.t()); every weight copy
+        # is of a whole storage, which may hold several parameters (an LSTM flattened by cuDNN). Flush and
+        # emulated stages keep no versions.
+        self.storages = ParamStorages(params if mode != "flush" and acc is None else [])
         self._lr = {}
         for group in optimizer.param_groups:
             for p in group["params"]:
                 self._lr[id(p)] = group
         # The last stage (one micro-batch in flight) updates only after the backward: nothing to keep.
         keeps = in_flight > 1 and (mode == "stash" or (mode == "spectrain" and once))
-        # Pool of copies: [slot][param] (allocated on first use: only parameters autograd saves).
-        self._stash: list[list[torch.Tensor | None]] = [[None] * len(params) for _ in range(in_flight)] \
+        blocks = self.storages.blocks
+        # Pool of copies: [slot][storage] (allocated on first use: only storages autograd saves from).
+        self._stash: list[list[torch.Tensor | None]] = [[None] * len(blocks) for _ in range(in_flight)] \
             if keeps else []
-        # spectrain: one buffer per parameter, holding the live weights during a predicted forward
+        # spectrain: one buffer per storage, holding the live weights during a predicted forward
         # and the backward's prediction during a backward (never both at once).
-        self._spare: list[torch.Tensor | None] = [None] * len(params)
+        self._spare: list[torch.Tensor | None] = [None] * len(blocks)
         self._backward_views: list[torch.Tensor] | None = None
         self.updates = 0  # optimizer steps so far (versions), counted by the engine
         self.acc = acc
@@ -188,41 +192,46 @@ class WeightVersions:
     @contextlib.contextmanager
     def _forward(self, slot: int, micro: int):
         predicted = self.mode == "spectrain" and self.shifts[0] > 0 and self._predict_into_params(self.shifts[0])
-        copied: dict[int, torch.Tensor] = {}
+        copied: set[int] = set()
         keep = self._stash[slot] if self._stash else None
+        storages = self.storages
 
         def pack(t: torch.Tensor):
-            i = self._index.get(t.untyped_storage().data_ptr())
-            if i is None:
+            b = storages.find(t)
+            if b is None:
                 return t
-            if keep is not None and i not in copied:
-                if keep[i] is None:
-                    keep[i] = torch.empty_like(self.params[i], memory_format=torch.preserve_format)
-                keep[i].copy_(self.params[i].detach())
-                copied[i] = keep[i]
-            return (i, t.size(), t.stride(), t.storage_offset())
+            if keep is not None and b not in copied:  # one copy of the whole storage: every view of it reads true
+                if keep[b] is None:
+                    keep[b] = torch.empty_like(storages.blocks[b].flat)
+                keep[b].copy_(storages.blocks[b].flat)
+                copied.add(b)
+            return (b, t.size(), t.stride(), t.storage_offset())
 
         if self.log is not None:
             self._record("F", micro, [p.detach().clone() for p in self.params],
-                         self._spare if predicted else self.params)
+                         self._param_views(self._spare) if predicted else self.params)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
                 yield
         finally:
             if predicted:
-                for p, live in zip(self.params, self._spare):
-                    p.data.copy_(live)  # .data: the live weights come back without a version bump
+                for p, live in predicted:
+                    p.data.copy_(live)  # .data: the live weights come back without a version bump; only p's elements
 
-    def _predict_into_params(self, s: int) -> bool:
-        """Params become W - s·η·v for the forward; the live W waits in the spare buffers. False if v is unset."""
+    def _predict_into_params(self, s: int) -> list | None:
+        """Params become W - s·η·v for the forward; the live W waits in the spare buffers. Returns the (param, its
+        live weights) to put back, None before the first update (v unset: the prediction is W itself)."""
         velocities = self._velocities()
         if velocities is None:
-            return False  # before the first update v = 0: the prediction is W itself
-        for p, spare, v in zip(self.params, self._spares(), velocities):
-            spare.copy_(p.detach())
+            return None
+        for block, spare in zip(self.storages.blocks, self._spares()):
+            spare.copy_(block.flat)  # one copy per storage (a flattened LSTM's weights at once)
+        changed = []
+        for p, v, live in zip(self.params, velocities, self._param_views(self._spare)):
             if v is not None:
                 p.data.add_(v, alpha=-s * self._rate(p))
-        return True
+                changed.append((p, live))
+        return changed
 
     def _velocities(self) -> list | None:
         """SGD's momentum buffer of each parameter (None where it has none yet); None before the first update."""
@@ -231,11 +240,16 @@ class WeightVersions:
         return None if all(v is None for v in velocities) else velocities
 
     def _spares(self) -> list[torch.Tensor]:
-        """One buffer per parameter, allocated on first use and kept (spectrain's only weight copy)."""
-        for i, p in enumerate(self.params):
-            if self._spare[i] is None:
-                self._spare[i] = torch.empty_like(p)
+        """One buffer per storage, allocated on first use and kept (spectrain's only weight copy)."""
+        for b, block in enumerate(self.storages.blocks):
+            if self._spare[b] is None:
+                self._spare[b] = torch.empty_like(block.flat)
         return self._spare
+
+    def _param_views(self, copies: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Each parameter's elements in per-storage copies (None for an empty parameter)."""
+        of = self.storages.of
+        return [None if of[i] is None else self.storages.view(copies[of[i]], p) for i, p in enumerate(self.params)]
 
     # -- backward ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -256,26 +270,30 @@ class WeightVersions:
             self._backward_views, self._used = None, None
 
     def _prediction(self, s: int) -> list[torch.Tensor] | None:
-        """W - s·η·v in the spare buffers (None before the first update: the live W)."""
+        """W - s·η·v in the spare buffers, one per storage (None before the first update: the live W)."""
         velocities = self._velocities()
         if velocities is None:
             return None
         out = self._spares()
-        for p, spare, v in zip(self.params, out, velocities):
-            if v is None:
-                spare.copy_(p.detach())
-            else:
-                torch.add(p.detach(), v, alpha=-s * self._rate(p), out=spare)
+        for block, spare in zip(self.storages.blocks, out):
+            # Elements the sums below do not write (no parameter's, or no velocity yet) are the live ones.
+            if block.covered != block.flat.numel() or any(velocities[i] is None for i in block.members):
+                spare.copy_(block.flat)
+        for p, v, into in zip(self.params, velocities, self._param_views(out)):
+            if v is not None:
+                torch.add(p.detach(), v, alpha=-s * self._rate(p), out=into)
         return out
 
     def _unpack(self, packed):
         if not isinstance(packed, tuple):
             return packed
-        i, size, stride, offset = packed
+        b, size, stride, offset = packed
         views = self._backward_views
-        source = self.params[i].detach() if views is None or views[i] is None else views[i]
+        # A copy is of the whole storage: the saved view's offset reads the same elements in it.
+        source = self.storages.blocks[b].flat if views is None or views[b] is None else views[b]
         if self._used is not None:
-            self._used[i] = source.clone()
+            for i in self.storages.touched(b, size, stride, offset, self.params):
+                self._used[i] = self.storages.view(source, self.params[i]).clone()
         return source.as_strided(size, stride, offset)
 
     def _record(self, op: str, micro: int, used: list, live: list) -> None:
