@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from mpicomm import Topology, failstop
-from mpicomm.agree import check_same_structure, fail_together
+from mpicomm.agree import check_same_structure
 from mpicomm.stall import StallPolicy
 from mpicomm.step_check import BARRIER, CLOSE, EXCHANGE, GATHER, StepCheck, digest
 
@@ -15,9 +15,10 @@ from . import emulation, model_state, partition, schedule
 from .checks import PipelineError, check_arguments, check_same_values, describe_layers, split_batch
 from .divergence import DIVERGE_FACTOR, LossWatch, heard
 from .placement import PipelineLayout
+from .stage_optimizer import stage_optimizer
 from .staging import StagedLink
 from .transport import StageLink, agree_boundaries, describe
-from .versions import WeightVersions, momentum_sgd_hyper, version_difference
+from .versions import WeightVersions, version_difference
 
 
 class Pipeline:
@@ -117,7 +118,9 @@ class Pipeline:
             self._trains_before = [any(p.requires_grad for layer in layers[:ends[k]] for p in layer.parameters())
                                    for k in range(self.stages + 1)]
             self.params = [p for p in self.module.parameters() if p.requires_grad]
-            self._build_optimizer(world, optimizer_factory, data_parallel)
+            self.optimizer, self.dopt = stage_optimizer(world, self.stage, self.params, optimizer_factory, mode,
+                                                        self.module, self.layout, self.microbatches, data_parallel,
+                                                        self.policy)
             self.in_flight = schedule.warmup(self.stage, self.stages) + 1
             shifts = version_difference(self.stage, self.stages, spectrain_variant) if mode == "spectrain" else (0, 0)
             self.version_log: list | None = [] if record_versions else None
@@ -139,29 +142,6 @@ class Pipeline:
         failstop.register(self)  # its step goes into this rank's failure notice; open at exit is said
 
     # -- set-up ---------------------------------------------------------------------------
-    def _build_optimizer(self, world, factory, data_parallel):
-        problem = None
-        try:
-            self.optimizer = factory(self.params) if self.params else None
-            if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
-                raise TypeError(f"optimizer_factory must return a torch.optim.Optimizer, got "
-                                f"{type(self.optimizer).__name__}")
-            if self.mode == "spectrain" and self.optimizer is not None:
-                momentum_sgd_hyper(self.optimizer)
-        except (ValueError, TypeError) as exc:
-            problem = f"stage {self.stage}: {exc}"
-        fail_together(world, problem, PipelineError)
-        if self.optimizer is None:  # a stage of parameter-free layers: nothing to update
-            self.optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-        if self.layout.replicas > 1 and self.params:
-            from runtime.optimizer import DistributedOptimizer
-
-            # Gradient accumulation over the step's micro-batches in flush mode: one average per step.
-            self.dopt = DistributedOptimizer(self.optimizer, self.module, data_parallel,
-                                             comm=self.layout.replica_group, stall=self.policy,
-                                             backward_passes_per_step=self.microbatches if self.mode == "flush"
-                                             else 1)
-
     def _setup_link(self, first_input) -> None:
         """First step: every boundary's shape and dtype agreed along the pipeline, buffers allocated."""
         def produce(in_meta):
