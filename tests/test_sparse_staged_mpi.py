@@ -76,6 +76,32 @@ def test_staged_cpu_gradients_give_what_in_place_gives(world, strategy, options)
     assert_everywhere(world, same and moved and same_state, f"{strategy} {options}: staged differs")
 
 
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_staged_layers_cross_to_the_host_in_one_copy_per_buffer(world, strategy):
+    """granularity="layer", staged: every layer of a buffer selected first, then one device -> host copy of all
+    their pairs (hier-topk: and one of the dense buffer for the node reduce-scatter); on a GPU each such copy is a
+    wait for the device, so one per layer would be one per layer."""
+    params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in SHAPES]
+    names = [f"p{i}" for i in range(len(params))]
+    buffers = GradientBuffers(params, names, staged=True)
+    steps = 3
+    with Topology(world, ranks_per_node=rpn(world)) as topo:
+        sync = STRATEGIES[strategy](StrategyContext(topo, params, names, buffers,
+                                                    TopkOptions(density=0.1, granularity="layer")))
+        try:
+            for step in range(steps):
+                for b, flat in enumerate(buffers.device_flats):
+                    flat.copy_(gradient(world, 100 * step + b, flat.numel(), flat.dtype))
+                sync.finish([True] * len(params))
+                sync.wait(range(len(params)))
+        finally:
+            sync.close()
+        per_buffer = 2 if strategy == "hier-topk" and topo.local_size > 1 else 1
+        want = steps * len(buffers.flats) * per_buffer
+    got = sync.sparse.copies_to_host
+    assert_everywhere(world, got == want, f"{strategy}: {got} copies to the host in {steps} steps, want {want}")
+
+
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_staged_sparse_allreduce_equals_in_place(world, hierarchical):
     with Topology(world, ranks_per_node=rpn(world)) as topo:
