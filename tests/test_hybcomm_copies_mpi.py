@@ -71,3 +71,78 @@ def test_a_layer_that_turns_sfb_copies_its_rows_when_it_starts(world):
     ok = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, model.parameters()))
     assert_everywhere(world, choices == ["ps", "ps", "sfb", "sfb", "ps", "sfb"], f"plans {choices}")
     assert_everywhere(world, ok, "hybcomm whose plan turns differs from one process")
+
+
+# -- a CUDA model: 4 ranks may share one GPU ----------------------------------------------------
+class Late(torch.autograd.Function):
+    """Identity whose backward first keeps the current stream busy: the output gradient is final late."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time on the stream backward runs on
+        return grad * 1.0
+
+
+class Wide(nn.Module):
+    """A conv (the dense path) and Linear layers whose output gradients arrive late on the GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, 5, padding=2)
+        self.fc1, self.fc2, self.head = nn.Linear(4 * 108, 512), nn.Linear(512, 512), nn.Linear(512, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x[:, None, :])).flatten(1)
+        h = Late.apply(torch.tanh(self.fc1(h)))
+        h = Late.apply(torch.tanh(self.fc2(h)))
+        return self.head(h)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")
+@pytest.mark.parametrize("dense", ["wfbp", "p3"])
+def test_cuda_model_on_a_user_stream_with_forced_sfb_is_one_process(world, dense):
+    """Forced SFB on a GPU, forward and backward on a stream of the user's, the output gradients delayed on it:
+    the factors are read after they are final (one process's SGD), and never copied on the staging or progress
+    thread."""
+    from jobs.common.devices import rank_device
+    from mpicomm import Topology
+
+    with Topology(world) as topo:
+        device = rank_device("cuda", topo)
+    r, P, n = world.Get_rank(), world.Get_size(), 8
+    data = batches(P, [n] * 4)
+    stream = torch.cuda.Stream(device)
+
+    def wide_and_sgd():
+        torch.manual_seed(3)
+        model = Wide().to(device)
+        return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model, opt = wide_and_sgd()
+    with DistributedOptimizer(opt, model, HybCommOptions(force="sfb", dense=dense), comm=world) as dopt:
+        stream.wait_stream(torch.cuda.current_stream(device))  # the broadcast parameters, before training reads them
+        with torch.cuda.stream(stream):
+            for x, y in data:
+                x, y = x[r * n:(r + 1) * n].to(device), y[r * n:(r + 1) * n].to(device)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                dopt.step()
+            dopt.synchronize()
+        stream.synchronize()
+        threads = set().union(*(ex.copy_threads for ex in dopt.strategy.exchanges))
+        plan = {c.name: c.choice for c in dopt.strategy.plan}
+    got = [p.detach().cpu() for p in model.parameters()]
+    model, opt = wide_and_sgd()
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+    ok = all(torch.allclose(a, b.detach().cpu(), rtol=1e-4, atol=1e-5) for a, b in zip(got, model.parameters()))
+    assert_everywhere(world, plan == {"fc1": "sfb", "fc2": "sfb", "head": "sfb"}, f"plan {plan}")
+    assert_everywhere(world, not threads & {"mpitrain-hybcomm", "mpitrain-staging"}, f"copied on {threads}")
+    assert_everywhere(world, ok, f"hybcomm forced SFB on {device} (dense {dense}) differs from one process")
