@@ -63,22 +63,24 @@ class FactorExchange:
         self.pin = self.pin or inputs.is_cuda
         k = inputs.numel() // self.M
         at, self.at = self.at, self.at + k
-        self._reserve(max(self.at, rows), keep=at)
-        if not copy:
+        if not copy:  # no buffer either: a PS layer's rows (batch x sequence) can be far larger than its gradient
             event = None
             if inputs.is_cuda:  # start() may copy them on another thread: after what produced them, not before
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(inputs.device))
             self.pairs.append((inputs, grad_output, at, event))
             return
+        self._reserve(max(self.at, rows), keep=at)
         self._copy(inputs, grad_output, at, None)
 
     def _reserve(self, rows: int, keep: int) -> None:
         """u_mine / d_mine hold at least `rows` rows; the first `keep` survive a reallocation."""
-        if self.u_mine.numel() >= rows * self.M and self._pinned == self.pin:
+        held = self.u_mine.numel() // self.M
+        if held >= rows and self._pinned == self.pin:
             return
         self._settle()  # copies may still be landing in the old buffers
-        cap = max(rows, 2 * self.u_mine.numel() // self.M)  # doubling: few reallocations while K grows
+        keep = min(keep, held)
+        cap = max(rows, 2 * held)  # doubling: few reallocations while K grows
         u = torch.empty(cap * self.M, dtype=self.dtype, pin_memory=self.pin)
         d = torch.empty(cap * self.N, dtype=self.dtype, pin_memory=self.pin)
         u[:keep * self.M].copy_(self.u_mine[:keep * self.M])
