@@ -159,8 +159,8 @@ class SparseAllreduce:
         parts: staged only (x off the CPU or staged=True), (start, stop) ranges of x (a model's layers, in order,
         none empty) each sparsified on its own, as one call per range would do it: `select` is then called as
         select(v, p) for range p's vector (flat) or node shard (hierarchical). Needs k_of. The pairs of every
-        range cross to the host in one copy and are exchanged together; the sums and `applied` (positions in
-        x) are bit for bit those of one call per range into out[start:stop].
+        range cross to the host in one copy and are exchanged together; the sums are bit for bit those of one
+        call per range into out[start:stop], and `applied` holds the same positions (of x, in rank order).
         """
         self._add, self._gather_only = add, gather_only
         if x.dim() != 1 or not x.is_contiguous():
