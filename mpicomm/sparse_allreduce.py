@@ -38,30 +38,11 @@ import torch
 
 from .buffers import block_counts, offsets
 from .ring import Ring
+from .sparse_pairs import INDEX_DTYPES, pack, scatter_add
 from .stall import DRIVE, StallPolicy, wait_until
 from .topology import Topology
 
 Select = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-INDEX_DTYPES = {4: torch.int32, 8: torch.int64}  # index width follows the value width: one packed buffer
-
-
-def pack(values: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """(values, indices) as one byte tensor [indices | values], indices stored at the values' width."""
-    k, width = values.numel(), values.element_size()
-    if width not in INDEX_DTYPES:
-        raise TypeError(f"sparse allreduce needs 4- or 8-byte values, got {values.dtype}")
-    if out is None:
-        out = torch.empty(2 * k * width, dtype=torch.uint8)
-    out[:k * width].view(INDEX_DTYPES[width]).copy_(indices)
-    out[k * width:].view(values.dtype).copy_(values)
-    return out
-
-
-def unpack(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `pack`: (values, indices) views of one packed block."""
-    width = torch.empty(0, dtype=dtype).element_size()
-    k = packed.numel() // (2 * width)
-    return packed[k * width:].view(dtype), packed[:k * width].view(INDEX_DTYPES[width])
 
 
 class Traffic:
@@ -193,7 +174,7 @@ class SparseAllreduce:
             return out
         if not self._add:
             out.zero_()
-        self.applied = _scatter_add(out, gathered, blocks, dtype)
+        self.applied = scatter_add(out, gathered, blocks, dtype)
         return out
 
     def _pack(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -320,7 +301,7 @@ class SparseAllreduce:
         return self._stage("mine", packed.numel(), torch.uint8).copy_(packed)
 
     def _add_on_device(self, out: torch.Tensor, gathered: torch.Tensor, blocks: list[int]) -> torch.Tensor:
-        """One copy of every rank's pairs to out's device, summed there in rank order (as `_scatter_add`)."""
+        """One copy of every rank's pairs to out's device, summed there in rank order (as `scatter_add`)."""
         if self._gather_only:  # nothing to sum: the pairs need not cross to the device
             return self._sum(out, gathered, blocks, out.dtype)
         pairs = self._stage("pairs", gathered.numel(), torch.uint8, out.device)
@@ -399,23 +380,3 @@ def _select(select: Select, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     if x.numel() == 0:
         return x, torch.empty(0, dtype=torch.int64, device=x.device)
     return select(x)
-
-
-def _scatter_add(out: torch.Tensor, gathered: torch.Tensor, blocks: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Add the packed (index, value) blocks, of these byte sizes, into the dense `out`; returns their indices.
-
-    The blocks are summed in rank order, the same on every rank, so every
-    rank ends with bit-identical sums. Within a block the indices are
-    distinct (one selection's positions), so index_add_ adds each value once,
-    as index_put_(accumulate=True) would, without the sort that the latter
-    makes on a GPU to order repeated indices.
-    """
-    start, touched = 0, []
-    for size in blocks:
-        if size:
-            vals, idx = unpack(gathered[start:start + size], dtype)
-            idx = idx.long()
-            out.index_add_(0, idx, vals)
-            touched.append(idx)
-        start += size
-    return torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64, device=out.device)

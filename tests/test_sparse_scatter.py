@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpicomm.sparse_allreduce import _scatter_add, pack
+from mpicomm.sparse_pairs import pack, scatter_add
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -23,7 +23,7 @@ def test_scatter_add_equals_accumulating_index_put_bit_for_bit(dtype):
         packed.append(block)
         blocks.append(block.numel())
     got = start.clone()
-    applied = _scatter_add(got, torch.cat(packed), blocks, dtype)
+    applied = scatter_add(got, torch.cat(packed), blocks, dtype)
     want = start.clone()
     for block in packed:
         vals, idx = block[block.numel() // 2:].view(dtype), block[:block.numel() // 2].view(
