@@ -48,6 +48,7 @@ class FactorExchange:
         self.u_all = torch.empty(0, dtype=dtype)
         self.d_all = torch.empty(0, dtype=dtype)
         self.pin = False  # u_mine / d_mine pinned: rows come from a GPU
+        self.device = None  # that GPU
         self.stream = None  # the side stream of the copies (CUDA)
         self.copied = None  # blocking CUDA event after the last copy into u_mine / d_mine
         self._pending = False  # whether `copied` guards copies the host has not waited for
@@ -60,7 +61,8 @@ class FactorExchange:
         buffers' size). copy: take them to the host now; else keep references
         until `start` knows the plan (a layer that goes PS never copies them).
         """
-        self.pin = self.pin or inputs.is_cuda
+        if inputs.is_cuda:
+            self.pin, self.device = True, inputs.device
         k = inputs.numel() // self.M
         at, self.at = self.at, self.at + k
         if not copy:  # no buffer either: a PS layer's rows (batch x sequence) can be far larger than its gradient
@@ -135,6 +137,8 @@ class FactorExchange:
         rank counted in forward but got no output gradient for (an output
         that backward never reached) contribute zeros.
         """
+        if self.device is not None:  # this thread's CUDA calls (a wait, a late copy): the model's device, not GPU 0
+            torch.cuda.set_device(self.device)
         total = sum(rows)
         mine = rows[rank]
         if self.at > mine:
@@ -146,8 +150,6 @@ class FactorExchange:
             self.d_all = torch.empty(total * self.N, dtype=self.dtype)
         self._reserve(mine, keep=self.at)
         pairs, self.pairs = self.pairs, []
-        if pairs and pairs[0][0].is_cuda:  # this thread's CUDA calls go to the model's device
-            torch.cuda.set_device(pairs[0][0].device)
         for inputs, grad, at, event in pairs:  # the plan changed to SFB after backward passed the layer
             self._copy(inputs, grad, at, event)
         self._settle()
@@ -157,7 +159,9 @@ class FactorExchange:
             d[self.at * self.N:].zero_()
         self.at = 0
         acc = emulated_accelerator()
-        if acc is not None:  # the rows leave the GPU for MPI's host memory: the caller's thread waits for the copy
+        if acc is not None:
+            # The rows' copy off the device, modelled on this (the sending) thread's clock as it always was; on a
+            # real GPU the hook queued it on a side stream during backward, and this thread waits for what is left.
             acc.issue("d2h", acc.model.copy_s(mine * (self.M + self.N) * u.element_size()))
         handles = [ring.allgatherv(u, self.u_all, counts=[r * self.M for r in rows], tag=self.tag),
                    ring.allgatherv(d, self.d_all, counts=[r * self.N for r in rows], tag=self.tag + 1)]
