@@ -192,11 +192,12 @@ class TopkSync(Strategy):
 
     def _exchange_layers(self, b, local, out, mirror, density) -> None:
         """Staged, per layer: one sparse allreduce of buffer b's layers, each selected under its own key."""
-        layers = [(i, a, z) for i, (bi, a, z) in enumerate(self.buffers.segments) if bi == b and a != z]
-        layers.sort(key=lambda layer: layer[1])
-        keys = [i for i, _, _ in layers]
+        layers = sorted((a, z, i) for i, (bi, a, z) in enumerate(self.buffers.segments) if bi == b and a != z)
+        if not layers:  # only empty parameters: nothing to send
+            return
+        keys = [i for _, _, i in layers]
         self.sparse(local, lambda x, p: self.ef.select(keys[p], x, density), out=out,
-                    k_of=lambda n: k_for_density(n, density), host=mirror, parts=[(a, z) for _, a, z in layers])
+                    k_of=lambda n: k_for_density(n, density), host=mirror, parts=[(a, z) for a, z, _ in layers])
 
     def _average(self, acc, g) -> None:
         """The sum divided by the ranks: on the host, or under emulation the device's pass, timed."""
