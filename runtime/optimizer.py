@@ -326,9 +326,12 @@ class DistributedOptimizer:
     def _update(self, immediately: bool) -> None:
         mask = self._update_mask
         if not self.strategy.exact:
-            # Delayed values (error feedback) may reach parameters no rank used this step.
-            for i in np.flatnonzero(~mask):
-                mask[i] = bool(self.buffers.device_flat_views[i].any())  # .grad itself, not the host mirror
+            # Delayed values (error feedback) may reach parameters no rank used this step. Read in one go
+            # (.grad itself, not the host mirror): on a GPU each read waits for the device.
+            unused = np.flatnonzero(~mask)
+            if unused.size:
+                views = self.buffers.device_flat_views
+                mask[unused] = torch.stack([views[i].any() for i in unused]).tolist()
         if self.strategy.deferred and not immediately and self.pto is None:
             self.deferred.owe(mask, self._hyper)
             return

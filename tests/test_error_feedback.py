@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpicomm.sparse_allreduce import pack, unpack
+from mpicomm.sparse_pairs import pack, unpack
 from runtime.sparse.error_feedback import DensitySchedule, ErrorFeedback
 from runtime.sparse.selection import k_for_density as k_for
 

@@ -14,6 +14,7 @@ from runtime.options import TopkOptions
 from runtime.sparse import HierTopkSync, TopkSync
 from runtime.sparse.error_feedback import ErrorFeedback
 from runtime.sparse.mstopk import MSTopK
+from runtime.sparse.selection import k_for_density
 from runtime.strategy import StrategyContext
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -76,6 +77,32 @@ def test_staged_cpu_gradients_give_what_in_place_gives(world, strategy, options)
     assert_everywhere(world, same and moved and same_state, f"{strategy} {options}: staged differs")
 
 
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_staged_layers_cross_to_the_host_in_one_copy_per_buffer(world, strategy):
+    """granularity="layer", staged: every layer of a buffer selected first, then one device -> host copy of all
+    their pairs (hier-topk: and one of the dense buffer for the node reduce-scatter); on a GPU each such copy is a
+    wait for the device, so one per layer would be one per layer."""
+    params = [nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape, dtype in SHAPES]
+    names = [f"p{i}" for i in range(len(params))]
+    buffers = GradientBuffers(params, names, staged=True)
+    steps = 3
+    with Topology(world, ranks_per_node=rpn(world)) as topo:
+        sync = STRATEGIES[strategy](StrategyContext(topo, params, names, buffers,
+                                                    TopkOptions(density=0.1, granularity="layer")))
+        try:
+            for step in range(steps):
+                for b, flat in enumerate(buffers.device_flats):
+                    flat.copy_(gradient(world, 100 * step + b, flat.numel(), flat.dtype))
+                sync.finish([True] * len(params))
+                sync.wait(range(len(params)))
+        finally:
+            sync.close()
+        per_buffer = 2 if strategy == "hier-topk" and topo.local_size > 1 else 1
+        want = steps * len(buffers.flats) * per_buffer
+    got = sync.sparse.copies_to_host
+    assert_everywhere(world, got == want, f"{strategy}: {got} copies to the host in {steps} steps, want {want}")
+
+
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_staged_sparse_allreduce_equals_in_place(world, hierarchical):
     with Topology(world, ranks_per_node=rpn(world)) as topo:
@@ -90,6 +117,38 @@ def test_staged_sparse_allreduce_equals_in_place(world, hierarchical):
             ok = ok and torch.equal(a, b) and torch.equal(plain.applied, staged.applied)
         plain.free(), staged.free()
     assert_everywhere(world, ok, "staged sparse allreduce differs")
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_staged_parts_equal_one_call_per_part(world, hierarchical):
+    """Parts (layers) of one vector, tiny ones among them (shards of 0 or 1 entries on a node), exchanged in one
+    staged call: bit for bit the sums of one host call per part, the same positions applied, the same residuals."""
+    bounds = [0, 1, 4, 1004, 1005, 3005]
+    parts = list(zip(bounds, bounds[1:]))
+    k_of = lambda n: k_for_density(n, 0.05)
+    with Topology(world, ranks_per_node=rpn(world)) as topo:
+        plain = SparseAllreduce(topo, hierarchical=hierarchical)
+        staged = SparseAllreduce(topo, hierarchical=hierarchical, staged=True)
+        ef_plain, ef_staged = ErrorFeedback(MSTopK()), ErrorFeedback(MSTopK())
+        ok = True
+        for step in range(3):
+            x = gradient(world, step, bounds[-1], torch.float32)
+            want, applied = torch.empty_like(x), []
+            for p, (a, z) in enumerate(parts):
+                plain(x[a:z].clone(), lambda v, p=p: ef_plain.select(p, v, 0.05), out=want[a:z], k_of=k_of)
+                applied.append(plain.applied + a)
+            got = staged(x.clone(), lambda v, p: ef_staged.select(p, v, 0.05), out=torch.empty_like(x), k_of=k_of,
+                         parts=parts)
+            ok = ok and torch.equal(got, want) and torch.equal(staged.applied.sort().values,
+                                                                torch.cat(applied).sort().values)
+        residuals = [(ef_plain.residual(p), ef_staged.residual(p)) for p in range(len(parts))]
+        # A part whose node shard here is empty selects nothing here: no residual either way.
+        ok = ok and all(a is b is None or (a is not None and b is not None and torch.equal(a, b))
+                        for a, b in residuals)
+        copies = staged.copies_to_host
+        plain.free(), staged.free()
+    per_call = 2 if hierarchical and topo.local_size > 1 else 1
+    assert_everywhere(world, ok and copies == 3 * per_call, f"staged parts differ from one call per part ({copies})")
 
 
 # -- a CUDA model: 4 ranks may share one GPU ----------------------------------------------------

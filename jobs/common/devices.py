@@ -70,15 +70,19 @@ class LossValues:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.host = torch.zeros(2, dtype=torch.float32, pin_memory=True)
-            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+            # Blocking: flush() sleeps in synchronize() instead of spinning a core.
+            self.events = [torch.cuda.Event(blocking=True), torch.cuda.Event(blocking=True)]
         self.slot, self.pending = 0, None
 
     def push(self, loss: torch.Tensor) -> float | None:
         """This step's loss (CPU), or the previous step's (CUDA; None at the first step)."""
         if not self.cuda:
             return loss.detach().item()
+        import torch
+
         self.host[self.slot].copy_(loss.detach(), non_blocking=True)
-        self.events[self.slot].record()
+        # On the stream the copy went on: the loss's device's, which need not be the current device.
+        self.events[self.slot].record(torch.cuda.current_stream(loss.device))
         value = self.flush()
         self.pending, self.slot = self.slot, 1 - self.slot
         return value

@@ -161,7 +161,17 @@ class HybCommSync(Strategy):
         self.rows[k] += inputs.numel() // self.layers[k].M
 
     def captured(self, k: int, inputs, grad_output) -> None:
-        self.exchanges[k].add(inputs, grad_output)
+        # In the layer's output-gradient hook: the rows go to the host here, on the thread and stream that
+        # produced them, unless the layer will likely go PS (then start() copies them if this step's plan
+        # says SFB after all).
+        self.exchanges[k].add(inputs, grad_output, self.rows[k], self._factors_likely(k))
+
+    def _factors_likely(self, k: int) -> bool:
+        """Whether layer k will send factors this step, as far as backward can know: what the last plan said."""
+        plan = self.plan
+        if plan is not None:
+            return plan[k].choice == "sfb"
+        return self.ctx.options.force != "ps"
 
     def grad_ready(self, i: int) -> None:
         if not self.posted and self.layers:

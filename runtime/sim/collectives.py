@@ -39,7 +39,7 @@ from mpicomm.native import DEFAULT_LATENCY_BYTES
 from .cluster import Host
 from .engine import Event, all_of
 
-PAIR_BYTES = 8  # a fp32 value and its int32 index (mpicomm.sparse_allreduce.pack)
+PAIR_BYTES = 8  # a fp32 value and its int32 index (mpicomm.sparse_pairs.pack)
 
 
 def _ring(host: Host, name: str, steps: int, chunk: float, native: str | None = None, nbytes: float = 0.0):

@@ -47,7 +47,9 @@ class TopkSync(Strategy):
     on_device: the strategy works on the gradients where they live
     (`buffers.device_flats`): with a GPU model the selection, the residuals
     and the velocity stay on the GPU, and only the (index, value) pairs cross
-    to the host for the exchange and back (see SparseAllreduce, staged). The
+    to the host for the exchange and back (see SparseAllreduce, staged), in
+    one copy per buffer (with granularity="layer", every layer's pairs
+    together: the host waits for the device once per buffer). The
     averaged gradient is in `device_flats` when finish() returns (queued on
     the current stream, ahead of the optimizer's update).
 
@@ -150,6 +152,13 @@ class TopkSync(Strategy):
                 self._exchange(acc, ("model", b), local, flat, mirror, density)
                 self._mask(self.velocity and self.velocity[b], density, acc)
                 self._average(acc, flat)
+            elif self.staged and acc is None:
+                # Every layer of the buffer selected on the device, then one copy of all their pairs to the
+                # host and one exchange: one wait for the device per buffer, not one per layer. The same
+                # sums, residuals and masks as the loop below (SparseAllreduce's parts).
+                self._exchange_layers(b, local, flat, mirror, density)
+                self._mask(self.velocity and self.velocity[b], density)
+                self._average(acc, flat)
             else:
                 for i, (bi, a, z) in enumerate(self.buffers.segments):
                     if bi != b or a == z:
@@ -180,6 +189,15 @@ class TopkSync(Strategy):
         acc.issue("h2d", acc.model.copy_s(2 * self.sparse.pairs * width))
         # Each pair: its index and value read, its entry of the result read and written (a 32-byte sector each).
         acc.issue("sparse sum", acc.model.pass_s(self.sparse.pairs * (2 * width + 2 * 32)))
+
+    def _exchange_layers(self, b, local, out, mirror, density) -> None:
+        """Staged, per layer: one sparse allreduce of buffer b's layers, each selected under its own key."""
+        layers = sorted((a, z, i) for i, (bi, a, z) in enumerate(self.buffers.segments) if bi == b and a != z)
+        if not layers:  # only empty parameters: nothing to send
+            return
+        keys = [i for _, _, i in layers]
+        self.sparse(local, lambda x, p: self.ef.select(keys[p], x, density), out=out,
+                    k_of=lambda n: k_for_density(n, density), host=mirror, parts=[(a, z) for a, z, _ in layers])
 
     def _average(self, acc, g) -> None:
         """The sum divided by the ranks: on the host, or under emulation the device's pass, timed."""
