@@ -31,6 +31,15 @@ class DeferredUpdates:
         self.hyper: list | None = None
         self._zero_requested = False
 
+    @staticmethod
+    def used_early(name: str, strategy: str) -> RuntimeError:
+        """The error of a gradient that came before its parameter's owed update was applied."""
+        return RuntimeError(
+            f"{name} got a gradient before its deferred ({strategy}) update was applied: a forward pass used it "
+            "without running the module that held it in the first forward pass (a weight shared or read by "
+            "another module). Call synchronize() before such forward passes, or use a strategy that updates in "
+            "step() (wfbp)")
+
     def pending(self) -> bool:
         return bool(self.owed.any())
 

@@ -118,6 +118,13 @@ class GradientBuffers:
             if self.params[i].grad is not self.grads[i]:
                 self.params[i].grad = self.grads[i]
 
+    def nonzero(self, indices) -> list[bool]:
+        """Whether each of these parameters' gradients (.grad, on its device) holds a nonzero value, read in
+        one go: on a GPU one wait for the device, not one per parameter."""
+        if len(indices) == 0:
+            return []
+        return torch.stack([self.device_flat_views[i].any() for i in indices]).tolist()
+
     def flat(self, i: int) -> torch.Tensor:
         """Parameter i's gradient as a 1-D slice of its buffer (memory order)."""
         return self.flat_views[i]

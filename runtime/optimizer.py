@@ -59,9 +59,8 @@ class DistributedOptimizer:
     A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
     unchanged: gradients go to pinned host memory on a side CUDA stream a bucket at a time as backward
     finalises them, MPI averages them there while the GPU goes on, and each average returns on a side
-    stream as its exchange completes, before the update (runtime.device.staging; `transport` says which
-    path runs). The sparse strategies select on
-    the GPU and move (index, value) pairs.
+    stream as its exchange completes (runtime.device.staging; `transport` says which path runs). The
+    sparse strategies select on the GPU and move (index, value) pairs.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
@@ -158,11 +157,7 @@ class DistributedOptimizer:
             return
         i = self._index[id(p)]
         if self.deferred.owed[i]:
-            error = RuntimeError(
-                f"{self.names[i]} got a gradient before its deferred ({self.strategy.name}) update was applied: a "
-                "forward pass used it without running the module that held it in the first forward pass (a "
-                "weight shared or read by another module). Call synchronize() before such forward passes, or "
-                "use a strategy that updates in step() (wfbp)")
+            error = self.deferred.used_early(self.names[i], self.strategy.name)
             self._fail(error)
             raise error
         if not self._open:
@@ -325,23 +320,17 @@ class DistributedOptimizer:
 
     def _update(self, immediately: bool) -> None:
         mask = self._update_mask
-        if not self.strategy.exact:
-            # Delayed values (error feedback) may reach parameters no rank used this step. Read in one go
-            # (.grad itself, not the host mirror): on a GPU each read waits for the device.
+        if not self.strategy.exact:  # delayed values (error feedback) may reach parameters no rank used
             unused = np.flatnonzero(~mask)
-            if unused.size:
-                views = self.buffers.device_flat_views
-                mask[unused] = torch.stack([views[i].any() for i in unused]).tolist()
+            mask[unused] = self.buffers.nonzero(unused)
         if self.strategy.deferred and not immediately and self.pto is None:
             self.deferred.owe(mask, self._hyper)
             return
         if self.pto is not None:
-            # The sharded update reads the averages where the strategy left them (staged: the host mirror) and
-            # writes the parameters itself: they do not go back to .grad on the device, unless synchronize()
-            # put them there for the user to read or edit (`immediately`), where it then reads them.
+            # The sharded update reads the averages where the strategy left them (staged: the host mirror), not
+            # from .grad, unless synchronize() put them there for the user to read or edit (`immediately`).
             self.strategy.wait(range(len(self.params)))
-            where = None if immediately else \
-                self.buffers.flat_views if self.staging is not None else self.buffers.device_flat_views
+            where = None if immediately else self.buffers.flat_views if self.staging else self.buffers.device_flat_views
             self.pto.step(self.strategy.grad_shard, skip=np.flatnonzero(~mask).tolist(), grads=where)
         else:
             self._wait(range(len(self.params)))
