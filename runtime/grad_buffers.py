@@ -21,6 +21,29 @@ def dense_layout(t: torch.Tensor) -> bool:
     return True
 
 
+def runs_last_first(sizes: list[int], keys: list, nbytes: int, across_large: bool = True) -> list[list[int]]:
+    """Indices in runs of about nbytes, last first (backward's order); an entry of nbytes or more alone, a run of
+    one key (a dtype, a buffer). across_large: small entries keep gathering in the open run past a large one, as
+    DDP's buckets do (wfbp's buckets); else a large one closes it (the staging's groups: none waits past it)."""
+    out, current, size = [], [], 0
+    for i in reversed(range(len(sizes))):
+        if sizes[i] >= nbytes:
+            if current and not across_large:
+                out.append(current)
+                current, size = [], 0
+            out.append([i])
+            continue
+        if current and keys[current[0]] != keys[i]:
+            out.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += sizes[i]
+        if size >= nbytes:
+            out.append(current)
+            current, size = [], 0
+    return out + [current] if current else out
+
+
 class GradientBuffers:
     """Every managed parameter's gradient lives in a flat buffer of its dtype; p.grad is a view into it.
 

@@ -128,3 +128,13 @@ def assert_everywhere(comm, ok: bool, message: str = "") -> None:
     comm.Allgather(np.array([1 if ok else 0], dtype=np.int8), flags)
     bad = np.flatnonzero(flags == 0).tolist()
     assert not bad, f"failed on rank(s) {bad}: {message if not ok else '(see those ranks)'}"
+
+
+@pytest.fixture
+def device(world):
+    """gpu tests: this rank's GPU as the jobs pick it (local rank % GPUs): 4 ranks on one GPU share it."""
+    from jobs.common.devices import rank_device
+    from mpicomm import Topology
+
+    with Topology(world) as topo:
+        return rank_device("cuda", topo)

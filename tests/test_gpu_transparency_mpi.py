@@ -13,16 +13,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")]
 
 
-@pytest.fixture
-def device(world):
-    """This rank's GPU as the jobs pick it (local rank % GPUs): 4 ranks on one GPU share it."""
-    from jobs.common.devices import rank_device
-    from mpicomm import Topology
-
-    with Topology(world) as topo:
-        return rank_device("cuda", topo)
-
-
 @pytest.mark.parametrize("pto", [False, True], ids=["plain", "pto"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_equals_single_process_on_whole_batch(world, device, strategy, pto):

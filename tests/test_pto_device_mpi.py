@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from test_transparency_mpi import LOCAL_BATCH, STEPS, Edgy, close, data
+from test_transparency_mpi import LOCAL_BATCH, STEPS, Edgy, close, data, steps
 
 from conftest import assert_everywhere
 from dp_helpers import wrap
@@ -27,16 +27,7 @@ def train(strategy, world, X, Y, make=Edgy, device="cpu", capturable=False, opti
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer(trainable) if optimizer else torch.optim.Adam(trainable, capturable=capturable, **ADAM)
     dopt = wrap(opt, model, strategy, pto=True, **kw) if strategy else opt
-    r = world.Get_rank()
-    for step in range(STEPS):
-        x, y = X[step], Y[step]
-        if strategy:
-            x, y = x[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], y[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-        dopt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        dopt.step()
-    if strategy:
-        dopt.close()
+    steps(world, dopt, model, X, Y, bool(strategy))
     return [p.detach().cpu().clone() for p in model.parameters()], (dopt if strategy else None)
 
 
@@ -111,16 +102,6 @@ class Wide(nn.Module):
 
     def forward(self, x):
         return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
-
-
-@pytest.fixture
-def device(world):
-    """This rank's GPU as the jobs pick it (local rank % GPUs): 4 ranks on one GPU share it."""
-    from jobs.common.devices import rank_device
-    from mpicomm import Topology
-
-    with Topology(world) as topo:
-        return rank_device("cuda", topo)
 
 
 @pytest.mark.gpu

@@ -16,16 +16,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.gpu, pytest.mark.timeout(300),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch sees none)")]
 
 
-@pytest.fixture
-def device(world):
-    """This rank's GPU as the jobs pick it (local rank % GPUs): 4 ranks on one GPU share it."""
-    from jobs.common.devices import rank_device
-    from mpicomm import Topology
-
-    with Topology(world) as topo:
-        return rank_device("cuda", topo)
-
-
 class Stack(nn.Module):
     """`used` Linear layers in a chain and as many never called: gradients that only error feedback reaches."""
 

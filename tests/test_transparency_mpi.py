@@ -68,18 +68,24 @@ def train(strategy, world, X, Y, slice_size=7, make=Edgy, adam=False, device="cp
     X, Y = X.to(device), Y.to(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(trainable, lr=0.01) if adam else torch.optim.SGD(trainable, lr=0.05, momentum=0.9)
-    r, P = world.Get_rank(), world.Get_size()
     dopt = wrap(opt, model, strategy, slice_size=slice_size if strategy == "p3" else None, **kw) if strategy else opt
+    steps(world, dopt, model, X, Y, strategy is not None)
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+def steps(world, dopt, model, X, Y, shared: bool) -> None:
+    """STEPS steps of cross-entropy; shared: each rank on its LOCAL_BATCH of the batch, then closed (else one
+    process on the whole batch)."""
+    r = world.Get_rank()
     for step in range(STEPS):
         x, y = X[step], Y[step]
-        if strategy:
+        if shared:
             x, y = x[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], y[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
         dopt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         dopt.step()
-    if strategy:
+    if shared:
         dopt.close()
-    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def close(a, b, rtol=1e-5):

@@ -7,6 +7,7 @@ from mpicomm.stall import wait_until
 
 from ..comm_hooks import GradBucket, allreduce_hook
 from ..device.threads import device_setup
+from ..grad_buffers import runs_last_first
 from ..strategy import Strategy, StrategyContext
 from .allreduce import _copy_back
 from .collectives import dense_collectives
@@ -112,21 +113,4 @@ def buckets(params, fuse_bytes: int) -> list[list[int]]:
     Small gradients (biases between large weights) gather in the open bucket
     across large ones, as DDP's do; a bucket holds one dtype.
     """
-    out, current, size = [], [], 0
-    for i in reversed(range(len(params))):
-        p = params[i]
-        nbytes = p.numel() * p.element_size()
-        if nbytes >= fuse_bytes:
-            out.append([i])
-            continue
-        if current and params[current[0]].dtype != p.dtype:
-            out.append(current)
-            current, size = [], 0
-        current.append(i)
-        size += nbytes
-        if size >= fuse_bytes:
-            out.append(current)
-            current, size = [], 0
-    if current:
-        out.append(current)
-    return out
+    return runs_last_first([p.numel() * p.element_size() for p in params], [p.dtype for p in params], fuse_bytes)

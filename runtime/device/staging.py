@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from ..grad_buffers import GradientBuffers
+from ..grad_buffers import GradientBuffers, runs_last_first
 from .delivery import Delivery
 from .threads import device_setup
 
@@ -31,24 +31,8 @@ def size_groups(buffers: GradientBuffers, nbytes: int = GROUP_BYTES) -> list[lis
     """Runs of neighbouring parameters of about nbytes (a large gradient alone), last parameters first
     (backward's order), each within one buffer: how gradients go to the host where the strategy has no buckets.
     A run never reaches across a large gradient, so no gradient waits for more than its neighbours'."""
-    out, current, size = [], [], 0
-    for i in reversed(range(len(buffers.params))):
-        p, b = buffers.params[i], buffers.segments[i][0]
-        n = p.numel() * p.element_size()
-        if current and (buffers.segments[current[0]][0] != b or n >= nbytes):
-            out.append(current)
-            current, size = [], 0
-        if n >= nbytes:
-            out.append([i])
-            continue
-        current.append(i)
-        size += n
-        if size >= nbytes:
-            out.append(current)
-            current, size = [], 0
-    if current:
-        out.append(current)
-    return out
+    sizes = [p.numel() * p.element_size() for p in buffers.params]
+    return runs_last_first(sizes, [seg[0] for seg in buffers.segments], nbytes, across_large=False)
 
 
 class GradientStaging:
