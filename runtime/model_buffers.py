@@ -173,10 +173,14 @@ class BufferSync:
     def _promote(self, changed: list[torch.Tensor]) -> None:
         """Watched buffers that changed on some rank (every rank has the same list): averaged now, sent from now on.
 
-        Rare (a cache rebuilt, a constant edited), so one blocking allreduce of their values is fine.
+        Rare (a cache rebuilt, a constant edited): one allreduce of their values, waited for at once (as the
+        others are: a failure elsewhere stops it, not a hang).
         """
         values = np.concatenate([b.detach().reshape(-1).double().cpu().numpy() for b in changed])
-        self.comm.Allreduce(MPI.IN_PLACE, values)
+        req = self.comm.Iallreduce(MPI.IN_PLACE, values)
+        wait_until(req.Test, what="averaging changed module buffers", policy=self.policy,
+                   who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
+                   interrupt=self.interrupt)
         self.collectives += 1
         values *= 1.0 / self.size
         with torch.no_grad():
