@@ -18,6 +18,7 @@ from mpicomm.progress import HandlesTask, HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
 from ..dense import WfbpSync
+from ..device.threads import device_setup
 from ..emulate.accelerator import active as emulated_accelerator
 from ..p3 import P3Sync
 from ..strategy import Strategy, StrategyContext
@@ -78,7 +79,7 @@ class HybCommSync(Strategy):
         self.deferred = bool(self.inner and self.inner.deferred)  # p3: a layer's update waits for its forward
         try:
             self.progress = getattr(self.inner, "progress", None) or \
-                ProgressThread("mpitrain-hybcomm", drive=ctx.compute_off_host)
+                ProgressThread("mpitrain-hybcomm", drive=ctx.compute_off_host, setup=device_setup(self.buffers.device))
             self.ring = Collectives(ctx.topology, validate=False)  # the PS path's allreduce; factors' allgathers
             self.census = Census(ctx.topology.world, len(layers), lambda: repr(self.links))
             self.links = self._links(o)
