@@ -6,7 +6,6 @@ import threading
 
 import torch
 
-
 from ..emulate.accelerator import active as emulated_accelerator
 
 
