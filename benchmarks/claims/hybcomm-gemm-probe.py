@@ -1,12 +1,15 @@
 """hybcomm's GEMM probe as the strategy takes it at wrap on real compute: 4 ranks at once, one thread each, the slowest."""
 
-import numpy as np, torch
+import numpy as np
+import torch
 from mpi4py import MPI
+
 from runtime.hybrid import cost_model
-torch.set_num_threads(1)
-w = MPI.COMM_WORLD
-w.Barrier()
+
+torch.set_num_threads(1)  # as the jobs' ranks run
+world = MPI.COMM_WORLD
+world.Barrier()  # every rank at work at once, as DistributedOptimizer's wrap does
 mine = np.array([cost_model.measure_gflops()])
-w.Allreduce(MPI.IN_PLACE, mine, op=MPI.MIN)
-if w.Get_rank() == 0:
-    print("%.1f" % mine[0], flush=True)
+world.Allreduce(MPI.IN_PLACE, mine, op=MPI.MIN)
+if world.Get_rank() == 0:
+    print(f"{mine[0]:.1f}", flush=True)
