@@ -121,7 +121,8 @@ def test_cli_up_verify_status_run_down(tmp_path):
 
 
 PROG = """
-import os
+import faulthandler, os
+faulthandler.dump_traceback_later(150, exit=True)  # a hung rank prints where it stands, then ends
 import numpy as np, torch, torch.distributed as dist
 from mpi4py import MPI
 from mpicomm import Ring
@@ -144,12 +145,15 @@ if comm.rank == 0:
 """
 
 
+@pytest.mark.timeout(240)
 def test_ring_and_gloo_across_hosts_go_through_the_links(tmp_path):
     script = tmp_path / "prog.py"
     script.write_text(PROG)
     with EmulatedCluster(hosts=2, bandwidth="2gbit", ranks_per_host=1) as cl:
         before = [netns.qdisc_bytes(i)["up"] for i in range(2)]
-        proc = cl.run([PY, str(script)], timeout=120, capture=True, env={"PYTHONPATH": ROOT})
+        # Takes ~4 s; one CI run saw it end only at pytest's 120 s. The limits now leave room for the ranks' own
+        # stack dumps (150 s) to reach the error that the job's timeout (180 s) raises with their output.
+        proc = cl.run([PY, str(script)], timeout=180, capture=True, env={"PYTHONPATH": ROOT})
         assert proc.returncode == 0, proc.stderr
         assert "RESULT [True, True]" in proc.stdout.splitlines(), proc.stdout
         # Every rank: UCX over TCP only (no shared-memory shortcut), and segments that take a message in one read.
@@ -157,6 +161,9 @@ def test_ring_and_gloo_across_hosts_go_through_the_links(tmp_path):
         sent = [netns.qdisc_bytes(i)["up"] - before[i] for i in range(2)]
         # Each host sends at least its 4 MiB share twice (ring, then gloo): nothing took a shortcut.
         assert all(s > 2 * 4 * 2**20 for s in sent), sent
+        # A job past its time is killed, and the error carries what it printed before: where it stood.
+        with pytest.raises(EmulationError, match="(?s)timed out after 3s.*last stdout.*reached step 2"):
+            cl.exec_on(1, ["bash", "-c", "echo reached step 2; sleep 60"], timeout=3, capture=True)
 
 
 def test_killed_run_leaves_nothing_after_down():

@@ -175,9 +175,12 @@ def run_killable(cmd: list[str], timeout: float | None, capture: bool, echo: str
     except BaseException as exc:  # TimeoutExpired, KeyboardInterrupt, SystemExit
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        out, err = proc.communicate()  # what the job printed before it was killed: where it stood
         if isinstance(exc, subprocess.TimeoutExpired):
-            raise EmulationError(f"job timed out after {timeout}s and was killed: {' '.join(cmd[-6:])}") from None
+            said = "".join(f"\n--- its last {name} ---\n{text[-4000:]}" for name, text in (("stdout", out),
+                                                                                        ("stderr", err)) if text)
+            raise EmulationError(f"job timed out after {timeout}s and was killed: {' '.join(cmd[-6:])}{said}"
+                                 ) from None
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
