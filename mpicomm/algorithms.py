@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .doubling import doubling_steps, halving_steps
 from .hierarchical import pieces
@@ -35,6 +35,9 @@ class Layout:
 
 ENV_LINK = "MPITRAIN_LINK_BANDWIDTH"  # a node's link, e.g. 1gbit (hybcomm's cost model reads it too)
 DEFAULT_LINK_BPS = 10e9
+# A fused bucket (CostModel.fuse_size): 1 MiB up to 64 MiB (Horovod's fusion buffer), spending >= 95 % of
+# its allreduce on bytes, and at least 8 buckets to a gradient.
+FUSE_MIN, FUSE_MAX, FUSE_SHARE, FUSE_BUCKETS = 1 << 20, 64 << 20, 0.95, 8
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,33 @@ class CostModel:
         if lay.hierarchical:
             times["hierarchical"] = self.hierarchical(n, lay)
         return min(times, key=times.get)
+
+    def time(self, n: float, lay: Layout, algorithm: str) -> float:
+        """The modelled seconds of one allreduce of `n` bytes by `algorithm` (hierarchical: the flat ring where
+        the layout has one level, as Chooser runs it)."""
+        if algorithm == "hierarchical" and not lay.hierarchical:
+            algorithm = "ring"
+        return getattr(self, algorithm)(n, lay)
+
+    def fuse_size(self, lay: Layout, choose=None, total: float | None = None, share: float = FUSE_SHARE) -> int:
+        """Bytes a fused bucket should hold: the smallest of 1, 2, 4 ... 64 MiB whose allreduce spends at least
+        `share` of its modelled time moving bytes (the rest, the per-step latencies, is paid once per bucket), and
+        no more than 1/FUSE_BUCKETS of `total` (the gradient's bytes): where compute hides the exchange, only the
+        last bucket's shows, so a few large buckets cost at most that share of it. Few nodes on a slow link keep
+        1 MiB; many nodes or a fast link, whose steps cost more than a small bucket's bytes, get larger ones.
+        choose: the algorithm per size (Chooser.choose; default best())."""
+        choose = choose or (lambda n: self.best(float(n), lay))
+        high = FUSE_MAX
+        while total is not None and high > FUSE_MIN and high * FUSE_BUCKETS > total:
+            high //= 2
+        size = FUSE_MIN
+        while size < high and lay.ranks > 1:
+            how = choose(size)
+            total_s = self.time(size, lay, how)
+            if total_s <= 0 or replace(self, alpha=0.0).time(size, lay, how) >= share * total_s:
+                break
+            size *= 2
+        return size
 
 
 def read_table(path: str) -> dict:

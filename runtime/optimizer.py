@@ -52,9 +52,8 @@ class DistributedOptimizer:
     - stall: runtime.StallPolicy, how long a wait may take before a stall
       report and a StallError naming what is missing.
 
-    Gradients live in flat per-dtype buffers that .grad views (zero_grad()
-    zeroes them in place rather than setting None). Parameters no rank
-    produced a gradient for in a step are not updated, as with one process.
+    Gradients live in flat per-dtype buffers that .grad views (zero_grad() zeroes them in place rather
+    than setting None). Parameters no rank produced a gradient for in a step are not updated, as with one process.
 
     A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
     unchanged: gradients go to pinned host memory on a side CUDA stream a bucket at a time as backward
@@ -120,6 +119,7 @@ class DistributedOptimizer:
     def _build(self, cls, pto: bool) -> None:
         """Everything collective after the settings agreed: the same calls, in the same order, on every rank."""
         broadcast_from_root(self.comm, self.model, self.optimizer)
+        self.options = cls.settle(self.options, self.topology, self.params)  # "auto" that the layout follows
         self.buffers = GradientBuffers(self.params, self.names, cls.layout(self.params, self.options, self.model),
                                        staged=self.staged)
         self.updater = ParamUpdater(self.optimizer, self.params)

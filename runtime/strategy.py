@@ -87,6 +87,11 @@ class Strategy:
         self.capture: list[torch.nn.Module] = []
 
     @classmethod
+    def settle(cls, options, topology: Topology, params: list[torch.nn.Parameter]):
+        """Collective, before layout(): the options with the "auto" settings that shape the buffers chosen."""
+        return options
+
+    @classmethod
     def layout(cls, params: list[torch.nn.Parameter], options, model: torch.nn.Module | None = None) \
             -> list[int] | None:
         """The order of the parameters inside the gradient buffers (None: the model's)."""

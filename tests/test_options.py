@@ -20,7 +20,7 @@ NAN = float("nan")
 
 def test_defaults():
     assert (DEFAULT_FUSE_BYTES, AUTO) == (1 << 20, "auto")
-    assert WfbpOptions().fuse_bytes == DEFAULT_FUSE_BYTES
+    assert WfbpOptions().fuse_bytes == AUTO and WfbpOptions(fuse_bytes=DEFAULT_FUSE_BYTES).fuse_bytes == 1 << 20
     assert (P3Options().slice_size, P3Options().credit) == (AUTO, AUTO)  # chosen from the measured link
     assert (HybCommOptions().slice_size, HybCommOptions().credit) == (AUTO, AUTO)
     assert dataclasses.asdict(TopkOptions()) == dict(
@@ -47,7 +47,7 @@ def test_each_options_object_names_a_registered_strategy(options, name):
 
 def test_describe_names_the_strategy_and_every_field():
     assert AllreduceOptions().describe() == "allreduce algorithm=None"
-    assert WfbpOptions(algorithm="hierarchical").describe() == "wfbp fuse_bytes=1048576 algorithm='hierarchical'"
+    assert WfbpOptions(algorithm="hierarchical").describe() == "wfbp fuse_bytes='auto' algorithm='hierarchical'"
     assert P3Options(slice_size=1000, credit=2).describe() == "p3 slice_size=1000 credit=2 node_aggregation=True"
     assert TopkOptions(hierarchical=True).describe() == (
         "hier-topk density=0.01 hierarchical=True error_feedback=True warmup_steps=0 ramp_steps=0 "
@@ -69,7 +69,7 @@ BAD = [
     (P3Options, "slice_size", "Auto"), (HybCommOptions, "credit", "automatic"),
     (P3Options, "credit", 0), (P3Options, "credit", -2), (P3Options, "credit", 2.0), (P3Options, "credit", True),
     (WfbpOptions, "fuse_bytes", 0), (WfbpOptions, "fuse_bytes", -1), (WfbpOptions, "fuse_bytes", 1.5),
-    (WfbpOptions, "fuse_bytes", False),
+    (WfbpOptions, "fuse_bytes", False), (WfbpOptions, "fuse_bytes", "big"),
     (TopkOptions, "density", 0), (TopkOptions, "density", 1.5), (TopkOptions, "density", NAN),
     (TopkOptions, "density", -0.1), (TopkOptions, "density", math.inf), (TopkOptions, "density", True),
     (TopkOptions, "density", "0.1"),

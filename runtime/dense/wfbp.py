@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from mpicomm.algorithms import Chooser, CostModel, Layout
 from mpicomm.progress import HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
 from ..comm_hooks import GradBucket, allreduce_hook
 from ..device.threads import device_setup
 from ..grad_buffers import runs_last_first
+from ..options import AUTO
 from ..strategy import Strategy, StrategyContext
 from .allreduce import _copy_back
 from .collectives import dense_collectives
@@ -46,6 +50,13 @@ class WfbpSync(Strategy):
                                            self.ring, b))
         self.left = [len(idxs) for idxs in self.bucket_params]
         self.futures: list = [None] * len(self.buckets)
+
+    @classmethod
+    def settle(cls, options, topology, params):
+        if options.fuse_bytes != AUTO:
+            return options
+        total = sum(p.numel() * p.element_size() for p in params)
+        return replace(options, fuse_bytes=auto_fuse_bytes(topology, options.algorithm, total))
 
     @classmethod
     def layout(cls, params, options, model=None) -> list[int]:
@@ -105,6 +116,19 @@ class WfbpSync(Strategy):
     def close(self) -> None:
         self.progress.stop()
         self.ring.free()
+
+
+def auto_fuse_bytes(topology, algorithm: str | None, total: int) -> int:
+    """Collective: the bucket size of fuse_bytes="auto" for `total` bytes of gradients (CostModel.fuse_size), on
+    the layout and the link the buckets' allreduce sees (dense_collectives': the measured link, agreed by every rank). A bad algorithm
+    setting falls back to the model's own pick here: building the collectives then says what is wrong."""
+    layout = Layout(topology.size, topology.num_nodes, topology.local_size)
+    model = CostModel.measured(topology) if algorithm in (None, "auto") else CostModel.from_env()
+    try:
+        choose = Chooser(layout, algorithm, model=model).choose
+    except ValueError:
+        choose = None
+    return model.fuse_size(layout, choose, total)
 
 
 def buckets(params, fuse_bytes: int) -> list[list[int]]:

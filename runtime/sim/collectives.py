@@ -67,6 +67,13 @@ def choose(cluster, nbytes: float, algorithm: str | None = None) -> str:
     return _chooser(cluster, algorithm or "auto").choose(int(nbytes))
 
 
+def fuse_size(cluster, algorithm: str | None, total: float) -> int:
+    """wfbp's fuse_bytes="auto" on this cluster for `total` bytes of gradients (runtime.dense.wfbp.auto_fuse_bytes:
+    CostModel.fuse_size with the chooser its buckets' allreduce takes)."""
+    chooser = _chooser(cluster, algorithm or "auto")
+    return chooser.model.fuse_size(chooser.layout, chooser.choose, total)
+
+
 @functools.lru_cache(maxsize=256)
 def _chooser(cluster, algorithm: str) -> Chooser:
     model = CostModel(alpha=cluster.latency, beta_cross=8 / (cluster.bandwidth * cluster.efficiency),

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 
 from .cluster import Cluster, Host
-from .collectives import Stream, allgather, allreduce, hierarchical_sparse, reduce_scatter, sparse_allgather
+from .collectives import (Stream, allgather, allreduce, fuse_size, hierarchical_sparse, reduce_scatter,
+                          sparse_allgather)
 from .engine import Engine, Event, all_of
 from .profile import Profile
 
 DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES = 25 << 20, 1 << 20  # torch DDP's bucket_cap_mb=25 and first bucket
-WFBP_FUSE_BYTES = 1 << 20  # runtime.options.DEFAULT_FUSE_BYTES
+WFBP_FUSE_BYTES = 1 << 20  # runtime.options.DEFAULT_FUSE_BYTES: hybcomm's dense wfbp
 
 
 class Run:
@@ -261,6 +262,7 @@ class BucketSchedule(Schedule):
     drives = True
     sends_back = True
     syncs_buffers = True
+    fuse_default = "auto"  # WfbpOptions'
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
@@ -276,6 +278,12 @@ class BucketSchedule(Schedule):
     def layout(self, skip) -> list[tuple[int, set]]:
         return [(sum(by_layer.values()), set(by_layer)) for by_layer in self.layer_bytes(skip)]
 
+    def fuse_bytes(self) -> int:
+        """The runtime's bucket size: WfbpOptions' fuse_bytes, "auto" (its default) as auto_fuse_bytes picks
+        it on this cluster's layout and link (the chooser the buckets' allreduce takes here)."""
+        fuse = self.options.get("fuse_bytes", self.fuse_default)
+        return fuse_size(self.run.cluster, self.algorithm, self.p.grad_bytes) if fuse == "auto" else fuse
+
     def layer_bytes(self, skip) -> list[dict[int, int]]:
         """Per bucket, {layer: the bytes of its parameters in the bucket} (runtime.dense.wfbp's buckets)."""
         from runtime.dense.wfbp import buckets
@@ -283,7 +291,7 @@ class BucketSchedule(Schedule):
         sizes, owner = param_layers(self.p, skip)
         params = [_Param(n, self.p.itemsize) for n in sizes]
         out = []
-        for b in buckets(params, self.options.get("fuse_bytes", WFBP_FUSE_BYTES)):
+        for b in buckets(params, self.fuse_bytes()):
             by_layer: dict[int, int] = {}
             for j in b:
                 by_layer[owner[j]] = by_layer.get(owner[j], 0) + sizes[j] * self.p.itemsize

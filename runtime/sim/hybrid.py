@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from runtime.hybrid.cost_model import Links, plan
 
-from .dataparallel import BucketSchedule, Run
+from .dataparallel import WFBP_FUSE_BYTES, BucketSchedule, Run
 
 
 def hybcomm_plan(run: Run, force: str = "auto") -> list:
@@ -24,6 +24,7 @@ class HybcommSchedule(BucketSchedule):
     then the rebuild (2·P·K·M·N flop) before the optimizer; every other gradient through wfbp buckets."""
 
     sends_back = False  # runtime.hybrid's dense wfbp returns its averages at the update, as allreduce does
+    fuse_default = WFBP_FUSE_BYTES  # HybCommOptions' fuse_bytes
 
     def __init__(self, run: Run, **options):
         costs = hybcomm_plan(run, options.get("force", "auto"))
