@@ -9,6 +9,7 @@ from conftest import assert_everywhere
 from layout_helpers import sub_topology
 from runtime import DistributedOptimizer, WfbpOptions
 from runtime.dense.wfbp import auto_fuse_bytes, buckets
+from runtime.trace.timeline import Timeline
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -24,7 +25,9 @@ def test_auto_buckets_follow_the_cost_models_size_on_every_rank(world, P, L, lin
     with sub_topology(world, P, L) as (comm, topo):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])  # 50 MB of gradients
-        dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, WfbpOptions(), topology=topo)
+        tl = Timeline(comm.Get_rank())
+        dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, WfbpOptions(), topology=topo,
+                                    timeline=tl)
         try:
             fuse = dopt.options.fuse_bytes
             sizes = comm.allgather(fuse)
@@ -32,6 +35,8 @@ def test_auto_buckets_follow_the_cost_models_size_on_every_rank(world, P, L, lin
             total = sum(p.numel() * 4 for p in model.parameters())
             assert_everywhere(comm, fuse == auto_fuse_bytes(topo, None, total) and fuse == (expect or fuse), f"{fuse}")
             assert_everywhere(comm, dopt.strategy.bucket_params == buckets(dopt.params, fuse), "buckets")
+            said = [e["args"] for e in tl.to_trace()["traceEvents"] if e["name"] == "wfbp buckets"]  # what it took
+            assert_everywhere(comm, said == [{"fuse_bytes": fuse, "buckets": len(dopt.strategy.buckets)}], f"{said}")
             model(torch.randn(4, 1024)).sum().backward()
             dopt.step()  # the settled layout trains
         finally:

@@ -50,6 +50,8 @@ class WfbpSync(Strategy):
                                            self.ring, b))
         self.left = [len(idxs) for idxs in self.bucket_params]
         self.futures: list = [None] * len(self.buckets)
+        if self.timeline:  # what fuse_bytes (perhaps "auto", settled) made of this model
+            self.timeline.instant("wfbp buckets", "setup", fuse_bytes=ctx.options.fuse_bytes, buckets=len(self.buckets))
 
     @classmethod
     def settle(cls, options, topology, params):
