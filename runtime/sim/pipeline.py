@@ -149,8 +149,9 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
                     if per_micro:  # and zero_grad's memset of the stage's gradients before the next backward
                         yield engine.start(h.compute("update", profile.optimizer_s * share[k] + weights[k],
                                                      profile.cores_per_rank))
-            if replicas > 1:  # the stage's gradients, averaged over its replicas (one per node)
-                yield engine.process(allreduce(h, profile.grad_bytes * share[k], algorithm="ring"))  # the engine's Ring
+            if replicas > 1:  # the stage's gradients, averaged over its replicas (one per node) by the runtime's
+                # DistributedOptimizer over the replica group: mpicomm.Collectives, its algorithm the auto choice
+                yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
             if not per_micro:
                 yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k] + weights[k],
                                              profile.cores_per_rank))

@@ -1,0 +1,58 @@
+"""The simulator's pipelines: 1F1B's ticks, measured splits, weight versions, and the stage replicas' average."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from runtime.sim import simulate
+from test_sim import fast_net, toy
+
+
+def test_pipeline_flush_matches_the_1f1b_tick_count_and_async_never_drains():
+    from runtime.pipeline.schedule import ticks
+
+    p, c = toy(n=8, params=1000), fast_net(4, bw=100e9)  # 2 layers a stage, messages ~free
+    M = 8
+    per_op = 2 * (0.01 + 0.02) / M  # a forward and a backward of one micro-batch, per stage
+    span = max(max(d.values()) for d in ticks(4, M)) + 1  # ticks of one drained step, F and B one tick each
+    flush = simulate(p, c, "pipeline-flush", microbatches=M).t_iter_s
+    assert flush == pytest.approx((M + 4 - 1) * per_op, rel=0.01)
+    assert span == 2 * (M + 4 - 1)
+    assert simulate(p, c, "pipeline-spectrain", microbatches=M).t_iter_s == pytest.approx(M * per_op, rel=0.01)
+
+
+def test_a_pipeline_takes_a_measured_split_and_a_profile_of_one_micro_batch():
+    M, c = 8, fast_net(4, bw=100e9)
+    micro = toy(n=8, params=1000)
+    whole = dataclasses.replace(micro, batch_size=micro.batch_size * M, layers=tuple(
+        dataclasses.replace(l, fwd_s=l.fwd_s * M, bwd_s=l.bwd_s * M, act_bytes=l.act_bytes * M) for l in micro.layers))
+    # The step's batch divided by M is the micro-batch's profile taken as it is.
+    assert simulate(micro, c, "pipeline-flush", microbatches=M, per_microbatch=True).t_iter_s == \
+        pytest.approx(simulate(whole, c, "pipeline-flush", microbatches=M).t_iter_s, rel=1e-6)
+    # A split with all but three layers on the first stage: that stage sets the pace.
+    r = simulate(micro, c, "pipeline-vanilla", microbatches=M, per_microbatch=True, balance=[5, 1, 1, 1])
+    assert r.details["stages"] == ["0-4", "5-5", "6-6", "7-7"]
+    assert r.t_iter_s == pytest.approx(M * 5 * (0.01 + 0.02), rel=0.01)
+    with pytest.raises(ValueError, match="adding up to the profile's 8 layers"):
+        simulate(micro, c, "pipeline-vanilla", microbatches=M, balance=[4, 4, 1, 1])
+
+
+def test_stage_replicas_average_by_the_runtimes_auto_choice():
+    """64 replicas of each of 2 stages, tiny gradients, 1 ms a message step: recursive doubling's 6 steps (the
+    auto choice of the replica group's DistributedOptimizer), not the flat ring's 126."""
+    p = toy(n=8, params=1000)
+    one = simulate(p, fast_net(2, latency=1e-3, bw=100e9), "pipeline-flush", stages=2).t_iter_s
+    many = simulate(p, fast_net(128, latency=1e-3, bw=100e9), "pipeline-flush", stages=2).t_iter_s
+    assert 6e-3 <= many - one < 20e-3
+
+
+def test_asynchronous_pipelines_update_every_micro_batch_and_pay_their_weight_versions():
+    M, c = 8, fast_net(4, bw=100e9)
+    p = dataclasses.replace(toy(n=8, params=1000, opt=0.004), device="cuda", memory_gbs=1e-3)
+    weights_s = p.grad_bytes / 4 / 1e6  # a pass over a stage's 16 KB: 16 ms
+    t = {m: simulate(p, c, f"pipeline-{m}", microbatches=M).t_iter_s for m in ("vanilla", "stash", "spectrain")}
+    share = p.optimizer_s / 4 + weights_s  # a stage's update and its zero_grad's memset
+    assert t["vanilla"] == pytest.approx(M * (2 * (0.01 + 0.02) / M + share), rel=0.01)
+    assert t["vanilla"] < t["stash"] < t["spectrain"]  # 2 passes a forward; 7 a forward and 3 a backward
