@@ -71,8 +71,9 @@ class WfbpOptions(StrategyOptions):
 
     fuse_bytes: gradients smaller than this share buckets of about this size; "auto" (the default): the
     smallest of 1, 2, 4 ... 64 MiB whose allreduce the cost model, told the measured link, sees spending at
-    least 95 % of its time on bytes rather than per-step latencies (mpicomm.algorithms.CostModel.fuse_size):
-    1 MiB on a few nodes over a slow link, larger on many nodes or a fast one.
+    least 95 % of its time on bytes rather than per-step latencies, and at most 1/8 of the gradient
+    (mpicomm.algorithms.CostModel.fuse_size): 1 MiB on a few nodes over a slow link, larger on many nodes or
+    a fast one. Settled when wrapping, the same on every rank.
     algorithm: each bucket's allreduce, as AllreduceOptions' (auto picks per bucket size).
     """
 

@@ -122,8 +122,9 @@ class WfbpSync(Strategy):
 
 def auto_fuse_bytes(topology, algorithm: str | None, total: int) -> int:
     """Collective: the bucket size of fuse_bytes="auto" for `total` bytes of gradients (CostModel.fuse_size), on
-    the layout and the link the buckets' allreduce sees (dense_collectives': the measured link, agreed by every rank). A bad algorithm
-    setting falls back to the model's own pick here: building the collectives then says what is wrong."""
+    the layout and the link the buckets' allreduce sees (dense_collectives': the measured link, agreed by every
+    rank). A bad algorithm setting falls back to the model's own pick here: building the collectives then says
+    what is wrong, on every rank."""
     layout = Layout(topology.size, topology.num_nodes, topology.local_size)
     model = CostModel.measured(topology) if algorithm in (None, "auto") else CostModel.from_env()
     try:
