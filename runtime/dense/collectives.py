@@ -5,7 +5,7 @@ from __future__ import annotations
 from mpicomm import Collectives
 from mpicomm.algorithms import CostModel
 
-__all__ = ["dense_collectives"]
+__all__ = ["dense_collectives", "link_model"]
 
 
 def dense_collectives(ctx) -> Collectives:
@@ -16,5 +16,10 @@ def dense_collectives(ctx) -> Collectives:
     `algorithm`.
     """
     algorithm = getattr(ctx.options, "algorithm", None)
-    model = CostModel.measured(ctx.topology) if algorithm in (None, "auto") else None
-    return Collectives(ctx.topology, algorithm=algorithm, model=model, validate=False)
+    return Collectives(ctx.topology, algorithm=algorithm, model=link_model(ctx.topology, algorithm), validate=False)
+
+
+def link_model(topology, algorithm: str | None) -> CostModel:
+    """Collective on several nodes: the cost model the dense strategies' auto choice takes, told the measured link
+    (probed once per process, agreed by every rank); with a named algorithm the model is not asked, its defaults."""
+    return CostModel.measured(topology) if algorithm in (None, "auto") else CostModel.from_env()
