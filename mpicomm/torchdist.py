@@ -71,10 +71,24 @@ def shutdown_gloo(comm: MPI.Comm | None = None) -> None:
     still talking to rank 0's TCPStore) can make the latter abort with
     "terminate called without an active exception"; barriers on both sides
     keep every rank in step.
+
+    Drop every DDP model on the group first. The group's gloo backend joins
+    its worker threads when its last owner lets go. Python's handle on the
+    group lets go with the GIL released; a DDP Reducer lets go holding it,
+    and a worker that still needs the GIL (to free a tensor of its last
+    collective) then waits for it forever: one CI run hung so, the rank in
+    no Python frame and one thread more than its peers waiting with no
+    frame. So this call keeps its own handle, collects the models that
+    reference cycles still hold while the group lives, and lets go last.
     """
+    import gc
+
     import torch.distributed as dist
 
     comm = comm or MPI.COMM_WORLD
+    group = dist.group.WORLD  # released last, with the GIL dropped (see above)
     comm.Barrier()
+    gc.collect()
     dist.destroy_process_group()
     comm.Barrier()
+    del group

@@ -109,23 +109,28 @@ def ddp_parameters(world, make, X, Y, local_batch, loss=nn.functional.cross_entr
     init_gloo(world, timeout_s=30)
     problem, params = None, None
     try:
-        torch.manual_seed(7)
-        model = make()
-        ddp = DDP(model, find_unused_parameters=True)
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
-        for step in range(steps):
-            sl = slice(r * local_batch, (r + 1) * local_batch)
-            opt.zero_grad()
-            loss(ddp(X[step][sl]), Y[step][sl]).backward()
-            opt.step()
-        params = [p.detach().clone() for p in model.parameters()]
+        params = _train_ddp(DDP, r, make, X, Y, local_batch, loss, steps)
     except RuntimeError as exc:  # gloo's timeout, or its error when a peer's socket closed
         problem = f"torch DDP over gloo: {exc}"
     try:
         fail_together(world, problem, RuntimeError)
     finally:
-        shutdown_gloo(world)
+        shutdown_gloo(world)  # the DDP model is gone by now, as shutdown_gloo asks
     return params
+
+
+def _train_ddp(DDP, r, make, X, Y, local_batch, loss, steps):
+    """ddp_parameters' training, in a function of its own so that the DDP model dies on its return."""
+    torch.manual_seed(7)
+    model = make()
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    for step in range(steps):
+        sl = slice(r * local_batch, (r + 1) * local_batch)
+        opt.zero_grad()
+        loss(ddp(X[step][sl]), Y[step][sl]).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def close(a, b, rtol=1e-5, atol=1e-6):

@@ -178,5 +178,6 @@ def test_ddp_over_gloo(fresh):
             opt.step()
         agree(isinstance(model(x).grad_fn, Pass._backward_cls), "without DDP around it, the backward is not one node")
     finally:
+        ddp = None  # dropped before the group, as shutdown_gloo asks
         shutdown_gloo()
     check(model, active(), DEVICE_WORK)
