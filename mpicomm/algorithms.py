@@ -6,7 +6,8 @@ import json
 import os
 from dataclasses import dataclass, replace
 
-from .doubling import doubling_steps, halving_steps
+from .doubling import doubling_steps
+from .halving import halving_steps
 from .hierarchical import pieces
 
 __all__ = ["ALGORITHMS", "CHOICES", "ENV_ALGORITHM", "ENV_TABLE", "Layout", "Chooser", "CostModel", "read_table"]

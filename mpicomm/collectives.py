@@ -26,7 +26,8 @@ from . import validate as V
 from .agree import check_same_structure
 from .algorithms import ALGORITHMS, Chooser, Layout
 from .buffers import OP_CODES, Buffer, BufferError, allreduce_operands, block_counts
-from .doubling import doubling_allreduce, halving_allreduce
+from .doubling import doubling_allreduce
+from .halving import halving_allreduce
 from .handle import Handle
 from .hierarchical import (LANES, contiguous, hierarchical_allgather, hierarchical_allreduce,
                            hierarchical_reduce_scatter, pieces, pipelined)
@@ -163,7 +164,7 @@ class Collectives:
         elif name == "doubling":
             yield from doubling_allreduce(ring.comm, dst, op, tag, log)
         elif name == "rabenseifner":
-            yield from halving_allreduce(ring.comm, dst, op, tag, log)
+            yield from halving_allreduce(ring.comm, dst, op, tag, log, ring.chunk_bytes)
         else:
             yield from ring._ring(dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj

@@ -18,7 +18,8 @@ from __future__ import annotations
 from mpi4py import MPI
 
 from .buffers import Buffer, block_counts, offsets
-from .doubling import doubling_allreduce, halving_allreduce
+from .doubling import doubling_allreduce
+from .halving import halving_allreduce
 from .handle import Step
 from .requests import RequestLog
 from .ring import Ring
@@ -57,7 +58,7 @@ def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: 
     if across == "doubling":
         yield from doubling_allreduce(cross.comm, block, op, tag, log)
     elif across == "rabenseifner":
-        yield from halving_allreduce(cross.comm, block, op, tag, log)
+        yield from halving_allreduce(cross.comm, block, op, tag, log, cross.chunk_bytes)
     else:
         yield from cross._ring(block, block_counts(block.count, cross.size), range(0, 2 * cross.size - 2), op,
                                tag, log)

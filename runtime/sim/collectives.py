@@ -32,7 +32,8 @@ import math
 from collections import deque
 
 from mpicomm.algorithms import Chooser, CostModel, Layout
-from mpicomm.doubling import doubling_steps, halving_steps
+from mpicomm.doubling import doubling_steps
+from mpicomm.halving import halving_steps
 from mpicomm.hierarchical import pieces
 from mpicomm.native import DEFAULT_LATENCY_BYTES
 
