@@ -75,11 +75,12 @@ def shutdown_gloo(comm: MPI.Comm | None = None) -> None:
     Drop every DDP model on the group first. The group's gloo backend joins
     its worker threads when its last owner lets go. Python's handle on the
     group lets go with the GIL released; a DDP Reducer lets go holding it,
-    and a worker that still needs the GIL (to free a tensor of its last
-    collective) then waits for it forever: one CI run hung so, the rank in
-    no Python frame and one thread more than its peers waiting with no
-    frame. So this call keeps its own handle, collects the models that
-    reference cycles still hold while the group lives, and lets go last.
+    so a worker that still needs the GIL (to free a tensor of its last
+    collective) would wait for it forever. One CI run hung where a test's
+    DDP model went out of scope after this call: that rank in no Python
+    frame, with one frameless thread more than its peers. So this call
+    keeps its own handle, collects the models that reference cycles still
+    hold while the group lives, and lets go last.
     """
     import gc
 
