@@ -201,7 +201,8 @@ def test_local_bench_under_emulated_compute_fills_the_compute_fields(tmp_path):
             # Its updates are applied in the next forward, layer by layer as each layer's slices arrive (in groups of
             # whatever has arrived): more launches than one update of everything, at most one update per tensor.
             each = sum(2 * compute_model("v100").optimizer_s(p.numel(), 1, 1) for p in params)
-            assert update <= r["modelled_parts_s"]["optimizer"] <= each + 1e-12
+            # (Both bounds up to rounding: all slices in one group is one update of everything, summed otherwise.)
+            assert update - 1e-12 <= r["modelled_parts_s"]["optimizer"] <= each + 1e-12
         else:
             assert r["modelled_parts_s"]["optimizer"] == pytest.approx(update)
         assert r["modelled_compute_s"] == pytest.approx(sum(r["modelled_parts_s"].values()))
