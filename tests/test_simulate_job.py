@@ -181,7 +181,10 @@ def test_validate_measures_profiles_calibrates_and_compares(tmp_path):
     t = doc["meta"]["calibration"]["transport"]
     assert t["rate"] > 0 and t["cpu_per_byte"] > 0 and 0 < t["efficiency"] <= 1
     assert (tmp_path / "profiles" / "mlp-b8-r2.json").exists() and (tmp_path / "val-measured-2r.json").exists()
-    assert "worst:" in proc.stdout and out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "mean |error|" in proc.stdout and "worst " in proc.stdout and "speed-ups within 3 points" in proc.stdout
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    (sped,) = doc["meta"]["speedups"]  # wfbp over allreduce
+    assert sped["strategy"] == "wfbp" and doc["meta"]["verdict"]["ratios"] == 1
     (ranked,) = doc["meta"]["rankings"]  # one configuration: mlp, 1gbit, 2 ranks
     assert (ranked["model"], ranked["bandwidth"], ranked["ranks"], ranked["pairs"]) == ("mlp", "1gbit", 2, 1)
     assert "ranking, mlp 1gbit 2 ranks: " in proc.stdout
@@ -189,11 +192,11 @@ def test_validate_measures_profiles_calibrates_and_compares(tmp_path):
 
 def _ranked(strategy, measured, simulated, rounds):
     return dict(model="m", bandwidth="1gbit", ranks=4, strategy=strategy, measured_s=measured, simulated_s=simulated,
-                measured_rounds_s=rounds)
+                error=(simulated - measured) / measured, measured_rounds_s=rounds)
 
 
 def test_rankings_count_only_the_pairs_the_measured_rounds_order():
-    from jobs.sim.validate import rankings
+    from jobs.sim.agreement import rankings
 
     rows = [_ranked("compute", 1.0, 1.0, []),
             _ranked("a", 1.0, 1.2, [0.99, 1.01]),  # a and b: rounds apart, order swapped by the simulation
@@ -204,6 +207,31 @@ def test_rankings_count_only_the_pairs_the_measured_rounds_order():
     assert k["separated"] == 2 and k["swapped"] == ["a/b"]  # a/c is ordered alike; b/c is not counted
     rows[1]["simulated_s"] = 1.0
     assert rankings(rows)[0]["swapped"] == [] and rankings(rows)[0]["same_order"]
+
+
+def test_speedups_are_over_the_baseline_in_points_beside_the_rounds_own_span():
+    from jobs.sim.agreement import speedups, verdict, verdict_lines, rankings
+
+    rows = [_ranked("compute", 1.0, 1.0, []),
+            _ranked("allreduce", 2.0, 2.0, [1.9, 2.1]),
+            _ranked("a", 1.0, 1.05, [1.0, 1.0]),  # measured 2.00 (rounds 1.90, 2.10); simulated 1.905: -9.5 points
+            _ranked("b", 1.6, 1.6, [1.52, 1.68])]  # measured 1.25 in both rounds, simulated 1.25: 0 points
+    rows += [dict(r, bandwidth="10gbit") for r in rows[:3]]  # a second configuration
+    rows += [dict(r, model="other") for r in rows[2:4]]  # a third without the baseline: no ratios
+    sped = speedups(rows)
+    assert [(s["bandwidth"], s["strategy"]) for s in sped] == [("1gbit", "a"), ("1gbit", "b"), ("10gbit", "a")]
+    a, b, _ = sped
+    assert a["measured"] == pytest.approx(2.0) and a["simulated"] == pytest.approx(2.0 / 1.05)
+    assert a["error_points"] == pytest.approx(100 * (2.0 / 1.05 - 2.0))
+    assert a["measured_rounds"] == pytest.approx([1.9, 2.1]) and a["measured_span_points"] == pytest.approx(20)
+    assert a["inside"] is True  # 1.905 lies within the rounds' 1.90-2.10
+    assert b["error_points"] == pytest.approx(0) and b["inside"] is True
+    v = verdict(rows, rankings(rows), sped)
+    assert (v["ratios"], v["ratios_within"], v["ratios_resolved"], v["ratios_inside"]) == (3, 1, 1, 3)
+    assert v["worst_error"] == pytest.approx(0.05) and v["within_10"] == v["rows"] == 7
+    text = "\n".join(verdict_lines(v, sped))
+    assert "speed-ups within 3 points: 1 of 3: missed" in text and "a ÷ allreduce: simulated 1.90" in text
+    assert "worst +5.0 %" in text and "within 10 %: met" in text
 
 
 @pytest.mark.cluster

@@ -37,12 +37,16 @@ own, not on the shared cores), on hosts of the row's ranks per host; a carried
 row is simulated as it ran (its links, its compute scale) and reported at the
 rate asked, as jobs.bench reports it. Rows given with --measured that ran
 emulated are simulated so whatever --compute says.
-Prints measured and simulated T_iter with the error per configuration, the
-worst case, and per configuration whether the simulator ranks the strategies
-as measured, with how many of the pairs that the measured rounds order (every
-round of one faster than every round of the other) it keeps in that order;
-writes JSON rows (the rankings in its metadata) and a PNG (simulated against
-measured, the +-10 % band shaded).
+Prints measured and simulated T_iter with the error per configuration and,
+per configuration, whether the simulator ranks the strategies as measured,
+with how many of the pairs that the measured rounds order (every round of one
+faster than every round of the other) it keeps in that order; then the
+verdict against issue 27's target 5 (jobs.sim.agreement): mean and worst
+|error|, the pairs kept, and each strategy's speed-up over --baseline
+simulated against measured, in points, beside the span of the ratio round by
+round (what the measurement itself resolves). Writes JSON rows (rankings,
+speed-ups and verdict in its metadata) and a PNG (simulated against measured,
+the +-10 % band shaded).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import sys
 from jobs.common.carry import add_carry_argument, check_carry
 from jobs.common.compute import add_compute_arguments, check_compute
 from jobs.common.inputs import InputError, JobParser, at_least, bench_outputs, comma_list, int_list, parse
+from jobs.sim.agreement import rankings, speedups, verdict, verdict_lines
 
 STRATEGIES = "allreduce,wfbp,p3,ddp,hybcomm,topk,allreduce+pto"
 
@@ -77,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--profiles", metavar="DIR", default="benchmarks/issue15/profiles")
     p.add_argument("--calibration", metavar="JSON", help="default: measured, and written beside --json")
     p.add_argument("--measured", help="jobs.bench JSON files, comma-separated (default: measured now)")
+    p.add_argument("--baseline", default="allreduce",
+                   help="the strategy each speed-up is taken over (default allreduce)")
     p.add_argument("--timeout", type=float, default=7200)
     add_compute_arguments(p)
     add_carry_argument(p)
@@ -288,29 +295,6 @@ def _row(m: dict, strategy: str, measured: float, simulated: float, bare: float,
                 measured_rounds_s=list(m.get("t_iter_rounds_s") or []) if strategy != "compute" else [])
 
 
-def rankings(rows) -> list[dict]:
-    """Per configuration (model, link, ranks): whether the simulator orders the strategies as measured, and over
-    the pairs that the measurement itself orders (every round of one faster than every round of the other), how
-    many it orders the same way. A pair whose rounds interleave has no measured order to agree with."""
-    out = []
-    for key in dict.fromkeys((r["model"], r["bandwidth"], r["ranks"]) for r in rows):
-        rs = [r for r in rows if (r["model"], r["bandwidth"], r["ranks"]) == key and r["strategy"] != "compute"]
-        measured_order = [r["strategy"] for r in sorted(rs, key=lambda r: r["measured_s"])]
-        simulated_order = [r["strategy"] for r in sorted(rs, key=lambda r: r["simulated_s"])]
-        separated, swapped = 0, []
-        for i, a in enumerate(rs):
-            for b in rs[i + 1:]:
-                ra, rb = a["measured_rounds_s"], b["measured_rounds_s"]
-                if not (ra and rb) or not (max(ra) < min(rb) or max(rb) < min(ra)):
-                    continue
-                separated += 1
-                if (a["measured_s"] < b["measured_s"]) != (a["simulated_s"] < b["simulated_s"]):
-                    swapped.append(f"{a['strategy']}/{b['strategy']}")
-        out.append(dict(model=key[0], bandwidth=key[1], ranks=key[2], same_order=measured_order == simulated_order,
-                        pairs=len(rs) * (len(rs) - 1) // 2, separated=separated, swapped=swapped))
-    return out
-
-
 def markdown(rows) -> str:
     lines = ["| model | strategy | link | ranks | measured T_iter s | simulated s | error | comm cores/rank "
              "| without them s | error |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -369,18 +353,17 @@ def main(argv=None) -> int:
     print(machine_line(machine()))
     print(f"transport: {json.dumps(cal['transport'])}")
     print(markdown(rows))
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    within = sum(abs(r["error"]) <= 0.10 for r in rows)
-    print(f"\nworst: {worst['model']} {worst['strategy']} {worst['bandwidth']} {worst['ranks']} ranks "
-          f"{100 * worst['error']:+.1f} %; {within} of {len(rows)} within 10 %")
-    ranked = rankings(rows)
+    ranked, sped = rankings(rows), speedups(rows, args.baseline)
     for k in ranked:
         print(f"ranking, {k['model']} {k['bandwidth']} {k['ranks']} ranks: {'same' if k['same_order'] else 'differs'}; "
               f"{k['separated'] - len(k['swapped'])} of the {k['separated']} pairs the rounds order (of {k['pairs']}) "
               f"in the same order" + (f", swapped: {', '.join(k['swapped'])}" if k["swapped"] else ""))
+    judged = verdict(rows, ranked, sped)
+    print("\n" + "\n".join(verdict_lines(judged, sped)))
     if args.json:
         write_json(args.json, run_metadata("jobs.simulate", ["--validate", *(argv or sys.argv[1:])],
-                                           machine=machine(), calibration=cal, rankings=ranked), rows)
+                                           machine=machine(), calibration=cal, rankings=ranked,
+                                           speedups=sped, verdict=judged), rows)
     if args.plot:
         plot(rows, args.plot)
     return 0
