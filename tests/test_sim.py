@@ -11,7 +11,7 @@ import torch
 
 from runtime.sim import Cluster, Layer, Profile, ProfileError, UnknownStrategyError, simulate
 from runtime.sim.cluster import ClusterError, Host
-from runtime.sim.collectives import allreduce, choose
+from runtime.sim.collectives import allreduce, choose, queued_allreduce, small_allreduce
 from runtime.sim.dataparallel import BucketSchedule, DdpSchedule, Run, train
 from runtime.sim.engine import Activity, Engine, Pool, Resource, SimulationError
 from runtime.sim.measure import measure
@@ -148,7 +148,8 @@ def test_compute_alone_is_the_profiled_step():
 def test_allreduce_adds_the_whole_exchange_after_backward():
     p, c = toy(), fast_net(4, latency=1e-4)
     exchange = 2 * 3 * 1e-4 + 2 * 3 / 4 * p.grad_bytes / (1e9 / 8)
-    assert simulate(p, c, "allreduce@ring").t_iter_s == pytest.approx(p.compute_s + exchange, rel=1e-9)
+    agreement = 2 * 1e-4  # the step's agreement first: recursive doubling's 2 rounds, nothing on the link yet
+    assert simulate(p, c, "allreduce@ring").t_iter_s == pytest.approx(p.compute_s + agreement + exchange, rel=1e-9)
     assert simulate(p, c, "allreduce").t_iter_s <= simulate(p, c, "allreduce@ring").t_iter_s + 1e-9  # auto: no worse
 
 
@@ -261,8 +262,9 @@ def test_a_driving_progress_thread_takes_its_cores_only_while_the_training_threa
     drives = {(s, device): cls(Run(toy(), fast_net(2, device=device))).run.host.drives
               for s, cls in (("wfbp", BucketSchedule), ("ddp", DdpSchedule)) for device in ("gpu", "cpu")}
     assert drives == {("wfbp", "gpu"): True, ("wfbp", "cpu"): False, ("ddp", "gpu"): False, ("ddp", "cpu"): False}
-    # So the buckets exchanged during the backward lose nothing to the polling, the last ones after it do.
-    p, net = toy(n=8, params=100_000), fast_net(4, bw=10e9, cpu_per_byte=1e-9, cores_per_host=0.1)
+    # So the buckets exchanged during the backward lose nothing to the polling, the last ones after it do (their
+    # copies outlast the backward by more than the step's agreement, during which the thread does not drive).
+    p, net = toy(n=8, params=100_000), fast_net(4, bw=10e9, cpu_per_byte=1e-8, cores_per_host=0.1)
 
     def step(comm_cores: float, drives: bool) -> float:
         run = Run(p, dataclasses.replace(net, comm_cores=comm_cores))
@@ -271,6 +273,32 @@ def test_a_driving_progress_thread_takes_its_cores_only_while_the_training_threa
         ends = train(run, schedule, 5)
         return ends[-1] - ends[-2]
     assert step(0.0, True) < step(0.25, True) < step(0.25, False)
+
+
+def _finished(c: Cluster, collective, bulk_bytes: float) -> float:
+    """When `collective(host)` ends, started beside a bulk transfer of `bulk_bytes` already on the link."""
+    engine = Engine()
+    host = Host(engine, c)
+    if bulk_bytes:
+        engine.start(host.transfer("bulk", bulk_bytes))
+    end = []
+    engine.process(collective(host)).then(lambda _: end.append(engine.now))
+    engine.run()
+    return end[0]
+
+
+def test_a_small_collective_queues_behind_the_bytes_on_the_link_not_beside_them():
+    """The step's agreement and each step of the buffers' allreduce wait for what is on the host's link already
+    (one TCP connection per peer, a first-in first-out interface queue): no fair share of it."""
+    c, bulk, n = fast_net(4, latency=1e-4), 1e6, 100_000  # 1 Gbit/s: the bulk transfer takes 8 ms
+    assert _finished(c, small_allreduce, 0) == pytest.approx(2 * 1e-4)  # recursive doubling's 2 rounds
+    assert _finished(c, small_allreduce, bulk) == pytest.approx(bulk / (1e9 / 8) + 2 * 1e-4)
+    buffers = lambda host: queued_allreduce(host, n, "module buffers")  # noqa: E731
+    idle = 4 * 1e-4 + 2 * 3 / 4 * n / (1e9 / 8)  # Rabenseifner's 4 steps, 2(P-1)/P of the buffer
+    assert _finished(c, buffers, 0) == pytest.approx(idle)
+    assert _finished(c, buffers, bulk) == pytest.approx(bulk / (1e9 / 8) + idle)
+    # One node: nothing crosses a link, nothing queues behind it.
+    assert _finished(fast_net(1, rpn=4, latency=1e-4), small_allreduce, 0) == pytest.approx(2 * 1e-4)
 
 
 def test_module_buffers_cost_each_strategy_their_average_and_ddp_its_broadcast():

@@ -19,6 +19,9 @@ the schedule names one), told this cluster's latency and rates.
   flat top-k             an allgather of each rank's k (index, value) pairs (8 bytes each for fp32)
   hierarchical top-k     node reduce-scatter (shared memory), an allgather of k/L pairs per
                          rank across nodes (L of them in parallel), a node allgather
+  small collectives      the step's agreement (recursive doubling of a few bytes) and the module
+                         buffers' allreduce (Rabenseifner's): each step that crosses the link
+                         waits for the transfers already on it, first in, first out
 Each step or message also pays the cluster's latency. Where mpicomm hands a
 collective to MPI's own (mpicomm.native: PTO's and the sparse exchanges'
 rings, below the crossover) the latency is paid ceil(log2 P) times per phase
@@ -94,6 +97,45 @@ def allreduce(host: Host, nbytes: float, name: str = "allreduce", algorithm: str
         yield from _hierarchical(host, name, nbytes)
     else:
         yield from _ring(host, name, 2 * (c.ranks - 1), nbytes / c.ranks)
+
+
+def behind_the_link(host: Host) -> Event:
+    """Fires once the transfers now on this host's outgoing link are done. A message of a few bytes sent now waits
+    behind their bytes, not beside them: TCP carries a peer's messages in order on one connection and the host's
+    interface queue (tc tbf's) is first in, first out. The link's fluid fair share is for bulk transfers."""
+    return all_of(host.engine.active_on(host.out))
+
+
+def small_allreduce(host: Host):
+    """MPI's allreduce of a few bytes (mpicomm.step_check's round each step): recursive doubling, each step that
+    crosses the link queued behind what is on it, then the latency."""
+    c = host.cluster
+    steps = doubling_steps(c.ranks)
+    m = c.ranks.bit_length() - 1
+    across = sum(1 for k in range(m) if (1 << k) >= c.ranks_per_node) + (steps - m if c.ranks_per_node == 1 else 0)
+    for k in range(steps):
+        if k < across and c.nodes > 1:
+            yield behind_the_link(host)
+        yield host.engine.timeout(c.latency)
+
+
+def queued_allreduce(host: Host, nbytes: float, name: str):
+    """MPI's own allreduce of a buffer small beside the bulk traffic it is sent into (runtime.model_buffers'):
+    Rabenseifner's steps (MPICH's choice over 2 KiB) in turn, each one that crosses the link queued behind what is
+    on it, then sent."""
+    c = host.cluster
+    P, L = c.ranks, c.ranks_per_node
+    m = P.bit_length() - 1
+    p2 = 1 << m
+    fold = [(nbytes * (P - p2) / P, L == 1)] * ((halving_steps(P) - 2 * m) // 2)  # as _rabenseifner's folds
+    halving = [(nbytes / (2 << k), (p2 >> (k + 1)) >= L) for k in range(m)]
+    for part, across in fold + halving + halving[::-1] + fold:
+        across = across and c.nodes > 1
+        if across:
+            yield behind_the_link(host)
+        yield host.engine.timeout(c.latency)
+        moved = L * part
+        yield host.engine.start(host.transfer(name, moved if across else 0.0, 0.0 if across else moved))
 
 
 def _doubling(host: Host, name: str, nbytes: float, ranks: int, per_node: int, lanes: int = 1):

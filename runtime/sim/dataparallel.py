@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 from .cluster import Cluster, Host
-from .collectives import (Stream, allgather, allreduce, fuse_size, hierarchical_sparse, reduce_scatter,
-                          sparse_allgather)
+from .collectives import (Stream, allgather, allreduce, fuse_size, hierarchical_sparse, queued_allreduce,
+                          reduce_scatter, small_allreduce, sparse_allgather)
 from .engine import Engine, Event, all_of
 from .profile import Profile
 
@@ -61,8 +61,8 @@ class Schedule:
     # True (staged): each group's average goes back to the device as its exchange completes it (the strategy calls
     # runtime.device's averaged(): wfbp's buckets, p3's tensors), not all at the update.
     sends_back = False
-    # True: a DistributedOptimizer's strategy, whose runtime.model_buffers averages the buffers after each step
-    # (the plain step, the "compute" contender, keeps each rank's own).
+    # True: a DistributedOptimizer's strategy, which agrees with every rank each step (mpicomm.step_check) and whose
+    # runtime.model_buffers averages the buffers after each step (the plain step, "compute", does neither).
     syncs_buffers = False
 
     def __init__(self, run: Run, **options):
@@ -105,13 +105,18 @@ class Schedule:
 
     def buffers_after_step(self) -> Event | None:
         """runtime.model_buffers: after the step's exchange, MPI's own allreduce of the model's floating-point
-        buffers, staged in float64 (on the wire with whatever is still in flight); waited before the next
-        forward. None where there are none, or one rank. Rabenseifner's: MPICH's non-blocking allreduce of a
-        commutative sum over 2 KiB reduce-scatters and allgathers (2·log2 P steps, not a ring's 2(P-1))."""
+        buffers, staged in float64, each of its steps queued behind whatever is still on the link
+        (collectives.queued_allreduce); waited before the next forward. None where there are none, or one rank."""
         n = self.p.buffer_elements
         if not (self.syncs_buffers and n and self.run.cluster.ranks > 1):
             return None
-        return self.run.engine.process(allreduce(self.run.host, 8 * n, "module buffers", "rabenseifner"))
+        return self.run.engine.process(queued_allreduce(self.run.host, 8 * n, "module buffers"))
+
+    def agree(self):
+        """DistributedOptimizer.step's agreement (mpicomm.step_check), between the backward and the strategy's
+        finish: one small allreduce, queued behind the exchange's bytes already on the link."""
+        if self.syncs_buffers and self.run.cluster.ranks > 1:
+            yield self.run.engine.process(small_allreduce(self.run.host))
 
     def buffers_before_forward(self):
         """A process run before each forward for the buffers (torch DDP: rank 0's broadcast)."""
@@ -164,6 +169,7 @@ def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
             for i in reversed(range(len(p.layers))):
                 yield run.compute(f"backward {p.layers[i].name}", p.layers[i].bwd_s)
                 schedule.grad_ready(i, step)
+            yield from schedule.agree()
             yield from schedule.finish(step)
             ends.append(run.engine.now)
             buffers = schedule.buffers_after_step()
@@ -324,6 +330,12 @@ class DdpSchedule(BucketSchedule):
 
     def buffers_after_step(self) -> Event | None:
         return None  # DDP keeps no average of them: it broadcasts rank 0's before each forward
+
+    def agree(self):
+        """DistributedOptimizer.step's agreement (mpicomm.step_check), between the backward and the strategy's
+        finish: one small allreduce, queued behind the exchange's bytes already on the link."""
+        if self.syncs_buffers and self.run.cluster.ranks > 1:
+            yield self.run.engine.process(small_allreduce(self.run.host))
 
     def buffers_before_forward(self):
         """broadcast_buffers (DDP's default): rank 0's buffers (float32) to every rank before the forward may

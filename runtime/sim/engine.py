@@ -170,6 +170,10 @@ class Engine:
         step(None)
         return finished
 
+    def active_on(self, resource: Resource) -> list[Event]:
+        """The completion events of the activities now using `resource`."""
+        return [a.done for a in self._active if any(r is resource for r, _ in a.uses)]
+
     # -- running ---------------------------------------------------------------------------------
     def run(self, until: float = math.inf) -> float:
         while True:
