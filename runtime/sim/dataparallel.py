@@ -332,10 +332,7 @@ class DdpSchedule(BucketSchedule):
         return None  # DDP keeps no average of them: it broadcasts rank 0's before each forward
 
     def agree(self):
-        """DistributedOptimizer.step's agreement (mpicomm.step_check), between the backward and the strategy's
-        finish: one small allreduce, queued behind the exchange's bytes already on the link."""
-        if self.syncs_buffers and self.run.cluster.ranks > 1:
-            yield self.run.engine.process(small_allreduce(self.run.host))
+        return iter(())  # torch DDP has no step agreement: its reducer's buckets are the only collectives
 
     def buffers_before_forward(self):
         """broadcast_buffers (DDP's default): rank 0's buffers (float32) to every rank before the forward may
