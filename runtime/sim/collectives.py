@@ -110,9 +110,10 @@ def small_allreduce(host: Host):
     """MPI's allreduce of a few bytes (mpicomm.step_check's round each step): recursive doubling, each step that
     crosses the link queued behind what is on it, then the latency."""
     c = host.cluster
-    steps = doubling_steps(c.ranks)
     m = c.ranks.bit_length() - 1
-    across = sum(1 for k in range(m) if (1 << k) >= c.ranks_per_node) + (steps - m if c.ranks_per_node == 1 else 0)
+    steps = doubling_steps(c.ranks)
+    folds = steps - m  # the fold and unfold cross the link where nodes hold one rank each
+    across = _doubling_across(c.ranks, c.ranks_per_node) + (folds if c.ranks_per_node == 1 else 0)
     for k in range(steps):
         if k < across and c.nodes > 1:
             yield behind_the_link(host)
@@ -124,18 +125,29 @@ def queued_allreduce(host: Host, nbytes: float, name: str):
     Rabenseifner's steps (MPICH's choice over 2 KiB) in turn, each one that crosses the link queued behind what is
     on it, then sent."""
     c = host.cluster
-    P, L = c.ranks, c.ranks_per_node
-    m = P.bit_length() - 1
-    p2 = 1 << m
-    fold = [(nbytes * (P - p2) / P, L == 1)] * ((halving_steps(P) - 2 * m) // 2)  # as _rabenseifner's folds
-    halving = [(nbytes / (2 << k), (p2 >> (k + 1)) >= L) for k in range(m)]
-    for part, across in fold + halving + halving[::-1] + fold:
+    for part, across in _rabenseifner_steps(nbytes, c.ranks, c.ranks_per_node):
         across = across and c.nodes > 1
         if across:
             yield behind_the_link(host)
         yield host.engine.timeout(c.latency)
-        moved = L * part
+        moved = c.ranks_per_node * part
         yield host.engine.start(host.transfer(name, moved if across else 0.0, 0.0 if across else moved))
+
+
+def _doubling_across(ranks: int, per_node: int) -> int:
+    """Recursive doubling's exchange steps (folds aside) whose partner is on another node, ranks node by node."""
+    return sum(1 for k in range(ranks.bit_length() - 1) if (1 << k) >= per_node)
+
+
+def _rabenseifner_steps(nbytes: float, ranks: int, per_node: int) -> list[tuple[float, bool]]:
+    """Rabenseifner's steps in order, each (bytes a rank sends, whether its partner is on another node): the fold,
+    the halving steps (n/2, n/4, ...), their mirror in the doubling, the unfold. A fold pairs neighbours, on
+    another node only where nodes hold one rank each."""
+    m = ranks.bit_length() - 1
+    p2 = 1 << m
+    fold = [(nbytes * (ranks - p2) / ranks, per_node == 1)] * ((halving_steps(ranks) - 2 * m) // 2)
+    halving = [(nbytes / (2 << k), (p2 >> (k + 1)) >= per_node) for k in range(m)]
+    return fold + halving + halving[::-1] + fold
 
 
 def _doubling(host: Host, name: str, nbytes: float, ranks: int, per_node: int, lanes: int = 1):
@@ -149,7 +161,7 @@ def _doubling(host: Host, name: str, nbytes: float, ranks: int, per_node: int, l
     if steps == 0 or nbytes <= 0:
         return
     m = ranks.bit_length() - 1
-    across = sum(1 for k in range(m) if (1 << k) >= per_node)  # exchange steps whose partner is on another node
+    across = _doubling_across(ranks, per_node)
     # The fold and unfold: one whole buffer from each of the 2(P - 2^m) paired ranks, within its pair (a node's
     # when nodes hold pairs): per rank, on average, this many buffers.
     folds = (steps - m) * (ranks - (1 << m)) / ranks
@@ -166,21 +178,10 @@ def _rabenseifner(host: Host, name: str, nbytes: float, ranks: int, per_node: in
     steps = halving_steps(ranks)
     if steps == 0 or nbytes <= 0:
         return
-    m = ranks.bit_length() - 1
-    p2 = 1 << m
     ranks_here = per_node * lanes
-    nic = shm = 0.0
-    for k in range(m):  # each halving step and its mirror in the doubling: n/2^(k+1) per rank
-        moved = 2 * ranks_here * nbytes / (2 << k)
-        if (p2 >> (k + 1)) >= per_node:
-            nic += moved
-        else:
-            shm += moved
-    fold = ranks_here * nbytes * (steps - 2 * m) * (ranks - p2) / ranks  # as _doubling's folds
-    if per_node > 1:
-        shm += fold
-    else:
-        nic += fold
+    parts = _rabenseifner_steps(nbytes, ranks, per_node)
+    nic = ranks_here * sum(part for part, across in parts if across)
+    shm = ranks_here * sum(part for part, across in parts if not across)
     yield host.engine.timeout(steps * c.latency)
     nic = nic if c.nodes > 1 else 0.0
     yield host.engine.start(host.transfer(name, nic, shm, cpu_bytes=nic + shm))

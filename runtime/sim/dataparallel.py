@@ -63,7 +63,7 @@ class Schedule:
     sends_back = False
     # True: a DistributedOptimizer's strategy, which agrees with every rank each step (mpicomm.step_check) and whose
     # runtime.model_buffers averages the buffers after each step (the plain step, "compute", does neither).
-    syncs_buffers = False
+    distributed_optimizer = False
 
     def __init__(self, run: Run, **options):
         self.run, self.p = run, run.profile
@@ -108,14 +108,14 @@ class Schedule:
         buffers, staged in float64, each of its steps queued behind whatever is still on the link
         (collectives.queued_allreduce); waited before the next forward. None where there are none, or one rank."""
         n = self.p.buffer_elements
-        if not (self.syncs_buffers and n and self.run.cluster.ranks > 1):
+        if not (self.distributed_optimizer and n and self.run.cluster.ranks > 1):
             return None
         return self.run.engine.process(queued_allreduce(self.run.host, 8 * n, "module buffers"))
 
     def agree(self):
         """DistributedOptimizer.step's agreement (mpicomm.step_check), between the backward and the strategy's
         finish: one small allreduce, queued behind the exchange's bytes already on the link."""
-        if self.syncs_buffers and self.run.cluster.ranks > 1:
+        if self.distributed_optimizer and self.run.cluster.ranks > 1:
             yield self.run.engine.process(small_allreduce(self.run.host))
 
     def buffers_before_forward(self):
@@ -187,7 +187,7 @@ class AllreduceSchedule(Schedule):
 
     staged = True
     sends_back = True
-    syncs_buffers = True
+    distributed_optimizer = True
     _copied: Event | None = None
 
     def grad_ready(self, i: int, step: int) -> None:
@@ -267,7 +267,7 @@ class BucketSchedule(Schedule):
     staged = True
     drives = True
     sends_back = True
-    syncs_buffers = True
+    distributed_optimizer = True
     fuse_default = "auto"  # WfbpOptions'
 
     def __init__(self, run: Run, **options):
@@ -325,14 +325,12 @@ class DdpSchedule(BucketSchedule):
     """torch DDP: 25 MiB buckets (the first 1 MiB) in reverse registration order, allreduced in order."""
 
     staged = False  # gloo's own buffers (runtime.device's staging is DistributedOptimizer's)
+    # Not a DistributedOptimizer: no step agreement, and no average of the buffers (rank 0's are broadcast before
+    # each forward instead, buffers_before_forward).
+    distributed_optimizer = False
     drives = False  # gloo's worker thread reads its sockets blocking
     sends_back = False
 
-    def buffers_after_step(self) -> Event | None:
-        return None  # DDP keeps no average of them: it broadcasts rank 0's before each forward
-
-    def agree(self):
-        return iter(())  # torch DDP has no step agreement: its reducer's buckets are the only collectives
 
     def buffers_before_forward(self):
         """broadcast_buffers (DDP's default): rank 0's buffers (float32) to every rank before the forward may
@@ -374,7 +372,7 @@ def topk_pairs(elements: int, density: float) -> int:
 class TopkSchedule(Schedule):
     """Top-k after backward: the local work (the profile's, selection and summing), the exchange, optimizer."""
 
-    syncs_buffers = True
+    distributed_optimizer = True
 
     def finish(self, step: int):
         run, p = self.run, self.p

@@ -31,7 +31,7 @@ class P3Schedule(Schedule):
     deferred = True
     staged = True
     sends_back = True
-    syncs_buffers = True
+    distributed_optimizer = True
 
     def __init__(self, run: Run, **options):
         super().__init__(run, **options)
