@@ -30,6 +30,7 @@ class DeferredUpdates:
         self.owed = np.zeros(len(buffers.params), dtype=bool)
         self.hyper: list | None = None
         self._zero_requested = False
+        self._zero_on_owe = False  # zero_grad() came before the step's agreement said what is owed
 
     @staticmethod
     def used_early(name: str, strategy: str) -> RuntimeError:
@@ -43,8 +44,16 @@ class DeferredUpdates:
     def pending(self) -> bool:
         return bool(self.owed.any())
 
-    def owe(self, mask: np.ndarray, hyper: list) -> None:
+    def owe(self, mask: np.ndarray, hyper: list, fresh=()) -> None:
+        """fresh: parameters whose gradient of the next step has begun already (a zero_grad() before it holds
+        for the others)."""
         self.owed, self.hyper = mask.copy(), hyper
+        if self._zero_on_owe:
+            self._zero_on_owe = False
+            idle = ~self.owed
+            idle[list(fresh)] = False
+            self.buffers.zero(np.flatnonzero(idle))
+            self._zero_requested = self.pending()
 
     def apply(self, indices=None) -> None:
         """Wait for these parameters' averaged gradients (all owed ones when None), then update them."""
@@ -64,8 +73,12 @@ class DeferredUpdates:
             self.buffers.zero(owed)
             self._zero_requested = self.pending()
 
-    def zero_grad(self) -> None:
-        if self.pending():
+    def zero_grad(self, owed_known: bool = True) -> None:
+        """owed_known=False: the step's agreement, which says what is owed (and kept), is not in yet: the
+        zeroing waits for owe()."""
+        if not owed_known:
+            self._zero_on_owe = True
+        elif self.pending():
             self._zero_requested = True
             self.buffers.zero(np.flatnonzero(~self.owed))
         else:

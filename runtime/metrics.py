@@ -10,6 +10,8 @@ from mpicomm.requests import abandon
 from mpicomm.stall import wait_until
 from mpicomm.step_check import METRIC, digest
 
+from . import stepping
+
 
 def sum_over_ranks(dopt, values):
     """The element-wise sum of `values` over the optimizer's ranks (numbers, a list, an array or a tensor).
@@ -21,6 +23,7 @@ def sum_over_ranks(dopt, values):
     numpy array.
     """
     dopt._usable()
+    stepping.settle(dopt)  # a deferred step's agreement first: rounds complete in order
     tensor = values if torch.is_tensor(values) else None
     mine = np.ascontiguousarray(tensor.detach().cpu().numpy() if tensor is not None else np.asarray(values))
     if mine.dtype.kind not in "biuf":

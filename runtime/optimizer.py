@@ -9,9 +9,9 @@ import torch
 
 from mpicomm import Topology, failstop
 from mpicomm.stall import StallPolicy
-from mpicomm.step_check import EXCHANGE, ReportedProblem, StepCheck, digest
+from mpicomm.step_check import StepCheck
 
-from . import checkpoint, metrics, teardown
+from . import checkpoint, metrics, stepping, teardown
 from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
 from .emulate.accelerator import device_work
@@ -23,8 +23,7 @@ from .p3.forward_gate import ForwardGate
 from .registry import strategy_class
 from .startup import broadcast_from_root, check_arguments, check_settings
 from .strategy import StrategyContext, capture_hooks
-from .trace import span_of
-from .updates import ParamUpdater, describe_hyper, hyperparameters
+from .updates import ParamUpdater
 
 
 class DistributedOptimizer:
@@ -103,6 +102,7 @@ class DistributedOptimizer:
                                         getattr(self.strategy, "averaged", None))
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
+        self._agreeing = False  # a deferred step's agreement is pending (stepping.settle)
         self._no_sync, self._update_mask = False, None
         self.steps, self._closed = 0, False
         self.failed: BaseException | None = None
@@ -156,6 +156,7 @@ class DistributedOptimizer:
         if self.failed is not None:
             return
         i = self._index[id(p)]
+        stepping.settle(self, fresh=(i,))  # a forward pass that ran no gated module left it pending
         if self.deferred.owed[i]:
             error = self.deferred.used_early(self.names[i], self.strategy.name)
             self._fail(error)
@@ -199,6 +200,7 @@ class DistributedOptimizer:
 
     def _before_forward(self, module, inputs) -> None:
         if self.failed is None:
+            stepping.settle(self)
             self.model_buffers.finish()
 
     def _before_reading(self) -> None:
@@ -228,8 +230,10 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the strategy's buffers; set_to_none is not honoured)."""
         self._usable()
+        if self._agreeing and self.check.ready():  # in already: the buffers' average can start now
+            stepping.settle(self)
         with device_work("zero_grad", lambda model: model.memset_s(4 * self.buffers.numel)):  # a GPU's memset
-            self.deferred.zero_grad()
+            self.deferred.zero_grad(owed_known=not self._agreeing)
 
     def step(self, closure=None):
         if closure is not None:
@@ -237,10 +241,10 @@ class DistributedOptimizer:
         self._usable()
         explicit = self._synchronized
         if not explicit:
-            self._exchange(full=False)
+            stepping.exchange(self, full=False)
         self._synchronized = False
         with self._failing():
-            self._update(immediately=explicit)
+            stepping.update(self, immediately=explicit)
         return None
 
     def synchronize(self) -> None:
@@ -258,7 +262,7 @@ class DistributedOptimizer:
         """
         self._usable()
         if self._open and not self._synchronized:
-            self._exchange(full=True)
+            stepping.exchange(self, full=True)
             with self._failing():
                 self._wait(range(len(self.params)))
             self._synchronized = True
@@ -270,74 +274,9 @@ class DistributedOptimizer:
         self.model_buffers.finish()
 
     # -- one step ------------------------------------------------------------
-    def _exchange(self, full: bool) -> None:
-        """Agree with every rank, hand over the gradients backward did not produce, start the averaging."""
-        if self.staging is not None:
-            with self._failing():  # the staging thread is the strategy's only caller until it is idle
-                self.staging.drain()
-        self._apply()  # parameters this step's forward and backward skipped
-        if self.gate is not None and self.gate.gate is None:
-            # The first forward pass is over: gates and priorities are known from now on.
-            self.strategy.set_priorities(self.gate.freeze())
-        unsent = [i for i in range(len(self.params)) if not self._sent[i]]
-        for i in unsent:
-            if self._passes[i] or not self.buffers.holds(i):
-                # Accumulated in fewer passes than backward_passes_per_step, or set by hand (.grad = ...).
-                self.buffers.attach(i)
-                self._used[i] = True
-            else:
-                self.buffers.zero([i])  # no gradient here this step: counts as zeros in the average
-        problem = self.strategy.local_problem()
-        hyper = hyperparameters(self.optimizer)
-        settings = describe_hyper(hyper) + [f"comm hook {self._comm_hook}"]
-        with self._failing():
-            self.check.start(EXCHANGE, self.steps, digest("\n".join(settings)), self._used, problem or "",
-                             describe=lambda: settings)
-        self.steps += 1
-        with span_of(self.timeline, "wait step agreement", "sync"):
-            used = self._finish_round()  # on the timeline: behind bulk traffic it can wait long (claims.md)
-        with self._failing():
-            for i in unsent:
-                self._send(i)
-            if self.staging is not None:
-                self.staging.drain()  # every gradient handed over, in hook order, before finish()
-            self.strategy.finish(used, full)
-        self.model_buffers.start()
-        self._update_mask = used
-        self._open = False
-        self._used[:] = False
-        self._passes = [0] * len(self.params)
-        self._sent = [False] * len(self.params)
-        self._hyper = hyper
-
-    def _finish_round(self):
-        """The step's agreement: which parameters any rank used, or the error every rank raises."""
-        with self._failing():
-            try:
-                return self.check.finish()
-            except ReportedProblem as exc:
-                raise self.strategy.problem_error(str(exc)) from None
-
-    def _update(self, immediately: bool) -> None:
-        mask = self._update_mask
-        if not self.strategy.exact:  # delayed values (error feedback) may reach parameters no rank used
-            unused = np.flatnonzero(~mask)
-            mask[unused] = self.buffers.nonzero(unused)
-        if self.strategy.deferred and not immediately and self.pto is None:
-            self.deferred.owe(mask, self._hyper)
-            return
-        if self.pto is not None:
-            # The sharded update reads the averages where the strategy left them (staged: the host mirror), not
-            # from .grad, unless synchronize() put them there for the user to read or edit (`immediately`).
-            self.strategy.wait(range(len(self.params)))
-            where = None if immediately else self.buffers.flat_views if self.staging else self.buffers.device_flat_views
-            self.pto.step(self.strategy.grad_shard, skip=np.flatnonzero(~mask).tolist(), grads=where)
-        else:
-            self._wait(range(len(self.params)))
-            self.updater.step(np.flatnonzero(mask).tolist(), self._hyper)
-
     def _apply(self, indices=None) -> None:
         """Deferred updates owed to these parameters (all when None): applied, or the optimizer fails."""
+        stepping.settle(self)
         with self._failing():
             self.deferred.apply(indices)
 

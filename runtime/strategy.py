@@ -42,7 +42,8 @@ class Strategy:
 
     Per step: `grad_ready(i)` as backward finalises parameter i's gradient
     (it sits in `ctx.buffers`), `finish(used, full)` once backward is over (`used`:
-    which parameters any rank produced a gradient for), then `wait(indices)`
+    which parameters any rank produced a gradient for; None for a deferred
+    strategy, whose step's agreement is still in flight), then `wait(indices)`
     before those parameters are updated. Class attributes say how the wrapper
     treats the strategy:
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from mpicomm import failstop
 from mpicomm.step_check import CLOSE
 
+from . import stepping
+
 
 def fail(dopt, exc: BaseException) -> None:
     """Error path: tell the other ranks, cancel what is in flight, wait for nobody."""
@@ -32,6 +34,7 @@ def close(dopt) -> None:
         release(dopt)
         return
     try:
+        stepping.settle(dopt)  # a deferred step's agreement first: rounds complete in order
         dopt.check.run(CLOSE, dopt.steps, 0, describe=lambda: [])
         if dopt._open:
             dopt.strategy.abort()  # a backward without step() on every rank: nothing to finish

@@ -85,6 +85,44 @@ def test_ranks_stepping_a_different_number_of_times(world, strategy):
     dopt.close()  # after the error: releases what is left, without communicating
 
 
+def test_p3_step_returns_before_a_late_rank_has_stepped_and_its_next_forward_agrees(world):
+    """p3's step() leaves the agreement in flight (runtime.stepping): rank 0 returns from it while rank 1 has not
+    stepped yet and waits for a word from rank 0 first. A step() that waited for the agreement would never send
+    it (rank 0 then stops at the stall limit, rank 1 at its deadline). The parameters still equal one process's."""
+    needs_two(world)
+    model, opt = model_and_opt()
+    dopt = wrap(opt, model, "p3", stall=StallPolicy(warn_after=None, timeout=10.0))
+    side = world.Dup()
+    word = torch.zeros(1, dtype=torch.int64).numpy()
+    r = world.Get_rank()
+    got = True
+    for step in range(3):
+        if step == 1 and r == 1:
+            req = side.Irecv(word, source=0)
+            deadline = time.monotonic() + 15
+            while not req.Test() and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            got = bool(word[0] == 7)
+            if not got:
+                req.Cancel()
+                req.Wait()
+        one_step(world, model, dopt, step)
+        if step == 1 and r == 0:
+            word[0] = 7
+            side.Send(word, dest=1)
+    dopt.close()
+    side.Free()
+    assert_everywhere(world, got, "rank 0's step() waited for rank 1")
+    reference, ref_opt = model_and_opt()
+    for step in range(3):
+        X, Y = batches(world.Get_size(), steps=step + 1)  # as one_step draws them
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(reference(X[step]), Y[step]).backward()
+        ref_opt.step()
+    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), reference.parameters()))
+    assert_everywhere(world, same, "p3 with its agreement in flight differs from one process")
+
+
 @pytest.mark.parametrize("when", ["after backward", "after step"])
 @pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
 def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
@@ -126,13 +164,14 @@ def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
 
 
 def test_a_stalled_rank_is_named_and_nobody_waits_for_ever(world):
-    """Rank 1 stops calling step(): rank 0's stall report names it, every rank raises StallError."""
+    """Rank 1 stops calling step(): rank 0's stall report names it, every rank raises StallError (under p3 in
+    the next step, where the agreement that step() left in flight is finished)."""
     needs_two(world)
     model, opt = model_and_opt()
     dopt = wrap(opt, model, "p3", stall=StallPolicy(warn_after=None, timeout=2.0))
 
     def run():
-        for step in range(3):
+        for step in range(4):
             if step == 2 and world.Get_rank() == 1:
                 time.sleep(5)  # busy elsewhere, far past the stall timeout
             one_step(world, model, dopt, step)

@@ -69,9 +69,16 @@ def test_a_rank_with_a_step_fewer_is_named_with_the_step_it_stopped_at():
 
 
 def test_a_rank_with_a_step_fewer_in_a_users_own_collective_is_found_by_the_stall_limit():
-    proc = run("uneven-allreduce", env={"MPITRAIN_STALL_TIMEOUT": "6", "MPITRAIN_STALL_WARNING": "3"})
+    proc = run("uneven-allreduce", "allreduce", env={"MPITRAIN_STALL_TIMEOUT": "6", "MPITRAIN_STALL_WARNING": "3"})
     assert_everyone_says(proc, 0, "StallError", "rank(s) [3] have not reached this point (step #10)")
     assert "failstop_script.py" in lines_of(proc, 3)  # where rank 3 was blocked: the user's Allreduce
+
+
+def test_under_p3_a_step_fewer_before_a_users_own_collective_is_named_at_the_next_agreement():
+    """p3's step() returns with its agreement in flight (runtime.stepping): the user's Allreduce completes, and the
+    agreement, finished at close(), names the step each rank is at on every rank; no stall limit needed."""
+    proc = run("uneven-allreduce", "p3")
+    assert_everyone_says(proc, 0, "CollectiveMismatchError", "rank 0, 1, 2: step #10; rank 3: close() after 9 steps")
 
 
 def test_a_rank_leaving_early_stops_every_rank():

@@ -300,8 +300,8 @@ def test_a_small_collective_queues_behind_the_bytes_on_the_link_not_beside_them(
     # One node: nothing crosses a link, nothing queues behind it.
     assert _finished(fast_net(1, rpn=4, latency=1e-4), small_allreduce, 0) == pytest.approx(2 * 1e-4)
     # Every DistributedOptimizer strategy agrees each step; torch DDP does not.
-    assert len(list(BucketSchedule(Run(toy(), c)).agree())) == 1
-    assert list(DdpSchedule(Run(toy(), c)).agree()) == []
+    assert BucketSchedule(Run(toy(), c)).agree() is not None
+    assert DdpSchedule(Run(toy(), c)).agree() is None
 
 
 def test_module_buffers_cost_each_strategy_their_average_and_ddp_its_broadcast():

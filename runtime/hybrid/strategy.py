@@ -209,7 +209,7 @@ class HybCommSync(Strategy):
 
     def finish(self, used, full: bool = False) -> None:
         if self.inner is not None:
-            self.inner.finish(np.asarray(used)[self.rest], full)
+            self.inner.finish(None if used is None else np.asarray(used)[self.rest], full)  # None: p3's
         self._new_step()
 
     def wait(self, indices) -> None:

@@ -103,20 +103,22 @@ class Schedule:
         """A process run before layer i's forward (p3: wait for its parameters, apply its update)."""
         return iter(())
 
-    def buffers_after_step(self) -> Event | None:
-        """runtime.model_buffers: after the step's exchange, MPI's own allreduce of the model's floating-point
-        buffers, staged in float64, each of its steps queued behind whatever is still on the link
+    def buffers_after_step(self, agreed: Event | None = None) -> Event | None:
+        """runtime.model_buffers: once the step's agreement is in, MPI's own allreduce of the model's
+        floating-point buffers, staged in float64, each of its steps queued behind whatever is still on the link
         (collectives.queued_allreduce); waited before the next forward. None where there are none, or one rank."""
         n = self.p.buffer_elements
         if not (self.distributed_optimizer and n and self.run.cluster.ranks > 1):
             return None
-        return self.run.engine.process(queued_allreduce(self.run.host, 8 * n, "module buffers"))
+        return self.run.engine.process(after(agreed, queued_allreduce(self.run.host, 8 * n, "module buffers")))
 
-    def agree(self):
-        """DistributedOptimizer.step's agreement (mpicomm.step_check), between the backward and the strategy's
-        finish: one small allreduce, queued behind the exchange's bytes already on the link."""
+    def agree(self) -> Event | None:
+        """DistributedOptimizer.step's agreement (mpicomm.step_check), started once the backward is over: one
+        small allreduce, queued behind the exchange's bytes already on the link. The strategy's finish waits for
+        it, a deferred one's next forward (runtime.stepping). None for one rank, or torch DDP."""
         if self.distributed_optimizer and self.run.cluster.ranks > 1:
-            yield self.run.engine.process(small_allreduce(self.run.host))
+            return self.run.engine.process(small_allreduce(self.run.host))
+        return None
 
     def buffers_before_forward(self):
         """A process run before each forward for the buffers (torch DDP: rank 0's broadcast)."""
@@ -169,10 +171,12 @@ def train(run: Run, schedule: Schedule, steps: int) -> list[float]:
             for i in reversed(range(len(p.layers))):
                 yield run.compute(f"backward {p.layers[i].name}", p.layers[i].bwd_s)
                 schedule.grad_ready(i, step)
-            yield from schedule.agree()
+            agreed = schedule.agree()
+            if agreed is not None and not schedule.deferred:
+                yield agreed
             yield from schedule.finish(step)
             ends.append(run.engine.now)
-            buffers = schedule.buffers_after_step()
+            buffers = schedule.buffers_after_step(agreed) or agreed
 
     run.engine.process(proc())
     run.engine.run()

@@ -1,0 +1,116 @@
+"""One step of a DistributedOptimizer: the ranks' agreement, the gradients handed over, the update now or owed.
+
+A deferred strategy (p3) returns from step() with the agreement still in
+flight: it sends every gradient whichever were used and updates each layer
+only at its next forward, so what the agreement says (which parameters any
+rank used, or the error every rank raises) is needed only then. `settle`
+finishes it there, or wherever the parameters, the module buffers or the
+agreement's communicator are touched first; a zero_grad() before it zeroes
+once it is in. Behind p3's bulk traffic the agreement's few bytes wait for
+what is queued on the link ahead of them (benchmarks/claims.md, fifteenth
+and sixteenth passes); the training loop's own work now runs in that time.
+The module buffers' average is still posted only after the agreement, on
+every rank alike (error paths rely on that).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpicomm.step_check import EXCHANGE, ReportedProblem, digest
+
+from .trace import span_of
+from .updates import describe_hyper, hyperparameters
+
+__all__ = ["exchange", "finish_round", "settle", "update"]
+
+
+def exchange(dopt, full: bool) -> None:
+    """Agree with every rank, hand over the gradients backward did not produce, start the averaging."""
+    if dopt.staging is not None:
+        with dopt._failing():  # the staging thread is the strategy's only caller until it is idle
+            dopt.staging.drain()
+    dopt._apply()  # parameters this step's forward and backward skipped
+    if dopt.gate is not None and dopt.gate.gate is None:
+        # The first forward pass is over: gates and priorities are known from now on.
+        dopt.strategy.set_priorities(dopt.gate.freeze())
+    unsent = [i for i in range(len(dopt.params)) if not dopt._sent[i]]
+    for i in unsent:
+        if dopt._passes[i] or not dopt.buffers.holds(i):
+            # Accumulated in fewer passes than backward_passes_per_step, or set by hand (.grad = ...).
+            dopt.buffers.attach(i)
+            dopt._used[i] = True
+        else:
+            dopt.buffers.zero([i])  # no gradient here this step: counts as zeros in the average
+    problem = dopt.strategy.local_problem()
+    hyper = hyperparameters(dopt.optimizer)
+    settings = describe_hyper(hyper) + [f"comm hook {dopt._comm_hook}"]
+    with dopt._failing():
+        dopt.check.start(EXCHANGE, dopt.steps, digest("\n".join(settings)), dopt._used, problem or "",
+                         describe=lambda: settings)
+    dopt.steps += 1
+    # The others need the agreement's `used` to finish; a deferred strategy's step() leaves it to settle().
+    dopt._agreeing = dopt.strategy.deferred and dopt.pto is None and not full
+    used = None if dopt._agreeing else finish_round(dopt)
+    with dopt._failing():
+        for i in unsent:
+            dopt._send(i)
+        if dopt.staging is not None:
+            dopt.staging.drain()  # every gradient handed over, in hook order, before finish()
+        dopt.strategy.finish(used, full)
+    if not dopt._agreeing:
+        dopt.model_buffers.start()  # after the agreement: every rank posts it (error paths rely on that)
+    dopt._update_mask = used
+    dopt._open = False
+    dopt._used[:] = False
+    dopt._passes = [0] * len(dopt.params)
+    dopt._sent = [False] * len(dopt.params)
+    dopt._hyper = hyper
+
+
+def finish_round(dopt):
+    """The step's agreement: which parameters any rank used, or the error every rank raises."""
+    with span_of(dopt.timeline, "wait step agreement", "sync"), dopt._failing():
+        try:
+            return dopt.check.finish()
+        except ReportedProblem as exc:
+            raise dopt.strategy.problem_error(str(exc)) from None
+
+
+def settle(dopt, fresh=()) -> None:
+    """The agreement a deferred step left pending: finished (or every rank raises), its updates owed, the
+    module buffers' average started. Called before anything reads what it decides; once per step."""
+    if not dopt._agreeing or dopt.failed is not None:
+        return
+    dopt._agreeing = False
+    dopt._update_mask = finish_round(dopt)
+    dopt.deferred.owe(_mask(dopt), dopt._hyper, fresh)
+    dopt.model_buffers.start()
+
+
+def _mask(dopt) -> np.ndarray:
+    """The parameters to update: those any rank used (the agreement's), or reached through delayed values."""
+    mask = dopt._update_mask
+    if not dopt.strategy.exact:  # delayed values (error feedback) may reach parameters no rank used
+        unused = np.flatnonzero(~mask)
+        mask[unused] = dopt.buffers.nonzero(unused)
+    return mask
+
+
+def update(dopt, immediately: bool) -> None:
+    """step()'s update: applied now, or owed to the next forward (deferred), or left to settle()."""
+    if dopt._agreeing:
+        return
+    mask = _mask(dopt)
+    if dopt.strategy.deferred and not immediately and dopt.pto is None:
+        dopt.deferred.owe(mask, dopt._hyper)
+        return
+    if dopt.pto is not None:
+        # The sharded update reads the averages where the strategy left them (staged: the host mirror), not
+        # from .grad, unless synchronize() put them there for the user to read or edit (`immediately`).
+        dopt.strategy.wait(range(len(dopt.params)))
+        where = None if immediately else dopt.buffers.flat_views if dopt.staging else dopt.buffers.device_flat_views
+        dopt.pto.step(dopt.strategy.grad_shard, skip=np.flatnonzero(~mask).tolist(), grads=where)
+    else:
+        dopt._wait(range(len(dopt.params)))
+        dopt.updater.step(np.flatnonzero(mask).tolist(), dopt._hyper)
