@@ -102,7 +102,6 @@ class DistributedOptimizer:
                                         getattr(self.strategy, "averaged", None))
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
-        self._agreeing = False  # a deferred step's agreement is pending (stepping.settle)
         self._no_sync, self._update_mask = False, None
         self.steps, self._closed = 0, False
         self.failed: BaseException | None = None
@@ -230,10 +229,10 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the strategy's buffers; set_to_none is not honoured)."""
         self._usable()
-        if self._agreeing and self.check.ready():  # in already: the buffers' average can start now
+        if self.check.ready():  # a deferred step's agreement, in already: the buffers' average can start now
             stepping.settle(self)
         with device_work("zero_grad", lambda model: model.memset_s(4 * self.buffers.numel)):  # a GPU's memset
-            self.deferred.zero_grad(owed_known=not self._agreeing)
+            self.deferred.zero_grad(owed_known=not self.check.pending)
 
     def step(self, closure=None):
         if closure is not None:

@@ -49,16 +49,17 @@ def exchange(dopt, full: bool) -> None:
         dopt.check.start(EXCHANGE, dopt.steps, digest("\n".join(settings)), dopt._used, problem or "",
                          describe=lambda: settings)
     dopt.steps += 1
-    # The others need the agreement's `used` to finish; a deferred strategy's step() leaves it to settle().
-    dopt._agreeing = dopt.strategy.deferred and dopt.pto is None and not full
-    used = None if dopt._agreeing else finish_round(dopt)
+    # The others need the agreement's `used` to finish; a deferred strategy's step() leaves it to settle(),
+    # in flight (dopt.check.pending) until then.
+    in_flight = dopt.strategy.deferred and dopt.pto is None and not full
+    used = None if in_flight else finish_round(dopt)
     with dopt._failing():
         for i in unsent:
             dopt._send(i)
         if dopt.staging is not None:
             dopt.staging.drain()  # every gradient handed over, in hook order, before finish()
         dopt.strategy.finish(used, full)
-    if not dopt._agreeing:
+    if not in_flight:
         dopt.model_buffers.start()  # after the agreement: every rank posts it (error paths rely on that)
     dopt._update_mask = used
     dopt._open = False
@@ -80,9 +81,8 @@ def finish_round(dopt):
 def settle(dopt, fresh=()) -> None:
     """The agreement a deferred step left pending: finished (or every rank raises), its updates owed, the
     module buffers' average started. Called before anything reads what it decides; once per step."""
-    if not dopt._agreeing or dopt.failed is not None:
+    if not dopt.check.pending or dopt.failed is not None:
         return
-    dopt._agreeing = False
     dopt._update_mask = finish_round(dopt)
     dopt.deferred.owe(_mask(dopt), dopt._hyper, fresh)
     dopt.model_buffers.start()
@@ -99,7 +99,7 @@ def _mask(dopt) -> np.ndarray:
 
 def update(dopt, immediately: bool) -> None:
     """step()'s update: applied now, or owed to the next forward (deferred), or left to settle()."""
-    if dopt._agreeing:
+    if dopt.check.pending:
         return
     mask = _mask(dopt)
     if dopt.strategy.deferred and not immediately and dopt.pto is None:

@@ -335,7 +335,6 @@ class DdpSchedule(BucketSchedule):
     drives = False  # gloo's worker thread reads its sockets blocking
     sends_back = False
 
-
     def buffers_before_forward(self):
         """broadcast_buffers (DDP's default): rank 0's buffers (float32) to every rank before the forward may
         start, by gloo's binomial tree: ceil(log2 P) steps of the whole buffer, the first ones (the nearest
