@@ -22,21 +22,24 @@ class DeferredUpdates:
     several, which is what per-layer updates cost where the link is fast.
     """
 
-    def __init__(self, wait, updater, buffers, timeline=None, averaged=None):
+    def __init__(self, wait, updater, buffers, timeline=None, averaged=None, landing=None):
         """wait(indices): the averaged gradients of these parameters are in .grad once it returns;
-        averaged(): per parameter, whether that is already so (optional)."""
+        averaged(): per parameter, whether that is already so (optional); landing(indices): those of them
+        into whose .grad the previous step's average may still land (optional)."""
         self.wait, self.updater, self.buffers, self.timeline = wait, updater, buffers, timeline
-        self.averaged = averaged
+        self.averaged, self.landing = averaged, landing
         self.owed = np.zeros(len(buffers.params), dtype=bool)
         self.hyper: list | None = None
         self._zero_requested = False
         self._zero_on_owe = False  # zero_grad() came before the step's agreement said what is owed
 
     @staticmethod
-    def used_early(name: str, strategy: str) -> RuntimeError:
-        """The error of a gradient that came before its parameter's owed update was applied."""
+    def used_early(name: str, strategy: str, what: str = "its deferred ({strategy}) update was applied") \
+            -> RuntimeError:
+        """The error of a gradient that came before its parameter's owed update was applied (or, `what`, before
+        the previous step's average had landed in its .grad)."""
         return RuntimeError(
-            f"{name} got a gradient before its deferred ({strategy}) update was applied: a forward pass used it "
+            f"{name} got a gradient before {what.format(strategy=strategy)}: a forward pass used it "
             "without running the module that held it in the first forward pass (a weight shared or read by "
             "another module). Call synchronize() before such forward passes, or use a strategy that updates in "
             "step() (wfbp)")
@@ -56,9 +59,22 @@ class DeferredUpdates:
             self._zero_requested = self.pending()
 
     def apply(self, indices=None) -> None:
-        """Wait for these parameters' averaged gradients (all owed ones when None), then update them."""
-        owed = np.flatnonzero(self.owed).tolist() if indices is None else [i for i in indices if self.owed[i]]
+        """Wait for these parameters' averaged gradients (all owed ones when None), then update them.
+
+        A module's gate (indices given) also waits for those it gates that are owed nothing but whose previous
+        average, zero (no rank used them), is still landing: their gradients of this step must not
+        accumulate in .grad before it has landed there.
+        """
+        if indices is None:
+            owed, landing = np.flatnonzero(self.owed).tolist(), []
+        else:
+            owed = [i for i in indices if self.owed[i]]
+            idle = [i for i in indices if not self.owed[i]] if self.landing is not None else ()
+            landing = self.landing(idle) if idle else []
         if not owed:
+            if landing:
+                with span_of(self.timeline, f"wait {len(landing)} params landing", "sync", params=landing[:8]):
+                    self.wait(landing)
             return
         if indices is not None and self.averaged is not None:
             ready = self.owed & self.averaged()
@@ -66,7 +82,7 @@ class DeferredUpdates:
             owed += np.flatnonzero(ready).tolist()
         tl = self.timeline
         with span_of(tl, f"wait {len(owed)} params", "sync", params=owed[:8]):
-            self.wait(owed)
+            self.wait(owed + landing)
         self.updater.step(owed, self.hyper)
         self.owed[owed] = False
         if self._zero_requested:

@@ -99,7 +99,7 @@ class DistributedOptimizer:
         self._passes = [0] * n  # backward passes that reached each parameter this step
         self._sent = [False] * n
         self.deferred = DeferredUpdates(self._wait, self.updater, self.buffers, timeline,
-                                        getattr(self.strategy, "averaged", None))
+                                        getattr(self.strategy, "averaged", None), self.strategy.landing)
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync, self._update_mask = False, None
@@ -156,8 +156,10 @@ class DistributedOptimizer:
             return
         i = self._index[id(p)]
         stepping.settle(self, fresh=(i,))  # a forward pass that ran no gated module left it pending
-        if self.deferred.owed[i]:
-            error = self.deferred.used_early(self.names[i], self.strategy.name)
+        if self.deferred.owed[i] or self.strategy.landing([i]):
+            # Owed: the forward used the old value. Landing: the previous average lands on top of this gradient.
+            error = self.deferred.used_early(self.names[i], self.strategy.name, *(
+                () if self.deferred.owed[i] else ("the previous step's average had landed in its .grad",)))
             self._fail(error)
             raise error
         if not self._open:

@@ -125,6 +125,11 @@ class Strategy:
     def wait(self, indices) -> None:
         """Block (under the stall policy) until these parameters' gradients are averaged."""
 
+    def landing(self, indices) -> list[int]:
+        """Of these parameters, those into whose .grad an earlier step's average may still land (a deferred
+        strategy's exchange runs on past step()): a gradient accumulated there first would be overwritten."""
+        return []
+
     def local_problem(self) -> str | None:
         """Before the step's agreement: a reason this rank cannot go on (a NaN gradient), or None."""
         return None

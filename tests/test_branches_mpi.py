@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
+from runtime import HybCommOptions
 
 from conftest import assert_everywhere
 from dp_helpers import Branchy, batches, close, max_diff, train
@@ -62,3 +65,41 @@ def test_first_steps_only_layer_is_left_alone_afterwards(world):
     for strategy in ("allreduce", "wfbp", "p3"):
         got = train(world, strategy, Branchy, path, X, Y, **options(strategy)[1])
         assert_everywhere(world, close(got, want), f"{strategy}: max difference {max_diff(got, want):.3g}")
+
+
+class Wide(nn.Module):
+    """x @ W, not an nn.Linear: hybcomm sends it through its dense strategy."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+class LateExpert(nn.Module):
+    """A wide expert that runs last in the forward pass: p3 sends its slices last."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(11, 13)
+        self.head = nn.Linear(13, 5)
+        self.expert = Wide(13, 50_000)
+
+    def forward(self, x, path=0):
+        h = torch.tanh(self.inp(x))
+        out = self.head(h)
+        return out + self.expert(h)[:, :5] if path == 0 else out
+
+
+@pytest.mark.parametrize("strategy", ["p3", "hybcomm"])
+def test_a_module_no_rank_ran_waits_for_its_zero_average_before_its_next_gradient(world, strategy):
+    """p3's exchange of a step runs on past step(): a module no rank ran sends its zero average last, and its
+    gate in the next forward must wait for it, or the next gradient would accumulate first and be overwritten."""
+    X, Y = batches(world.Get_size())
+    path = lambda step, rank: step % 2  # noqa: E731
+    want = train(world, None, LateExpert, path, X, Y)
+    how = HybCommOptions(dense="p3", bandwidth=1e9, gflops=1e6) if strategy == "hybcomm" else strategy
+    got = train(world, how, LateExpert, path, X, Y)
+    assert_everywhere(world, close(got, want), f"{strategy}: max difference {max_diff(got, want):.3g}")

@@ -233,6 +233,13 @@ class HybCommSync(Strategy):
         for k in mine:
             self.futures[k] = None
 
+    def landing(self, indices) -> list[int]:
+        # A factor layer no rank ran sends nothing (K = 0); one that any rank ran is owed, and waited for.
+        if self.inner is None:
+            return []
+        return [self.rest[j] for j in self.inner.landing([self.inner_index[i] for i in indices
+                                                            if i not in self.layer_of])]
+
     def _wait_futures(self, futures, what: str, report=lambda: "a rank has not handed over its gradients") -> None:
         if futures:
             with self.progress.driven():

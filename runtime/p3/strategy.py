@@ -77,6 +77,12 @@ class P3Sync(Strategy):
         """Per parameter, whether its average of the current step is in .grad already (a bool array, read-only)."""
         return self.exchange.tensor_done
 
+    def landing(self, indices) -> list[int]:
+        if self._open or self.future is None:  # a step begun has waited for the one before (_started)
+            return []
+        done = self.exchange.tensor_done
+        return [i for i in indices if not done[i]]
+
     def wait(self, indices) -> None:
         if self.future is None:
             return
