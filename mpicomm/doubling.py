@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from .buffers import Buffer, reduce_into
 from .requests import RequestLog
+from .scratch import SCRATCH
 
 __all__ = ["doubling_allreduce", "doubling_steps"]
 
@@ -52,17 +53,19 @@ def _folded(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: RequestLog, ex
         return
     p2 = 1 << (size.bit_length() - 1)
     rem = size - p2
-    whole, got = [data.bytes(), MPI.BYTE], data.scratch(data.count)
+    whole = [data.bytes(), MPI.BYTE]
     if rank < 2 * rem and rank % 2 == 0:
         yield [log.isend(comm, whole, rank + 1, tag)]
         yield [log.irecv(comm, whole, rank + 1, tag)]
         return
+    got = SCRATCH.take(data, data.count)
     if rank < 2 * rem:
         yield [log.irecv(comm, [got.bytes(), MPI.BYTE], rank - 1, tag)]
         reduce_into(op, data.flat, got.flat, data.flat)
     yield from exchange(rank // 2 if rank < 2 * rem else rank - rem, p2, rem, got)
     if rank < 2 * rem:
         yield [log.isend(comm, whole, rank - 1, tag)]
+    SCRATCH.give(got)  # only here: a cancelled exchange may still have a receive posted into it
 
 
 def doubling_allreduce(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: RequestLog):

@@ -27,12 +27,15 @@ the same ranges, so MPI's in-order matching pairs them.
 
 from __future__ import annotations
 
+import functools
+
 from mpi4py import MPI
 
 from .buffers import Buffer, block_counts, chunk_ranges, offsets, reduce_into
 from .doubling import _folded, _world
 from .requests import RequestLog
 from .ring import DEFAULT_CHUNK_BYTES
+from .scratch import SCRATCH
 
 __all__ = ["halving_allreduce", "halving_steps"]
 
@@ -109,20 +112,26 @@ def _dependencies(steps):
     return deps
 
 
+@functools.lru_cache(maxsize=256)
+def _schedule(new, p2, rem, count, per):
+    """(steps, their send dependencies, the halving steps' keep ranges) of exchange rank `new` for `count`
+    elements: the same every step of a training loop, so planned once (read-only; shared by every call)."""
+    offs = offsets(block_counts(count, p2)) + [count]
+    steps = _plan(new, p2, rem, offs, per)
+    return steps, _dependencies(steps), [s[4] for s in steps if s[3]]
+
+
 def halving_allreduce(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: RequestLog,
                       chunk_bytes: int = DEFAULT_CHUNK_BYTES):
     """Generator (a Handle's algorithm): reduce `data` in place over `comm`; `comm`'s ranks all call it."""
     per = max(1, chunk_bytes // data.itemsize)
 
     def exchange(new, p2, rem, got):
-        offs = offsets(block_counts(data.count, p2)) + [data.count]
-        steps = _plan(new, p2, rem, offs, per)
+        steps, deps, ranges = _schedule(new, p2, rem, data.count, per)
         # Halving steps receive into scratch, even ones into `got` (absolute offsets), odd ones into a second
         # buffer the size of the first odd step's range: one step's arrivals land while the last one's are summed.
-        ranges = [s[4] for s in steps if s[3]]
-        odd = data.scratch(ranges[1][1] - ranges[1][0]) if len(ranges) > 1 else None
+        odd = SCRATCH.take(data, ranges[1][1] - ranges[1][0]) if len(ranges) > 1 else None
         scratch = [(got, 0) if i % 2 == 0 else (odd, ranges[1][0]) for i in range(len(ranges))]
-        deps = _dependencies(steps)
         done = [0] * len(steps)  # receive chunks processed, per step
         posted = [0, 0]  # [step, chunk]: the next send; sends go out in step order, so each pair sees them in order
         out, by_step = [], [[] for _ in steps]
@@ -174,5 +183,6 @@ def halving_allreduce(comm: MPI.Comm, data: Buffer, op: str, tag: int, log: Requ
                 pump()
             pending = upcoming
         yield out
+        SCRATCH.give(odd)  # only here: a cancelled exchange may still have a receive posted into it
 
     yield from _folded(comm, data, op, tag, log, exchange)

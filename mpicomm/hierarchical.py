@@ -23,6 +23,7 @@ from .halving import halving_allreduce
 from .handle import Step
 from .requests import RequestLog
 from .ring import Ring
+from .scratch import SCRATCH
 
 __all__ = ["LANES", "PIECE_BYTES", "contiguous", "hierarchical_allgather", "hierarchical_allreduce",
            "hierarchical_reduce_scatter", "pieces", "pipelined"]
@@ -148,13 +149,14 @@ def hierarchical_reduce_scatter(node: Ring, cross: Ring, data: Buffer, counts: l
         chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
         yield from node._ring(chunk, counts[m * L:(m + 1) * L], range(0, L - 1), op, tag, log)
     mine = [counts[m * L + l] for m in range(N)]
-    gathered = data.scratch(sum(mine))
+    gathered = SCRATCH.take(data, sum(mine))
     at = offsets(mine)
     for m in range(N):
         gathered.bytes(at[m], at[m] + mine[m])[...] = data.bytes(offs[m * L + l], offs[m * L + l + 1])
     yield from cross._ring(gathered, mine, range(0, N - 1), op, tag, log)
     r = n * L + l
     data.bytes(offs[r], offs[r + 1])[...] = gathered.bytes(at[n], at[n] + mine[n])
+    SCRATCH.give(gathered)
 
 
 def hierarchical_allgather(node: Ring, cross: Ring, data: Buffer, counts: list[int], tag: int, log: RequestLog):
@@ -163,13 +165,14 @@ def hierarchical_allgather(node: Ring, cross: Ring, data: Buffer, counts: list[i
     L, N, l, n = node.size, cross.size, node.rank, cross.rank
     offs = offsets(counts) + [data.count]
     mine = [counts[m * L + l] for m in range(N)]
-    gathered = data.scratch(sum(mine))
+    gathered = SCRATCH.take(data, sum(mine))
     at = offsets(mine)
     r = n * L + l
     gathered.bytes(at[n], at[n] + mine[n])[...] = data.bytes(offs[r], offs[r + 1])
     yield from cross._ring(gathered, mine, range(N - 1, 2 * N - 2), None, tag, log)
     for m in range(N):
         data.bytes(offs[m * L + l], offs[m * L + l + 1])[...] = gathered.bytes(at[m], at[m] + mine[m])
+    SCRATCH.give(gathered)
     for m in range(N):
         chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
         yield from node._ring(chunk, counts[m * L:(m + 1) * L], range(L - 1, 2 * L - 2), None, tag, log)

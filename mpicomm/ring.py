@@ -21,6 +21,7 @@ from .buffers import (OP_CODES, Buffer, BufferError, allreduce_operands, block_c
                       offsets, reduce_into, wrap)
 from .handle import Handle
 from .requests import RequestLog, drain_at_exit
+from .scratch import SCRATCH
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
@@ -327,7 +328,7 @@ class Ring:
         reduce_phase = P - 1
         last = steps[-1]
         nscratch = 3 if out is not None else 2
-        scratch = [data.scratch(max(counts)) for _ in range(nscratch)] if steps[0] < reduce_phase else []
+        scratch = [SCRATCH.take(data, max(counts)) for _ in range(nscratch)] if steps[0] < reduce_phase else []
         busy = [[] for _ in scratch]  # sends still reading each scratch block
 
         def block(t):
@@ -385,5 +386,6 @@ class Ring:
                     sends.append(log.isend(self.comm, [data.bytes(a, z), MPI.BYTE], self.right, tag))
             pending = upcoming
         yield sends
+        SCRATCH.give(*scratch)  # only here: a cancelled ring may still have a receive posted into them
 
 

@@ -13,6 +13,7 @@ from conftest import assert_everywhere
 from layout_helpers import sub_topology
 from mpicomm import IN_PLACE, CollectiveMismatchError, Collectives, Topology, block_counts, wait_all
 from mpicomm.algorithms import ALGORITHMS, Chooser, CostModel, Layout
+from mpicomm.scratch import SCRATCH
 
 pytestmark = pytest.mark.mpi
 
@@ -71,6 +72,24 @@ def test_float_results_are_identical_on_every_rank(layout, algorithm):
         comm.Bcast(first, root=0)
         assert_everywhere(comm, got is x and np.allclose(x.numpy(), ref, rtol=1e-5, atol=1e-5)
                           and np.array_equal(x.numpy(), first), f"{algorithm} on {topo}")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_repeated_allreduce_reuses_its_scratch(layout, algorithm):
+    """A training loop's steady state allocates nothing: the next allreduce of a size reuses the last one's."""
+    comm, topo = layout
+    with Collectives(topo, algorithm=algorithm, chunk_bytes=64 << 10) as coll:
+        x = data(300_007, np.float32, comm.Get_rank())
+        ref = np.empty_like(x)
+        comm.Allreduce(x, ref)
+        coll.allreduce(x.copy()).wait()
+        before, same = SCRATCH.allocated, True
+        for _ in range(3):
+            y = x.copy()
+            coll.allreduce(y).wait()
+            same &= np.array_equal(y, ref)
+        assert_everywhere(comm, same and SCRATCH.allocated == before,
+                          f"{algorithm} on {topo}: equal {same}, {SCRATCH.allocated - before} scratch buffers allocated")
 
 
 def test_buckets_in_flight_started_in_any_order(layout):
