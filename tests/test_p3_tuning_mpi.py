@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 def test_the_probe_gives_every_rank_the_same_finite_figures(world):
     est = probe_link(world, bytes_per_rank=1 << 18, rounds=2)
-    table = world.allgather((est.bandwidth, est.round_time))  # test-side check only
-    ok = len(set(table)) == 1 and 0 < est.bandwidth < float("inf") and est.round_time > 0
+    table = world.allgather((est.bandwidth, est.round_time, est.step_time))  # test-side check only
+    ok = len(set(table)) == 1 and 0 < est.bandwidth < float("inf") and est.round_time > 0 and est.step_time > 0
     assert_everywhere(world, ok, f"estimates per rank: {table}")
 
 
