@@ -72,9 +72,9 @@ class CostModel:
     def measured(cls, topology) -> "CostModel":
         """From $MPITRAIN_LINK_BANDWIDTH, else, on several nodes, from the link measured once per process
         (mpicomm.link_probe, shared with p3's tuning; agreed by every rank): what a node's ranks push at once,
-        and the time of one pairwise step as alpha (where it exceeds the default: 8 ranks on 4 emulated
-        hosts of this VM's 2 cores take 0.3-0.4 ms a step, and at 70 us the model sent 64 KiB through
-        Rabenseifner's 4 cross-node steps, 1.5x slower than doubling's 2: benchmarks/topology.md)."""
+        and the time of one step of a small allreduce as alpha, where it exceeds the default (8 ranks on 4
+        emulated hosts of this VM's 2 cores: ~0.2 ms; at 70 us the model sent 64 KiB through Rabenseifner's 4
+        cross-node steps, 1.5x slower there than doubling's 2: benchmarks/topology.md)."""
         from .agree import check_same_structure
         from .link_probe import measured_link
 

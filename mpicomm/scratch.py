@@ -53,10 +53,5 @@ class ScratchPool:
                     free.append(buf)
                     self._bytes += size
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._bytes = 0
-
 
 SCRATCH = ScratchPool()
