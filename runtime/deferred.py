@@ -34,12 +34,13 @@ class DeferredUpdates:
         self._zero_on_owe = False  # zero_grad() came before the step's agreement said what is owed
 
     @staticmethod
-    def used_early(name: str, strategy: str, what: str = "its deferred ({strategy}) update was applied") \
-            -> RuntimeError:
-        """The error of a gradient that came before its parameter's owed update was applied (or, `what`, before
+    def used_early(name: str, strategy: str, landing: bool = False) -> RuntimeError:
+        """The error of a gradient that came before its parameter's owed update was applied (landing: before
         the previous step's average had landed in its .grad)."""
+        what = ("the previous step's average had landed in its .grad" if landing
+                else f"its deferred ({strategy}) update was applied")
         return RuntimeError(
-            f"{name} got a gradient before {what.format(strategy=strategy)}: a forward pass used it "
+            f"{name} got a gradient before {what}: a forward pass used it "
             "without running the module that held it in the first forward pass (a weight shared or read by "
             "another module). Call synchronize() before such forward passes, or use a strategy that updates in "
             "step() (wfbp)")

@@ -156,10 +156,10 @@ class DistributedOptimizer:
             return
         i = self._index[id(p)]
         stepping.settle(self, fresh=(i,))  # a forward pass that ran no gated module left it pending
-        if self.deferred.owed[i] or self.strategy.landing([i]):
+        owed = bool(self.deferred.owed[i])
+        if owed or self.strategy.landing([i]):
             # Owed: the forward used the old value. Landing: the previous average lands on top of this gradient.
-            error = self.deferred.used_early(self.names[i], self.strategy.name, *(
-                () if self.deferred.owed[i] else ("the previous step's average had landed in its .grad",)))
+            error = self.deferred.used_early(self.names[i], self.strategy.name, landing=not owed)
             self._fail(error)
             raise error
         if not self._open:
