@@ -76,8 +76,9 @@ class SlicedExchange(Task):
         self._waiters = 0  # training threads blocked in wait()
         self._urgent = False  # the one waiting needs few slices more: the progress thread polls urgently
         self.nudge = lambda: None  # set by the owner: wakes its progress thread from a relaxed sleep
-        # Set by the owner: called on the polling thread with the tensors a slice's result completed, before a
-        # waiter can see them done (the owner's copy of their averages back to a GPU starts there).
+        # Set by the owner: called on the polling thread as each slice's result is in, with the slice and the
+        # tensors it completed (often none), before a waiter can see them done (the owner's copy of the
+        # averages back to a GPU starts there).
         self.on_done = None
         self.names = names or [f"tensor {t}" for t in range(len(segments))]
         self.views = [buffers[b][a:z] for b, a, z in plan.slices]
@@ -276,9 +277,9 @@ class SlicedExchange(Task):
             self._slices_left[t] -= 1
             if self._slices_left[t] == 0:
                 finished.append(t)
+        if self.on_done is not None:
+            self.on_done(s, finished)
         if finished:
-            if self.on_done is not None:
-                self.on_done(finished)
             with self._cond:
                 for t in finished:
                     self.tensor_done[t] = True

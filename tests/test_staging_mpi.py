@@ -135,6 +135,30 @@ def test_p3_sends_each_tensors_average_back_as_its_last_slice_returns(world, for
     assert_everywhere(world, ok, "p3's averages must go back as they complete")
 
 
+def test_p3_sends_averages_back_slice_by_slice_within_a_large_tensor(world, forced, monkeypatch):
+    """With copies of at most a slice (BACK_BYTES below one), each slice's average goes back as it lands, once a
+    step: a tensor of many slices is not copied whole when its last one lands, and training stays exact."""
+    from runtime.p3 import copy_back
+
+    monkeypatch.setattr(copy_back, "BACK_BYTES", 1)
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    assert_everywhere(world, close(train("p3", world, X, Y), reference), "staged p3, slice by slice, differs")
+    model, X, Y = edgy(world)
+    with wrap(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05), model, "p3",
+              slice_size=7) as dopt:
+        for step in range(3):
+            dopt.zero_grad()
+            local_backward(world, model, X, Y, step)
+            dopt.step()
+        model(X[0][:LOCAL_BATCH])  # the last step's updates, through the gates
+        staging, plan = dopt.staging, dopt.strategy.exchange.plan
+        spans = max(len(ids) for ids in plan.slices_of)
+        ok = spans > 1 and staging.copies_to_device == staging.copies_as_averaged == 3 * plan.count
+        ok = ok and not any(staging.outstanding)
+    assert_everywhere(world, ok, "p3 must send each slice's average back as it lands")
+
+
 def test_ranks_staging_differently_are_named(world, monkeypatch):
     if world.Get_size() < 2:
         pytest.skip("needs 2 ranks")

@@ -66,11 +66,17 @@ class EmulatedStaging:
         """Block until every gradient has been delivered (in hook order); re-raise a delivery's error."""
         self.delivery.drain()
 
-    def averaged(self, indices) -> None:
+    def averaged(self, indices, ranges=None) -> None:
         """On the strategy's thread, as its exchange completes these parameters' averages: their copies back
-        start now (or when the copies queued before them end), on this thread's clock, which does not wait."""
+        start now (or when the copies queued before them end), on this thread's clock, which does not wait.
+        ranges: the flat ranges copied instead of their segments (GradientStaging.averaged's)."""
         with self._lock:
-            indices, seconds, copies = self._claim(indices)
+            if ranges is None:
+                indices, seconds, copies = self._claim(indices)
+            else:
+                indices = self._mark(indices)
+                seconds, copies = self._seconds(ranges), len(ranges)
+                self.copies_to_device += copies
             if not copies:
                 return
             self.copies_as_averaged += copies
@@ -96,12 +102,20 @@ class EmulatedStaging:
     def _claim(self, indices) -> tuple[list[int], float, int]:
         """Those of these parameters still outstanding, marked as going back now; the modelled seconds of copying
         their ranges, and how many ranges (copies) that is (counted in copies_to_device). Under the lock."""
+        indices = self._mark(indices)
+        ranges = coalesce(self.buffers.segments, indices)
+        self.copies_to_device += len(ranges)
+        return indices, self._seconds(ranges), len(ranges)
+
+    def _mark(self, indices) -> list[int]:
         indices = [i for i in indices if self.outstanding[i]]
         for i in indices:
             self.outstanding[i] = False
-        ranges = coalesce(self.buffers.segments, indices)
-        self.copies_to_device += len(ranges)
-        return indices, sum(self.acc.model.copy_s((z - a) * self._width[b]) for b, a, z in ranges), len(ranges)
+        return indices
+
+    def _seconds(self, ranges) -> float:
+        """The modelled time of copying these (buffer, start, stop) ranges, one copy each."""
+        return sum(self.acc.model.copy_s((z - a) * self._width[b]) for b, a, z in ranges)
 
     def close(self) -> None:
         self.delivery.close()

@@ -163,20 +163,31 @@ class GradientStaging:
             self.delivery.drain()
 
     # -- host -> device ------------------------------------------------------
-    def averaged(self, indices) -> None:
+    def averaged(self, indices, ranges=None) -> None:
         """On the strategy's thread, as its exchange completes these parameters' averages in the mirror (and
-        before any wait for them returns): their copies back to p.grad start now."""
+        before any wait for them returns): their copies back to p.grad start now.
+
+        ranges: (buffer, start, stop) of the mirror final now, copied instead of these parameters' segments (p3's
+        slices: a large parameter goes back a few slices at a time, the copy of its last ones completing it; the
+        strategy sends each range once a step, and all of a parameter's before naming it in `indices`)."""
         with self._lock:
-            indices, ranges = self._claim(indices)
+            if ranges is None:
+                indices, ranges = self._claim(indices)
+            else:
+                indices = self._mark(indices)
+                self.copies_to_device += len(ranges)
             if not ranges:
                 return
             self.copies_as_averaged += len(ranges)
-            self._sent_back += 1
-            last = indices[-1]
-            for i in indices:
-                self._early[i] = (self._sent_back, last)
-            # Issued under the lock, so a to_device() that finds _early set finds the event recorded.
-            self._put_back(ranges, self.back_stream if self.cuda else None, self.back[last] if self.cuda else None)
+            last = indices[-1] if indices else None
+            if last is not None:
+                self._sent_back += 1
+                for i in indices:
+                    self._early[i] = (self._sent_back, last)
+            # Issued under the lock, so a to_device() that finds _early set finds the event recorded. A copy that
+            # completes no parameter records nothing: the one that completes them runs after it on the stream.
+            event = self.back[last] if self.cuda and last is not None else None
+            self._put_back(ranges, self.back_stream if self.cuda else None, event)
         if self.timeline:
             self.timeline.instant(f"back to {self.device.type} as averaged: {len(indices)} params", "staging",
                                   track="staging", ranges=len(ranges))
@@ -184,12 +195,17 @@ class GradientStaging:
     def _claim(self, indices) -> tuple[list[int], list]:
         """Those of these parameters whose average is still in the mirror only, marked as going back now, and
         their coalesced ranges (counted in copies_to_device). Under the lock."""
-        indices = [i for i in indices if self.outstanding[i]]
-        for i in indices:
-            self.outstanding[i] = False
+        indices = self._mark(indices)
         ranges = coalesce(self.buffers.segments, indices)
         self.copies_to_device += len(ranges)
         return indices, ranges
+
+    def _mark(self, indices) -> list[int]:
+        """Those of these parameters still outstanding, marked as back (or going back) now. Under the lock."""
+        indices = [i for i in indices if self.outstanding[i]]
+        for i in indices:
+            self.outstanding[i] = False
+        return indices
 
     def _put_back(self, ranges, stream, event) -> None:
         """Copy these ranges of the mirror into the device's gradients: on a CPU at once, else on `stream`
@@ -204,7 +220,8 @@ class GradientStaging:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for k, a, z in ranges:
                 b.device_flats[k][a:z].copy_(b.flats[k][a:z], non_blocking=True)
-            event.record(stream)
+            if event is not None:
+                event.record(stream)
 
     def _wait_early(self, indices) -> None:
         """The current stream waits for averaged()'s copies of these parameters (the latest recorded one: the

@@ -8,6 +8,7 @@ from mpicomm.stall import wait_until
 
 from ..device.threads import device_setup
 from ..strategy import Strategy, StrategyContext
+from .copy_back import SliceCopyBack
 from .tuning import tune
 
 
@@ -40,6 +41,7 @@ class P3Sync(Strategy):
                                        node_aggregation=getattr(o, "node_aggregation", True))
         self.progress = ProgressThread("mpitrain-p3", setup=device_setup(self.buffers.device))  # copies back
         self.exchange.nudge = self.progress.nudge
+        self.copy_back = SliceCopyBack(self.exchange.plan.slices, [b.element_size() for b in flats], self._send_back)
         self.exchange.on_done = self._averaged
         self.future = None  # the exchange of the newest step on the progress thread
         self._open = False  # gradients of the current step are being handed over
@@ -58,6 +60,7 @@ class P3Sync(Strategy):
                            policy=self.ctx.policy, who=f"rank {ex.rank}: ", interrupt=self.ctx.interrupt,
                            report=lambda: ex.report(range(len(self.params))))
                 fut.wait()
+            self.copy_back.reset()
             self.future = self.progress.submit(ex.begin())
             self._open = True
         return ex
@@ -65,9 +68,13 @@ class P3Sync(Strategy):
     def grad_ready(self, i: int) -> None:
         self._started().ready(i)
 
-    def _averaged(self, tensors) -> None:
+    def _averaged(self, s: int, tensors: list[int]) -> None:
+        """On the progress thread: slice s is averaged (completing `tensors`); staged, its copy back is due."""
         if self.on_averaged is not None:
-            self.on_averaged(tensors)
+            self.copy_back(s, tensors)
+
+    def _send_back(self, tensors: list[int], ranges) -> None:
+        self.on_averaged(tensors, ranges)
 
     def finish(self, used, full: bool = False) -> None:
         self._started()
@@ -94,6 +101,7 @@ class P3Sync(Strategy):
     def abort(self) -> None:
         self.progress.abort()  # first: no poll may run while the requests are cancelled
         self.exchange.abort()
+        self.copy_back.reset()
         self.future, self._open = None, False
 
     def close(self) -> None:

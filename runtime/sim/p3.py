@@ -6,6 +6,7 @@ import heapq
 
 from mpicomm.link_probe import LinkEstimate
 from runtime.p3 import tuning
+from runtime.p3.copy_back import BACK_BYTES
 
 from .collectives import slice_round_trip
 from .dataparallel import Run, Schedule, param_layers
@@ -43,11 +44,13 @@ class P3Schedule(Schedule):
         for n, layer in zip(sizes, owner):
             bounds.append((a, a + n, layer))
             a += n
-        total, self.slices = a, []
+        total, self.slices, self.overlap = a, [], []
         for start in range(0, total, n_slice):
             end = min(start + n_slice, total)
-            layers = {layer for lo, hi, layer in bounds if lo < end and hi > start}
-            self.slices.append((end - start, layers))
+            # Elements of each layer in the slice: what its average sends back of each (runtime.p3's by slice).
+            share = {layer: min(hi, end) - max(lo, start) for lo, hi, layer in bounds if lo < end and hi > start}
+            self.slices.append((end - start, set(share)))
+            self.overlap.append(share)
         self.slices_of = {i: [s for s, (_, ls) in enumerate(self.slices) if i in ls] for i in range(len(self.p.layers))}
         self.messages = len(self.slices)
         self._elements = sum(l.elements for l in self.p.layers)
@@ -58,6 +61,7 @@ class P3Schedule(Schedule):
         self._layer_left: dict[int, int] = {}
         self._params_ready: dict[int, Event] = {}  # layer -> its average is complete (previous step's)
         self._on_device: dict[int, Event] = {}  # layer -> that average is back on the device (send_back)
+        self._back_pending: dict[int, float] = {}  # layer -> bytes of finished slices not yet sent back
         self._updated: set = set()
 
     def before_forward(self, i: int, step: int):
@@ -81,8 +85,8 @@ class P3Schedule(Schedule):
             self._waiting = [set(ls) for _, ls in self.slices]
             self._layer_left = {j: len(self.slices_of[j]) for j in range(len(self.p.layers))}
             self._params_ready = {j: Event() for j in range(len(self.p.layers))}
-            self._on_device = {j: self.send_back({j: self.p.layers[j].elements * self.p.itemsize}, e)
-                               for j, e in self._params_ready.items()}
+            self._on_device = {j: Event() for j in self._params_ready}
+            self._back_pending = {}
             self._updated = set()
         copied = self.on_host(i)
         if copied is None:
@@ -114,10 +118,22 @@ class P3Schedule(Schedule):
         self._in_flight -= 1
         if self._in_flight == 0 and not self._ready:
             self.run.host.polling(False)
-        for j in self.slices[s][1]:
+        finished = []
+        for j, n in self.overlap[s].items():
+            self._back_pending[j] = self._back_pending.get(j, 0.0) + n * self.p.itemsize
             self._layer_left[j] -= 1
             if self._layer_left[j] == 0:
-                self._params_ready[j].succeed()
+                finished.append(j)
+        # Averages go back a few slices at a time, and at once when a layer completes (runtime.p3.copy_back): the
+        # copy engine's queue is in order, so the last copy covers a layer's earlier ones.
+        if finished or sum(self._back_pending.values()) >= BACK_BYTES:
+            averaged = Event().succeed()
+            back = self.send_back(self._back_pending, averaged)
+            self._back_pending = {}
+            for j in finished:
+                back.then(lambda _, j=j: self._on_device[j].succeed())
+        for j in finished:
+            self._params_ready[j].succeed()
         self._send()
 
     def finish(self, step: int):
