@@ -54,7 +54,7 @@ class GradientStaging:
     stream and the current stream waits on an event, so the optimizer's
     update, or the layer's next forward pass (p3), runs after them on the
     GPU, without the CPU waiting. A strategy that completes averages a group
-    at a time on its own thread (wfbp's buckets, p3's tensors, allreduce's
+    at a time on its own thread (wfbp's buckets, p3's slices, allreduce's
     pieces) calls `averaged(indices)` there instead: those go back at once,
     on a stream of their own (the second copy engine), behind the exchange
     of the rest, and `to_device` only makes the current stream wait for

@@ -53,6 +53,12 @@ class P3Schedule(Schedule):
             self.overlap.append(share)
         self.slices_of = {i: [s for s, (_, ls) in enumerate(self.slices) if i in ls] for i in range(len(self.p.layers))}
         self.messages = len(self.slices)
+        # Slices in flight for the host: `credit` outgoing messages per rank. Aggregated, a slice's traffic across the
+        # link is its aggregator's (local rank s % L), so the node's L ranks keep L x credit slices on the link; flat,
+        # a unit here is one slice of every rank of the host (slice_round_trip), `credit` of them.
+        c = run.cluster
+        aggregated = options.get("node_aggregation", True) and c.nodes > 1 and c.ranks_per_node > 1
+        self.in_flight = self.tuning.credit * (c.ranks_per_node if aggregated else 1)
         self._elements = sum(l.elements for l in self.p.layers)
         self._ready: list = []  # heap of (priority, slice) ready to send
         self._in_flight = 0
@@ -104,7 +110,7 @@ class P3Schedule(Schedule):
         self._send()
 
     def _send(self) -> None:
-        while self._ready and self._in_flight < self.tuning.credit:
+        while self._ready and self._in_flight < self.in_flight:
             if self._in_flight == 0:
                 self.run.host.polling(True)
             _, s = heapq.heappop(self._ready)
