@@ -44,13 +44,12 @@ class P3Schedule(Schedule):
         for n, layer in zip(sizes, owner):
             bounds.append((a, a + n, layer))
             a += n
-        total, self.slices, self.overlap = a, [], []
+        total, self.slices = a, []
         for start in range(0, total, n_slice):
             end = min(start + n_slice, total)
-            # Elements of each layer in the slice: what its average sends back of each (runtime.p3's by slice).
+            # {layer: its elements in the slice}: the layers it touches, and what its average sends back of each.
             share = {layer: min(hi, end) - max(lo, start) for lo, hi, layer in bounds if lo < end and hi > start}
-            self.slices.append((end - start, set(share)))
-            self.overlap.append(share)
+            self.slices.append((end - start, share))
         self.slices_of = {i: [s for s, (_, ls) in enumerate(self.slices) if i in ls] for i in range(len(self.p.layers))}
         self.messages = len(self.slices)
         # Slices in flight for the host: `credit` outgoing messages per rank. Aggregated, a slice's traffic across the
@@ -68,6 +67,7 @@ class P3Schedule(Schedule):
         self._params_ready: dict[int, Event] = {}  # layer -> its average is complete (previous step's)
         self._on_device: dict[int, Event] = {}  # layer -> that average is back on the device (send_back)
         self._back_pending: dict[int, float] = {}  # layer -> bytes of finished slices not yet sent back
+        self._back_bytes = 0.0  # their sum
         self._updated: set = set()
 
     def before_forward(self, i: int, step: int):
@@ -92,7 +92,7 @@ class P3Schedule(Schedule):
             self._layer_left = {j: len(self.slices_of[j]) for j in range(len(self.p.layers))}
             self._params_ready = {j: Event() for j in range(len(self.p.layers))}
             self._on_device = {j: Event() for j in self._params_ready}
-            self._back_pending = {}
+            self._back_pending, self._back_bytes = {}, 0.0
             self._updated = set()
         copied = self.on_host(i)
         if copied is None:
@@ -125,17 +125,17 @@ class P3Schedule(Schedule):
         if self._in_flight == 0 and not self._ready:
             self.run.host.polling(False)
         finished = []
-        for j, n in self.overlap[s].items():
+        for j, n in self.slices[s][1].items():
             self._back_pending[j] = self._back_pending.get(j, 0.0) + n * self.p.itemsize
+            self._back_bytes += n * self.p.itemsize
             self._layer_left[j] -= 1
             if self._layer_left[j] == 0:
                 finished.append(j)
         # Averages go back a few slices at a time, and at once when a layer completes (runtime.p3.copy_back): the
         # copy engine's queue is in order, so the last copy covers a layer's earlier ones.
-        if finished or sum(self._back_pending.values()) >= BACK_BYTES:
-            averaged = Event().succeed()
-            back = self.send_back(self._back_pending, averaged)
-            self._back_pending = {}
+        if finished or self._back_bytes >= BACK_BYTES:
+            back = self.send_back(self._back_pending, Event().succeed())
+            self._back_pending, self._back_bytes = {}, 0.0
             for j in finished:
                 back.then(lambda _, j=j: self._on_device[j].succeed())
         for j in finished:
