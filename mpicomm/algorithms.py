@@ -138,8 +138,12 @@ class CostModel:
         k = pieces(int(n))  # the runtime's split of a large message
         inner = 2 * (L - 1) * (self.alpha + n / k / L * self.beta_node)  # node reduce-scatter and allgather
         cross = min(self._cross(n / k, N).values())
-        # k pieces in flight: one's node steps overlap another's cross-node steps.
-        return k * max(inner, cross) + min(inner, cross)
+        # k pieces in flight: one's node steps overlap another's cross-node steps. Each piece also pays one step's
+        # time for the hand-off between its phases (the node's reduced block set up for the cross step): at 4 KiB
+        # the hierarchy measured 0.39 ms against doubling's 0.23 on 2 fake hosts x 2 (one step more, ~0.08 ms
+        # each), and 1.6-2.0 ms against 1.1 on 4 hosts x 2 (one more, ~0.2-0.3 ms); without it the model took the
+        # hierarchy at 256 KiB on the fake hosts, 1.42x doubling (benchmarks/topology.md).
+        return k * max(inner, cross) + min(inner, cross) + k * self.alpha
 
     def _cross(self, n: float, N: int) -> dict[str, float]:
         """The hierarchy's cross-node step: L cross groups of 1/L blocks at once share each node's link."""

@@ -101,6 +101,15 @@ class Collectives:
     def algorithm_for(self, nbytes: int) -> str:
         return self.chooser.choose(int(nbytes))
 
+    def across_for(self, nbytes: int) -> str:
+        """The cross-node algorithm of a hierarchical allreduce of `nbytes` (each piece's; per size once, as the
+        choice itself: buckets repeat their sizes every step)."""
+        across = self._across.get(nbytes)
+        if across is None:
+            across = self._across[nbytes] = self.chooser.model.cross_algorithm(float(nbytes) / pieces(nbytes),
+                                                                                self.layout)
+        return across
+
     # -- lifecycle ---------------------------------------------------------
     def free(self) -> None:
         for ring in [self.flat] + [r for lane in self.lanes for r in lane]:
@@ -153,10 +162,7 @@ class Collectives:
         self.counts[name] += 1
         if name == "hierarchical":
             nbytes = dst.count * dst.itemsize
-            k = pieces(nbytes)
-            across = self._across.get(nbytes)
-            if across is None:  # per size once, as the choice itself: buckets repeat their sizes every step
-                across = self._across[nbytes] = self.chooser.model.cross_algorithm(float(nbytes) / k, self.layout)
+            k, across = pieces(nbytes), self.across_for(nbytes)
             if k == 1:
                 yield from hierarchical_allreduce(self.node, self.cross, dst, op, tag, log, across)
             else:

@@ -117,6 +117,13 @@ def test_bench_collectives_chooses_the_allreduce_algorithm(tmp_path):
     assert {(r["impl"], r["bytes"]) for r in rows} == {(i, b) for i in ("ring-only", "doubling", "hierarchical", "auto")
                                                          for b in (4096, 1 << 20)}
     assert {r["path"] for r in rows if r["impl"] == "hierarchical"} == {"hierarchical"}
+    assert {r["across"] for r in rows if r["impl"] == "hierarchical"} <= {"ring", "doubling", "rabenseifner"}
+    for r in (r for r in rows if r["impl"] == "auto"):  # judged against the fastest algorithm's row, paired by round
+        judged = r["vs_fastest"]
+        assert judged["auto"]["within"] in ("yes", "no", "undecided") and judged["auto_took"] == r["path"]
+        assert judged["choice"]["within"] in ("yes", "no", "undecided")
+    assert "paired by round" in proc.stdout and "auto took " in proc.stdout
+    assert json.loads(out.read_text())["meta"]["auto"].startswith("allreduce auto, cost model alpha=")
     doc = json.loads(table.read_text())
     assert doc["layout"] == {"ranks": 4, "nodes": 2, "per_node": 2} and doc["allreduce"][-1][0] is None
     fastest = {}

@@ -19,9 +19,11 @@ allreduce mpicomm.Collectives' algorithms: doubling (recursive doubling),
 rabenseifner (recursive halving, then doubling), hierarchical (node reduce-scatter, cross-node allreduce, node allgather) and
 auto (the choice by size and layout; `--choose` writes a measured table of the
 best per size, which auto then follows). They are
-timed in rounds, the order rotated every round, so that drifting load
-(a shared machine) cannot favour one; time_s is the median over rounds of
-the slowest rank's mean per call. The crossover per op is the smallest
+timed in rounds, the order rotated every round and reversed every other, so
+that neither drifting load (a shared machine) nor what ran just before can
+favour one; time_s is the median over rounds of the slowest rank's mean per
+call. auto is also judged against the fastest algorithm round by round (the
+median of the paired ratios, with its order-statistic CI). The crossover per op is the smallest
 size from which ring-only beats native at every larger size measured.
 """
 
@@ -33,7 +35,8 @@ import time
 
 import numpy as np
 
-from jobs.bench.collectives_report import OPS, choice_summary, choose, crossover, format_table, plot, summary
+from jobs.bench.collectives_report import (OPS, auto_against_fastest, choice_summary, choose, crossover, format_table,
+                                          plot, summary)
 from jobs.common.inputs import InputError, JobParser, at_least, comma_list, output_file, parse, positive
 from jobs.common.outputs import write_results, write_together
 from jobs.common.report import parse_size as _parse_size
@@ -80,7 +83,8 @@ def parse_args(argv=None):
                    help="timed iterations per row and round (default: as many as fit ~1 GiB of traffic over "
                         "the rounds, at least 3 per round, at most 100 in all)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="rounds per size, implementations in a rotated order each round; medians (default 3)")
+                   help="rounds per size, implementations in a rotated order each round, reversed every other; medians "
+                        "(default 3; 95 %% CIs from 6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per row (default 1)")
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "int32"))
     p.add_argument("--chunk-bytes", type=parse_size, default=None,
@@ -209,9 +213,14 @@ def auto_iters(nbytes: int, rounds: int) -> int:
     return int(max(3, min(100, (1 << 30) // nbytes) // rounds))
 
 
-def rotated(items: list, k: int) -> list:
-    k %= len(items)
-    return items[k:] + items[:k]
+def round_order(items: list, rnd: int) -> list:
+    """The contenders' order in round `rnd`: rotated, and reversed every other round, so that each one runs at
+    every position and after both its neighbours in turn. A rotation alone keeps the cyclic order: auto always
+    ran right after the hierarchical row, and read 1.07-1.11x it at 64 KiB on 4 hosts x 2 where, run with it
+    alone or in the reversed order, it read 0.93-1.04x (benchmarks/topology.md)."""
+    base = items if rnd % 2 == 0 else items[::-1]
+    k = (rnd // 2) % len(items)
+    return base[k:] + base[:k]
 
 
 def main(argv=None, args=None) -> int:
@@ -254,6 +263,9 @@ def main(argv=None, args=None) -> int:
         + (f", link {link_bps / 1e9:g} Gbit/s" if link_bps else "")
         + (f", ring latency path below {_crossovers(latency, args.ops)}" if latency else "")
         + f", {args.rounds} rounds, {topo.num_nodes} node(s) x {topo.local_size}")
+    auto_how = rings["auto"].chooser.describe() if "auto" in rings else None  # what auto's choices came from
+    if auto_how:
+        say(f"# {auto_how}")
     say(format_table([]).splitlines()[0], flush=True)
     for op in args.ops:
         impls = [i for i in args.impls if (i != "gloo" or op in GLOO_OPS)
@@ -264,7 +276,7 @@ def main(argv=None, args=None) -> int:
             times = {impl: [] for impl in impls}
             native_calls = 0
             for rnd in range(args.rounds):
-                for impl in rotated(impls, rnd + k):
+                for impl in round_order(impls, rnd + k):
                     before = rings[impl].native.posted if impl == "ring" else 0
                     times[impl].append(time_case(case, impl, iters, args.warmup))
                     if impl == "ring":
@@ -279,6 +291,8 @@ def main(argv=None, args=None) -> int:
                     row["path"] = "latency" if native_calls else "ring"
                 if impl in ALGORITHM_IMPLS:
                     row["path"] = rings[impl].algorithm_for(case.nbytes)
+                    if row["path"] == "hierarchical" and topo.num_nodes > 1:  # its cross-node step's algorithm
+                        row["across"] = rings[impl].across_for(case.nbytes)
                 if link_bps:
                     # Bandwidth bound: every node moves busbw-worth of bytes over its own link, e.g.
                     # 2(N-1)/N * S for an allreduce over N nodes (one rank a host: N = P).
@@ -298,14 +312,18 @@ def main(argv=None, args=None) -> int:
         shutdown_gloo(comm)
     measured = {op: crossover(rows, op) for op in args.ops} if {"ring-only", "native"} <= set(args.impls) else {}
     chosen = choose(rows) if {"ring-only", "doubling"} <= set(args.impls) and "allreduce" in args.ops else None
+    against = auto_against_fastest(rows)
+    for r in rows:
+        if r["impl"] == "auto" and r["bytes"] in against:
+            r["vs_fastest"] = against[r["bytes"]]
     if rank == 0:
         summary(rows, measured, args.sizes, say)
         if chosen:
-            choice_summary(rows, chosen, say)
+            choice_summary(rows, chosen, against, say)
     meta = run_metadata("jobs.bench.collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
                         ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=validate,
                         network=network, link_bps=link_bps, latency_bytes=latency, rounds=args.rounds,
-                        layout=layout)
+                        layout=layout, auto=auto_how)
     title = f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}"
     write_results(comm, args, meta, rows, lambda path: plot(rows, path, title), say)
     if args.crossover:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import statistics
+
 from jobs.common.report import save_figure
+from jobs.common.stats import median_ci
 
 OPS = ("allreduce", "reduce_scatter", "allgather", "broadcast")
 CHOOSE_AMONG = {"ring-only": "ring", "doubling": "doubling", "rabenseifner": "rabenseifner",
                 "hierarchical": "hierarchical"}
+WITHIN = 1.05  # auto's bar: within 5 % of the fastest algorithm
 
 
 def crossover(rows, op: str) -> int | None:
@@ -33,7 +37,8 @@ def format_table(rows) -> str:
     lines += [f"{r['op']:<15}{r['impl']:<10}{r['bytes']:>12}{r['ranks']:>6}{r['time_s'] * 1e3:>11.3f}"
               f"{r['algbw_gbps']:>12.3f}{r['busbw_gbps']:>12.3f}"
               f"{(format(r['time_s'] / r['bound_s'], '9.2f') if r.get('bound_s') else ''):>9}"
-              f"{('  ' + r['path']) if r.get('path') else ''}" for r in rows]
+              f"{('  ' + r['path']) if r.get('path') else ''}{('/' + r['across']) if r.get('across') else ''}"
+              for r in rows]
     return "\n".join(lines)
 
 
@@ -80,19 +85,59 @@ def choose(rows) -> list:
     return table
 
 
-def choice_summary(rows, chosen, say) -> None:
-    """auto's time over the fastest algorithm's at each size (what auto is judged by)."""
+def auto_against_fastest(rows) -> dict:
+    """{bytes: judgement} at each allreduce size auto ran, against the fastest algorithm's row (least median).
+
+    Two readings, each the median of ratios paired by round (both rows ran in
+    the same round, under the same load: the pairing takes drift out) with its
+    order-statistic CI: `auto`, auto's own row over the fastest's; `choice`,
+    the row of the algorithm auto took over the fastest's (1 where it took the
+    fastest: the regret of the choice alone, without a second measurement of
+    the same code). `within` is "yes" where the whole CI is at most WITHIN,
+    "no" where all of it is above, else "undecided".
+    """
+    by = {(r["bytes"], r["impl"]): r for r in rows if r["op"] == "allreduce"}
+    impl_of = {a: i for i, a in CHOOSE_AMONG.items()}
+    out = {}
+    for b in sorted(b for b, i in by if i == "auto"):
+        algs = {CHOOSE_AMONG[i]: by[(b, i)] for i in CHOOSE_AMONG if (b, i) in by}
+        if not algs:
+            continue
+        fastest = min(algs, key=lambda a: algs[a]["time_s"])
+        auto, took = by[(b, "auto")], by[(b, "auto")].get("path")
+        out[b] = dict(fastest=fastest, auto_took=took, ratio_of_medians=auto["time_s"] / algs[fastest]["time_s"],
+                      auto=_paired(auto, algs[fastest]))
+        if took in algs:
+            out[b]["choice"] = _paired(algs[took], algs[fastest])
+    return out
+
+
+def _paired(row, best) -> dict:
+    ratios = [a / f for a, f in zip(row["round_times_s"], best["round_times_s"])]
+    low, high, coverage = median_ci(ratios)
+    within = "yes" if high <= WITHIN else "no" if low > WITHIN else "undecided"
+    return dict(median=statistics.median(ratios), ci=[low, high], coverage=coverage, within=within)
+
+
+def choice_summary(rows, chosen, against: dict, say) -> None:
+    """The fastest algorithm at each size, and auto's time over it (what auto is judged by)."""
     by = {(r["bytes"], r["impl"]): r["time_s"] for r in rows if r["op"] == "allreduce"}
-    say("\nallreduce: the fastest algorithm per size" + (", and auto's time over it:" if any(
-        i == "auto" for _, i in by) else ":"))
+    say("\nallreduce: the fastest algorithm per size" + (
+        f"; auto's row over it, and its choice's row over it (paired by round: median, CI; within "
+        f"{100 * (WITHIN - 1):g} %?)" if against else ":"))
     for b in sorted({b for b, _ in by}):
         times = {CHOOSE_AMONG[i]: by[(b, i)] for i in CHOOSE_AMONG if (b, i) in by}
         if not times:
             continue
         fastest = min(times, key=times.get)
-        auto = by.get((b, "auto"))
-        say(f"  {b:>12}  {fastest:<13}" + (f"  auto {auto / times[fastest]:5.2f}x" if auto else ""))
+        j = against.get(b)
+        say(f"  {b:>12}  {fastest:<13}" + (f"  auto took {j['auto_took']:<13} auto {_text(j['auto'])}" + (
+            f"   choice {_text(j['choice'])}" if "choice" in j else "") if j else ""))
     say(f"  table: {chosen}")
+
+
+def _text(p: dict) -> str:
+    return f"{p['median']:.2f} ({p['ci'][0]:.2f}-{p['ci'][1]:.2f}, {100 * p['coverage']:.3g} %) {p['within']:<9}"
 
 
 def summary(rows, measured: dict, sizes, say) -> None:
