@@ -23,8 +23,9 @@ timed in rounds, the order rotated every round and reversed every other, so
 that neither drifting load (a shared machine) nor what ran just before can
 favour one; time_s is the median over rounds of the slowest rank's mean per
 call. auto is also judged against the fastest algorithm round by round (the
-median of the paired ratios, with its order-statistic CI). The crossover per op is the smallest
-size from which ring-only beats native at every larger size measured.
+median of the paired ratios, with its order-statistic CI). The crossover per
+op is the smallest size from which ring-only beats native at every larger
+size measured.
 """
 
 from __future__ import annotations

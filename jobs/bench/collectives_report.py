@@ -97,7 +97,6 @@ def auto_against_fastest(rows) -> dict:
     "no" where all of it is above, else "undecided".
     """
     by = {(r["bytes"], r["impl"]): r for r in rows if r["op"] == "allreduce"}
-    impl_of = {a: i for i, a in CHOOSE_AMONG.items()}
     out = {}
     for b in sorted(b for b, i in by if i == "auto"):
         algs = {CHOOSE_AMONG[i]: by[(b, i)] for i in CHOOSE_AMONG if (b, i) in by}
