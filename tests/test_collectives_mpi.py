@@ -167,6 +167,22 @@ def test_a_link_rate_set_on_some_ranks_only_is_named(world, monkeypatch):
             CostModel.measured(topo)
 
 
+def test_the_named_hierarchy_chooses_its_cross_step_by_the_measured_link(world, monkeypatch):
+    """runtime.dense's model: auto and the hierarchy (its cross-node algorithm) get the probed link, the
+    others the defaults; every rank the same."""
+    from runtime.dense.collectives import link_model
+
+    if world.Get_size() < 4:
+        pytest.skip("needs 2 nodes of 2")
+    monkeypatch.delenv("MPITRAIN_LINK_BANDWIDTH", raising=False)
+    with Topology(world, ranks_per_node=2) as topo:
+        probed = CostModel.measured(topo)
+        assert link_model(topo, "hierarchical") == probed == link_model(topo, "auto") == link_model(topo, None)
+        assert link_model(topo, "ring") == link_model(topo, "doubling") == CostModel()
+        mine = np.array([probed.beta_cross, probed.alpha])
+        assert_everywhere(world, probed != CostModel() and np.array_equal(mine, world.bcast(mine)), f"{probed}")
+
+
 def test_lengths_that_differ_fail_together_naming_them(world):
     if world.Get_size() < 2:
         pytest.skip("needs 2 ranks")

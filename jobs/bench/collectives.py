@@ -254,8 +254,9 @@ def main(argv=None, args=None) -> int:
     topo = Topology(comm, ranks_per_node=args.ranks_per_node)
     for impl in ALGORITHM_IMPLS:
         if impl in args.impls:
-            # auto as the dense strategies build it: the cost model told the measured link (or a table).
-            model = CostModel.measured(topo) if impl == "auto" else None
+            # As the dense strategies build them (runtime.dense.link_model): auto and the hierarchy's cross-node
+            # step choose by the cost model told the measured link (auto: or a table).
+            model = CostModel.measured(topo) if impl in ("auto", "hierarchical") else None
             rings[impl] = Collectives(topo, algorithm=impl, validate=validate, chunk_bytes=chunk, model=model)
     bench_comm = comm.Dup()
     rows = []
