@@ -11,8 +11,9 @@ __all__ = ["dense_collectives", "link_model"]
 def dense_collectives(ctx) -> Collectives:
     """Unvalidated (shapes and call order were agreed when wrapping and are checked every step).
 
-    With auto on several nodes the cost model gets the measured link (or $MPITRAIN_LINK_BANDWIDTH): the
-    crossovers between the algorithms move with the link's rate. A registered subclass's options may lack
+    With auto or the hierarchy on several nodes the cost model gets the measured link (or
+    $MPITRAIN_LINK_BANDWIDTH): the crossovers between the algorithms, and the hierarchy's cross-node step, move
+    with the link's rate. A registered subclass's options may lack
     `algorithm`.
     """
     algorithm = getattr(ctx.options, "algorithm", None)
