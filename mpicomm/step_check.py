@@ -16,10 +16,10 @@ keeps a receive for it posted, and every wait of the runtime tests it
 (`interrupt`), so the others stop within a poll wherever they wait.
 
 No round may stay posted for ever: MPI cannot cancel a collective, and one
-still posted at MPI_Finalize is a leak. So a failing rank that was not in a
-round joins the next one the others may be waiting in, marked "stopped", and
-its beacon says how many rounds it posted: a rank hearing it joins up to that
-count. Every rank then completes the same rounds, in the background
+still posted at MPI_Finalize is a leak. So a failing rank joins the round
+after the last one it posted (others may have completed that one and be
+waiting in the next), marked "stopped", and its beacon says how many rounds
+it posted: a rank hearing it joins up to that count. Every rank then completes the same rounds, in the background
 (mpicomm.requests.abandon) once it has stopped.
 """
 
@@ -135,11 +135,15 @@ class StepCheck:
         self.broken = True
         if self.size == 1 or self.everyone_knows:
             return
+        try:
+            self.interrupt()  # another rank's beacon came first: every rank hears that one and joins its rounds
+        except PeerFailedError:
+            return
         self.everyone_knows = True
-        # Not in a round (or in one complete already): the others may wait in the next one, which
-        # this rank would never start.
-        in_round = self._round is not None and self._request is not None and not self._request.Test()
-        rounds = self.posted + (not in_round)
+        # One round more than this rank posted, even when its own round has not completed here: the
+        # others may have completed it already and be waiting in the next one, which this rank would
+        # never start. Nobody can be further: that round needs this rank.
+        rounds = self.posted + 1
         raw = np.concatenate([np.array([rounds], dtype=np.int64).view(np.uint8),
                               np.frombuffer(text.encode()[:TEXT - 8], dtype=np.uint8)])
         log = RequestLog("step agreement: failure notice")

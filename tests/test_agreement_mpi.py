@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
 from conftest import assert_everywhere
 from dp_helpers import batches, local, wrap
+from mpicomm.failstop import PeerFailedError
 from mpicomm.requests import finish_abandoned, live_requests
+from mpicomm.step_check import EXCHANGE, StepCheck
 from runtime import StallPolicy
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
@@ -161,6 +165,49 @@ def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
         for step in range(3):
             one_step(world, model, dopt, step)
     assert_everywhere(world, live_requests() == 0, "requests left after a clean run")
+
+
+def test_a_rank_failing_in_a_round_others_completed_joins_the_next_one(world):
+    """Rank 1 fails with its agreement round not complete here, though ranks 0 and 2 completed it and
+    went on into the next round: rank 1 joins that one too, so no round stays posted anywhere.
+
+    The last rank posts the round first, then makes no MPI progress for a while: under MPICH's
+    recursive doubling on 4 ranks, rank 1 then still waits for it while ranks 0 and 2 have their result.
+    """
+    if world.Get_size() < 3:
+        pytest.skip("needs 3 ranks")
+    r, last = world.Get_rank(), world.Get_size() - 1
+    check = StepCheck(world, nbits=1)
+    check.run(EXCHANGE, 0, 0)
+    token = np.zeros(1, dtype=np.int64)
+    if r == last:  # it posts first, then makes no MPI call: its part of the round moves no further
+        check.start(EXCHANGE, 1, 0)
+        for peer in range(last):
+            world.Send(token, dest=peer, tag=99)
+        # Busy, holding the GIL: the fail-stop watcher's polls would move this rank's round on.
+        interval, until = sys.getswitchinterval(), time.monotonic() + 0.5
+        sys.setswitchinterval(10.0)
+        while time.monotonic() < until:
+            pass
+        sys.setswitchinterval(interval)
+    else:
+        world.Recv(token, source=last, tag=99)
+        check.start(EXCHANGE, 1, 0)
+    message = ""
+    if r == 1:
+        time.sleep(0.2)
+        check.notify_failure("OSError: disk went away")
+    else:
+        try:
+            check.finish()
+            check.start(EXCHANGE, 2, 0)
+            check.finish()
+        except PeerFailedError as exc:
+            message = str(exc)
+    check.stop_listening()
+    assert_everywhere(world, r == 1 or "rank 1 stopped with OSError: disk went away" in message, message)
+    never = finish_abandoned(10.0)
+    assert_everywhere(world, not never, f"collectives never completed: {never}")
 
 
 def test_a_stalled_rank_is_named_and_nobody_waits_for_ever(world):
