@@ -127,6 +127,63 @@ def test_p3_step_returns_before_a_late_rank_has_stepped_and_its_next_forward_agr
     assert_everywhere(world, same, "p3 with its agreement in flight differs from one process")
 
 
+class BodyAndScale(nn.Module):
+    """A linear body, and a parameter its forward does not use (a loss may use it directly)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(11, 5)
+        self.scale = nn.Parameter(torch.ones(5))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_p3_keeps_a_gradient_begun_before_the_pending_agreement_is_in(world):
+    """Under p3, rank 0's zero_grad() comes before the step's agreement is in (the other ranks have not
+    stepped: they wait for a word from rank 0), so the zeroing waits for it. The next loss uses only `scale`,
+    which no rank used in the first step, without calling the model: the agreement is finished in its gradient hook,
+    after its new gradient has accumulated. The deferred zeroing must spare it (settle's `fresh`)."""
+    needs_two(world)
+    model = BodyAndScale()
+    dopt = wrap(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, "p3",
+                stall=StallPolicy(warn_after=None, timeout=10.0))
+    side, word, r = world.Dup(), np.zeros(1, dtype=np.int64), world.Get_rank()
+    waiting = True
+    X, Y = batches(world.Get_size(), steps=1)
+    v = torch.linspace(-1.0, 1.0, 5)
+    dopt.zero_grad()
+    nn.functional.cross_entropy(model(local(X[0], r)), local(Y[0], r)).backward()
+    if r != 0:
+        side.Recv(word, source=0)
+    dopt.step()
+    dopt.zero_grad()
+    if r == 0:
+        waiting = dopt.check.pending  # zero_grad() did not finish it: the zeroing waits for owe()
+        for peer in range(1, world.Get_size()):
+            side.Send(word, dest=peer)
+    # scale's zero average of the first step lands first (else using it outside its module is an error).
+    i, deadline = dopt._index[id(model.scale)], time.monotonic() + 10
+    while dopt.strategy.landing([i]) and time.monotonic() < deadline:
+        time.sleep(1e-3)
+    (model.scale * v).sum().backward()  # not through model(): no forward hook finishes the agreement
+    dopt.step()
+    dopt.close()
+    side.Free()
+    assert_everywhere(world, waiting, "the agreement was in before rank 0's zero_grad(): the case is not exercised")
+    reference = BodyAndScale()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    nn.functional.cross_entropy(reference(X[0]), Y[0]).backward()
+    ref_opt.step()
+    ref_opt.zero_grad()
+    (reference.scale * v).sum().backward()
+    ref_opt.step()
+    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), reference.parameters()))
+    assert_everywhere(world, same, f"scale {model.scale.data.tolist()} against one process's "
+                                   f"{reference.scale.data.tolist()}")
+
+
 @pytest.mark.parametrize("when", ["after backward", "after step"])
 @pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
 def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
