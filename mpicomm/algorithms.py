@@ -90,6 +90,14 @@ class CostModel:
         return cls(alpha=max(cls.alpha, link.step_time), beta_cross=1 / (link.bandwidth * L * (P - L) / (P - 1)))
 
     @classmethod
+    def for_algorithm(cls, topology, algorithm: str | None) -> "CostModel":
+        """The model a Collectives of `algorithm` is given: auto and the hierarchy (its cross-node step's choice)
+        get the measured link; the other named algorithms never ask it (the defaults, or the variable's rate).
+        By the defaults, 10 Gbit/s and 70 us, the hierarchy took another cross-node algorithm on 4 hosts x 2 at
+        1 Gbit/s, 1.45x slower at 256 KiB (benchmarks/topology.md)."""
+        return cls.measured(topology) if algorithm in (None, "auto", "hierarchical") else cls.from_env()
+
+    @classmethod
     def from_env(cls) -> "CostModel":
         text = os.environ.get(ENV_LINK, "").strip()
         if not text:

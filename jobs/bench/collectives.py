@@ -254,10 +254,10 @@ def main(argv=None, args=None) -> int:
     topo = Topology(comm, ranks_per_node=args.ranks_per_node)
     for impl in ALGORITHM_IMPLS:
         if impl in args.impls:
-            # As the dense strategies build them (runtime.dense.link_model): auto and the hierarchy's cross-node
-            # step choose by the cost model told the measured link (auto: or a table).
-            model = CostModel.measured(topo) if impl in ("auto", "hierarchical") else None
-            rings[impl] = Collectives(topo, algorithm=impl, validate=validate, chunk_bytes=chunk, model=model)
+            # As the dense strategies build them: auto and the hierarchy's cross-node step choose by the cost
+            # model told the measured link (auto: or a table).
+            rings[impl] = Collectives(topo, algorithm=impl, validate=validate, chunk_bytes=chunk,
+                                      model=CostModel.for_algorithm(topo, impl))
     bench_comm = comm.Dup()
     rows = []
     say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "

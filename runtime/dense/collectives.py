@@ -21,8 +21,6 @@ def dense_collectives(ctx) -> Collectives:
 
 
 def link_model(topology, algorithm: str | None) -> CostModel:
-    """Collective on several nodes: the cost model the dense strategies' auto choice takes, told the measured link
-    (probed once per process, agreed by every rank). The named hierarchy asks it too, for its cross-node step's
-    algorithm (by the defaults, 10 Gbit/s and 70 us, it took another one on 4 hosts x 2 at 1 Gbit/s, 1.45x slower
-    at 256 KiB: benchmarks/topology.md); the other named algorithms never ask it: its defaults."""
-    return CostModel.measured(topology) if algorithm in (None, "auto", "hierarchical") else CostModel.from_env()
+    """The cost model the dense strategies' Collectives get (mpicomm.algorithms.CostModel.for_algorithm): the
+    measured link (probed once per process, agreed by every rank) for auto and the hierarchy."""
+    return CostModel.for_algorithm(topology, algorithm)
