@@ -19,8 +19,9 @@ No round may stay posted for ever: MPI cannot cancel a collective, and one
 still posted at MPI_Finalize is a leak. So a failing rank joins the round
 after the last one it posted (others may have completed that one and be
 waiting in the next), marked "stopped", and its beacon says how many rounds
-it posted: a rank hearing it joins up to that count. Every rank then completes the same rounds, in the background
-(mpicomm.requests.abandon) once it has stopped.
+it posted: a rank hearing it joins up to that count. Every rank then
+completes the same rounds, in the background (mpicomm.requests.abandon)
+once it has stopped.
 """
 
 from __future__ import annotations
