@@ -67,9 +67,9 @@ demo: setup
 test: setup test-serial test-mpi test-mpi-hosts test-mpi-emulated
 	@echo "make test: all parts passed"
 
-# The serial part runs every job end to end (many 4-rank jobs): a longer outer limit, same role. It took 1930 s
-# on a 2-vCPU VM whose processes spend ~5 s each importing torch and torch._dynamo (the first optimizer): the
-# limit is for a hang (each test has its own), not a speed target.
+# The serial part runs every job end to end (many 4-rank jobs): a longer outer limit, same role. It took
+# 983-1119 s (1930 s on a slow day) on a 2-vCPU VM whose processes spend ~2.5 s each importing torch and
+# torch._dynamo (the first optimizer): the limit is for a hang (each test has its own), not a speed target.
 SERIAL_TIMEOUT ?= 3600
 test-serial: setup
 	timeout $(SERIAL_TIMEOUT) $(PY) -m pytest -m "not mpi" -p no:cacheprovider -q --durations=30
