@@ -168,10 +168,9 @@ def test_a_link_rate_set_on_some_ranks_only_is_named(world, monkeypatch):
 
 
 def test_the_named_hierarchy_chooses_its_cross_step_by_the_measured_link(world, monkeypatch):
-    """runtime.dense's model: auto and the hierarchy (its cross-node algorithm) get the probed link, the
-    others the defaults; every rank the same."""
-    from runtime.dense.collectives import link_model
-
+    """The model the dense strategies' collectives get (CostModel.for_algorithm): auto and the hierarchy (its
+    cross-node algorithm) get the probed link, the others the defaults; every rank the same."""
+    link_model = CostModel.for_algorithm
     if world.Get_size() < 4:
         pytest.skip("needs 2 nodes of 2")
     monkeypatch.delenv("MPITRAIN_LINK_BANDWIDTH", raising=False)

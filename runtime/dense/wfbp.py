@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from mpicomm.algorithms import Chooser, Layout
+from mpicomm.algorithms import Chooser, CostModel, Layout
 from mpicomm.progress import HandleTask, ProgressThread
 from mpicomm.stall import wait_until
 
@@ -14,7 +14,7 @@ from ..grad_buffers import runs_last_first
 from ..options import AUTO
 from ..strategy import Strategy, StrategyContext
 from .allreduce import _copy_back
-from .collectives import dense_collectives, link_model
+from .collectives import dense_collectives
 
 
 class WfbpSync(Strategy):
@@ -126,7 +126,7 @@ def auto_fuse_bytes(topology, algorithm: str | None, total: int) -> int:
     rank). A bad algorithm setting falls back to the model's own pick here: building the collectives then says
     what is wrong, on every rank."""
     layout = Layout(topology.size, topology.num_nodes, topology.local_size)  # mpicomm.Collectives' own
-    model = link_model(topology, algorithm)
+    model = CostModel.for_algorithm(topology, algorithm)
     try:
         choose = Chooser(layout, algorithm, model=model).choose
     except ValueError:
