@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 from mpi4py import MPI
 
 _ACTIVE: set = set()  # logs holding requests that may still be in flight
 _ABANDONED: list = []  # (owner, request): collectives an error path dropped, completed later (see abandon)
 _DRAINED: dict = {}  # id -> a communicator whose leftover messages are received at exit (see drain_at_exit)
+_LATE: weakref.WeakSet = weakref.WeakSet()  # owners whose join_late() runs at exit (see join_late_at_exit)
 _LOCK = threading.Lock()  # error paths on progress threads abandon requests too
 
 
@@ -49,6 +51,21 @@ def abandon(request, owner: str) -> None:
     with _LOCK:
         _ABANDONED[:] = [(o, r) for o, r in _ABANDONED if r is not request and not r.Test()]
         _ABANDONED.append((owner, request))
+
+
+def join_late_at_exit(owner) -> None:
+    """Have owner.join_late() run at exit, before abandoned collectives are finished: it may abandon more of them
+    (a failed agreement joins the rounds that a failure notice which came after it stopped listening asks for)."""
+    _LATE.add(owner)
+
+
+def join_late() -> None:
+    """Shutdown: let each owner registered with join_late_at_exit post what it owes."""
+    for owner in list(_LATE):
+        try:
+            owner.join_late()
+        except MPI.Exception:
+            pass  # its communicator is gone: nothing of its rounds can complete, and the report says so
 
 
 def abandoned() -> int:

@@ -56,6 +56,7 @@ def release_all(grace: float = GRACE) -> list[str]:
         said.append(f"progress thread {thread.name} still running (stopped)")
     for owner, (sends, recvs) in sorted(requests.left_posted().items()):
         said.append(f"{owner}: {sends} send(s), {recvs} receive(s) still posted (cancelled)")
+    requests.join_late()  # before cancelling: a failed agreement still reads the notices that came late
     requests.cancel_all()
     never = requests.finish_abandoned(grace)
     requests.drain()  # not reported: after a failure, messages nobody will receive are expected

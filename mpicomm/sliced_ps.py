@@ -19,6 +19,10 @@ On nodes of several ranks (`nodes`, node_aggregation), each slice is first
 summed inside its node by one of the node's ranks, only that rank exchanges
 it with the owner's node, and it shares the average inside the node: a slice
 crosses a node's link once each way, as a ring's bytes do, not once per rank.
+Pushes to the node's own aggregator are paced (`local_rate`, one at a time):
+MPICH polls its network module only when its shared-memory one made no
+progress in that call, so a rank pushing half its gradients to its neighbour
+at once would starve its node's traffic across the link meanwhile.
 
     slice s, nodes [0 1] [2 3]: aggregator local rank s % 2, owner node (s // 2) % 2
     s = 3: 0 -> 1 and 2 -> 3 (node pushes), 1 -> 3 (cross push); 3 averages all four;
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .pacing import Pacer
 from .progress import Task
 from .requests import RequestLog, drain_at_exit
 from .stall import StallPolicy, wait_until
@@ -60,7 +65,7 @@ class SlicedExchange(Task):
     def __init__(self, comm: MPI.Comm, buffers: list[torch.Tensor], segments: list[tuple[int, int, int]],
                  slice_size: int, credit: int = 8, timeline=None, names: list[str] | None = None,
                  relaxed_sleep: float = 100e-6, nodes: list[list[int]] | None = None,
-                 node_aggregation: bool = True):
+                 node_aggregation: bool = True, local_rate: float | None = None):
         if not isinstance(credit, int) or credit < 1:
             raise ValueError(f"credit must be an integer >= 1, got {credit!r}")
         if not relaxed_sleep > 0:
@@ -101,6 +106,10 @@ class SlicedExchange(Task):
         node_of = {r: k for k, n in enumerate(nodes or [list(range(self.size))]) for r in n}
         self._crosses = [node_of.get(p, -1) != node_of.get(self.rank, -2) for p in range(self.size)]
         self.cross_bytes = 0  # sent to ranks on other nodes so far (tests and benchmarks read it)
+        # local_rate: bytes a second of pushes to this node's aggregators (None: as fast as the queue allows).
+        pace = local_rate is not None and node_aggregation and len(nodes or []) > 1 and bool(self.wire)
+        self._paced = [pace and not c and p != self.rank for p, c in enumerate(self._crosses)]  # node peers
+        self.pacer = Pacer(local_rate, credit * max(w.nbytes for w in self.wire)) if any(self._paced) else None
         self._reset()
 
     def set_priorities(self, priority: list[int]) -> None:
@@ -120,6 +129,9 @@ class SlicedExchange(Task):
         self._left = plan.count
         self._slice_finished = [False] * plan.count
         self._queue: list = []  # heap of (priority, slice, kind, peer)
+        self._held: list = []  # the same, for pushes the pacer holds back
+        if self.pacer is not None:
+            self.pacer.reset()
         # Every request of the step, sends and receives; a completed one stays as MPI.REQUEST_NULL (Testsome
         # makes it so) until more than half are, so that a poll does not rebuild the lists.
         self._reqs: list = []
@@ -192,9 +204,15 @@ class SlicedExchange(Task):
                 self._try_aggregate(s)
 
     def _send_from_queue(self) -> None:
-        plan, tl, queue = self.plan, self.timeline, self._queue
-        while queue and self._outgoing < self.credit:
-            prio, s, kind, peer = heapq.heappop(queue)
+        plan, tl, queue, held = self.plan, self.timeline, self._queue, self._held
+        while self._outgoing < self.credit:
+            if held and (not queue or held[0] < queue[0]) and self.pacer.admits(self.wire[held[0][1]].nbytes):
+                prio, s, kind, peer = heapq.heappop(held)
+                self.pacer.sent(self.wire[s].nbytes)
+            elif queue:  # a held push does not hold up what may go
+                prio, s, kind, peer = heapq.heappop(queue)
+            else:
+                break
             tag = plan.push_tag(s) if kind == PUSH else plan.result_tag(s)
             token = tl.begin(f"{'push' if kind == PUSH else 'send result'} s{s}", "p3", track="push",
                              slice=s, peer=peer, priority=prio) if tl else None
@@ -227,6 +245,8 @@ class SlicedExchange(Task):
                 self._outgoing -= 1
                 if tl:
                     tl.end(x)
+                if kind == OUT_PUSH and self._paced[self.upstream[s]]:
+                    self.pacer.done()
                 if kind == OUT_PUSH:
                     # Only now may the slice's memory receive the averaged result: it was the send buffer.
                     up = self.upstream[s]
@@ -255,8 +275,9 @@ class SlicedExchange(Task):
                 view.add_(row)
             if tl:
                 tl.end(token)
-        if self.upstream[s] is not None:
-            heapq.heappush(self._queue, (self.slice_priority[s], s, PUSH, self.upstream[s]))
+        up = self.upstream[s]
+        if up is not None:
+            heapq.heappush(self._held if self._paced[up] else self._queue, (self.slice_priority[s], s, PUSH, up))
             return
         view.div_(self.size)
         self._share(s)

@@ -21,7 +21,10 @@ after the last one it posted (others may have completed that one and be
 waiting in the next), marked "stopped", and its beacon says how many rounds
 it posted: a rank hearing it joins up to that count. Every rank then
 completes the same rounds, in the background (mpicomm.requests.abandon)
-once it has stopped.
+once it has stopped. Two ranks failing at once, each before the other's
+beacon came, may ask for different counts: at exit every failed agreement
+reads the beacons that came after it stopped listening and joins up to
+the highest count (join_late), so every rank ends at the same one.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from mpi4py import MPI
 
 from .agree import group_by_value
 from .failstop import PeerFailedError
-from .requests import RequestLog, abandon, drain_at_exit
+from .requests import RequestLog, abandon, drain_at_exit, join_late_at_exit
 from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
 
@@ -77,11 +80,14 @@ class StepCheck:
         self.broken = False  # a round failed: no more rounds
         self.everyone_knows = False  # ...and every rank raised (or heard of) it: nobody to tell
         self.posted = 0  # rounds this rank posted, joined ones included
+        self._late = 0  # the most rounds a beacon asked for that came as this rank stopped listening
         self._joined: list = []  # the buffers of rounds joined after a failure, alive until MPI is done
         self._beacon_in = np.zeros(TEXT, dtype=np.uint8)
         self._beacon_log = RequestLog("step agreement: failure beacon")
         self._beacon = self._beacon_log.irecv(self.comm, [self._beacon_in, MPI.BYTE], MPI.ANY_SOURCE, _TAG_BEACON) \
             if self.size > 1 else None
+        if self.size > 1:
+            join_late_at_exit(self)
 
     def free(self) -> None:
         """Normal end only (every rank got here): a failed one keeps its communicator, see notify_failure."""
@@ -98,13 +104,44 @@ class StepCheck:
         completed in the background once every rank has posted it.
         """
         self.broken = True
+        self._take_beacon()
         self._beacon_log.cancel()
-        self._beacon = None
         self._arrival_log.cancel()
         self._arrived = []
         if self._request is not None:
             abandon(self._request, "step agreement: a round")
             self._request = None
+
+    def _take_beacon(self, grace: float = 1.0) -> None:
+        """Cancel the beacon receive; a beacon it matched meanwhile still counts its rounds (for join_late)."""
+        req, self._beacon = self._beacon, None
+        if req is None:
+            return
+        req.Cancel()
+        status, deadline = MPI.Status(), time.monotonic() + grace
+        while not req.Test(status):  # a cancelled receive completes at once; a matched beacon is small (eager)
+            if time.monotonic() >= deadline:
+                return  # left to the log's cancel(), which frees it
+            time.sleep(1e-4)
+        if not status.Is_cancelled():
+            self._late = max(self._late, int(self._beacon_in[:8].view(np.int64)[0]))
+
+    def join_late(self) -> None:
+        """At exit (mpicomm.shutdown), after a failure: join up to the most rounds any beacon asked for.
+
+        Two ranks that fail at once, each before the other's beacon came,
+        announce different counts, and each rank joined the count of the first
+        beacon it heard: the higher count's last rounds would stay posted. Every
+        beacon reaches every rank, so reading the ones that came late and
+        joining their highest count puts every rank at the same count.
+        """
+        if not self.broken or self.size == 1 or self.comm == MPI.COMM_NULL:
+            return
+        rounds, status, raw = self._late, MPI.Status(), np.zeros(TEXT, dtype=np.uint8)
+        while self.comm.Iprobe(MPI.ANY_SOURCE, _TAG_BEACON, status):
+            self.comm.Recv([raw, MPI.BYTE], status.Get_source(), _TAG_BEACON)
+            rounds = max(rounds, int(raw[:8].view(np.int64)[0]))
+        self._join(rounds)
 
     # -- failures ---------------------------------------------------------------------
     def interrupt(self) -> None:

@@ -95,18 +95,23 @@ class P3Options(StrategyOptions):
     node_aggregation: on several nodes of several ranks, each slice is summed
     inside its node first and crosses the node's link once each way
     (mpicomm.sliced_ps); False: every rank pushes its own (the flat exchange).
+    node_pacing: with node_aggregation and a measured link, the pushes inside a
+    node go one at a time at a paced rate (runtime.p3.tuning.LOCAL_PACE);
+    False: as fast as the queue lets them.
     """
 
     slice_size: int | str = AUTO
     credit: int | str = AUTO
     node_aggregation: bool = True
+    node_pacing: bool = True
     name = "p3"
 
     def __post_init__(self):
         _check_auto_or_int("slice_size", self.slice_size, 1)
         _check_auto_or_int("credit", self.credit, 1)
-        if not isinstance(self.node_aggregation, bool):
-            raise ValueError(f"node_aggregation must be True or False, got {self.node_aggregation!r}")
+        for flag in ("node_aggregation", "node_pacing"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 
 
 @dataclass(frozen=True)

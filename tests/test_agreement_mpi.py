@@ -224,24 +224,20 @@ def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
     assert_everywhere(world, live_requests() == 0, "requests left after a clean run")
 
 
-def test_a_rank_failing_in_a_round_others_completed_joins_the_next_one(world):
-    """Rank 1 fails with its agreement round not complete here, though ranks 0 and 2 completed it and
-    went on into the next round: rank 1 joins that one too, so no round stays posted anywhere.
+def second_round_that_rank_1_waits_in(world) -> StepCheck:
+    """A StepCheck whose second round every rank has posted, which ranks 0 and 2 have (under MPICH's recursive
+    doubling on 4 ranks) completed here while rank 1 still waits for the last rank's part.
 
-    The last rank posts the round first, then makes no MPI progress for a while: under MPICH's
-    recursive doubling on 4 ranks, rank 1 then still waits for it while ranks 0 and 2 have their result.
-    """
-    if world.Get_size() < 3:
-        pytest.skip("needs 3 ranks")
+    The last rank posts the round first, then makes no MPI call for 0.5 s, holding the GIL: its fail-stop
+    watcher's polls would otherwise move its part on."""
     r, last = world.Get_rank(), world.Get_size() - 1
     check = StepCheck(world, nbits=1)
     check.run(EXCHANGE, 0, 0)
     token = np.zeros(1, dtype=np.int64)
-    if r == last:  # it posts first, then makes no MPI call: its part of the round moves no further
+    if r == last:
         check.start(EXCHANGE, 1, 0)
         for peer in range(last):
             world.Send(token, dest=peer, tag=99)
-        # Busy, holding the GIL: the fail-stop watcher's polls would move this rank's round on.
         interval, until = sys.getswitchinterval(), time.monotonic() + 0.5
         sys.setswitchinterval(10.0)
         while time.monotonic() < until:
@@ -250,19 +246,66 @@ def test_a_rank_failing_in_a_round_others_completed_joins_the_next_one(world):
     else:
         world.Recv(token, source=last, tag=99)
         check.start(EXCHANGE, 1, 0)
+    return check
+
+
+def next_rounds_until_a_failure(check: StepCheck) -> str:
+    """Finish the round in flight and one more, as a rank that did not fail: the PeerFailedError's text."""
+    try:
+        check.finish()
+        check.start(EXCHANGE, 2, 0)
+        check.finish()
+    except PeerFailedError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_rank_failing_in_a_round_others_completed_joins_the_next_one(world):
+    """Rank 1 fails with its agreement round not complete here, though ranks 0 and 2 completed it and
+    went on into the next round: rank 1 joins that one too, so no round stays posted anywhere."""
+    if world.Get_size() < 3:
+        pytest.skip("needs 3 ranks")
+    r = world.Get_rank()
+    check = second_round_that_rank_1_waits_in(world)
     message = ""
     if r == 1:
         time.sleep(0.2)
         check.notify_failure("OSError: disk went away")
     else:
-        try:
-            check.finish()
-            check.start(EXCHANGE, 2, 0)
-            check.finish()
-        except PeerFailedError as exc:
-            message = str(exc)
+        message = next_rounds_until_a_failure(check)
     check.stop_listening()
     assert_everywhere(world, r == 1 or "rank 1 stopped with OSError: disk went away" in message, message)
+    never = finish_abandoned(10.0)
+    assert_everywhere(world, not never, f"collectives never completed: {never}")
+
+
+def test_two_ranks_failing_at_once_with_different_counts_leave_no_round_posted(world):
+    """Ranks 0 and 1 fail at once, each before the other's beacon came: rank 0 after going on into the next
+    round, rank 1 with the round before still incomplete here (as above), so their beacons ask for different
+    counts. At exit (join_late) every rank joins up to the higher one: no round stays posted anywhere.
+
+    "Before the other's beacon came" is made certain by having each stop listening before it fails.
+    """
+    if world.Get_size() < 3:
+        pytest.skip("needs 3 ranks")
+    r = world.Get_rank()
+    check = second_round_that_rank_1_waits_in(world)
+    message = ""
+    if r in (0, 1):
+        if r == 0:  # its round completed: it goes on into the next one, then fails (3 posted: asks for 4)
+            check.finish()
+            check.start(EXCHANGE, 2, 0)
+        else:  # its round waits for the last rank (2 posted: asks for 3)
+            time.sleep(0.2)
+        check.stop_listening()
+        check.notify_failure(f"OSError: disk {r} went away")
+    else:
+        message = next_rounds_until_a_failure(check)
+    check.stop_listening()
+    asked = world.allgather(check.posted)  # the test's own traffic, on the world communicator
+    assert_everywhere(world, r in (0, 1) or "stopped with OSError: disk" in message, message)
+    assert_everywhere(world, len(set(asked)) > 1, f"the failures did not race (rounds posted: {asked})")
+    check.join_late()  # what mpicomm.shutdown does at exit
     never = finish_abandoned(10.0)
     assert_everywhere(world, not never, f"collectives never completed: {never}")
 

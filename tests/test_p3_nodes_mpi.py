@@ -22,12 +22,13 @@ def layout(request, world):
         yield topo
 
 
-def run(topo, aggregate: bool, steps: int = 2):
-    """Poll a SlicedExchange of random gradients to the end, `steps` times; (buffers, their inputs, cross bytes)."""
+def run(topo, aggregate: bool, steps: int = 2, local_rate=None, peaks=None):
+    """Poll a SlicedExchange of random gradients to the end, `steps` times; (buffers, their inputs, cross bytes).
+    peaks: a list that gets the pacer's peak (None when nothing was paced)."""
     r = topo.world.Get_rank()
     buffers = [torch.empty(n) for n in SIZES]
     ex = SlicedExchange(topo.world, buffers, [(t, 0, n) for t, n in enumerate(SIZES)], SLICE, credit=4,
-                        nodes=topo.nodes, node_aggregation=aggregate)
+                        nodes=topo.nodes, node_aggregation=aggregate, local_rate=local_rate)
     inputs = []
     try:
         for step in range(steps):
@@ -41,6 +42,8 @@ def run(topo, aggregate: bool, steps: int = 2):
             while not ex.poll():
                 pass
             assert all(ex.tensor_done)
+        if peaks is not None:
+            peaks.append(None if ex.pacer is None else ex.pacer.peak)
         return buffers, inputs, ex.cross_bytes / steps
     finally:
         ex.free()
@@ -75,3 +78,17 @@ def test_each_slice_crosses_a_nodes_link_once_each_way(layout):
     expect = 2 * (N - 1) * total  # with one rank a node (or one node) the same as the flat exchange
     assert_everywhere(comm, both[0] == expect and both[1] == 2 * L * (N - 1) * total,
                       f"cross bytes {both.tolist()} on {topo}, expected {expect} and {2 * L * (N - 1) * total}")
+
+
+def test_paced_node_pushes_give_the_same_averages_one_at_a_time(layout):
+    """Pushes to the node's aggregator paced (local_rate): the averages are the unpaced ones to the bit, and such
+    pushes went one at a time, where a node has two ranks or more and there are two nodes or more."""
+    topo = layout
+    peaks = []
+    paced, _, _ = run(topo, aggregate=True, local_rate=4e6, peaks=peaks)  # ~1 KB slices: a few ms a step
+    free, _, _ = run(topo, aggregate=True)
+    same = all(torch.equal(a, b) for a, b in zip(paced, free))
+    # Every rank of a node but its aggregator of a slice pushes it there, so each pushes some (SIZES > L slices).
+    expect = 1 if topo.num_nodes > 1 and topo.local_size > 1 else None
+    assert_everywhere(topo.world, same and peaks == [expect], f"bitwise equal: {same}, pacer peak {peaks} on "
+                      f"{topo} (expected {expect})")

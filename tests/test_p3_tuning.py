@@ -58,3 +58,13 @@ def test_without_a_measured_link_slices_are_the_smallest_and_all_may_fly():
         assert (t.slice_size * 4, t.credit, t.relaxed_sleep) == \
             (tuning.MIN_SLICE_BYTES, tuning.MAX_CREDIT, tuning.DEFAULT_RELAXED_SLEEP)
     assert choose(None, 3 * MB, 8, 4).slice_size == tuning.MIN_SLICE_BYTES // 8  # in elements of the itemsize
+
+
+def test_node_pushes_are_paced_only_with_node_peers_and_a_measured_link():
+    """Twice the node's link rate over its ranks' bytes (LOCAL_PACE): pushes inside a node stay ahead of the link
+    without flooding MPICH's shared memory; one rank a node, or no measured link: nothing to pace by."""
+    link = LinkEstimate(1e9 / 8 / 2, 500e-6)  # 1 Gbit/s shared by 2 ranks
+    assert choose(link, 575 * MB, 4, 8, ranks_per_node=2).local_rate == tuning.LOCAL_PACE * 2 * link.bandwidth
+    assert choose(link, 575 * MB, 4, 8).local_rate is None
+    assert choose(None, 575 * MB, 4, 8, ranks_per_node=2).local_rate is None
+    assert "node pushes paced at 238 MiB/s" in choose(link, 575 * MB, 4, 8, ranks_per_node=2).describe()

@@ -1,8 +1,13 @@
-"""p3's exchange alone: ResNet-50 224's gradient (one flat buffer, its tensors' sizes, forward priorities), every
-tensor handed over at once in backward order, the progress loop in this thread; seconds per step.
+"""p3's exchange alone: a model's gradient (one flat buffer, its tensors' sizes, forward priorities), every tensor
+handed over at once in backward order, the progress loop in this thread; seconds per step.
 
     mpitrain cluster run -n 8 -- python benchmarks/claims/p3_exchange_alone.py SLICE_ELEMENTS CREDIT
+
+Environment: MODEL (default resnet50-224), NODES=1 (aggregate inside each node, as the runtime does; the nodes
+are MPI's shared-memory groups), LOCAL_RATE (bytes a second of pushes inside a node; 0: unpaced), RELAXED
+(seconds between polls while nothing completes; default 100e-6), STEPS (default 4; the first is a warm-up).
 """
+import os
 import sys
 import time
 
@@ -12,25 +17,37 @@ from mpicomm.sliced_ps import SlicedExchange
 from runtime.workloads.models import build_model
 
 world = MPI.COMM_WORLD
-sizes = [p.numel() for p in build_model("resnet50-224", num_classes=1000).parameters()]
+nodes = None
+if os.environ.get("NODES") == "1":
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    first = world.allgather(local.allgather(world.Get_rank())[0])  # each rank's node, by its first rank
+    local.Free()
+    nodes = [[r for r, f in enumerate(first) if f == k] for k in sorted(set(first))]
+sizes = [p.numel() for p in build_model(os.environ.get("MODEL", "resnet50-224"), num_classes=1000).parameters()]
 buf = torch.ones(sum(sizes))
 segs, a = [], 0
 for n in sizes:
     segs.append((0, a, a + n))
     a += n
-ex = SlicedExchange(world, [buf], segs, int(sys.argv[1]), credit=int(sys.argv[2]), relaxed_sleep=100e-6)
+ex = SlicedExchange(world, [buf], segs, int(sys.argv[1]), credit=int(sys.argv[2]),
+                    relaxed_sleep=float(os.environ.get("RELAXED", 100e-6)), nodes=nodes,
+                    local_rate=float(os.environ.get("LOCAL_RATE", 0)) or None)
 ex.set_priorities(list(range(len(sizes))))
 times = []
-for step in range(4):
+for step in range(int(os.environ.get("STEPS", 4))):
     world.Barrier()
     t0 = time.perf_counter()
     ex.begin()
     for t in reversed(range(len(sizes))):
         ex.ready(t)
     while not ex.poll():
-        time.sleep(50e-6)
+        time.sleep(ex.idle_sleep())
     world.Barrier()
     times.append(time.perf_counter() - t0)
+cross = world.reduce(ex.cross_bytes)
 ex.free()
 if world.Get_rank() == 0:
-    print("steps s:", " ".join(f"{x:.3f}" for x in times), flush=True)
+    steady = sorted(times[1:] or times)
+    per_host = cross / len(nodes or [[0]] * world.Get_size()) / len(times)
+    print("steps s:", " ".join(f"{x:.3f}" for x in times), f"| median after the first {steady[len(steady) // 2]:.3f} s,"
+          f" {per_host / 1e6:.0f} MB a step across each node's link", flush=True)

@@ -8,7 +8,7 @@ from jobs.common.inputs import InputError, at_least, auto_or_count, comma_list, 
 
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
 FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
-STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "ddp", *SPARSE)
+STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "p3-unpaced", "ddp", *SPARSE)
 DENSE_WITH_ALGORITHM = ("allreduce", "wfbp")  # "wfbp@hierarchical": its allreduce's algorithm (mpicomm.algorithms)
 
 
@@ -78,6 +78,8 @@ def strategy_options(base: str, args):
         return AllreduceOptions(algorithm=algorithm)
     if base == "p3-flat":  # p3 without node-local aggregation: every rank pushes its own slices across
         return P3Options(args.slice_size, args.credit, node_aggregation=False)
+    if base == "p3-unpaced":  # p3 whose pushes inside a node go as fast as the queue lets them
+        return P3Options(args.slice_size, args.credit, node_pacing=False)
     if base.startswith("p3"):
         return P3Options(*p3_settings(base, args))
     if base in SPARSE:

@@ -31,14 +31,17 @@ class P3Sync(Strategy):
         super().__init__(ctx)
         o, flats = ctx.options, self.buffers.flats
         itemsize = max((b.element_size() for b in flats), default=4)
+        aggregate = getattr(o, "node_aggregation", True)
+        paced = aggregate and getattr(o, "node_pacing", True) and len(ctx.topology.nodes) > 1
+        per_node = max(map(len, ctx.topology.nodes)) if paced else 1  # 1: nothing paced
         self.tuning = t = tune(ctx.topology.world, sum(b.numel() * b.element_size() for b in flats), itemsize,
-                               o.slice_size, o.credit)
+                               o.slice_size, o.credit, ranks_per_node=per_node)
         if self.timeline:
             self.timeline.instant("p3 tuning", "setup", settings=t.describe(itemsize))
         self.exchange = SlicedExchange(ctx.topology.world, flats, self.buffers.segments, t.slice_size, t.credit,
                                        self.timeline, ctx.names, relaxed_sleep=t.relaxed_sleep,
-                                       nodes=ctx.topology.nodes,
-                                       node_aggregation=getattr(o, "node_aggregation", True))
+                                       nodes=ctx.topology.nodes, node_aggregation=aggregate,
+                                       local_rate=t.local_rate)
         self.progress = ProgressThread("mpitrain-p3", setup=device_setup(self.buffers.device))  # copies back
         self.exchange.nudge = self.progress.nudge
         self.copy_back = SliceCopyBack(self.exchange.plan.slices, [b.element_size() for b in flats], self._send_back)

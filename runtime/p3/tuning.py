@@ -29,6 +29,13 @@ POLLS_PER_SLICE = 4
 SOCKET_BYTES = 64 << 10
 MIN_RELAXED_SLEEP, MAX_RELAXED_SLEEP = 50e-6, 1e-3
 DEFAULT_RELAXED_SLEEP = 100e-6  # without a measured link (slice size and credit both given)
+# Pushes to the node's own aggregator go at most this many times the rate at which the node's link takes the
+# node's ranks' bytes (mpicomm.sliced_ps: unpaced, a rank's half of VGG-19's gradients went to its neighbour in
+# one burst, and MPICH, busy with it, left both ranks' network traffic unpolled for up to 0.5 s a step). At
+# twice, they finish in under half the exchange's time on the link, whatever the node count, so they never
+# hold it up. Paced at 0.95-3.3 times (60-200 MiB/s a rank), p3's exchange alone of VGG-19 on 4 hosts x 2
+# at 1 Gbit/s took 7.87-8.00 s a step against 8.07-8.14 s unpaced (benchmarks/topology.md).
+LOCAL_PACE = 2.0
 
 
 @dataclass(frozen=True)
@@ -40,16 +47,19 @@ class P3Tuning:
     relaxed_sleep: float  # seconds
     link: LinkEstimate | None
     chosen: tuple[str, ...]  # which settings were "auto"
+    local_rate: float | None = None  # bytes a second of pushes inside a node (None: not paced)
 
     def describe(self, itemsize: int = 4) -> str:
         slice_how, credit_how = ("auto" if name in self.chosen else "given" for name in ("slice_size", "credit"))
         text = (f"slice {self.slice_size} elements ({self.slice_size * itemsize / 2**20:.2f} MiB, {slice_how}), "
                 f"credit {self.credit} ({credit_how}), relaxed poll {1e6 * self.relaxed_sleep:.0f} us")
+        if self.local_rate:
+            text += f", node pushes paced at {self.local_rate / 2**20:.0f} MiB/s"
         return text + (f"; link: {self.link.describe()}" if self.link else "")
 
 
 def choose(link: LinkEstimate | None, total_bytes: int, itemsize: int, ranks: int, slice_size=AUTO,
-           credit=AUTO) -> P3Tuning:
+           credit=AUTO, ranks_per_node: int = 1) -> P3Tuning:
     """The settings for a model of `total_bytes` of gradients on `ranks` ranks over `link`: the same everywhere.
 
     Deterministic in its arguments, so ranks that agree on the link (probe_link
@@ -72,10 +82,11 @@ def choose(link: LinkEstimate | None, total_bytes: int, itemsize: int, ranks: in
             min(MAX_CREDIT, max(MIN_CREDIT, math.ceil(rate * IN_FLIGHT_SECONDS / slice_bytes)))
     relaxed = DEFAULT_RELAXED_SLEEP if rate is None else \
         min(MAX_RELAXED_SLEEP, max(MIN_RELAXED_SLEEP, min(SOCKET_BYTES, slice_bytes / POLLS_PER_SLICE) / rate))
-    return P3Tuning(int(slice_size), int(credit), relaxed, link, chosen)
+    local = None if rate is None or ranks_per_node < 2 else LOCAL_PACE * ranks_per_node * rate
+    return P3Tuning(int(slice_size), int(credit), relaxed, link, chosen, local)
 
 
-def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO) -> P3Tuning:
+def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO, ranks_per_node: int = 1) -> P3Tuning:
     """Collective when the link is probed: something is auto and the model is large enough for it to matter.
 
     A model of at most SLICES_PER_OWNER smallest slices per rank gets those
@@ -86,7 +97,8 @@ def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO) ->
     """
     ranks = comm.Get_size()
     probe = needs_probe(ranks, total_bytes, slice_size, credit)
-    return choose(measured_link(comm) if probe else None, total_bytes, itemsize, ranks, slice_size, credit)
+    return choose(measured_link(comm) if probe else None, total_bytes, itemsize, ranks, slice_size, credit,
+                  ranks_per_node)
 
 
 def needs_probe(ranks: int, total_bytes: int, slice_size=AUTO, credit=AUTO) -> bool:
