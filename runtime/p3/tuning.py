@@ -33,8 +33,8 @@ DEFAULT_RELAXED_SLEEP = 100e-6  # without a measured link (slice size and credit
 # node's ranks' bytes (mpicomm.sliced_ps: unpaced, a rank's half of VGG-19's gradients went to its neighbour in
 # one burst, and MPICH, busy with it, left both ranks' network traffic unpolled for up to 0.5 s a step). At
 # twice, they finish in under half the exchange's time on the link, whatever the node count, so they never
-# hold it up. Paced at 0.95-3.3 times (60-200 MiB/s a rank), p3's exchange alone of VGG-19 on 4 hosts x 2
-# at 1 Gbit/s took 7.87-8.00 s a step against 8.07-8.14 s unpaced (benchmarks/topology.md).
+# hold it up. On 4 hosts x 2 at 1 Gbit/s, paced at 1-4 times (60-256 MB/s a rank), p3's exchange alone of VGG-19
+# took 7.87-8.07 s a step against 7.98-8.14 s unpaced, and training it 8.21 s against 8.61 s (benchmarks/topology.md).
 LOCAL_PACE = 2.0
 
 
