@@ -245,11 +245,11 @@ class SlicedExchange(Task):
                 self._outgoing -= 1
                 if tl:
                     tl.end(x)
-                if kind == OUT_PUSH and self._paced[self.upstream[s]]:
-                    self.pacer.done()
                 if kind == OUT_PUSH:
                     # Only now may the slice's memory receive the averaged result: it was the send buffer.
                     up = self.upstream[s]
+                    if self._paced[up]:
+                        self.pacer.done()
                     token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=up) if tl else None
                     self._reqs.append(self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], up, plan.result_tag(s)))
                     self._what.append((IN_RESULT, s, token))
