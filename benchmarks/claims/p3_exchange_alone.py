@@ -4,7 +4,7 @@ handed over at once in backward order, the progress loop in this thread; seconds
     mpitrain cluster run -n 8 -- python benchmarks/claims/p3_exchange_alone.py SLICE_ELEMENTS CREDIT
 
 Environment: MODEL (default resnet50-224), NODES=1 (aggregate inside each node, as the runtime does; the nodes
-are MPI's shared-memory groups), LOCAL_RATE (bytes a second of pushes inside a node; 0: unpaced), RELAXED
+are mpicomm.Topology's), LOCAL_RATE (bytes a second of pushes inside a node; 0: unpaced), RELAXED
 (seconds between polls while nothing completes; default 100e-6), STEPS (default 4; the first is a warm-up).
 """
 import os
@@ -14,15 +14,15 @@ import time
 import torch
 from mpi4py import MPI
 from mpicomm.sliced_ps import SlicedExchange
+from mpicomm.topology import Topology
 from runtime.workloads.models import build_model
 
 world = MPI.COMM_WORLD
 nodes = None
 if os.environ.get("NODES") == "1":
-    local = world.Split_type(MPI.COMM_TYPE_SHARED)
-    first = world.allgather(local.allgather(world.Get_rank())[0])  # each rank's node, by its first rank
-    local.Free()
-    nodes = [[r for r, f in enumerate(first) if f == k] for k in sorted(set(first))]
+    topology = Topology(world)  # the nodes as the runtime finds them
+    nodes = topology.nodes
+    topology.free()
 sizes = [p.numel() for p in build_model(os.environ.get("MODEL", "resnet50-224"), num_classes=1000).parameters()]
 buf = torch.ones(sum(sizes))
 segs, a = [], 0
