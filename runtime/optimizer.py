@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -52,7 +53,7 @@ class DistributedOptimizer:
       report and a StallError naming what is missing.
 
     Gradients live in flat per-dtype buffers that .grad views (zero_grad() zeroes them in place rather
-    than setting None). Parameters no rank produced a gradient for in a step are not updated, as with one process.
+    than setting None; the wrapped optimizer's own zero_grad() comes here until close()). Parameters no rank produced a gradient for in a step are not updated, as with one process.
 
     A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
     unchanged: gradients go to pinned host memory on a side CUDA stream a bucket at a time as backward
@@ -112,6 +113,10 @@ class DistributedOptimizer:
             if self.model_buffers.active else None
         self._state_hook = model.register_state_dict_pre_hook(lambda *a: self._before_reading())
         self._capture_hooks = capture_hooks(self.strategy)
+        # Users' loops often call zero_grad() on the optimizer they made rather than on this wrapper: routed
+        # here while wrapped, it neither drops an average that a deferred (p3) update still owes nor replaces
+        # the .grad views of the buffers.
+        self._unroute_zero_grad = route_zero_grad(optimizer, self.zero_grad)
         failstop.register(self)  # its step goes into this rank's failure notice; open at exit is said
 
     # -- set-up --------------------------------------------------------------
@@ -338,3 +343,20 @@ class DistributedOptimizer:
         self._flush()
         checkpoint.load_optimizer_state(self, state)
 
+
+def route_zero_grad(optimizer: torch.optim.Optimizer, zero_grad) -> Callable[[], None]:
+    """optimizer.zero_grad(set_to_none) calls zero_grad(set_to_none) instead; the function returned undoes that."""
+    previous = optimizer.__dict__.get("zero_grad")  # the instance's own (emulated compute's wrapper), else none
+
+    def routed(set_to_none: bool = True) -> None:
+        zero_grad(set_to_none)
+
+    optimizer.zero_grad = routed
+
+    def undo() -> None:
+        if optimizer.__dict__.get("zero_grad") is routed:  # not wrapped again since
+            if previous is None:
+                del optimizer.zero_grad
+            else:
+                optimizer.zero_grad = previous
+    return undo

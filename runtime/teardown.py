@@ -52,6 +52,7 @@ def release(dopt) -> None:
     if dopt._closed:
         return
     dopt._closed = True
+    dopt._unroute_zero_grad()
     failstop.unregister(dopt)
     for h in dopt._hooks + dopt._capture_hooks:
         h.remove()

@@ -143,8 +143,9 @@ def test_cuda_model_on_a_user_stream_with_forced_sfb_is_one_process(world, dense
         nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
         opt.step()
     ok = all(torch.allclose(a, b.detach().cpu(), rtol=1e-4, atol=1e-5) for a, b in zip(got, model.parameters()))
+    err = max((a - b.detach().cpu()).abs().max().item() for a, b in zip(got, model.parameters()))
     assert_everywhere(world, plan == {"fc1": "sfb", "fc2": "sfb", "head": "sfb"}, f"plan {plan}")
     # Backward's hooks run on autograd's thread for the device; mpitrain-*: the staging and progress threads.
     assert_everywhere(world, bool(threads) and not any(t.startswith("mpitrain-") for t in threads),
                       f"copied on {threads}")
-    assert_everywhere(world, ok, f"hybcomm forced SFB on {device} (dense {dense}) differs from one process")
+    assert_everywhere(world, ok, f"hybcomm forced SFB on {device} (dense {dense}) differs from one process by up to {err:.3g}")

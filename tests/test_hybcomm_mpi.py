@@ -121,7 +121,8 @@ def close(a, b, rtol=1e-5):
 FAST_LINK = dict(bandwidth=1e9, gflops=1e6)  # a slow link, free arithmetic: bytes decide
 
 
-@pytest.mark.parametrize("force, dense", [("auto", "wfbp"), ("sfb", "wfbp"), ("ps", "wfbp"), ("auto", "p3")])
+@pytest.mark.parametrize("force, dense", [("auto", "wfbp"), ("sfb", "wfbp"), ("ps", "wfbp"), ("auto", "p3"),
+                                          ("sfb", "p3")])
 def test_equals_one_process_for_every_plan(world, force, dense):
     X, Y = data(world.Get_size())
     got, plan = train(HybCommOptions(force=force, dense=dense, slice_size=50, **FAST_LINK), world, X, Y)

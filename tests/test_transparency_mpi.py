@@ -180,3 +180,26 @@ def test_pto_with_frozen_parameters_in_the_optimizer(world):
         results.append(([p.detach().clone() for p in model.parameters()], len(state["optimizer"]["state"]), kept))
     ok = close(results[0][0], results[1][0]) and results[0][1] == results[1][1] and results[1][2]
     assert_everywhere(world, ok, "pto with frozen parameters differs from the unsharded step")
+
+
+@pytest.mark.parametrize("strategy", ["p3", "wfbp"])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_loop_zeroing_through_the_wrapped_optimizer_equals_one_process(world, strategy, set_to_none):
+    """zero_grad() called on the optimizer the user made, not on the wrapper (a common loop): p3's deferred
+    updates still read their averages; after close() that optimizer's zero_grad is torch's own again."""
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    torch.manual_seed(7)
+    model = Edgy()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
+    r = world.Get_rank()
+    with wrap(opt, model, strategy, slice_size=7 if strategy == "p3" else None) as dopt:
+        for step in range(STEPS):
+            x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
+            opt.zero_grad(set_to_none=set_to_none)
+            nn.functional.cross_entropy(model(x), y).backward()
+            dopt.step()
+    got = [p.detach().clone() for p in model.parameters()]
+    assert_everywhere(world, close(got, reference), f"{strategy}: the loop's opt.zero_grad({set_to_none}) "
+                                                    "differs from one process")
+    assert_everywhere(world, "zero_grad" not in vars(opt), "the optimizer's zero_grad is still routed after close")

@@ -34,9 +34,28 @@ class LossWatch:
             raise ValueError(f"diverge_factor must be > 1 or None, got {factor!r}")
         self.factor, self.where = factor, where
         self.reference: float | None = None
-        self.computed: list[torch.Tensor] = []  # this step's micro-batch losses, where they were computed
+        self.computed: list[torch.Tensor] = []  # this step's micro-batch losses (on a GPU: pinned host copies)
         self.values: list[float] = []  # those read so far
         self.reads = 0  # device-to-host reads: the host waited for the device
+        # On a GPU, the k-th loss of a step is copied into slot k as soon as it is computed, and the copy's event
+        # recorded: a read then waits for that copy alone, not for the backward queued after it (a plain .item()
+        # waits for everything on the stream). Made at the first step, reused after.
+        self._slots: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+
+    def add(self, loss: torch.Tensor) -> None:
+        """A micro-batch's loss, just computed (on a GPU: its copy to the host queued behind it)."""
+        loss = loss.detach()
+        if not loss.is_cuda:
+            self.computed.append(loss)
+            return
+        k = len(self.computed)
+        if k == len(self._slots):
+            self._slots.append((torch.empty((), dtype=loss.dtype, pin_memory=True),
+                                torch.cuda.Event(blocking=True)))
+        host, copied = self._slots[k]
+        host.copy_(loss, non_blocking=True)
+        copied.record(torch.cuda.current_stream(loss.device))
+        self.computed.append(host)
 
     def new_step(self) -> None:
         self.computed, self.values = [], []
@@ -47,6 +66,8 @@ class LossWatch:
         if not new:
             return
         self.reads += 1
+        if self._slots:  # the last one's copy was queued after the others' on the same stream
+            self._slots[len(self.computed) - 1][1].synchronize()
         for v in (torch.stack(new).tolist() if len(new) > 1 else [float(new[0])]):
             self.values.append(v)
             self.check(v, step, len(self.values) - 1)

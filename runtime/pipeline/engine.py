@@ -207,7 +207,7 @@ class Pipeline:
             out = self.module(x)
         if self.last:
             loss = self.loss_fn(out, target)
-            self.watch.computed.append(loss.detach())
+            self.watch.add(loss)
             if self.dopt is not None:  # its gradients may reach the other replicas during the backward
                 self.watch.read(self.steps + 1)
             out = loss / self.microbatches if self.mode == "flush" else loss
