@@ -53,7 +53,8 @@ class DistributedOptimizer:
       report and a StallError naming what is missing.
 
     Gradients live in flat per-dtype buffers that .grad views (zero_grad() zeroes them in place rather
-    than setting None; the wrapped optimizer's own zero_grad() comes here until close()). Parameters no rank produced a gradient for in a step are not updated, as with one process.
+    than setting None; the wrapped optimizer's own zero_grad() comes here until close()). Parameters no
+    rank produced a gradient for in a step are not updated, as with one process.
 
     A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
     unchanged: gradients go to pinned host memory on a side CUDA stream a bucket at a time as backward
