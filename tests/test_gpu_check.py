@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -13,9 +14,11 @@ import torch
 
 from conftest import exit_in_process
 from jobs.gpu_check.main import main, run_all
+from jobs.gpu_check import xcheck
 from jobs.gpu_check.parts import box_parts, gpu_slug, paper_batches
 from jobs.gpu_check.pytest_log import none_passed
 from jobs.gpu_check.report import summarize
+from jobs.gpu_check.parts import ROOT
 from jobs.gpu_check.runner import Part, Result
 
 PY = sys.executable
@@ -99,7 +102,11 @@ def test_the_mstopk_figures_come_from_the_benchmarks_own_json(tmp_path, capsys):
 def test_the_box_parts_cover_every_gpu_test_and_every_model_of_the_emulated_accelerators(tmp_path):
     parts = box_parts(str(tmp_path), "NVIDIA H100 80GB HBM3")
     names = [p.name for p in parts]
-    assert names[:2] == ["tests-serial", "tests-mpi"] and "mstopk" in names and names[-1] == "throughput"
+    assert names[:2] == ["tests-serial", "tests-mpi"] and "mstopk" in names and names[-2:] == ["throughput", "xcheck"]
+    # The cross-check runs the throughput part's benchmark again, argument for argument, on this GPU's profile.
+    real, cross = parts[-2].cmd, parts[-1].cmd
+    assert cross[cross.index("--") + 1:] == [a for a in real[3:real.index("--json")] if a not in ("--device", "cuda")]
+    assert cross[cross.index("--profile") + 1] == str(tmp_path / "profiles" / "resnet50-224-b32-h100-tf32.json")
     serial, mpi = parts[0].cmd, parts[1].cmd
     assert "mpiexec" not in " ".join(serial) and serial[serial.index("-m", 3) + 1] == "gpu and not mpi"
     assert mpi[mpi.index("-n") + 1] == "4" and mpi[-1] == "gpu and mpi"
@@ -107,3 +114,30 @@ def test_the_box_parts_cover_every_gpu_test_and_every_model_of_the_emulated_acce
     assert "profiles/resnet50-224-b32-h100-tf32.json" in [o for p in parts for o in p.outputs]
     assert [gpu_slug(n) for n in ("NVIDIA H200", "NVIDIA A100-SXM4-40GB", "Tesla V100-PCIE-16GB")] == \
         ["h200", "a100", "v100"]
+
+
+def test_the_cross_check_reruns_the_benchmark_on_the_gpus_profile_stretched_to_the_real_compute(tmp_path):
+    """The real run and the profile of the H200 lease (2026-12-04), the emulated run here on 2 local ranks: the
+    emulated step is stretched to the real run's compute (its 4 ranks shared the GPU), each strategy in both runs is
+    set side by side, and the report reads the table."""
+    lease = os.path.join(ROOT, "benchmarks", "device", "2026-12-04")
+    real = os.path.join(lease, "throughput.json")
+    profile = os.path.join(lease, "profiles", "resnet50-224-b32-h200-tf32.json")
+    assert xcheck.main(["--real", real, "--profile", profile, "--json", str(tmp_path / "xcheck.json"), "--",
+                        "--batch-size", "32", "--local", "--hosts", "1", "--ranks-per-host", "2", "--models",
+                        "resnet50-224", "--strategies", "allreduce", "--rounds", "1", "--batches", "1", "--iters", "1",
+                        "--warmup", "0"]) == 0
+    doc = json.loads((tmp_path / "xcheck.json").read_text())
+    with open(real) as f:
+        measured = json.load(f)["rows"]
+    with open(profile) as f:
+        step = json.load(f)["step_s"]
+    assert doc["meta"]["compute_scale"] == pytest.approx(statistics.median(r["t_compute_s"] for r in measured) / step)
+    [row] = doc["rows"]
+    # Unstretched, the emulated compute would be half the real one (21.2 against 43.7 ms).
+    assert row["strategy"] == "allreduce" and row["emulated_t_compute_s"] == pytest.approx(row["real_t_compute_s"],
+                                                                                           rel=0.25)
+    assert row["t_iter_ratio"] == pytest.approx(row["real_t_iter_s"] / row["emulated_t_iter_s"])
+    assert (tmp_path / "xcheck-emulated.json").exists()
+    result = Result("xcheck", "t", "xcheck", "cmd", "passed", 0, 1.0, 60, "logs/xcheck.log", outputs=("xcheck.json",))
+    assert "| allreduce | 0.2065 |" in summarize(result, str(tmp_path))

@@ -9,7 +9,8 @@ tests-serial (plain pytest -m "gpu and not mpi"), tests-mpi (mpiexec -n 4 ... py
 mstopk (MSTopK against torch.topk at 1M, 25M, 100M elements), overhead (a GPU model under allreduce, wfbp
 and p3 against the same model's plain step, one rank: the staging's cost), profiles (one per model the
 emulated accelerators stand in for, at its paper's batch: `--compute emulated:PATH`), throughput (every
-strategy on an emulated cluster of 2 hosts x 2 ranks, real compute on the GPU; needs root). One part failing
+strategy on an emulated cluster of 2 hosts x 2 ranks, real compute on the GPU; needs root), xcheck (the same
+cluster again, compute emulated from this GPU's profile: real against emulated, jobs.gpu_check.xcheck). One part failing
 or running out of time does not stop the others; --budget bounds the whole run (10 minutes by default,
 setting-up included). Progress lines as it goes; FOLDER/report.md and FOLDER/report.json (rewritten after
 each part), the logs under FOLDER/logs/, the benchmarks' JSON and the profiles beside them. Exit status 0

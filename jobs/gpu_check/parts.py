@@ -1,4 +1,4 @@
-"""What gpu-check runs on a GPU machine: the gpu tests, MSTopK, the staging overhead, 2 x 2 throughput, profiles.
+"""What gpu-check runs on a GPU machine: gpu tests, MSTopK, staging overhead, profiles, 2 x 2 throughput, cross-check.
 
 Every part is the project's own command, as a user would type it (`python -m jobs.bench.mstopk ...`), so what it
 checks is what ships. Each gets a limit of at least twice its time in the earlier runs on one H100/H200 and 16
@@ -23,9 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 THROUGHPUT_STRATEGIES = "allreduce,wfbp,p3,hybcomm,topk,hier-topk,allreduce+pto,ddp"
 OVERHEAD_STRATEGIES = "allreduce,wfbp,p3"
 OVERHEAD_MODELS = "resnet50-224,vgg19-224"  # many small tensors; few large ones (548 MB of gradients)
-THROUGHPUT_MODEL = "resnet50-224"
+THROUGHPUT_MODEL, THROUGHPUT_BATCH = "resnet50-224", 32  # its paper batch: the profile part measures it too
 # The part groups, in the order they run: the least certain (root, namespaces) last.
-NAMES = ("tests-serial", "tests-mpi", "mstopk", "overhead", "profiles", "throughput")
+NAMES = ("tests-serial", "tests-mpi", "mstopk", "overhead", "profiles", "throughput", "xcheck")
 
 
 def mpiexec() -> str:
@@ -72,7 +72,7 @@ def box_parts(folder: str, gpu: str, wanted=NAMES, bandwidth: str = "10gbit") ->
         parts.append(Part("mstopk", "MSTopK against torch.topk at 1M, 25M, 100M elements",
                           [py, "-m", "jobs.bench.mstopk", "--device", "cuda", "--sizes", "1M,25M,100M",
                            "--json", os.path.join(folder, "mstopk.json")], 120, "mstopk", ("mstopk.json",)))
-    common = [py, "-m", "jobs.bench.strategies", "--device", "cuda", "--batch-size", "32"]
+    common = [py, "-m", "jobs.bench.strategies", "--device", "cuda", "--batch-size", str(THROUGHPUT_BATCH)]
     if "overhead" in wanted:
         parts.append(Part("overhead", "staging overhead: allreduce, wfbp, p3 against the plain step, 1 rank",
                           [*common, "--local", "--hosts", "1", "--ranks-per-host", "1", "--models", OVERHEAD_MODELS,
@@ -88,13 +88,23 @@ def box_parts(folder: str, gpu: str, wanted=NAMES, bandwidth: str = "10gbit") ->
                               [py, "-m", "jobs.simulate", "--take-profile", "--device", "cuda", "--model", model,
                                "--batch-size", str(batch), "--out", os.path.join(folder, out), "--timeout", "85"],
                               90, "profile", (out,), env={"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}))
+    # The throughput part's benchmark, and the cross-check's emulated run of it: the same arguments.
+    cluster = ["--batch-size", str(THROUGHPUT_BATCH), "--hosts", "2", "--ranks-per-host", "2", "--bandwidths",
+               bandwidth, "--models", THROUGHPUT_MODEL, "--strategies", THROUGHPUT_STRATEGIES, "--rounds", "2",
+               "--batches", "2", "--iters", "2", "--warmup", "1", "--timeout", "190"]
     if "throughput" in wanted:
         # An emulated cluster (network namespaces, shaped links): needs root, as `mpitrain cluster` does.
         parts.append(Part("throughput", f"throughput per strategy, 2 hosts x 2 ranks at {bandwidth}, "
                                         f"{THROUGHPUT_MODEL}",
-                          [*common, "--hosts", "2", "--ranks-per-host", "2", "--bandwidths", bandwidth,
-                           "--models", THROUGHPUT_MODEL, "--strategies", THROUGHPUT_STRATEGIES, "--rounds", "2",
-                           "--batches", "2", "--iters", "2", "--warmup", "1", "--timeout", "190",
+                          [py, "-m", "jobs.bench.strategies", "--device", "cuda", *cluster,
                            "--json", os.path.join(folder, "throughput.json")], 200, "throughput",
                           ("throughput.json",)))
+    if "xcheck" in wanted:
+        # Needs the throughput part's JSON and the model's profile from this run (or an earlier one in the folder).
+        profile = os.path.join(folder, "profiles", f"{THROUGHPUT_MODEL}-b{THROUGHPUT_BATCH}-{gpu_slug(gpu)}-tf32.json")
+        parts.append(Part("xcheck", f"the throughput part again, compute emulated from this GPU's {THROUGHPUT_MODEL} "
+                                    "profile: real against emulated",
+                          [py, "-m", "jobs.gpu_check.xcheck", "--real", os.path.join(folder, "throughput.json"),
+                           "--profile", profile, "--json", os.path.join(folder, "xcheck.json"), "--", *cluster],
+                          200, "xcheck", ("xcheck.json",)))
     return parts

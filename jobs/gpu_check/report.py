@@ -10,7 +10,7 @@ import json
 import os
 import statistics
 
-from jobs.gpu_check import pytest_log
+from jobs.gpu_check import pytest_log, xcheck
 from jobs.gpu_check.runner import Result
 
 
@@ -97,12 +97,21 @@ def profile_summary(result: Result, folder: str) -> str:
             f"{p.get('machine', '')}; use it as --compute emulated:{path}")
 
 
+def xcheck_summary(result: Result, folder: str) -> str:
+    """Real against emulated, per strategy, and the stretch the emulation was given."""
+    with open(os.path.join(folder, "xcheck.json")) as f:
+        doc = json.load(f)
+    return (f"compute emulated from {doc['meta']['profile']}, stretched {doc['meta']['compute_scale']:.2f}x (the real "
+            "run's compute over the profile's step: ranks there share the GPU)\n\n" + xcheck.table(doc["rows"]))
+
+
 def log_summary(result: Result, folder: str) -> str:
     return ""
 
 
 SUMMARIES = {"pytest": pytest_summary, "mstopk": mstopk_summary, "overhead": overhead_summary,
-             "throughput": throughput_summary, "profile": profile_summary, "log": log_summary}
+             "throughput": throughput_summary, "profile": profile_summary, "xcheck": xcheck_summary,
+             "log": log_summary}
 
 
 def _devices(rows) -> str:
