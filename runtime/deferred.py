@@ -17,6 +17,12 @@ class DeferredUpdates:
     update is applied, so zero_grad() zeroes the others at once and those
     only once applied.
 
+    A model.zero_grad() after the step (it bypasses the wrapper, and sets
+    .grad to None) drops no average either: apply() points .grad at the
+    buffer again, updates, then zeroes it. With set_to_none=False it would
+    zero the averages themselves: zero through the wrapper, or the optimizer
+    it wraps (routed to the wrapper).
+
     A layer's updates also take along those of any later layer whose
     averages have already arrived (`averaged`): one optimizer call instead of
     several, which is what per-layer updates cost where the link is fast.
@@ -84,11 +90,16 @@ class DeferredUpdates:
         tl = self.timeline
         with span_of(tl, f"wait {len(owed)} params", "sync", params=owed[:8]):
             self.wait(owed + landing)
+        # A model.zero_grad() (set_to_none) since the step dropped .grad, not the average: the update reads it
+        # again, and the gradient is zero after it, as that call asked.
+        cleared = self.buffers.reattach(owed)
         self.updater.step(owed, self.hyper)
         self.owed[owed] = False
         if self._zero_requested:
             self.buffers.zero(owed)
             self._zero_requested = self.pending()
+        elif cleared:
+            self.buffers.zero(cleared)
 
     def zero_grad(self, owed_known: bool = True) -> None:
         """owed_known=False: the step's agreement, which says what is owed (and kept), is not in yet: the

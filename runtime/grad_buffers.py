@@ -124,6 +124,14 @@ class GradientBuffers:
         p.grad = view
         return view
 
+    def reattach(self, indices) -> list[int]:
+        """Those of these parameters whose .grad was set to None since it was averaged (model.zero_grad(), which
+        does not pass through the wrapper), pointed at their views again: the buffers kept the averages."""
+        cleared = [i for i in indices if self.params[i].grad is None]
+        for i in cleared:
+            self.params[i].grad = self.grads[i]
+        return cleared
+
     def zero(self, indices=None) -> None:
         """Zero these parameters' gradients in place (all when None), keeping the views attached."""
         if indices is None:

@@ -183,10 +183,10 @@ def test_pto_with_frozen_parameters_in_the_optimizer(world):
 
 
 @pytest.mark.parametrize("strategy", ["p3", "wfbp"])
-@pytest.mark.parametrize("set_to_none", [True, False])
-def test_a_loop_zeroing_through_the_wrapped_optimizer_equals_one_process(world, strategy, set_to_none):
-    """zero_grad() called on the optimizer the user made, not on the wrapper (a common loop): p3's deferred
-    updates still read their averages; after close() that optimizer's zero_grad is torch's own again."""
+@pytest.mark.parametrize("zeroing", ["optimizer", "optimizer, in place", "model"])
+def test_a_loop_zeroing_through_the_wrapped_optimizer_or_the_model_equals_one_process(world, strategy, zeroing):
+    """zero_grad() called on the optimizer the user made or on the model, not on the wrapper (common loops): p3's
+    deferred updates still read their averages; after close() that optimizer's zero_grad is torch's own again."""
     X, Y = data(world.Get_size())
     reference = train(None, world, X, Y)
     torch.manual_seed(7)
@@ -196,10 +196,13 @@ def test_a_loop_zeroing_through_the_wrapped_optimizer_equals_one_process(world, 
     with wrap(opt, model, strategy, slice_size=7 if strategy == "p3" else None) as dopt:
         for step in range(STEPS):
             x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-            opt.zero_grad(set_to_none=set_to_none)
+            if zeroing == "model":
+                model.zero_grad()  # set_to_none: .grad dropped, the buffers untouched
+            else:
+                opt.zero_grad(set_to_none=zeroing == "optimizer")
             nn.functional.cross_entropy(model(x), y).backward()
             dopt.step()
     got = [p.detach().clone() for p in model.parameters()]
-    assert_everywhere(world, close(got, reference), f"{strategy}: the loop's opt.zero_grad({set_to_none}) "
+    assert_everywhere(world, close(got, reference), f"{strategy}: the loop zeroing through the {zeroing} "
                                                     "differs from one process")
     assert_everywhere(world, "zero_grad" not in vars(opt), "the optimizer's zero_grad is still routed after close")
