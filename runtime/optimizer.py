@@ -53,8 +53,8 @@ class DistributedOptimizer:
       report and a StallError naming what is missing.
 
     Gradients live in flat per-dtype buffers that .grad views (zero_grad() zeroes them in place rather
-    than setting None; the wrapped optimizer's own zero_grad() comes here until close()). Parameters no
-    rank produced a gradient for in a step are not updated, as with one process.
+    than setting None; the wrapped optimizer's own zero_grad() comes here until close(), and its own step()
+    is refused). Parameters no rank produced a gradient for in a step are not updated, as with one process.
 
     A model on a GPU (model.cuda() before wrapping; one device per rank, ranks may share a GPU) trains
     unchanged: gradients go to pinned host memory on a side CUDA stream a bucket at a time as backward
@@ -118,6 +118,7 @@ class DistributedOptimizer:
         # here while wrapped, it neither drops an average that a deferred (p3) update still owes nor replaces
         # the .grad views of the buffers.
         self._unroute_zero_grad = route_zero_grad(optimizer, self.zero_grad)
+        self._step_guard = self.updater.guard_step(type(self).__name__)  # and its own step() refused
         failstop.register(self)  # its step goes into this rank's failure notice; open at exit is said
 
     # -- set-up --------------------------------------------------------------

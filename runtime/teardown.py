@@ -53,6 +53,7 @@ def release(dopt) -> None:
         return
     dopt._closed = True
     dopt._unroute_zero_grad()
+    dopt._step_guard.remove()
     failstop.unregister(dopt)
     for h in dopt._hooks + dopt._capture_hooks:
         h.remove()

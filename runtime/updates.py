@@ -45,6 +45,7 @@ class ParamUpdater:
                     self.group_of[i] = gi
         self.params = params
         self._cache: dict = {}
+        self.stepping = False  # inside step(): the optimizer's step is ours, not a user's call (guard_step)
 
     def _groups(self, indices: tuple) -> list[list]:
         groups = self._cache.get(indices)
@@ -66,7 +67,19 @@ class ParamUpdater:
         hyper = hyper or hyperparameters(opt)
         saved = opt.param_groups
         opt.param_groups = [dict(h, params=ps) for h, ps in zip(hyper, groups) if ps]
+        self.stepping = True
         try:
             opt.step()
         finally:
             opt.param_groups = saved
+            self.stepping = False
+
+    def guard_step(self, wrapper: str):
+        """A step pre-hook on the optimizer (its handle returned) that refuses a step() not made by this updater:
+        a loop calling the wrapped optimizer's own step() would update with this rank's gradients, unaveraged."""
+        def refuse(optimizer, args, kwargs):
+            if not self.stepping:
+                raise RuntimeError(f"step() was called on the {type(optimizer).__name__} that {wrapper} wraps: it "
+                                   f"would update with this rank's own gradients, not their average. Call step() "
+                                   f"on the {wrapper} (it averages, then updates)")
+        return self.optimizer.register_step_pre_hook(refuse)

@@ -88,6 +88,26 @@ def test_too_many_backward_passes_are_named(world):
     dopt.close()  # after the error: releases without communicating
 
 
+@pytest.mark.parametrize("strategy", ["wfbp", "p3"])
+def test_the_wrapped_optimizers_own_step_is_refused_before_it_updates(world, strategy):
+    """A loop calling step() on the optimizer it wrapped would update with this rank's own gradients: refused, the
+    message naming the wrapper, nothing updated; the wrapper's step() goes on; after close() it steps as torch's."""
+    model, r = make(), world.Get_rank()
+    opt = sgd(model)
+    dopt = wrap(opt, model, strategy)
+    X, Y = batches(world.Get_size(), steps=1)
+    before = params(model)
+    dopt.zero_grad()
+    nn.functional.cross_entropy(model(local(X[0], r)), local(Y[0], r)).backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) was called on the SGD that DistributedOptimizer wraps"):
+        opt.step()
+    untouched = all(torch.equal(a, b) for a, b in zip(params(model), before))
+    dopt.step()
+    dopt.close()
+    opt.step()  # its own again
+    assert_everywhere(world, untouched, "the refused step() updated the parameters")
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_synchronize_then_clip_then_step(world, strategy):
     """Horovod's synchronize(): averaged gradients in .grad before step(), here clipped by global norm."""
