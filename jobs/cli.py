@@ -52,6 +52,7 @@ WORKERS = (
     ("bench pipeline-peer", "jobs.bench.pipeline_peer", "MPI", "torch.distributed.pipelining over gloo"),
     ("bench hybcomm-choice-worker", "jobs.bench.hybcomm_choice_worker", "MPI", "bench hybcomm-choice's rounds"),
     ("simulate-worker", "jobs.sim.worker", "MPI", "a model's profile on every rank at once, or the transport's costs"),
+    ("gpu-check-xcheck", "jobs.gpu_check.xcheck", "alone", "gpu-check's throughput run again, compute emulated"),
 )
 
 

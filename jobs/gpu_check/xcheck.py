@@ -13,12 +13,13 @@ run's own JSON and PNG are written beside the output (-emulated).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
+
+from jobs.common.inputs import InputError, JobParser, parse
 
 __all__ = ["compare", "compute_scale", "main", "table"]
 
@@ -75,14 +76,16 @@ def _read(path: str, what: str) -> dict:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     bench = argv[argv.index("--") + 1:] if "--" in argv else []
-    p = argparse.ArgumentParser(prog="python -m jobs.gpu_check.xcheck", description=__doc__.split("\n\n")[0])
+    p = JobParser(prog="python -m jobs.gpu_check.xcheck", description=__doc__.split("\n\n")[0])
     p.add_argument("--real", required=True, help="the throughput part's JSON (real compute)")
     p.add_argument("--profile", required=True, help="this GPU's profile of the same model and batch")
     p.add_argument("--json", required=True, help="where the comparison goes (the emulated run beside it)")
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    if not bench or any(a in ("--device", "--json", "--compute", "--compute-scale") for a in bench):
-        p.error("give the throughput part's benchmark arguments after --, without --device, --json, --compute "
-                "and --compute-scale")
+
+    def check(_args) -> None:
+        if not bench or any(a in ("--device", "--json", "--compute", "--compute-scale") for a in bench):
+            raise InputError("", "give the throughput part's benchmark arguments after --, without --device, "
+                                 "--json, --compute and --compute-scale")
+    args = parse(p, argv[:argv.index("--")] if "--" in argv else argv, check)
     real = _read(args.real, "the real run")["rows"]
     profile = _read(args.profile, "the profile")
     scale = compute_scale(real, profile)
