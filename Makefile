@@ -103,10 +103,11 @@ bench-collectives: setup
 
 # Everything GPU in one run (jobs.gpu_check): the gpu tests (serial ones with plain pytest, MPI ones under
 # mpiexec -n 4), MSTopK, the staging overhead, the profiles, 2 x 2 throughput and its emulated cross-check; one
-# report, exit 1 if a part failed, 2 without a GPU. No set-up (a GPU machine may have no package registry, and `setup` installs a CPU torch): the
-# python on PATH, an activated venv's or the machine's own with its CUDA torch (the device box's run.sh puts
-# its venv first on PATH), with this checkout on PYTHONPATH. GPU_CHECK_DIR=DIR: the report's folder (default
-# gpu-check-DATE-TIME); GPU_CHECK_ARGS: more options (--parts, --budget: mpitrain gpu-check --help).
+# report, exit 1 if a part failed, 2 without a GPU. No set-up (a GPU machine may have no package registry, and
+# `setup` installs a CPU torch): the python on PATH, an activated venv's or the machine's own with its CUDA
+# torch (the device box's run.sh puts its venv first on PATH), with this checkout on PYTHONPATH.
+# GPU_CHECK_DIR=DIR: the report's folder (default gpu-check-DATE-TIME); GPU_CHECK_ARGS: more options (--parts,
+# --budget: mpitrain gpu-check --help).
 GPU_PYTHON ?= $(shell command -v python 2>/dev/null || command -v python3)
 gpu-check:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m jobs.gpu_check.main \
