@@ -141,3 +141,10 @@ def test_the_cross_check_reruns_the_benchmark_on_the_gpus_profile_stretched_to_t
     assert (tmp_path / "xcheck-emulated.json").exists()
     result = Result("xcheck", "t", "xcheck", "cmd", "passed", 0, 1.0, 60, "logs/xcheck.log", outputs=("xcheck.json",))
     assert "| allreduce | 0.2065 |" in summarize(result, str(tmp_path))
+
+
+def test_the_cross_check_names_the_pairs_that_emulation_orders_the_other_way():
+    rows = [dict(strategy=s, real_t_iter_s=real, emulated_t_iter_s=emulated) for s, real, emulated in
+            (("allreduce", 0.207, 0.145), ("wfbp", 0.149, 0.135), ("p3", 0.185, 0.138), ("ddp", 0.163, 0.153))]
+    assert xcheck.swapped(rows) == [("allreduce", "ddp"), ("p3", "ddp")]
+    assert xcheck.swapped(rows[:3]) == []

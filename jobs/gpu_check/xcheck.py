@@ -21,7 +21,7 @@ import sys
 
 from jobs.common.inputs import InputError, JobParser, parse
 
-__all__ = ["compare", "compute_scale", "main", "table"]
+__all__ = ["compare", "compute_scale", "main", "swapped", "table"]
 
 
 def compute_scale(real_rows: list[dict], profile: dict) -> float:
@@ -51,6 +51,12 @@ def compare(real_rows: list[dict], emulated_rows: list[dict]) -> list[dict]:
     return out
 
 
+def swapped(rows: list[dict]) -> list[tuple[str, str]]:
+    """The pairs of strategies that the emulated run orders by T_iter the other way round from the real run."""
+    return [(a["strategy"], b["strategy"]) for i, a in enumerate(rows) for b in rows[i + 1:]
+            if (a["real_t_iter_s"] - b["real_t_iter_s"]) * (a["emulated_t_iter_s"] - b["emulated_t_iter_s"]) < 0]
+
+
 def table(rows: list[dict]) -> str:
     """The comparison as markdown, one line per strategy."""
     def cell(v, fmt):
@@ -61,6 +67,10 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['strategy']} | {cell(r['real_t_iter_s'], '.4f')} | {cell(r['emulated_t_iter_s'], '.4f')} "
                      f"| {cell(r['t_iter_ratio'], '.2f')} | {cell(r['real_t_comm_s'], '.4f')} | "
                      f"{cell(r['emulated_t_comm_s'], '.4f')} | {cell(r['t_comm_ratio'], '.2f')} |")
+    pairs = swapped(rows)
+    n = len(rows) * (len(rows) - 1) // 2
+    lines += ["", f"ranking by T_iter: {n - len(pairs)} of {n} pairs in the same order"
+              + (f"; swapped: {', '.join(f'{a}/{b}' for a, b in pairs)}" if pairs else "")]
     return "\n".join(lines)
 
 
