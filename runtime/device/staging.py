@@ -7,24 +7,11 @@ from typing import Callable
 
 import torch
 
-from ..grad_buffers import GradientBuffers, runs_last_first
+from ..grad_buffers import GradientBuffers, coalesce, runs_last_first
 from .delivery import Delivery
 from .threads import device_setup
 
 GROUP_BYTES = 1 << 20  # gradients go to the host in groups of about this size where the strategy has no buckets
-
-
-def coalesce(segments: list[tuple[int, int, int]], indices) -> list[tuple[int, int, int]]:
-    """(buffer, start, stop) ranges covering these parameters' segments, adjacent ones merged: fewer copies."""
-    ranges: list[list[int]] = []
-    for b, a, z in sorted(segments[i] for i in indices):
-        if a == z:
-            continue
-        if ranges and ranges[-1][0] == b and ranges[-1][2] == a:
-            ranges[-1][2] = z
-        else:
-            ranges.append([b, a, z])
-    return [tuple(r) for r in ranges]
 
 
 def size_groups(buffers: GradientBuffers, nbytes: int = GROUP_BYTES) -> list[list[int]]:
