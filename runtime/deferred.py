@@ -17,11 +17,11 @@ class DeferredUpdates:
     update is applied, so zero_grad() zeroes the others at once and those
     only once applied.
 
-    A model.zero_grad() after the step (it bypasses the wrapper, and sets
-    .grad to None) drops no average either: apply() points .grad at the
-    buffer again, updates, then zeroes it. With set_to_none=False it would
-    zero the averages themselves: zero through the wrapper, or the optimizer
-    it wraps (routed to the wrapper).
+    A model.zero_grad() after the step bypasses the wrapper; it drops no
+    average either. Between step() and the update each .grad is a placeholder
+    (GradientBuffers.park): set to None, or zeroed in place (set_to_none=
+    False), it tells apply() to point .grad at the buffer again, update, then
+    zero it; a tensor assigned to it is copied there after the update.
 
     A layer's updates also take along those of any later layer whose
     averages have already arrived (`averaged`): one optimizer call instead of
@@ -58,6 +58,8 @@ class DeferredUpdates:
         """fresh: parameters whose gradient of the next step has begun already (a zero_grad() before it holds
         for the others)."""
         self.owed, self.hyper = mask.copy(), hyper
+        # Owed nothing (no rank used them): their views back in .grad now, as a loop left them since the step.
+        self._settle_grads(*self.buffers.unpark(np.flatnonzero(~self.owed)))
         if self._zero_on_owe:
             self._zero_on_owe = False
             idle = ~self.owed
@@ -90,16 +92,24 @@ class DeferredUpdates:
         tl = self.timeline
         with span_of(tl, f"wait {len(owed)} params", "sync", params=owed[:8]):
             self.wait(owed + landing)
-        # A model.zero_grad() (set_to_none) since the step dropped .grad, not the average: the update reads it
-        # again, and the gradient is zero after it, as that call asked.
-        cleared = self.buffers.reattach(owed)
+        # A loop that zeroed .grad since the step (model.zero_grad(), in place or not) zeroed a placeholder, not the
+        # average: the update reads the average, and the gradient is zero after it, as that call asked.
+        cleared, replaced = self.buffers.unpark(owed)
         self.updater.step(owed, self.hyper)
         self.owed[owed] = False
         if self._zero_requested:
             self.buffers.zero(owed)
             self._zero_requested = self.pending()
-        elif cleared:
+            self.buffers.restore(replaced)
+        else:
+            self._settle_grads(cleared, replaced)
+
+    def _settle_grads(self, cleared: list[int], replaced: dict) -> None:
+        """What a loop did to parked gradients, done to their views: zeroed, or set to its own tensors."""
+        if cleared:
             self.buffers.zero(cleared)
+        if replaced:
+            self.buffers.restore(replaced)
 
     def zero_grad(self, owed_known: bool = True) -> None:
         """owed_known=False: the step's agreement, which says what is owed (and kept), is not in yet: the

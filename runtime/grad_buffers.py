@@ -108,27 +108,30 @@ class GradientBuffers:
                                f"(raise the locked-memory limit, ulimit -l): {exc}") from exc
         self.grads = self._shaped(self.device_flats)  # what p.grad is
         self.views = self._shaped(self.flats) if staged else self.grads  # the same, as the strategies see it
+        self._placeholders: list[torch.Tensor] | None = None  # park()'s, made at its first call
+        self._versions = [0] * len(params)  # their version counters at park()
         self.flat_views = [self.flats[b][a:z] for b, a, z in self.segments]
         self.device_flat_views = [self.device_flats[b][a:z] for b, a, z in self.segments]
         with torch.no_grad():
             for i, p in enumerate(params):
-                if p.grad is not None:
-                    self.grads[i].copy_(p.grad)
+                if p.grad is not None:  # a sparse one: an embedding's, or a placeholder a failed run left
+                    self.grads[i].copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
                 p.grad = self.grads[i]
 
     def _shaped(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         return [flats[b].as_strided(p.shape, p.stride(), a) for p, (b, a, _) in zip(self.params, self.segments)]
 
     def holds(self, i: int) -> bool:
-        """Whether parameter i's .grad is None or its view here (not a tensor the user assigned)."""
+        """Whether parameter i's .grad is None, parked or its view here (not a tensor the user assigned)."""
         g = self.params[i].grad
-        return g is None or (g.data_ptr() == self.grads[i].data_ptr() and g.stride() == self.grads[i].stride())
+        return g is None or self.parked(i) or (g.data_ptr() == self.grads[i].data_ptr()
+                                               and g.stride() == self.grads[i].stride())
 
     def attach(self, i: int) -> torch.Tensor:
         """Make sure parameter i's gradient is in its view (copying it there if autograd put it elsewhere)."""
         p, view = self.params[i], self.grads[i]
         g = p.grad
-        if g is None:
+        if g is None or self.parked(i):
             view.zero_()
         elif self.holds(i):
             return view
@@ -137,13 +140,52 @@ class GradientBuffers:
         p.grad = view
         return view
 
-    def reattach(self, indices) -> list[int]:
-        """Those of these parameters whose .grad was set to None since it was averaged (model.zero_grad(), which
-        does not pass through the wrapper), pointed at their views again: the buffers kept the averages."""
-        cleared = [i for i in indices if self.params[i].grad is None]
-        for i in cleared:
-            self.params[i].grad = self.grads[i]
-        return cleared
+    def park(self) -> None:
+        """Point every .grad at a zero placeholder of its own, which holds no memory, until unpark().
+
+        A deferred step (p3) leaves each average landing in the buffers until
+        the parameter's update, at its next forward. A loop that zeroes .grad
+        meanwhile, through the model and in place (model.zero_grad(set_to_none=
+        False)), would zero that average: it zeroes the placeholder instead,
+        whose version counter says so (unpark). A sparse tensor of no entries
+        takes autograd's accumulation out of place, so a gradient that arrives
+        before unpark() still reaches the post-accumulate hook, and its error.
+        """
+        if self._placeholders is None:
+            self._placeholders = [_placeholder(p) for p in self.params]
+        for i, (p, ph) in enumerate(zip(self.params, self._placeholders)):
+            p.grad = ph
+            self._versions[i] = ph._version
+
+    def parked(self, i: int) -> bool:
+        return self._placeholders is not None and self.params[i].grad is self._placeholders[i]
+
+    def unpark(self, indices) -> tuple[list[int], dict[int, torch.Tensor]]:
+        """These parameters' views back in .grad (the buffers kept their averages); returns what a loop did to .grad
+        since park(): (cleared, replaced), those it zeroed or set to None, and those it set to a tensor of its own.
+        Without park(), a .grad set to None (model.zero_grad() after the step) counts as cleared."""
+        cleared, replaced = [], {}
+        placeholders = self._placeholders
+        for i in indices:
+            p, view = self.params[i], self.grads[i]
+            g = p.grad
+            if g is view:
+                continue
+            if placeholders is not None and g is placeholders[i]:
+                if g._version != self._versions[i]:
+                    cleared.append(i)
+            elif g is None:
+                cleared.append(i)
+            else:
+                replaced[i] = g
+            p.grad = view
+        return cleared, replaced
+
+    def restore(self, replaced: dict[int, torch.Tensor]) -> None:
+        """Gradients a loop assigned to .grad while parked, copied into their views (unpark's `replaced`)."""
+        with torch.no_grad():
+            for i, g in replaced.items():
+                self.grads[i].copy_(g)
 
     def zero(self, indices=None) -> None:
         """Zero these parameters' gradients in place (all when None), keeping the views attached."""
@@ -213,6 +255,13 @@ class GradientSubset:
     @property
     def numel(self) -> int:
         return sum(f.numel() for f in self.flats)
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    """A zero gradient for p that holds no memory: a sparse tensor of no entries (in-place ops bump its version)."""
+    return torch.sparse_coo_tensor(torch.empty((p.dim(), 0), dtype=torch.long, device=p.device),
+                                   torch.empty(0, dtype=p.dtype, device=p.device), p.shape,
+                                   check_invariants=False, is_coalesced=True)
 
 
 def memory_order(t: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,8 @@ def exchange(dopt, full: bool) -> None:
         dopt.strategy.finish(used, full)
     if not in_flight:
         dopt.model_buffers.start()  # after the agreement: every rank posts it (error paths rely on that)
+    else:
+        dopt.buffers.park()  # the averages land in the buffers; a loop's zero_grad() meanwhile must not reach them
     dopt._update_mask = used
     dopt._open = False
     dopt._used[:] = False

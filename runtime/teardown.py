@@ -65,6 +65,9 @@ def release(dopt) -> None:
             h.remove()
     if dopt.staging is not None:
         dopt.staging.close()
+    # A failed deferred step leaves placeholders in .grad (GradientBuffers.park): the views go back, so that the
+    # model holds gradients a new wrapper can take over.
+    dopt.buffers.unpark(range(len(dopt.params)))
     if dopt.failed is None:
         dopt.strategy.close()
         if dopt.pto is not None:

@@ -358,3 +358,26 @@ def test_synchronize_waits_for_the_backward_and_update_a_step_queued_as_a_gpu_do
     assert acc.clock.deadline > time.perf_counter()  # queued, not done
     synchronize()
     assert time.perf_counter() >= acc.clock.deadline
+
+
+def test_a_parked_placeholder_gets_a_gradient_of_its_own_not_a_copy():
+    """After a deferred step (p3) each .grad is a sparse placeholder (GradientBuffers.park) until its update. One
+    still parked and marked as a forward starts is not copied into (it holds no memory): the backward makes the
+    parameter a gradient of its own, which unpark() hands back as the loop's, to be copied into its view."""
+    from runtime.emulate.landing import defer_zero
+    from runtime.grad_buffers import GradientBuffers
+
+    model, inputs = emulated()
+    params = list(model.parameters())
+    buffers = GradientBuffers(params, [n for n, _ in model.named_parameters()])
+    emulated_loss(model(*inputs)).backward()
+    assert defer_zero(params)  # zero_grad's marks, as exchange() leaves a parameter this rank did not use
+    buffers.park()
+    assert all(p.grad.is_sparse for p in params)
+    emulated_loss(model(*inputs)).backward()
+    templates = [fixed(p) for p in params]
+    assert all(not p.grad.is_sparse and torch.equal(p.grad, t) for p, t in zip(params, templates))
+    cleared, replaced = buffers.unpark(range(len(params)))
+    assert not cleared and sorted(replaced) == list(range(len(params)))
+    buffers.restore(replaced)
+    assert all(p.grad is v and torch.equal(v, t) for p, v, t in zip(params, buffers.grads, templates))

@@ -48,15 +48,16 @@ def emulated_model(name="mlp"):
     return model, x, y
 
 
-def train(strategy, pto=False, topology=None, name="mlp"):
-    """STEPS steps of an emulated model under DistributedOptimizer; returns (model, optimizer wrapper, accelerator)."""
+def train(strategy, pto=False, topology=None, name="mlp", zero=None):
+    """STEPS steps of an emulated model under DistributedOptimizer; returns (model, optimizer wrapper, accelerator).
+    zero(model, dopt): the loop's zeroing (default: the wrapper's)."""
     model, x, y = emulated_model(name)
     opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     dopt = DistributedOptimizer(opt, model, strategy, pto=pto, topology=topology)
     try:
         dopt.passes = []  # whether each step's backward was one node (nodes.Pass)
         for _ in range(STEPS):
-            dopt.zero_grad()
+            dopt.zero_grad() if zero is None else zero(model, dopt)
             out = model(x)
             dopt.passes.append(isinstance(out.grad_fn, Pass._backward_cls))
             emulated_loss(out, y).backward()
@@ -91,6 +92,15 @@ def test_dense(fresh, strategy):
     agree("select" not in acc.seconds and "rebuild" not in acc.seconds, f"{dict(acc.seconds)}")
     # The rank's compute is the emulated device's: wfbp's progress thread drives MPI while training waits for it.
     agree(strategy != "wfbp" or dopt.strategy.progress.drive, "wfbp's progress thread does not drive")
+
+
+def test_p3_under_a_loop_zeroing_through_the_model_in_place(fresh):
+    """model.zero_grad(set_to_none=False) zeroes the placeholders p3 parks in .grad after each step, not the
+    averages: the gradients still land once a step over zeroed buffers, and no placeholder is left in .grad."""
+    model, _, acc = train("p3", zero=lambda model, dopt: model.zero_grad(set_to_none=False))
+    check(model, acc, (DEVICE_WORK - {"zero_grad"}) | STAGED)  # the wrapper's memset is not the loop's
+    off = [n for n, p in model.named_parameters() if p.grad.is_sparse or not torch.allclose(p.grad, fixed(p), rtol=1e-5)]
+    agree(not off, f"averaged gradients are not the emulated ones: {off}")
 
 
 def test_p3_updates_layer_by_layer_at_their_size(fresh):

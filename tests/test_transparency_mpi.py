@@ -183,10 +183,11 @@ def test_pto_with_frozen_parameters_in_the_optimizer(world):
 
 
 @pytest.mark.parametrize("strategy", ["p3", "wfbp"])
-@pytest.mark.parametrize("zeroing", ["optimizer", "optimizer, in place", "model"])
+@pytest.mark.parametrize("zeroing", ["optimizer", "optimizer, in place", "model", "model, in place", "assigned"])
 def test_a_loop_zeroing_through_the_wrapped_optimizer_or_the_model_equals_one_process(world, strategy, zeroing):
-    """zero_grad() called on the optimizer the user made or on the model, not on the wrapper (common loops): p3's
-    deferred updates still read their averages; after close() that optimizer's zero_grad is torch's own again."""
+    """zero_grad() called on the optimizer the user made or on the model (in place too), or zeros assigned to
+    .grad, not through the wrapper (common loops): p3's deferred updates still read their averages; after close()
+    that optimizer's zero_grad is torch's own again."""
     X, Y = data(world.Get_size())
     reference = train(None, world, X, Y)
     torch.manual_seed(7)
@@ -196,8 +197,12 @@ def test_a_loop_zeroing_through_the_wrapped_optimizer_or_the_model_equals_one_pr
     with wrap(opt, model, strategy, slice_size=7 if strategy == "p3" else None) as dopt:
         for step in range(STEPS):
             x, y = X[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH], Y[step][r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH]
-            if zeroing == "model":
-                model.zero_grad()  # set_to_none: .grad dropped, the buffers untouched
+            if zeroing.startswith("model"):
+                # set_to_none: .grad dropped; in place: p3's averages in flight are not where .grad points
+                model.zero_grad(set_to_none=zeroing == "model")
+            elif zeroing == "assigned":  # tensors of the loop's own in .grad, copied into the buffers
+                for p in model.parameters():
+                    p.grad = torch.zeros_like(p)
             else:
                 opt.zero_grad(set_to_none=zeroing == "optimizer")
             nn.functional.cross_entropy(model(x), y).backward()

@@ -43,6 +43,13 @@ def defer_zero(params) -> bool:
     return True
 
 
+def _dense_grad(p) -> bool:
+    """Whether p has a .grad to land into: not None, nor the sparse placeholder of a deferred step's parameter
+    (runtime.grad_buffers' park(), which a gradient made here replaces)."""
+    g = p.grad
+    return g is not None and g.layout is torch.strided
+
+
 def marks() -> int:
     """How many times defer_zero has marked gradients (in this process): land_ahead has work only after a new one."""
     return _marks[0]
@@ -67,7 +74,7 @@ def land_ahead(params, pass_s: float = 0.0) -> None:
     starts they outlasted a short backward (an H100's VGG-19: 29.6 ms of copies against 22 ms). Nothing
     reads a gradient before its hook fires, after its unit's backward time, so the values may land early."""
     t, cpu = time.perf_counter(), time.thread_time()
-    copied = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED and p.grad is not None
+    copied = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED and _dense_grad(p)
               and not p._backward_hooks and p.requires_grad]
     if copied:
         _land(copied)
@@ -100,7 +107,7 @@ def land_all(params) -> bool:
     pass (the nodes hand it no gradient without asking take()), and none is left marked or landed."""
     t, cpu = time.perf_counter(), time.thread_time()
     marked = [p for p in params if getattr(p, "_emulated_landing", 0) == _MARKED]
-    copied = [p for p in marked if p.grad is not None and not p._backward_hooks and p.requires_grad]
+    copied = [p for p in marked if _dense_grad(p) and not p._backward_hooks and p.requires_grad]
     if copied:
         _land(copied)
     ahead = [p for p in params if getattr(p, "_emulated_landing", 0) == _LANDED]
@@ -182,9 +189,9 @@ def land_pass(params) -> None:
                 if p.grad is not None:
                     p.grad.zero_()
             else:
-                (marked if p.grad is not None else made).append(p)
+                (marked if _dense_grad(p) else made).append(p)
         elif p.requires_grad:
-            (added if p.grad is not None else made).append(p)
+            (added if _dense_grad(p) else made).append(p)
     if marked:
         _land(marked)
     if added:
