@@ -8,7 +8,9 @@ is that of its most urgent tensor (its layer's place in the forward pass):
 the first layer's slices go first, and a slice that becomes ready later but
 ranks higher overtakes queued ones. At most `credit` outgoing messages are in
 flight, so the queue, not MPI, decides the order. All MPI calls happen on the
-progress thread; the backward hooks only enqueue. Buffers, byte views and
+progress thread; the backward hooks only enqueue. While `holding` (set by the
+owner) nothing new is sent: what is in flight drains, so that small collectives
+of the owner's cross the link behind it alone. Buffers, byte views and
 receive scratch are built once: a step allocates nothing but a few lists.
 A poll is one Testsome over every request of the step. The progress thread
 polls every `relaxed_sleep` (a fraction of a slice's time on the wire) unless
@@ -100,6 +102,7 @@ class SlicedExchange(Task):
         self._cond = threading.Condition()
         self._inbox: collections.deque = collections.deque()  # tensors handed over, not yet seen by the poller
         self.active = False
+        self.holding = False  # set and cleared by the owner's thread: _send_from_queue then sends nothing new
         self.error: BaseException | None = None
         self.log = RequestLog("p3 sliced exchange")
         self.messages = self.polls = 0  # sent and polled so far (benchmarks read them)
@@ -204,6 +207,8 @@ class SlicedExchange(Task):
                 self._try_aggregate(s)
 
     def _send_from_queue(self) -> None:
+        if self.holding:
+            return
         plan, tl, queue, held = self.plan, self.timeline, self._queue, self._held
         while self._outgoing < self.credit:
             if held and (not queue or held[0] < queue[0]) and self.pacer.admits(self.wire[held[0][1]].nbytes):

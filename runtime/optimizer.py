@@ -209,7 +209,12 @@ class DistributedOptimizer:
     def _before_forward(self, module, inputs) -> None:
         if self.failed is None:
             stepping.settle(self)
-            self.model_buffers.finish()
+            self.model_buffers_done()
+
+    def model_buffers_done(self) -> None:
+        """The module buffers' average written back; a deferred exchange held for it sends again."""
+        self.model_buffers.finish()
+        self.strategy.release()
 
     def _before_reading(self) -> None:
         """model.state_dict() is never stale: owed updates and buffer averages land first."""
@@ -279,7 +284,7 @@ class DistributedOptimizer:
 
     def _flush(self) -> None:
         self._apply()
-        self.model_buffers.finish()
+        self.model_buffers_done()
 
     # -- one step ------------------------------------------------------------
     def _apply(self, indices=None) -> None:

@@ -98,18 +98,26 @@ class P3Options(StrategyOptions):
     node_pacing: with node_aggregation and a measured link, the pushes inside a
     node go one at a time at a paced rate (runtime.p3.tuning.LOCAL_PACE);
     False: as fast as the queue lets them.
+    yield_link: where module buffers are averaged after each step, send nothing
+    new from step() until the step's agreement and that average are done
+    (mpicomm.sliced_ps's hold): their bytes, which the next forward waits for,
+    then cross a link that is draining, not behind `credit` slices at each of
+    their steps. Off by default: on the emulated 4 hosts it gained 2 % at
+    most and nothing beyond the rounds' spread with 2 ranks a host; the
+    simulator gives it 4-10 % at 128 nodes x 8 (benchmarks/claims.md).
     """
 
     slice_size: int | str = AUTO
     credit: int | str = AUTO
     node_aggregation: bool = True
     node_pacing: bool = True
+    yield_link: bool = False
     name = "p3"
 
     def __post_init__(self):
         _check_auto_or_int("slice_size", self.slice_size, 1)
         _check_auto_or_int("credit", self.credit, 1)
-        for flag in ("node_aggregation", "node_pacing"):
+        for flag in ("node_aggregation", "node_pacing", "yield_link"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 

@@ -125,6 +125,12 @@ class Strategy:
     def wait(self, indices) -> None:
         """Block (under the stall policy) until these parameters' gradients are averaged."""
 
+    def hold(self) -> None:
+        """A deferred strategy's step() is over, its agreement in flight: send nothing new until release()."""
+
+    def release(self) -> None:
+        """The step's small collectives are done (or something waits for the exchange): send again."""
+
     def landing(self, indices) -> list[int]:
         """Of these parameters, those into whose .grad an earlier step's average may still land (a deferred
         strategy's exchange runs on past step()): a gradient accumulated there first would be overwritten."""

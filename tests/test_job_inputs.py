@@ -333,15 +333,17 @@ def test_bench_worker_takes_hybcomm_and_its_forced_variants():
         assert contenders.hybcomm_options(args, "auto").bandwidth is None
 
 
-def test_bench_worker_takes_p3s_node_variants():
-    """p3-flat and p3-unpaced: p3 with one of its node settings off, the other on, slice and credit as given."""
+def test_bench_worker_takes_p3s_variants():
+    """p3-flat, p3-unpaced and p3-yield: p3 with one of its settings changed, the others as by default, slice and
+    credit as given."""
     from jobs.bench import contenders
     from jobs.bench import strategies_worker as bench_worker
 
-    args = bench_worker.parse_args([*WORKER, "--strategies", "p3,p3-flat,p3-unpaced", "--bandwidth", "1gbit"])
+    args = bench_worker.parse_args([*WORKER, "--strategies", "p3,p3-flat,p3-unpaced,p3-yield", "--bandwidth",
+                                    "1gbit"])
     opts = [contenders.strategy_options(s, args) for s in args.strategies]
-    assert [(o.name, o.node_aggregation, o.node_pacing) for o in opts] == [
-        ("p3", True, True), ("p3", False, True), ("p3", True, False)]
+    assert [(o.name, o.node_aggregation, o.node_pacing, o.yield_link) for o in opts] == [
+        ("p3", True, True, False), ("p3", False, True, False), ("p3", True, False, False), ("p3", True, True, True)]
 
 
 def test_bench_scaling_takes_a_bandwidth_and_rank_counts():

@@ -92,6 +92,36 @@ def test_a_timeline_shows_each_steps_agreement_and_the_wait_for_the_buffers(worl
     assert_everywhere(world, ok, f"{agreements} step agreements and {buffers} buffer waits for 3 steps")
 
 
+@pytest.mark.parametrize("yield_link", [True, False])
+def test_p3_holds_its_sends_from_each_step_until_the_buffers_average_is_in(world, yield_link):
+    """P3Options.yield_link: with buffers to average, p3 sends nothing new from step() until the step's agreement
+    and the buffers' average are done (released by the next forward, or synchronize()): one hold a step on the
+    timeline, none with yield_link=False; released at the end either way."""
+    from runtime import DistributedOptimizer, P3Options
+    from runtime.trace import Timeline
+
+    tl = Timeline(world.Get_rank())
+    model = bn_model()
+    dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model,
+                                P3Options(yield_link=yield_link), timeline=tl)
+    g = torch.Generator().manual_seed(5)
+    held = []
+    for _ in range(3):
+        dopt.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(8, 6, generator=g)), torch.randint(0, 3, (8,), generator=g)
+                                    ).backward()
+        dopt.step()
+        held.append(dopt.strategy.exchange.holding)
+    dopt.synchronize()
+    released = not dopt.strategy.exchange.holding
+    dopt.close()
+    holds = [e for e in tl.to_trace()["traceEvents"] if e["ph"] == "X" and e["name"].startswith("hold")]
+    expect = 3 if yield_link and world.Get_size() > 1 else 0
+    ok = len(holds) == expect and held == [expect > 0] * 3 and released
+    assert_everywhere(world, ok, f"yield_link={yield_link}: {len(holds)} holds for 3 steps, held {held}, "
+                                 f"released at the end: {released}")
+
+
 class Stats(nn.Module):
     """Buffers of several shapes and dtypes, a constant one (persistent=False) and a cache it may rebuild."""
 

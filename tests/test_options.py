@@ -28,13 +28,15 @@ def test_defaults():
         operator="mstopk", momentum_correction=True, momentum_masking=True)
     # None: $MPITRAIN_ALLREDUCE, else auto (mpicomm.algorithms); p3 aggregates inside nodes unless told not to.
     assert AllreduceOptions().algorithm is None and WfbpOptions().algorithm is None
-    assert P3Options().node_aggregation is True and P3Options().node_pacing is True
+    assert P3Options().node_aggregation is True and P3Options().node_pacing is True and P3Options().yield_link is False
     with pytest.raises(ValueError, match="algorithm must be one of"):
         WfbpOptions(algorithm="tree")
     with pytest.raises(ValueError, match="node_aggregation must be True or False"):
         P3Options(node_aggregation="yes")
     with pytest.raises(ValueError, match="node_pacing must be True or False"):
         P3Options(node_pacing=1)
+    with pytest.raises(ValueError, match="yield_link must be True or False"):
+        P3Options(yield_link=None)
 
 
 @pytest.mark.parametrize("options, name", [
@@ -51,7 +53,7 @@ def test_describe_names_the_strategy_and_every_field():
     assert AllreduceOptions().describe() == "allreduce algorithm=None"
     assert WfbpOptions(algorithm="hierarchical").describe() == "wfbp fuse_bytes='auto' algorithm='hierarchical'"
     assert P3Options(slice_size=1000, credit=2).describe() == \
-        "p3 slice_size=1000 credit=2 node_aggregation=True node_pacing=True"
+        "p3 slice_size=1000 credit=2 node_aggregation=True node_pacing=True yield_link=False"
     assert TopkOptions(hierarchical=True).describe() == (
         "hier-topk density=0.01 hierarchical=True error_feedback=True warmup_steps=0 ramp_steps=0 "
         "granularity='model' operator='mstopk' momentum_correction=True momentum_masking=True")

@@ -28,3 +28,35 @@ def test_p3_keeps_credit_slices_in_flight_per_rank_so_an_aggregating_node_keeps_
         peak[0] = 0
         simulate(p, fast_net(2, rpn=rpn), "p3", slice_size=4096, credit=2, node_aggregation=aggregate)
         assert peak[0] == expect, (aggregate, rpn, peak[0])
+
+
+def test_p3_yield_starts_no_slice_from_the_steps_agreement_until_the_buffers_average(monkeypatch):
+    """runtime.p3's hold (P3Options.yield_link, p3-yield): where module buffers are averaged after each step, no
+    slice starts between the step's agreement starting and that average being done; it holds once a step. Without
+    buffers, or as p3 by default, it never holds."""
+    from dataclasses import replace
+
+    from runtime.sim import p3 as sim_p3
+    from runtime.sim.simulate import STEPS
+
+    schedules, starts, releases = [], [], []
+    init, start, release = sim_p3.P3Schedule.__init__, Engine.start, sim_p3.P3Schedule._release
+
+    def made(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        schedules.append(self)
+
+    def counted(engine, activity):
+        if activity.name.startswith("slice"):
+            starts.append(schedules[-1]._holding)
+        return start(engine, activity)
+
+    monkeypatch.setattr(sim_p3.P3Schedule, "__init__", made)
+    monkeypatch.setattr(sim_p3.P3Schedule, "_release", lambda self: (releases.append(1), release(self)))
+    monkeypatch.setattr(Engine, "start", counted)
+    buffered = replace(toy(n=4, params=1_000_000), buffer_elements=50_000)
+    for profile, name, holds in ((buffered, "p3-yield", True), (buffered, "p3", False), (toy(n=4), "p3-yield", False)):
+        starts.clear(), releases.clear()
+        simulate(profile, fast_net(4, latency=50e-6), name)
+        assert starts and not any(starts), (name, "a slice started while holding")
+        assert len(releases) == (STEPS if holds else 0), (name, len(releases))  # once a step

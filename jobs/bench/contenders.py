@@ -8,7 +8,7 @@ from jobs.common.inputs import InputError, at_least, auto_or_count, comma_list, 
 
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
 FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
-STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "p3-unpaced", "ddp", *SPARSE)
+STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "p3-unpaced", "p3-yield", "ddp", *SPARSE)
 DENSE_WITH_ALGORITHM = ("allreduce", "wfbp")  # "wfbp@hierarchical": its allreduce's algorithm (mpicomm.algorithms)
 
 
@@ -80,6 +80,8 @@ def strategy_options(base: str, args):
         return P3Options(args.slice_size, args.credit, node_aggregation=False)
     if base == "p3-unpaced":  # p3 whose pushes inside a node go as fast as the queue lets them
         return P3Options(args.slice_size, args.credit, node_pacing=False)
+    if base == "p3-yield":  # p3 that holds its sends while the step's agreement and buffers' average cross
+        return P3Options(args.slice_size, args.credit, yield_link=True)
     if base.startswith("p3"):
         return P3Options(*p3_settings(base, args))
     if base in SPARSE:

@@ -48,12 +48,33 @@ class P3Sync(Strategy):
         self.exchange.on_done = self._averaged
         self.future = None  # the exchange of the newest step on the progress thread
         self._open = False  # gradients of the current step are being handed over
+        self.yield_link = getattr(o, "yield_link", False)
+        self._hold_token = None  # the hold's span on the timeline
 
     def set_priorities(self, priority: list[int]) -> None:
         self.exchange.set_priorities(priority)
 
+    def hold(self) -> None:
+        # The next forward waits for the step's agreement and the buffers' average: behind `credit` slices at each
+        # of their steps that cross the link (a queue of ~8 ms: IN_FLIGHT_SECONDS), Rabenseifner's 2 log2 P steps
+        # wait longest. The agreement alone (VGG-19, no buffers) gains less than the link idles for (simulated:
+        # benchmarks/claims.md, seventeenth pass), so the wrapper holds only where buffers are averaged.
+        if self.yield_link and self.size > 1 and not self.exchange.holding:
+            self.exchange.holding = True
+            if self.timeline:
+                self._hold_token = self.timeline.begin("hold: the step's collectives first", "p3", track="push")
+
+    def release(self) -> None:
+        if self.exchange.holding:
+            self.exchange.holding = False
+            self.progress.nudge()  # what the hold kept back goes now, not after a relaxed sleep
+            if self._hold_token is not None:
+                self.timeline.end(self._hold_token)
+                self._hold_token = None
+
     def _started(self) -> SlicedExchange:
         ex = self.exchange
+        self.release()
         if not self._open:
             if self.future is not None:
                 # The previous step reuses these buffers until it is over (usually it is: every
@@ -94,6 +115,7 @@ class P3Sync(Strategy):
         return [i for i in indices if not done[i]]
 
     def wait(self, indices) -> None:
+        self.release()  # a wait for slices must not wait on the hold
         if self.future is None:
             return
         self.exchange.wait(indices, self.ctx.policy, self.ctx.interrupt)

@@ -69,6 +69,23 @@ class P3Schedule(Schedule):
         self._back_pending: dict[int, float] = {}  # layer -> bytes of finished slices not yet sent back
         self._back_bytes = 0.0  # their sum
         self._updated: set = set()
+        self._holding = False  # runtime.p3's hold: no new slice from the agreement's start to the buffers' end
+
+    def agree(self) -> Event | None:
+        agreed = super().agree()
+        if agreed is not None and self.options.get("yield_link", False) and self.p.buffer_elements:
+            self._holding = True
+        return agreed
+
+    def buffers_after_step(self, agreed: Event | None = None) -> Event | None:
+        done = super().buffers_after_step(agreed) or agreed
+        if done is not None and self._holding:
+            done.then(lambda _: self._release())
+        return done
+
+    def _release(self) -> None:
+        self._holding = False
+        self._send()
 
     def before_forward(self, i: int, step: int):
         if step == 0:
@@ -110,7 +127,7 @@ class P3Schedule(Schedule):
         self._send()
 
     def _send(self) -> None:
-        while self._ready and self._in_flight < self.in_flight:
+        while self._ready and self._in_flight < self.in_flight and not self._holding:
             if self._in_flight == 0:
                 self.run.host.polling(True)
             _, s = heapq.heappop(self._ready)

@@ -22,6 +22,7 @@ SCHEDULES = {
     "ddp": (DdpSchedule, {}),
     "p3": (P3Schedule, {}),
     "p3-flat": (P3Schedule, {"node_aggregation": False}),  # every rank pushes its own slices across
+    "p3-yield": (P3Schedule, {"yield_link": True}),  # holds its sends while the step's small collectives cross
     "hybcomm": (HybcommSchedule, {}),
     "hybcomm-sfb": (HybcommSchedule, {"force": "sfb"}),
     "hybcomm-ps": (HybcommSchedule, {"force": "ps"}),
