@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_transparency_mpi import close, data, train
+from test_transparency_mpi import ZEROINGS, close, data, train, zeroing_loop
 
 from conftest import assert_everywhere
 from runtime import STRATEGIES
@@ -24,6 +24,17 @@ def test_equals_single_process_on_whole_batch(world, device, strategy, pto):
                                                     "from one process on the whole batch")
     assert_everywhere(world, not close(got, train(None, world, X[:, :1], Y[:, :1], device=device)),
                       "test cannot fail")
+
+
+@pytest.mark.parametrize("zeroing", ZEROINGS)
+def test_p3_under_a_loop_zeroing_not_through_the_wrapper_equals_one_process(world, device, zeroing):
+    """On CUDA, p3's .grad placeholders between step() and each update (sparse, on the device) take the loop's
+    zeroing, in place or not, and its own tensors; the averages copied back to the device stay for the update."""
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y, device=device)
+    got, unrouted = zeroing_loop(world, X, Y, "p3", zeroing, device)
+    assert_everywhere(world, close(got, reference) and unrouted, f"p3 on {device}, the loop zeroing through the "
+                                                                 f"{zeroing}, differs from one process")
 
 
 # ----------------------------------------------------------------------------- the waits, under delays

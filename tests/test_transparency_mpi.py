@@ -182,16 +182,16 @@ def test_pto_with_frozen_parameters_in_the_optimizer(world):
     assert_everywhere(world, ok, "pto with frozen parameters differs from the unsharded step")
 
 
-@pytest.mark.parametrize("strategy", ["p3", "wfbp"])
-@pytest.mark.parametrize("zeroing", ["optimizer", "optimizer, in place", "model", "model, in place", "assigned"])
-def test_a_loop_zeroing_through_the_wrapped_optimizer_or_the_model_equals_one_process(world, strategy, zeroing):
-    """zero_grad() called on the optimizer the user made or on the model (in place too), or zeros assigned to
-    .grad, not through the wrapper (common loops): p3's deferred updates still read their averages; after close()
-    that optimizer's zero_grad is torch's own again."""
-    X, Y = data(world.Get_size())
-    reference = train(None, world, X, Y)
+ZEROINGS = ["optimizer", "optimizer, in place", "model", "model, in place", "assigned"]
+
+
+def zeroing_loop(world, X, Y, strategy, zeroing, device="cpu"):
+    """STEPS steps of Edgy on `device` under `strategy`, each zeroing its gradients not through the wrapper but as
+    `zeroing` says (one of ZEROINGS); returns the parameters (on the CPU) and whether, after close(), the
+    optimizer's zero_grad is torch's own again."""
     torch.manual_seed(7)
-    model = Edgy()
+    model = Edgy().to(device)
+    X, Y = X.to(device), Y.to(device)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9)
     r = world.Get_rank()
     with wrap(opt, model, strategy, slice_size=7 if strategy == "p3" else None) as dopt:
@@ -207,7 +207,18 @@ def test_a_loop_zeroing_through_the_wrapped_optimizer_or_the_model_equals_one_pr
                 opt.zero_grad(set_to_none=zeroing == "optimizer")
             nn.functional.cross_entropy(model(x), y).backward()
             dopt.step()
-    got = [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu().clone() for p in model.parameters()], "zero_grad" not in vars(opt)
+
+
+@pytest.mark.parametrize("strategy", ["p3", "wfbp"])
+@pytest.mark.parametrize("zeroing", ZEROINGS)
+def test_a_loop_zeroing_through_the_wrapped_optimizer_or_the_model_equals_one_process(world, strategy, zeroing):
+    """zero_grad() called on the optimizer the user made or on the model (in place too), or zeros assigned to
+    .grad, not through the wrapper (common loops): p3's deferred updates still read their averages; after close()
+    that optimizer's zero_grad is torch's own again."""
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    got, unrouted = zeroing_loop(world, X, Y, strategy, zeroing)
     assert_everywhere(world, close(got, reference), f"{strategy}: the loop zeroing through the {zeroing} "
                                                     "differs from one process")
-    assert_everywhere(world, "zero_grad" not in vars(opt), "the optimizer's zero_grad is still routed after close")
+    assert_everywhere(world, unrouted, "the optimizer's zero_grad is still routed after close")
