@@ -65,9 +65,9 @@ def release(dopt) -> None:
             h.remove()
     if dopt.staging is not None:
         dopt.staging.close()
-    # A failed deferred step leaves placeholders in .grad (GradientBuffers.park): the views go back, so that the
-    # model holds gradients a new wrapper can take over.
-    dopt.buffers.unpark(range(len(dopt.params)))
+    # A failed deferred step leaves placeholders in .grad (GradientBuffers.park): their views go back, so that the
+    # model holds gradients a new wrapper can take over. What a loop set itself (None, its own tensors) stays.
+    dopt.buffers.unpark([i for i in range(len(dopt.params)) if dopt.buffers.parked(i)])
     if dopt.failed is None:
         dopt.strategy.close()
         if dopt.pto is not None:

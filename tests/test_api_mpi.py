@@ -269,3 +269,23 @@ def test_gradients_set_by_hand_are_averaged(world, strategy):
     mean = (P - 1) / 2
     ok = all(torch.allclose(a, b - mean) for a, b in zip(params(model), before))
     assert_everywhere(world, ok, "hand-set gradients were not averaged and applied")
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "p3"])
+def test_what_a_loop_sets_in_grad_after_the_last_step_survives_close(world, strategy):
+    """A .grad set to None, or to the loop's own tensor, after the last step: wfbp leaves both as they are; p3,
+    whose .grad were placeholders then, applies its updates at close() and leaves the same values in the views."""
+    model, r = make(), world.Get_rank()
+    dopt = wrap(sgd(model), model, strategy)
+    X, Y = batches(world.Get_size(), steps=1)
+    nn.functional.cross_entropy(model(local(X[0], r)), local(Y[0], r)).backward()
+    dopt.step()
+    ps = list(model.parameters())
+    mine = torch.full_like(ps[1], 3.0)
+    ps[0].grad, ps[1].grad = None, mine
+    dopt.close()
+    if strategy == "p3":
+        ok = not ps[0].grad.any() and torch.equal(ps[1].grad, mine) and not any(p.grad.is_sparse for p in ps)
+    else:
+        ok = ps[0].grad is None and ps[1].grad is mine
+    assert_everywhere(world, ok, f"{strategy}: after close() .grad is {[type(p.grad).__name__ for p in ps[:2]]}")
