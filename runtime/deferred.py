@@ -97,12 +97,10 @@ class DeferredUpdates:
         cleared, replaced = self.buffers.unpark(owed)
         self.updater.step(owed, self.hyper)
         self.owed[owed] = False
-        if self._zero_requested:
-            self.buffers.zero(owed)
+        if self._zero_requested:  # the wrapper's zero_grad() since the step: every one of them
+            cleared = owed
             self._zero_requested = self.pending()
-            self.buffers.restore(replaced)
-        else:
-            self._settle_grads(cleared, replaced)
+        self._settle_grads(cleared, replaced)
 
     def _settle_grads(self, cleared: list[int], replaced: dict) -> None:
         """What a loop did to parked gradients, done to their views: zeroed, or set to its own tensors."""

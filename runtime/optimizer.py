@@ -209,9 +209,9 @@ class DistributedOptimizer:
     def _before_forward(self, module, inputs) -> None:
         if self.failed is None:
             stepping.settle(self)
-            self.model_buffers_done()
+            self._buffers_done()
 
-    def model_buffers_done(self) -> None:
+    def _buffers_done(self) -> None:
         """The module buffers' average written back; a deferred exchange held for it sends again."""
         self.model_buffers.finish()
         self.strategy.release()
@@ -284,7 +284,7 @@ class DistributedOptimizer:
 
     def _flush(self) -> None:
         self._apply()
-        self.model_buffers_done()
+        self._buffers_done()
 
     # -- one step ------------------------------------------------------------
     def _apply(self, indices=None) -> None:

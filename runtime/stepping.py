@@ -64,7 +64,7 @@ def exchange(dopt, full: bool) -> None:
     else:
         dopt.buffers.park()  # the averages land in the buffers; a loop's zero_grad() meanwhile must not reach them
         if dopt.model_buffers.active:
-            dopt.strategy.hold()  # until the agreement and the buffers' average are done (model_buffers_done)
+            dopt.strategy.hold()  # until the agreement and the buffers' average are done (DistributedOptimizer._buffers_done)
     dopt._update_mask = used
     dopt._open = False
     dopt._used[:] = False

@@ -59,7 +59,7 @@ class P3Sync(Strategy):
         # of their steps that cross the link (a queue of ~8 ms: IN_FLIGHT_SECONDS), Rabenseifner's 2 log2 P steps
         # wait longest. The agreement alone (VGG-19, no buffers) gains less than the link idles for (simulated:
         # benchmarks/claims.md, seventeenth pass), so the wrapper holds only where buffers are averaged.
-        if self.yield_link and self.size > 1 and not self.exchange.holding:
+        if self.yield_link and not self.exchange.holding:
             self.exchange.holding = True
             if self.timeline:
                 self._hold_token = self.timeline.begin("hold: the step's collectives first", "p3", track="push")
@@ -74,8 +74,8 @@ class P3Sync(Strategy):
 
     def _started(self) -> SlicedExchange:
         ex = self.exchange
-        self.release()
         if not self._open:
+            self.release()  # the next step's backward has begun: what its first gradients need must go
             if self.future is not None:
                 # The previous step reuses these buffers until it is over (usually it is: every
                 # layer waited for its slices in forward; a layer skipped this time did not).
