@@ -38,6 +38,24 @@ def cancel_all(grace: float = 1.0) -> None:
         log.cancel(grace)
 
 
+def cancel_receives(requests: list, grace: float = 1.0, statuses: list | None = None) -> list:
+    """Cancel these receives and complete them; those still pending after `grace` seconds, for the caller to free.
+
+    A cancelled receive completes at once; one that had already matched a message finishes receiving it. Either
+    way it must be completed, but a peer that vanished mid-message must not hold this rank here. `statuses`
+    (one per request) say which completed as cancelled and which received.
+    """
+    for req in requests:
+        req.Cancel()
+    deadline = time.monotonic() + grace
+    pending = list(zip(requests, statuses or [None] * len(requests)))
+    while pending and time.monotonic() < deadline:
+        pending = [(r, s) for r, s in pending if not r.Test(s)]
+        if pending:
+            time.sleep(1e-4)
+    return [r for r, _ in pending]
+
+
 def abandon(request, owner: str) -> None:
     """Error path for a non-blocking collective: MPI can neither cancel nor free one, so it is kept to be completed.
 
@@ -155,18 +173,7 @@ class RequestLog:
 
     def cancel(self, grace: float = 1.0) -> None:
         """Cancel pending receives and free pending sends; never blocks for longer than `grace` seconds."""
-        for req in self.recvs:
-            if req:
-                req.Cancel()
-        deadline = time.monotonic() + grace
-        pending = [r for r in self.recvs if r]
-        # A cancelled receive completes at once; one that had already matched a message finishes
-        # receiving it. Either way it must be completed, but a peer that vanished mid-message
-        # must not hold this rank here: after the grace period the request is freed instead.
-        while pending and time.monotonic() < deadline:
-            pending = [r for r in pending if not r.Test()]
-            if pending:
-                time.sleep(1e-4)
+        pending = cancel_receives([r for r in self.recvs if r], grace)
         for req in pending + [r for r in self.sends if r]:
             req.Free()
         self.release()

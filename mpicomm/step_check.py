@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from .agree import group_by_value
 from .failstop import PeerFailedError
-from .requests import RequestLog, abandon, drain_at_exit, join_late_at_exit
+from .requests import RequestLog, abandon, cancel_receives, drain_at_exit, join_late_at_exit
 from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
 
@@ -117,12 +117,9 @@ class StepCheck:
         req, self._beacon = self._beacon, None
         if req is None:
             return
-        req.Cancel()
-        status, deadline = MPI.Status(), time.monotonic() + grace
-        while not req.Test(status):  # a cancelled receive completes at once; a matched beacon is small (eager)
-            if time.monotonic() >= deadline:
-                return  # left to the log's cancel(), which frees it
-            time.sleep(1e-4)
+        status = MPI.Status()
+        if cancel_receives([req], grace, [status]):  # a matched beacon is small (eager): it completes at once too
+            return  # left to the log's cancel(), which frees it
         if not status.Is_cancelled():
             self._late = max(self._late, int(self._beacon_in[:8].view(np.int64)[0]))
 
