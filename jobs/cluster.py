@@ -29,6 +29,8 @@ def parse_args(argv):
     up.add_argument("--bandwidth", default="1gbit", help="per-host link rate each way: 100mbit, 2.5gbit, none ...")
     up.add_argument("--ranks-per-host", type=int, default=1, help="MPI ranks per host for `run` (default 1)")
     up.add_argument("--netmod", choices=("ucx", "ofi"), help="MPICH network module (default: MPICH's choice)")
+    up.add_argument("--burst", type=int, metavar="BYTES",
+                    help="the links' token bucket (default ~2 ms of traffic, at least 64 KiB)")
     up.add_argument("--verify", action="store_true", help="measure every link after bringing it up")
     up.add_argument("--force", action="store_true", help="remove leftovers of a crashed run first")
     sub.add_parser("down", help="remove the hosts, links and every process in them")
@@ -59,7 +61,7 @@ def check_args(args) -> None:
         raise InputError("exec HOST", f"must be >= 0, got {args.host}")
     if args.action != "up":
         return
-    at_least(args, 1, "ranks_per_host")
+    at_least(args, 1, "ranks_per_host", "burst")
     # Last: the cluster's own limits, from mpicomm (which imports torch and starts MPI).
     from mpicomm.emulation import EmulationError, parse_bandwidth
     from mpicomm.emulation.netns import MAX_HOSTS
@@ -80,9 +82,10 @@ def main(argv=None) -> int:
         if args.action == "up":
             if args.force:
                 EmulatedCluster.down()
-            cluster = EmulatedCluster(args.hosts, args.bandwidth, args.ranks_per_host, args.netmod).up()
+            cluster = EmulatedCluster(args.hosts, args.bandwidth, args.ranks_per_host, args.netmod, args.burst).up()
+            bucket = f", a {cluster.burst}-byte bucket" if cluster.burst else ""
             print(f"up: {cluster.hosts} hosts (h0..h{cluster.hosts - 1}, 10.213.0.1..{cluster.hosts}) at "
-                  f"{cluster.bandwidth} each way, {cluster.ranks_per_host} rank(s) per host")
+                  f"{cluster.bandwidth} each way{bucket}, {cluster.ranks_per_host} rank(s) per host")
             return _verify(cluster, verify, format_rows) if args.verify else 0
         if args.action == "down":
             removed = EmulatedCluster.down()
@@ -98,7 +101,8 @@ def main(argv=None) -> int:
             if args.json:
                 print(json.dumps(st, indent=1))
             else:
-                print(f"{st['hosts']} hosts at {st['bandwidth']}, {st['ranks_per_host']} rank(s) per host")
+                bucket = f", a {st['burst_bytes']}-byte bucket" if st.get("burst_bytes") else ""
+                print(f"{st['hosts']} hosts at {st['bandwidth']}{bucket}, {st['ranks_per_host']} rank(s) per host")
                 for i in range(st["hosts"]):
                     ns, link = f"mpt-h{i}", st["link_bytes"][i]
                     traffic = f", sent {link['up']} B, received {link['down']} B" if link else ""

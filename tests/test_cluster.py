@@ -58,6 +58,7 @@ def test_bandwidth_strings():
     (["up", "--hosts", "0"], "--hosts: must be between 1 and 64"),
     (["up", "--hosts", "65"], "--hosts: must be between 1 and 64"),
     (["up", "--bandwidth", "fast"], "cannot parse bandwidth"),
+    (["up", "--burst", "0"], "--burst: must be >= 1"),
     (["down"], "no emulated cluster is up"),
     (["status"], "no emulated cluster is up"),
     (["run", "--", "true"], "no emulated cluster is up"),
@@ -87,6 +88,25 @@ def test_up_twice_and_leftovers_are_refused():
     assert netns.our_namespaces() == ["mpt-h5"]
     proc = cli("down")
     assert proc.returncode == 0 and "mpt-h5" in proc.stdout and netns.our_namespaces() == []
+
+
+def _buckets() -> set[str]:
+    """The tbf bucket of every shaped interface, as tc reports it."""
+    out = [netns.run(netns.in_ns(ns, "tc", "qdisc", "show")).stdout for ns in netns.our_namespaces()]
+    return {w.split()[0] for text in out for w in text.split(" burst ")[1:]}
+
+
+def test_the_links_bucket_is_two_ms_of_traffic_or_what_up_is_told():
+    with EmulatedCluster(hosts=2, bandwidth="1gbit"):
+        assert _buckets() == {"250000b"}  # 2 ms at 1 Gbit/s
+    proc = cli("up", "--hosts", "2", "--bandwidth", "1gbit", "--burst", "16000")
+    try:
+        assert proc.returncode == 0 and "a 16000-byte bucket" in proc.stdout, proc.stderr
+        assert _buckets() == {"16000b"}
+        status = json.loads(cli("status", "--json").stdout)
+        assert status["burst_bytes"] == 16000
+    finally:
+        cli("down")
 
 
 def test_links_are_shaped_both_ways():

@@ -354,7 +354,8 @@ def describe_network() -> dict:
         from mpicomm.emulation import read_state
 
         state = read_state() or {}
-        return dict(kind="emulated-cluster", hosts=state.get("hosts"), bandwidth_bps=state.get("bandwidth_bps"))
+        return dict(kind="emulated-cluster", hosts=state.get("hosts"), bandwidth_bps=state.get("bandwidth_bps"),
+                    burst_bytes=state.get("burst_bytes"))
     return dict(kind="unshaped-local" if os.environ.get("MPITRAIN_UNSHAPED") else "local")
 
 

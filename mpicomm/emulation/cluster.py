@@ -59,20 +59,24 @@ class EmulatedCluster:
 
     MPI runs across them with hydra: mpiexec itself runs in host 0 and
     reaches the others through the `netns-ssh` launcher on their addresses.
+    burst: the links' token bucket in bytes (None: netns.tbf_args' ~2 ms).
     """
 
     def __init__(self, hosts: int = 4, bandwidth: str | int | None = "1gbit", ranks_per_host: int = 1,
-                 netmod: str | None = None):
+                 netmod: str | None = None, burst: int | None = None):
         if not isinstance(hosts, int) or not 1 <= hosts <= netns.MAX_HOSTS:
             raise EmulationError(f"hosts must be between 1 and {netns.MAX_HOSTS}, got {hosts!r}")
         if not isinstance(ranks_per_host, int) or not 1 <= ranks_per_host <= 64:
             raise EmulationError(f"ranks per host must be between 1 and 64, got {ranks_per_host!r}")
         if netmod not in (None, "ucx", "ofi"):
             raise EmulationError(f"netmod must be ucx or ofi, got {netmod!r}")
+        if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or burst < 1):
+            raise EmulationError(f"burst must be a whole number of bytes >= 1, got {burst!r}")
         self.hosts = hosts
         self.bps = bandwidth if isinstance(bandwidth, int) or bandwidth is None else netns.parse_bandwidth(bandwidth)
         self.ranks_per_host = ranks_per_host
         self.netmod = netmod
+        self.burst = burst
 
     @classmethod
     def current(cls) -> "EmulatedCluster":
@@ -80,7 +84,8 @@ class EmulatedCluster:
         state = read_state()
         if state is None or not netns.our_namespaces():
             raise EmulationError("no emulated cluster is up: start one with `python -m jobs.cluster up`")
-        return cls(state["hosts"], state["bandwidth_bps"], state["ranks_per_host"], state.get("netmod"))
+        return cls(state["hosts"], state["bandwidth_bps"], state["ranks_per_host"], state.get("netmod"),
+                   state.get("burst_bytes"))
 
     @property
     def bandwidth(self) -> str:
@@ -101,9 +106,9 @@ class EmulatedCluster:
             if existing:
                 raise EmulationError(f"leftover namespaces from a crashed run: {' '.join(existing)}; "
                                      "run `python -m jobs.cluster down` to remove them")
-            netns.build(self.hosts, self.bps)
+            netns.build(self.hosts, self.bps, self.burst)
             state = dict(hosts=self.hosts, bandwidth_bps=self.bps, ranks_per_host=self.ranks_per_host,
-                         netmod=self.netmod, addresses=[netns.host_addr(i) for i in range(self.hosts)],
+                         netmod=self.netmod, burst_bytes=self.burst, addresses=[netns.host_addr(i) for i in range(self.hosts)],
                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid())
             with open(_state_path() + ".tmp", "w") as f:
                 json.dump(state, f, indent=1)
@@ -159,7 +164,7 @@ class EmulatedCluster:
     def status(self) -> dict:
         present = netns.our_namespaces()
         return dict(hosts=self.hosts, bandwidth=self.bandwidth, ranks_per_host=self.ranks_per_host,
-                    namespaces=present,
+                    burst_bytes=self.burst, namespaces=present,
                     processes={ns: len(netns.processes_in(ns)) for ns in present},
                     link_bytes=[netns.qdisc_bytes(i) if self.bps else None for i in range(self.hosts)])
 

@@ -84,17 +84,22 @@ def why_not() -> str | None:
     return None
 
 
-def tbf_args(bps: int, mtu: int = 1500) -> list[str]:
-    """tbf parameters for `bps`: the bucket holds ~2 ms of traffic, never less than 64 KiB.
+def tbf_args(bps: int, mtu: int = 1500, burst: int | None = None) -> list[str]:
+    """tbf parameters for `bps`: the bucket holds ~2 ms of traffic, never less than 64 KiB (or `burst` bytes).
 
     tbf stalls if burst < MTU, and a bucket much smaller than rate/HZ cannot
     reach the rate at all (10 Gbit/s needs ~2.5 MB); latency caps the queue.
+    A full bucket lets its bytes through at the veth's speed: at 1 Gbit/s a
+    message of up to ~250 kB that follows an idle moment crosses without
+    paying the rate, which a NIC's serialisation would charge. A 16 kB bucket
+    charges it, but TCP then moves 0.92 Gbit/s and MPI 0.68-0.76
+    (benchmarks/topology.md): not the default.
     """
-    burst = max(64 * 1024, mtu, bps // 8 // 500)
+    burst = max(64 * 1024, mtu, bps // 8 // 500) if burst is None else max(mtu, burst)
     return ["tbf", "rate", f"{bps}bit", "burst", str(burst), "latency", "50ms"]
 
 
-def build(hosts: int, bps: int | None) -> None:
+def build(hosts: int, bps: int | None, burst: int | None = None) -> None:
     """Create the bridge namespace and `hosts` host namespaces, each joined by a shaped veth pair.
 
     Each host's eth0 egress is its upload; the bridge-side peer's egress is
@@ -118,8 +123,8 @@ def build(hosts: int, bps: int | None) -> None:
             run(["ip", "-n", ns, "link", "set", IFACE, "up"])
             run(["ip", "-n", ns, "link", "set", "lo", "up"])
             if bps is not None:
-                run(in_ns(ns, "tc", "qdisc", "add", "dev", IFACE, "root", *tbf_args(bps)))
-                run(in_ns(BRIDGE_NS, "tc", "qdisc", "add", "dev", port, "root", *tbf_args(bps)))
+                run(in_ns(ns, "tc", "qdisc", "add", "dev", IFACE, "root", *tbf_args(bps, burst=burst)))
+                run(in_ns(BRIDGE_NS, "tc", "qdisc", "add", "dev", port, "root", *tbf_args(bps, burst=burst)))
     except BaseException:
         teardown()
         raise
