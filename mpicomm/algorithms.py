@@ -72,9 +72,11 @@ class CostModel:
     def measured(cls, topology) -> "CostModel":
         """From $MPITRAIN_LINK_BANDWIDTH, else, on several nodes, from the link measured once per process
         (mpicomm.link_probe, shared with p3's tuning; agreed by every rank): what a node's ranks push at once,
-        and the time of one step of a small allreduce as alpha, where it exceeds the default (8 ranks on 4
-        emulated hosts of this VM's 2 cores: ~0.2 ms; at 70 us the model sent 64 KiB through Rabenseifner's 4
-        cross-node steps, 1.5x slower there than doubling's 2: benchmarks/topology.md)."""
+        and the time of one step of a small allreduce as alpha (8 ranks on 4 emulated hosts of this VM's 2
+        cores: 0.1-0.2 ms; at 70 us the model sent 64 KiB through Rabenseifner's 4 cross-node steps, 1.5x
+        slower there than doubling's 2). Below the default too: on 2 fake hosts x 2 a step takes 25-50 us, and
+        with 70 us the model priced Rabenseifner's 4 steps above its whole call and took doubling at 256 KiB,
+        1.22x slower (benchmarks/topology.md)."""
         from .agree import check_same_structure
         from .link_probe import measured_link
 
@@ -87,7 +89,7 @@ class CostModel:
         # The probe sends to every peer at once: (P-L)/(P-1) of a rank's bytes cross the link, which the
         # node's L ranks share.
         P, L = topology.size, topology.local_size
-        return cls(alpha=max(cls.alpha, link.step_time), beta_cross=1 / (link.bandwidth * L * (P - L) / (P - 1)))
+        return cls(alpha=link.step_time or cls.alpha, beta_cross=1 / (link.bandwidth * L * (P - L) / (P - 1)))
 
     @classmethod
     def for_algorithm(cls, topology, algorithm: str | None) -> "CostModel":

@@ -13,6 +13,7 @@ from conftest import assert_everywhere
 from layout_helpers import sub_topology
 from mpicomm import IN_PLACE, CollectiveMismatchError, Collectives, Topology, block_counts, wait_all
 from mpicomm.algorithms import ALGORITHMS, Chooser, CostModel, Layout
+from mpicomm.link_probe import measured_link
 from mpicomm.scratch import SCRATCH
 
 pytestmark = pytest.mark.mpi
@@ -180,6 +181,9 @@ def test_the_named_hierarchy_chooses_its_cross_step_by_the_measured_link(world, 
         assert link_model(topo, "ring") == link_model(topo, "doubling") == CostModel()
         mine = np.array([probed.beta_cross, probed.alpha])
         assert_everywhere(world, probed != CostModel() and np.array_equal(mine, world.bcast(mine)), f"{probed}")
+        # alpha is the probe's step, faster than the default or not (here: tens of microseconds)
+        step = measured_link(topo.world).step_time
+        assert_everywhere(world, probed.alpha == step > 0, f"alpha {probed.alpha} against the probed step {step}")
 
 
 def test_lengths_that_differ_fail_together_naming_them(world):
