@@ -108,7 +108,8 @@ class EmulatedCluster:
                                      "run `python -m jobs.cluster down` to remove them")
             netns.build(self.hosts, self.bps, self.burst)
             state = dict(hosts=self.hosts, bandwidth_bps=self.bps, ranks_per_host=self.ranks_per_host,
-                         netmod=self.netmod, burst_bytes=self.burst, addresses=[netns.host_addr(i) for i in range(self.hosts)],
+                         netmod=self.netmod, burst_bytes=self.burst,
+                         addresses=[netns.host_addr(i) for i in range(self.hosts)],
                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid())
             with open(_state_path() + ".tmp", "w") as f:
                 json.dump(state, f, indent=1)
