@@ -90,6 +90,8 @@ def test_ties_at_the_threshold_fill_from_the_tie():
     values, indices = DeviceMSTopK()(x, 50_000)
     check_selection(x, 50_000, values, indices)
     assert int((values == 3.0).sum()) == 5000 and int((values == -1.0).sum()) == 45_000
+    tied = torch.nonzero(x == -1.0).reshape(-1)  # the band fills in index order: the first 45000 of the tie
+    assert torch.equal(torch.sort(indices[values == -1.0]).values, tied[:45_000])
 
 
 @pytest.mark.parametrize("k", [300, 5000, 9999])

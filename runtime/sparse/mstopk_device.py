@@ -14,8 +14,6 @@ MIN_SAMPLE_HITS = 32   # below this (k < 256) the estimate is too loose: torch.t
 SAMPLE_MARGIN = 4.0    # standard deviations of slack on each side of the sample's estimate
 FALLBACK_MARGIN = 12.0  # the third probe's slack, where a 4-sigma end failed (rare)
 SAMPLE_CAP = 8         # the sample is at most n/8 elements: more costs what the passes it saves cost
-CHUNK = 1 << 23        # elements per compaction chunk: bounds its int64 scratch at 4 x 64 MiB
-DUMP = 4096            # slots that elements left out are scattered to, spread so their writes do not queue
 
 
 class _Workspace:
@@ -33,13 +31,11 @@ class _Workspace:
             buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=self.device)
         return buf[:n]
 
-    def arange(self, n: int, modulo: int | None = None) -> torch.Tensor:
-        """0, 1, ..., n-1 (or those modulo `modulo`), computed once."""
-        name = "arange" if modulo is None else f"arange%{modulo}"
-        buf = self.bufs.get(name)
+    def arange(self, n: int) -> torch.Tensor:
+        """0, 1, ..., n-1, computed once."""
+        buf = self.bufs.get("arange")
         if buf is None or buf.numel() < n:
-            buf = torch.arange(n, dtype=torch.int64, device=self.device)
-            self.bufs[name] = buf if modulo is None else buf.remainder_(modulo)
+            buf = self.bufs["arange"] = torch.arange(n, dtype=torch.int64, device=self.device)
         return buf[:n]
 
 
@@ -55,8 +51,8 @@ class DeviceMSTopK:
     keeps whichever bound a count allows; a failed end is retried with a
     12-sigma one). The result is every element with |x| >= hi, then the
     first elements of the band [lo, hi) in index order up to k, compacted
-    by cumsum positions and a scatter: no sort of x, and exactly k even with
-    ties, zeros or NaN. For k < 256 the sample is too small: torch.topk.
+    by torch.nonzero_static (fixed size): no sort of x, and exactly k even
+    with ties, zeros or NaN. For k < 256 the sample is too small: torch.topk.
 
     Buffers grow per (dtype, device) to the largest n and k seen, not per
     (numel, k): a density ramp or per-layer selection would otherwise keep
@@ -145,40 +141,25 @@ class DeviceMSTopK:
 
     # -- exactly k out ------------------------------------------------------------------
     def _compact(self, ws: _Workspace, a: torch.Tensor, k: int, lo: torch.Tensor, hi: torch.Tensor):
-        """Positions of everything >= hi (at most k), then the band's first ones, in a k-long index buffer."""
-        # Slots [0, DUMP) take the elements left out (element i to slot i % DUMP: one slot for all of them
-        # would queue 10^8 writes to one address on a GPU); the k kept go to [DUMP, DUMP + k).
-        out = ws.get("idx_slots", DUMP + k, torch.int64)
-        last = torch.full((), DUMP - 1, dtype=torch.int64, device=a.device)  # the last slot filled so far
-        last = self._scatter_pass(ws, a, k, out, last, lambda seg, mask, tmp: torch.ge(seg, hi, out=mask))
-        last.clamp_(max=DUMP + k - 1)  # more than k above hi (ties at the top): the band adds nothing
+        """Positions of everything >= hi (at most k kept), then the band's first ones in index order: k in all.
 
-        def band(seg, mask, tmp):
-            # Neither below lo nor at/above hi, so a NaN is in the band: k stays reachable whatever x holds.
-            torch.lt(seg, lo, out=mask)
-            mask.logical_or_(torch.ge(seg, hi, out=tmp)).logical_not_()
-
-        self._scatter_pass(ws, a, k, out, last, band)
-        return out[DUMP:]
-
-    def _scatter_pass(self, ws: _Workspace, a: torch.Tensor, k: int, out: torch.Tensor, last: torch.Tensor,
-                      select) -> torch.Tensor:
-        """Scatter the indices of a's selected elements to slots last+1, last+2, ... below DUMP + k; the new last."""
+        Two fixed-size stream compactions (torch.nonzero_static: the first `size` positions in index order,
+        padded; unlike nonzero it need not tell the host how many there are) and a few k-long steps; the
+        search keeps count(a >= lo) >= k, so the two together always hold k.
+        """
         n = a.numel()
-        size = min(n, CHUNK)
-        for start in range(0, n, size):
-            seg = a[start:start + size]
-            L = seg.numel()
-            mask, tmp = ws.get("chunk_mask", L, torch.bool), ws.get("chunk_tmp", L, torch.bool)
-            select(seg, mask, tmp)
-            slot = torch.cumsum(mask, 0, dtype=torch.int64, out=ws.get("chunk_slot", L, torch.int64))
-            slot.add_(last)  # cumsum - 1 + the slots already filled
-            last = slot[-1].clone()
-            drop = torch.lt(slot, DUMP + k, out=tmp).logical_and_(mask).logical_not_()
-            torch.where(drop, ws.arange(L, DUMP), slot, out=slot)
-            src = torch.add(ws.arange(L), start, out=ws.get("chunk_src", L, torch.int64))
-            out.scatter_(0, slot, src)
-        return last
+        mask, tmp = ws.get("mask", n, torch.bool), ws.get("mask_tmp", n, torch.bool)
+        above, band = ws.get("above", k, torch.int64), ws.get("band", k, torch.int64)
+        torch.nonzero_static(torch.ge(a, hi, out=mask), size=k, fill_value=-1, out=above.view(k, 1))
+        # The band: neither below lo nor at/above hi, so a NaN is in it: k stays reachable whatever x holds.
+        mask.logical_or_(torch.lt(a, lo, out=tmp)).logical_not_()
+        torch.nonzero_static(mask, size=k, fill_value=-1, out=band.view(k, 1))
+        kept = ws.get("kept", k, torch.bool)
+        taken = torch.ge(above, 0, out=kept).sum()  # how many are >= hi (k where ties at the top are more)
+        j = ws.arange(k)
+        from_band = torch.sub(j, taken, out=ws.get("from_band", k, torch.int64)).clamp_(min=0)
+        filled = torch.gather(band, 0, from_band, out=ws.get("filled", k, torch.int64))
+        return torch.where(torch.lt(j, taken, out=kept), above, filled, out=ws.get("idx", k, torch.int64))
 
 
 def _mid(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
