@@ -328,7 +328,9 @@ class Ring:
         reduce_phase = P - 1
         last = steps[-1]
         nscratch = 3 if out is not None else 2
-        scratch = [SCRATCH.take(data, max(counts)) for _ in range(nscratch)] if steps[0] < reduce_phase else []
+        # Only the blocks some reducing step uses: a 2-rank ring reduces once, and these are large (1/P of the data).
+        used = {t % nscratch for t in steps if t < reduce_phase}
+        scratch = [SCRATCH.take(data, max(counts)) if k in used else None for k in range(nscratch)] if used else []
         busy = [[] for _ in scratch]  # sends still reading each scratch block
 
         def block(t):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from runtime.emulate import Accelerator, compute_model
-from runtime.sparse.emulated import EmulatedSelection
+from runtime.sparse import emulated
+from runtime.sparse.emulated import EmulatedSelection, largest_first
 from runtime.sparse.selection import exact_topk, k_for_density
 
 
@@ -30,3 +31,10 @@ def test_selects_what_exact_topk_selects_and_waits_the_device():
     # A node shard coming from the host: its copy to the device is waited first.
     sel.select("shard", x[:5000], 0.01, from_host=True)
     assert acc.calls["h2d"] == 1
+
+
+def test_largest_first_in_pieces_is_torch_topk_sorted(monkeypatch):
+    monkeypatch.setattr(emulated, "CHUNK", 1000)  # 10 pieces, the last one short
+    x = torch.randn(9_500, generator=torch.Generator().manual_seed(1))
+    for k in (1, 7, 999, 1000, 2500):
+        assert torch.equal(largest_first(x, k), torch.topk(x.abs(), k, sorted=True).indices), k

@@ -148,6 +148,9 @@ def test_topk(fresh, granularity):
     n = sum(p.numel() for p in model.parameters())
     agree(dopt.strategy.traffic.intra + dopt.strategy.traffic.inter > 0, "pairs were sent")
     agree(not dopt.strategy.ef.residuals, "no error-feedback residuals are kept under emulation")
+    # SGD's momentum went to the strategy (momentum correction), whose velocity a step under emulation never
+    # reads: none is made (a model's worth of host memory a rank).
+    agree(dopt.strategy.momentum == 0.9 and dopt.strategy.velocity is None, "no velocity is kept under emulation")
     agree(0 < dopt.strategy.sparse.pairs <= 4 * n, "every rank's pairs were gathered")
     # ... and not summed into the gradients, which keep their landed values: the next landing has nothing to write.
     agree(all(torch.equal(p.grad, fixed(p)) for p in model.parameters()), "the landed gradients were changed")

@@ -76,6 +76,22 @@ def test_reduce_scatter_matches_native(sub):
         assert_everywhere(comm, ok, f"reduce_scatter n={n}")
 
 
+def test_reduce_scatter_takes_only_the_scratch_blocks_its_steps_use(sub):
+    """Out of place a ring reduces through up to 3 scratch blocks of 1/P of the data, in turn: P - 1 steps use
+    min(3, P - 1) of them (2 ranks: one block, not three of half the data)."""
+    from mpicomm.scratch import SCRATCH
+
+    comm, ring = sub
+    P, r = comm.Get_size(), comm.Get_rank()
+    n = 7 * MI + 3 * P + 1  # a size no other test's scratch has
+    x = data(n, np.float32, r)
+    out = np.empty(block_counts(n, P)[r], np.float32)
+    before = SCRATCH.allocated
+    ring.reduce_scatter(x, out).wait()
+    taken = SCRATCH.allocated - before
+    assert_everywhere(comm, taken == min(3, P - 1), f"{P} ranks took {taken} scratch blocks")
+
+
 def test_allgather_and_allgatherv_match_native(sub):
     comm, ring = sub
     P, r = comm.Get_size(), comm.Get_rank()

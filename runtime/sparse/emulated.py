@@ -45,7 +45,7 @@ class EmulatedSelection:
         known = self._order.get(key)
         if known is None or known[0] != n or known[1].numel() < k:
             # Once per key (and when a density ramp asks for more): sorted, so any smaller k is a prefix.
-            known = self._order[key] = (n, torch.topk(x.detach().abs(), k, sorted=True).indices)
+            known = self._order[key] = (n, largest_first(x.detach(), k))
         indices = known[1][:k]
         # The pairs go to pinned host memory for MPI: values and indices at the values' width.
         acc.issue("d2h", model.copy_s(2 * k * width))
@@ -53,3 +53,23 @@ class EmulatedSelection:
 
     def clear(self) -> None:
         self._order.clear()
+
+
+CHUNK = 1 << 22  # elements per piece of largest_first's scan
+
+
+def largest_first(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The positions of x's k largest magnitudes, largest first: torch.topk(|x|, k, sorted=True)'s, found piece
+    by piece. The k largest of x are among the k largest of each piece; one torch.topk over a whole vector held
+    its n (value, index) pairs at once (VGG-19: 1.7 GB a rank on the host, where eight ranks share 23.5 GB)."""
+    n = x.numel()
+    if n <= CHUNK:
+        return torch.topk(x.abs(), k, sorted=True).indices
+    values, positions = [], []
+    for a in range(0, n, CHUNK):
+        piece = x[a:a + CHUNK].abs()
+        top = torch.topk(piece, min(k, piece.numel()), sorted=False)
+        values.append(top.values)
+        positions.append(top.indices + a)
+    values, positions = torch.cat(values), torch.cat(positions)
+    return positions[torch.topk(values, k, sorted=True).indices]

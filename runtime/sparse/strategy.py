@@ -87,7 +87,7 @@ class TopkSync(Strategy):
                                       policy=ctx.policy, interrupt=ctx.interrupt, staged=self.staged)
         self.dense = Ring(ctx.topology.world, validate=False)
         self.momentum, self.masking = ctx.momentum, o.momentum_masking
-        self.velocity = [torch.zeros_like(f) for f in self.buffers.device_flats] if self.momentum else None
+        self.velocity: list | None = None  # made on first use (_velocities): an emulated run never reads it
         self.steps = 0
         self._handles: list = []
         self._emulated: EmulatedSelection | None = None
@@ -133,8 +133,8 @@ class TopkSync(Strategy):
         for b, flat in enumerate(self.buffers.device_flats):
             # What gets exchanged: the gradients, or under momentum correction this rank's velocity
             # (emulated: its two passes are in the selection's modelled time).
-            local = flat if self.velocity is None or acc is not None else \
-                self.velocity[b].mul_(self.momentum).add_(flat)
+            local = flat if not self.momentum or acc is not None else \
+                self._velocities()[b].mul_(self.momentum).add_(flat)
             # Staged, the host mirror of this buffer is free for MPI's dense work (on_device: nobody copies it).
             mirror = self.buffers.flats[b] if self.staged else None
             if self.schedule.dense(step):
@@ -199,6 +199,14 @@ class TopkSync(Strategy):
         self.sparse(local, lambda x, p: self.ef.select(keys[p], x, density), out=out,
                     k_of=lambda n: k_for_density(n, density), host=mirror, parts=[(a, z) for a, z, _ in layers])
 
+    def _velocities(self) -> list:
+        """The momentum correction's velocity per buffer, made (zero) by the first step that reads it. Under
+        emulation none is read (its passes are in the selection's modelled time), so none is made: a model's worth
+        of host memory a rank (VGG-19: 575 MB) that 8 ranks of one machine could not spare."""
+        if self.velocity is None:
+            self.velocity = [torch.zeros_like(f) for f in self.buffers.device_flats]
+        return self.velocity
+
     def _average(self, acc, g) -> None:
         """The sum divided by the ranks: on the host, or under emulation the device's pass, timed."""
         if acc is None:
@@ -233,8 +241,8 @@ class TopkSync(Strategy):
         self.steps = int(shared.get("steps", 0))
         self.ef.load_state_dict(local.get("residuals", {}))
         velocity = local.get("velocity")
-        if self.velocity is not None and velocity is not None:
-            if [v.shape for v in velocity] != [v.shape for v in self.velocity]:
+        if self.momentum and velocity is not None:
+            if [v.shape for v in velocity] != [v.shape for v in self._velocities()]:
                 raise ValueError("the checkpoint's velocity does not match this model's gradient buffers")
             for mine, saved in zip(self.velocity, velocity):
                 mine.copy_(saved)
