@@ -190,6 +190,20 @@ def test_validate_measures_profiles_calibrates_and_compares(tmp_path):
     assert "ranking, mlp 1gbit 2 ranks: " in proc.stdout
 
 
+def test_each_host_count_is_simulated_on_the_transport_calibrated_between_that_many_hosts():
+    from jobs.sim.validate import emulated_cluster
+
+    def cal(efficiency, latency):
+        return {"transport": {"rate": 4e8, "cpu_per_byte": 1e-9, "latency": latency, "efficiency": 0.94},
+                "efficiency": {"1gbit": efficiency}, "cpu_per_byte": {"1gbit": 4e-9}}
+    doc = {**cal(0.96, 40e-6), "hosts": {"4": cal(0.96, 40e-6), "8": cal(0.92, 80e-6)}}
+    eight, four = emulated_cluster(8, "1gbit", doc, 2.0), emulated_cluster(4, "1gbit", doc, 2.0)
+    assert (eight.efficiency, eight.latency) == (0.92, 80e-6) and (four.efficiency, four.latency) == (0.96, 40e-6)
+    # A count not calibrated (and an older document, without "hosts") takes the top level.
+    assert emulated_cluster(6, "1gbit", doc, 2.0).efficiency == 0.96
+    assert emulated_cluster(8, "1gbit", cal(0.9, 1e-5), 2.0).efficiency == 0.9
+
+
 def _ranked(strategy, measured, simulated, rounds):
     return dict(model="m", bandwidth="1gbit", ranks=4, strategy=strategy, measured_s=measured, simulated_s=simulated,
                 error=(simulated - measured) / measured, measured_rounds_s=rounds)
