@@ -59,9 +59,10 @@ CHUNK = 1 << 22  # elements per piece of largest_first's scan
 
 
 def largest_first(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The positions of x's k largest magnitudes, largest first: torch.topk(|x|, k, sorted=True)'s, found piece
-    by piece. The k largest of x are among the k largest of each piece; one torch.topk over a whole vector held
-    its n (value, index) pairs at once (VGG-19: 1.7 GB a rank on the host, where eight ranks share 23.5 GB)."""
+    """The positions of x's k largest magnitudes, largest first, as torch.topk(|x|, k, sorted=True) gives them
+    (among equal magnitudes perhaps others), found piece by piece: the k largest of x are among the k largest of
+    each piece. One torch.topk over the whole vector held its n (value, index) pairs at once (VGG-19: 1.7 GB a
+    rank on the host, where eight ranks share 23.5 GB)."""
     n = x.numel()
     if n <= CHUNK:
         return torch.topk(x.abs(), k, sorted=True).indices
