@@ -103,6 +103,14 @@ class BufferSync:
     forward pass that wrote the buffers when it ran on that stream (a
     forward pass on another stream must be joined to it first, as for the
     gradients), and the host waits for that one copy alone.
+
+    Carried (`carry(strategy)`, where `carryable`): the strategy's own exchange
+    averages the vector with the step's gradients instead (p3: as a slice more,
+    the most urgent). `hand_over()` packs it and hands it over as the step's
+    first gradient is sent (the step's forward passes are over), so it goes
+    ahead of the exchange's bulk, not queued behind it after the step's
+    agreement as MPI's own allreduce is (benchmarks/claims.md, twentieth
+    pass); `finish()` waits for it.
     """
 
     def __init__(self, model: torch.nn.Module, comm: MPI.Comm, mode: str, policy: StallPolicy, interrupt=None,
@@ -116,12 +124,33 @@ class BufferSync:
         # (mpicomm.step_check joins rounds that a failed rank left), and MPI matches them in order.
         self.comm = comm.Dup() if self.active else comm
         self.collectives = self.copies_to_host = self.copies_to_device = 0  # issued so far (reported, tested)
+        self.carried_rounds = 0  # handed to the carrier so far
         self._request = None
+        self.carrier = None  # the strategy whose exchange averages the vector (carry())
+        self._carried = False  # a vector handed over, its average not yet written back
+        self.handed = False  # ...in the step in progress (its owner clears it as the step ends)
         self._layout()
 
     @property
     def active(self) -> bool:
         return bool(self.buffers or self.watched) and self.size > 1
+
+    @property
+    def carryable(self) -> bool:
+        """Whether a strategy's exchange may average the vector: averaged, one device, and no buffer only watched
+        (one that changed would be sent from then on: the vector's layout would change under the exchange)."""
+        return self.active and self.mode == "average" and len(self.packs) == 1 and not self.watched
+
+    @property
+    def vector(self) -> torch.Tensor:
+        """The float64 host vector that is averaged (pinned where a buffer is on a GPU)."""
+        return self.packs[0].host
+
+    def carry(self, carrier) -> None:
+        """From now on `carrier`'s exchange averages the vector (Strategy.carries_buffers); start() does nothing."""
+        if not self.carryable:
+            raise ValueError("these module buffers cannot be carried by a strategy's exchange")
+        self.carrier = carrier
 
     def _layout(self) -> None:
         """One pack per device (a model's buffers are on one), each a slice of the host vector MPI reduces."""
@@ -139,20 +168,38 @@ class BufferSync:
         self.staging = host.numpy()
 
     def start(self) -> None:
-        if not self.active:
+        """After the step's agreement: pack the buffers and start MPI's allreduce (or broadcast) of them."""
+        if not self.active or self.carrier is not None:
             return
-        self.finish()
-        with torch.no_grad():
-            self.copies_to_host += sum(pack.gather() for pack in self.packs)
-            for pack in self.packs:
-                pack.wait_copied()
+        self._pack()
         if self.mode == "average":
             self._request = self.comm.Iallreduce(MPI.IN_PLACE, self.staging)
         else:
             self._request = self.comm.Ibcast(self.staging, root=0)
         self.collectives += 1
 
+    def hand_over(self) -> None:
+        """Carried: pack the buffers and hand the vector to the carrier's exchange of this step."""
+        self._pack()
+        self.carrier.carry_ready()
+        self._carried = self.handed = True
+        self.carried_rounds += 1
+
+    def _pack(self) -> None:
+        self.finish()
+        with torch.no_grad():
+            self.copies_to_host += sum(pack.gather() for pack in self.packs)
+            for pack in self.packs:
+                pack.wait_copied()
+
     def finish(self) -> None:
+        """Before the next forward (evaluation, a checkpoint): the average written back into the buffers."""
+        if self._carried:
+            with span_of(self.timeline, "wait module buffers", "sync"):
+                self.carrier.wait_carried()  # the exchange's own stall policy and failure checks
+            self._carried = False
+            self._write_back()  # averaged already: the exchange divides its sums by the ranks
+            return
         req = self._request
         if req is None:
             return
@@ -164,6 +211,9 @@ class BufferSync:
         self._request = None
         if self.mode == "average":
             self.staging *= 1.0 / self.size
+        self._write_back()
+
+    def _write_back(self) -> None:
         with torch.no_grad():
             self.copies_to_device += sum(pack.scatter() for pack in self.packs)
         changed = [b for pack in self.packs for b in pack.changed()]
@@ -195,6 +245,7 @@ class BufferSync:
 
     def free(self) -> None:
         """Normal end only (a failed run keeps the communicator: its collective may still be in flight)."""
+        self._carried = self.handed = False  # close() wrote the last average back (an open step was aborted)
         if self.active:
             self.finish()  # every rank posted the last one (step() does, after the step's agreement)
             self.comm.Free()
@@ -203,3 +254,4 @@ class BufferSync:
         """Error path: a collective cannot be cancelled; it is completed in the background (mpicomm.requests)."""
         abandon(self._request, "module buffers")
         self._request = None
+        self._carried = self.handed = False  # the carrier aborts its own exchange

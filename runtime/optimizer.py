@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from mpicomm import Topology, failstop
-from mpicomm.stall import StallPolicy
+from mpicomm.stall import StallError, StallPolicy
 from mpicomm.step_check import StepCheck
 
 from . import checkpoint, metrics, stepping, teardown
@@ -105,6 +105,7 @@ class DistributedOptimizer:
         self._open = False  # a backward pass of the current step has run
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync, self._update_mask = False, None
+        self._owed_early = False  # the step's updates owed before its agreement was in (runtime.stepping)
         self.steps, self._closed = 0, False
         self.failed: BaseException | None = None
         on_grad = gradient_hook(self._on_grad, self.staging)
@@ -139,10 +140,16 @@ class DistributedOptimizer:
         self.moved_momentum = cls.adopt_momentum(self.optimizer, self.options)
         self._comm_hook = None
         self.check = StepCheck(self.comm, len(self.params), self.policy, watch=cls.progress_thread)
+        self.model_buffers = BufferSync(self.model, self.comm, self.buffer_mode, self.policy,
+                                        self.check.interrupt, timeline=self.timeline)
+        carried = self.model_buffers.vector if cls.carries_buffers and self.model_buffers.carryable else None
         ctx = StrategyContext(self.topology, self.params, self.names, self.buffers, self.options, self.timeline,
                               self.policy, shard_gradients=pto and cls.can_shard_gradients,
-                              momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt)
+                              momentum=self.moved_momentum, model=self.model, interrupt=self.check.interrupt,
+                              carried=carried)
         self.strategy = cls(ctx)
+        if carried is not None:
+            self.model_buffers.carry(self.strategy)
         self.staging = gradient_staging(self.buffers, self._deliver, self.check.interrupt, self.timeline, cls.on_device,
                                         self.strategy.staging_groups())
         if self.staging is not None and self.pto is None:  # copies back as averaged (PTO reads the host shard)
@@ -150,8 +157,6 @@ class DistributedOptimizer:
         self.transport = describe_transport(self.device, self.staged, cls.on_device, self.strategy.drives)
         if self.timeline:
             self.timeline.instant("gradient transport", "setup", transport=self.transport)
-        self.model_buffers = BufferSync(self.model, self.comm, self.buffer_mode, self.policy,
-                                        self.check.interrupt, timeline=self.timeline)
 
     def register_comm_hook(self, state, hook) -> None:
         """DDP-style hook (runtime.comm_hooks), called for each bucket instead of the plain average."""
@@ -162,7 +167,7 @@ class DistributedOptimizer:
         if self.failed is not None:
             return
         i = self._index[id(p)]
-        stepping.settle(self, fresh=(i,))  # a forward pass that ran no gated module left it pending
+        stepping.settle(self, fresh=(i,), wait=False)  # a forward pass that ran no gated module left it pending
         owed = bool(self.deferred.owed[i])
         if owed or self.strategy.landing([i]):
             # Owed: the forward used the old value. Landing: the previous average lands on top of this gradient.
@@ -173,7 +178,7 @@ class DistributedOptimizer:
             self._open = True
             # Backward of the next step has begun: what is still owed belongs to parameters
             # this forward pass skipped, and must be applied before their memory is reused.
-            self._apply()
+            self._apply(wait=False)
         self._used[i] = True
         self._passes[i] += 1
         if self._no_sync or self._passes[i] < self.bpps:
@@ -182,6 +187,9 @@ class DistributedOptimizer:
             raise RuntimeError(f"the gradient of {self.names[i]} became ready {self._passes[i]} times in one step: "
                                f"call step() after every {self.bpps} backward pass(es), or accumulate with "
                                "no_sync() / backward_passes_per_step")
+        if self.model_buffers.carrier is not None and not self.model_buffers.handed:
+            with self._failing():  # the forward passes of the step are over: first on the link, ahead of gradients
+                self.model_buffers.hand_over()
         self._send(i)
 
     def _send(self, i: int) -> None:
@@ -204,11 +212,11 @@ class DistributedOptimizer:
 
     def _on_module_enter(self, params: list[int]) -> None:
         if self.failed is None:
-            self._apply(params)
+            self._apply(params, wait=False)
 
     def _before_forward(self, module, inputs) -> None:
         if self.failed is None:
-            stepping.settle(self)
+            stepping.settle(self, wait=False)
             self._buffers_done()
 
     def _buffers_done(self) -> None:
@@ -246,7 +254,7 @@ class DistributedOptimizer:
         if self.check.ready():  # a deferred step's agreement, in already: the buffers' average can start now
             stepping.settle(self)
         with device_work("zero_grad", lambda model: model.memset_s(4 * self.buffers.numel)):  # a GPU's memset
-            self.deferred.zero_grad(owed_known=not self.check.pending)
+            self.deferred.zero_grad(owed_known=not self.check.pending or self._owed_early)
 
     def step(self, closure=None):
         if closure is not None:
@@ -287,11 +295,20 @@ class DistributedOptimizer:
         self._buffers_done()
 
     # -- one step ------------------------------------------------------------
-    def _apply(self, indices=None) -> None:
-        """Deferred updates owed to these parameters (all when None): applied, or the optimizer fails."""
-        stepping.settle(self)
+    def _apply(self, indices=None, wait: bool = True) -> None:
+        """Deferred updates owed to these parameters (all when None): applied, or the optimizer fails.
+        wait=False: an agreement the updates were owed without is not waited for (stepping.settle)."""
+        stepping.settle(self, wait=wait)
         with self._failing():
-            self.deferred.apply(indices)
+            try:
+                self.deferred.apply(indices)
+            except StallError:
+                if not self._owed_early:
+                    raise
+                # Slices stall where a rank has not stepped: the agreement's own wait names it (rank 0 knows who
+                # has not arrived), so that is the error raised, not the slices' owners'.
+                stepping.settle(self)
+                raise
 
     # -- failure and the end -----------------------------------------------------
     def _usable(self) -> None:

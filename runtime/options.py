@@ -98,7 +98,9 @@ class P3Options(StrategyOptions):
     node_pacing: with node_aggregation and a measured link, the pushes inside a
     node go one at a time at a paced rate (runtime.p3.tuning.LOCAL_PACE);
     False: as fast as the queue lets them.
-    yield_link: where module buffers are averaged after each step, send nothing
+    yield_link: where module buffers are averaged by MPI's allreduce after each
+    step (p3 carries them in its own exchange unless one is only watched:
+    runtime.model_buffers), send nothing
     new from step() until the step's agreement and that average are done
     (mpicomm.sliced_ps's hold): their bytes, which the next forward waits for,
     then cross a link that is draining, not behind `credit` slices at each of

@@ -10,7 +10,15 @@ once it is in. Behind p3's bulk traffic the agreement's few bytes wait for
 what is queued on the link ahead of them (benchmarks/claims.md, fifteenth
 and sixteenth passes); the training loop's own work now runs in that time.
 The module buffers' average is still posted only after the agreement, on
-every rank alike (error paths rely on that).
+every rank alike (error paths rely on that), unless the strategy carries
+them in its own exchange (p3: runtime.model_buffers).
+
+Where this rank used every parameter and found no problem (and the buffers,
+if any, are carried), the agreement cannot change what is owed (it ORs the
+ranks' flags): every update is owed at once (`_owed_early`), the next forward
+runs without waiting for the agreement, and its gates and hooks finish it only
+if it is in already (settle's wait=False). The next step() finishes it in any
+case, so a disagreement still raises on every rank, before another round.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ __all__ = ["exchange", "finish_round", "settle", "update"]
 
 def exchange(dopt, full: bool) -> None:
     """Agree with every rank, hand over the gradients backward did not produce, start the averaging."""
+    if dopt._owed_early:
+        settle(dopt)  # the previous step's agreement: its updates were owed before it was in
     if dopt.staging is not None:
         with dopt._failing():  # the staging thread is the strategy's only caller until it is idle
             dopt.staging.drain()
@@ -53,19 +63,31 @@ def exchange(dopt, full: bool) -> None:
     # in flight (dopt.check.pending) until then.
     in_flight = dopt.strategy.deferred and dopt.pto is None and not full
     used = None if in_flight else finish_round(dopt)
+    # Every parameter used here and no problem: whatever the others used, every update is owed (the agreement ORs
+    # the flags), so the next forward need not wait for the agreement, queued behind the exchange's bulk
+    # (benchmarks/claims.md, twentieth pass). It still completes, and raises on every rank, before the next step.
+    buffers = dopt.model_buffers
+    early = in_flight and dopt.strategy.exact and bool(dopt._used.all()) and problem is None and \
+        (not buffers.active or buffers.carrier is not None)
     with dopt._failing():
         for i in unsent:
             dopt._send(i)
         if dopt.staging is not None:
             dopt.staging.drain()  # every gradient handed over, in hook order, before finish()
+        if buffers.carrier is not None and not buffers.handed:
+            buffers.hand_over()  # no gradient was sent this step (DistributedOptimizer._on_grad hands it over first)
         dopt.strategy.finish(used, full)
+    buffers.handed = False
     if not in_flight:
-        dopt.model_buffers.start()  # after the agreement: every rank posts it (error paths rely on that)
+        buffers.start()  # after the agreement: every rank posts it (error paths rely on that)
     else:
         dopt.buffers.park()  # the averages land in the buffers; a loop's zero_grad() meanwhile must not reach them
-        if dopt.model_buffers.active:
+        if buffers.active and buffers.carrier is None:
             dopt.strategy.hold()  # until the agreement and the buffers' average are done (DistributedOptimizer._buffers_done)
     dopt._update_mask = used
+    dopt._owed_early = early
+    if early:
+        dopt.deferred.owe(np.ones(len(dopt.params), dtype=bool), hyper)
     dopt._open = False
     dopt._used[:] = False
     dopt._passes = [0] * len(dopt.params)
@@ -82,10 +104,19 @@ def finish_round(dopt):
             raise dopt.strategy.problem_error(str(exc)) from None
 
 
-def settle(dopt, fresh=()) -> None:
+def settle(dopt, fresh=(), wait: bool = True) -> None:
     """The agreement a deferred step left pending: finished (or every rank raises), its updates owed, the
-    module buffers' average started. Called before anything reads what it decides; once per step."""
+    module buffers' average started. Called before anything reads what it decides; once per step.
+
+    wait=False (the forward's gates, backward's hooks): where the updates were owed without it (`_owed_early`),
+    finished only if it is in already; the next step() finishes it otherwise."""
     if not dopt.check.pending or dopt.failed is not None:
+        return
+    if dopt._owed_early:
+        if not wait and not dopt.check.ready():
+            return
+        dopt._owed_early = False
+        finish_round(dopt)
         return
     dopt._update_mask = finish_round(dopt)
     dopt.deferred.owe(_mask(dopt), dopt._hyper, fresh)

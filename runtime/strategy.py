@@ -29,6 +29,9 @@ class StrategyContext:
     momentum: float = 0.0  # SGD momentum moved into the strategy (sparse momentum correction)
     model: torch.nn.Module | None = None  # for strategies that pick layers (sufficient factors)
     interrupt: Callable[[], None] = lambda: None  # raises when another rank failed; every wait calls it
+    # The module buffers' float64 host vector (runtime.model_buffers), offered to a strategy that `carries_buffers`:
+    # its exchange averages it with the gradients each step. None: not offered (the buffers' own allreduce does).
+    carried: torch.Tensor | None = None
 
     @property
     def compute_off_host(self) -> bool:
@@ -59,7 +62,10 @@ class Strategy:
       needs (sufficient factors); the wrapper then calls `forwarded(k, input)`
       as capture[k] runs in a training forward pass, `captured(k, input,
       grad_output)` for it during backward, and `forward_started()` as each
-      training forward pass of the model begins.
+      training forward pass of the model begins;
+    - carries_buffers: takes `ctx.carried` (the module buffers' vector) into
+      its own exchange: `carry_ready()` in step() hands it over with the
+      gradients, `wait_carried()` returns once it holds the average.
     """
 
     name = "base"
@@ -68,6 +74,7 @@ class Strategy:
     hooks = False
     can_shard_gradients = False  # with PTO, may leave only this rank's averaged shard (grad_shard)
     progress_thread = False  # a thread of its own drives MPI: the wrapper's waits only watch
+    carries_buffers = False
     on_device = False  # works on the GPU gradients itself (buffers.device_flats); else the wrapper stages them
     problem_error = RuntimeError  # what every rank raises when a rank reports a local_problem()
     # Set by the wrapper where it stages the gradients through host memory (runtime.device): a strategy whose

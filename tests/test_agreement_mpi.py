@@ -127,6 +127,48 @@ def test_p3_step_returns_before_a_late_rank_has_stepped_and_its_next_forward_agr
     assert_everywhere(world, same, "p3 with its agreement in flight differs from one process")
 
 
+def test_p3_next_forward_runs_before_the_steps_agreement_where_every_parameter_was_used(world):
+    """Every parameter used on a rank: whatever the others used, every update is owed (the agreement ORs the
+    flags), so p3's next forward runs with the step's agreement still in flight (runtime.stepping). Rank 1 steps
+    only once rank 0 has run its next forward: a forward that waited for the agreement would wait for ever
+    (rank 0 then stops at the stall limit, rank 1 at its deadline). The next step() finishes the agreement;
+    the parameters still equal one process's."""
+    needs_two(world)
+    model, opt = model_and_opt()
+    dopt = wrap(opt, model, "p3", stall=StallPolicy(warn_after=None, timeout=10.0))
+    side, word, r = world.Dup(), np.zeros(1, dtype=np.int64), world.Get_rank()
+    X, Y = batches(world.Get_size(), steps=2)
+    got, pending = True, True
+    for step in range(2):
+        dopt.zero_grad()
+        loss = nn.functional.cross_entropy(model(local(X[step], r)), local(Y[step], r))
+        if step == 1 and r == 0:
+            pending = dopt.check.pending  # the forward ran without it
+            for peer in range(1, world.Get_size()):
+                side.Send(word, dest=peer)
+        loss.backward()
+        if step == 0 and r != 0:
+            req, deadline = side.Irecv(word, source=0), time.monotonic() + 15
+            while not req.Test() and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            got = bool(req.Test())
+            if not got:
+                req.Cancel()
+                req.Wait()
+        dopt.step()
+    dopt.close()
+    side.Free()
+    assert_everywhere(world, got and pending, f"rank 0's forward waited for the agreement (word: {got}, "
+                                              f"agreement still in flight at its forward: {pending})")
+    reference, ref_opt = model_and_opt()
+    for step in range(2):
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(reference(X[step]), Y[step]).backward()
+        ref_opt.step()
+    same = all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), reference.parameters()))
+    assert_everywhere(world, same, "p3 with its updates owed before the agreement differs from one process")
+
+
 class BodyAndScale(nn.Module):
     """A linear body, and a parameter its forward does not use (a loss may use it directly)."""
 

@@ -92,16 +92,50 @@ def test_a_timeline_shows_each_steps_agreement_and_the_wait_for_the_buffers(worl
     assert_everywhere(world, ok, f"{agreements} step agreements and {buffers} buffer waits for 3 steps")
 
 
+def test_p3_carries_the_buffers_in_its_exchange_and_averages_them_as_the_allreduce_does(world):
+    """p3 takes the buffers' vector into its own exchange (a slice more, the most urgent): no MPI allreduce of
+    them, one vector handed over a step, and after each step every rank holds the mean over ranks of what each
+    rank's BatchNorm held at step(), as the per-buffer average computes it."""
+    from runtime import DistributedOptimizer
+
+    r, P = world.Get_rank(), world.Get_size()
+    model = bn_model()
+    bn = model[1]
+    dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, "p3")
+    g = torch.Generator().manual_seed(5)
+    ok, worst = True, 0.0
+    for step in range(3):
+        xs = [torch.randn(8, 6, generator=g) + 2 * q for q in range(P)]  # rank q's data is shifted by 2q
+        y = torch.randint(0, 3, (8,), generator=g)
+        dopt.zero_grad()
+        nn.functional.cross_entropy(model(xs[r]), y).backward()
+        held = [per_buffer_average(world, b) for b in (bn.running_mean, bn.running_var)]  # what step() packs
+        dopt.step()
+        dopt.synchronize()  # writes the average back, as the next forward would
+        for b, want in zip((bn.running_mean, bn.running_var), held):
+            worst = max(worst, float((b - want).abs().max()))
+            ok = ok and torch.allclose(b, want, rtol=1e-6, atol=1e-7)
+    sync = dopt.model_buffers
+    carried = sync.carrier is dopt.strategy if P > 1 else sync.carrier is None
+    rounds = (sync.carried_rounds, sync.collectives) == ((3, 0) if P > 1 else (0, 0))
+    dopt.close()
+    assert_everywhere(world, ok and carried and rounds,
+                      f"worst difference {worst:g}; carried by p3: {carried}; "
+                      f"{sync.carried_rounds} vectors handed over, {sync.collectives} allreduces")
+
+
 @pytest.mark.parametrize("yield_link", [True, False])
 def test_p3_holds_its_sends_from_each_step_until_the_buffers_average_is_in(world, yield_link):
-    """P3Options.yield_link: with buffers to average, p3 sends nothing new from step() until the step's agreement
-    and the buffers' average are done (released by the next forward, or synchronize()): one hold a step on the
-    timeline, none with yield_link=False; released at the end either way."""
+    """P3Options.yield_link: with buffers averaged by MPI's allreduce (a watched one keeps p3 from carrying them),
+    p3 sends nothing new from step() until the step's agreement and the buffers' average are done (released by
+    the next forward, or synchronize()): one hold a step on the timeline, none with yield_link=False; released at
+    the end either way. Buffers p3 carries need no hold."""
     from runtime import DistributedOptimizer, P3Options
     from runtime.trace import Timeline
 
     tl = Timeline(world.Get_rank())
     model = bn_model()
+    model.register_buffer("positions", torch.linspace(-1, 1, 4), persistent=False)  # watched: not carried
     dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model,
                                 P3Options(yield_link=yield_link), timeline=tl)
     g = torch.Generator().manual_seed(5)
@@ -120,6 +154,15 @@ def test_p3_holds_its_sends_from_each_step_until_the_buffers_average_is_in(world
     ok = len(holds) == expect and held == [expect > 0] * 3 and released
     assert_everywhere(world, ok, f"yield_link={yield_link}: {len(holds)} holds for 3 steps, held {held}, "
                                  f"released at the end: {released}")
+    carried = bn_model()
+    dopt = DistributedOptimizer(torch.optim.SGD(carried.parameters(), lr=0.05), carried, P3Options(yield_link=True))
+    dopt.zero_grad()
+    nn.functional.cross_entropy(carried(torch.randn(8, 6, generator=g)), torch.randint(0, 3, (8,), generator=g)
+                                ).backward()
+    dopt.step()
+    never = not dopt.strategy.exchange.holding
+    dopt.close()
+    assert_everywhere(world, never, "p3 held its sends for buffers it carries")
 
 
 class Stats(nn.Module):

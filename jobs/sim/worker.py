@@ -93,7 +93,7 @@ def slowest_per_step(profiles: list):
     layers = tuple(Layer(l.name, fmean([st["fwd"][j] for st in picks]), fmean([st["bwd"][j] for st in picks]),
                          l.params, l.act_bytes, l.linear) for j, l in enumerate(first.layers))
     keep = ("model", "batch_size", "device", "ranks_at_once", "cores", "cores_per_rank", "threads", "itemsize",
-            "buffer_elements", "machine")
+            "buffer_elements", "watched_buffers", "machine")
     return Profile(**{k: getattr(first, k) for k in keep}, layers=layers,
                    step_s=max(p.step_s for p in profiles), optimizer_s=fmean([st["opt"] for st in picks]),
                    other_s=max(0.0, fmean([st["rest"] for st in picks])),

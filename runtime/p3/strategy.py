@@ -26,6 +26,7 @@ class P3Sync(Strategy):
     name = "p3"
     deferred = True
     progress_thread = True
+    carries_buffers = True
 
     def __init__(self, ctx: StrategyContext):
         super().__init__(ctx)
@@ -38,27 +39,39 @@ class P3Sync(Strategy):
                                o.slice_size, o.credit, ranks_per_node=per_node)
         if self.timeline:
             self.timeline.instant("p3 tuning", "setup", settings=t.describe(itemsize))
-        self.exchange = SlicedExchange(ctx.topology.world, flats, self.buffers.segments, t.slice_size, t.credit,
-                                       self.timeline, ctx.names, relaxed_sleep=t.relaxed_sleep,
+        # The module buffers' vector, when offered, is one tensor more of the exchange: a flat buffer of its own.
+        exchanged, segments, names = list(flats), list(self.buffers.segments), list(ctx.names)
+        self.carried = None if ctx.carried is None else len(segments)  # its tensor index
+        if ctx.carried is not None:
+            exchanged.append(ctx.carried)
+            segments.append((len(flats), 0, ctx.carried.numel()))
+            names.append("module buffers")
+        self.exchange = SlicedExchange(ctx.topology.world, exchanged, segments, t.slice_size, t.credit,
+                                       self.timeline, names, relaxed_sleep=t.relaxed_sleep,
                                        nodes=ctx.topology.nodes, node_aggregation=aggregate,
                                        local_rate=t.local_rate)
         self.progress = ProgressThread("mpitrain-p3", setup=device_setup(self.buffers.device))  # copies back
         self.exchange.nudge = self.progress.nudge
-        self.copy_back = SliceCopyBack(self.exchange.plan.slices, [b.element_size() for b in flats], self._send_back)
+        self.copy_back = SliceCopyBack(self.exchange.plan.slices, [b.element_size() for b in exchanged],
+                                       self._send_back)
         self.exchange.on_done = self._averaged
         self.future = None  # the exchange of the newest step on the progress thread
         self._open = False  # gradients of the current step are being handed over
         self.yield_link = getattr(o, "yield_link", False)
         self._hold_token = None  # the hold's span on the timeline
+        self._carried_in = False  # the buffers' vector handed to the step in flight, not yet waited for
 
     def set_priorities(self, priority: list[int]) -> None:
+        if self.carried is not None:  # needed before the first layer runs: ahead of every gradient
+            priority = [*priority, min(priority, default=0) - 1]
         self.exchange.set_priorities(priority)
 
     def hold(self) -> None:
         # The next forward waits for the step's agreement and the buffers' average: behind `credit` slices at each
         # of their steps that cross the link (a queue of ~8 ms: IN_FLIGHT_SECONDS), Rabenseifner's 2 log2 P steps
         # wait longest. The agreement alone (VGG-19, no buffers) gains less than the link idles for (simulated:
-        # benchmarks/claims.md, seventeenth pass), so the wrapper holds only where buffers are averaged.
+        # benchmarks/claims.md, seventeenth pass), so the wrapper holds only where MPI's allreduce averages the
+        # buffers (buffers this exchange carries need no hold).
         if self.yield_link and not self.exchange.holding:
             self.exchange.holding = True
             if self.timeline:
@@ -85,6 +98,7 @@ class P3Sync(Strategy):
                            report=lambda: ex.report(range(len(self.params))))
                 fut.wait()
             self.copy_back.reset()
+            self._carried_in = False  # the previous step is over: its buffers' average is in the vector
             self.future = self.progress.submit(ex.begin())
             self._open = True
         return ex
@@ -92,8 +106,21 @@ class P3Sync(Strategy):
     def grad_ready(self, i: int) -> None:
         self._started().ready(i)
 
+    def carry_ready(self) -> None:
+        """The module buffers' vector is packed for this step (runtime.model_buffers.BufferSync.hand_over)."""
+        self._started().ready(self.carried)
+        self._carried_in = True
+
+    def wait_carried(self) -> None:
+        """The vector holds the average over ranks of what each rank handed over last."""
+        if self._carried_in:
+            self.wait([self.carried])
+            self._carried_in = False
+
     def _averaged(self, s: int, tensors: list[int]) -> None:
         """On the progress thread: slice s is averaged (completing `tensors`); staged, its copy back is due."""
+        if self.carried is not None and self.exchange.plan.slices[s][0] == len(self.buffers.flats):
+            return  # the buffers' vector: read where it is, on the host
         if self.on_averaged is not None:
             self.copy_back(s, tensors)
 
@@ -106,7 +133,7 @@ class P3Sync(Strategy):
 
     def averaged(self):
         """Per parameter, whether its average of the current step is in .grad already (a bool array, read-only)."""
-        return self.exchange.tensor_done
+        return self.exchange.tensor_done[:len(self.params)]
 
     def landing(self, indices) -> list[int]:
         if self._open or self.future is None:  # a step begun has waited for the one before (_started)
@@ -127,7 +154,7 @@ class P3Sync(Strategy):
         self.progress.abort()  # first: no poll may run while the requests are cancelled
         self.exchange.abort()
         self.copy_back.reset()
-        self.future, self._open = None, False
+        self.future, self._open, self._carried_in = None, False, False
 
     def close(self) -> None:
         self.progress.stop()

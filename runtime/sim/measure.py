@@ -149,7 +149,8 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
                    ranks_at_once=ranks_at_once, cores=cores,
                    cores_per_rank=1.0 if cuda else min(float(threads), cores / ranks_at_once),
                    threads=threads, select_s_per_element=select, gflops=rate, copy_gbs=copy,
-                   itemsize=4, buffer_elements=buffer_elements(model), machine=machine, extra=extra)
+                   itemsize=4, buffer_elements=buffer_elements(model), watched_buffers=watched_buffers(model),
+                   machine=machine, extra=extra)
 
 
 def buffer_elements(model: torch.nn.Module) -> int:
@@ -160,6 +161,13 @@ def buffer_elements(model: torch.nn.Module) -> int:
 
     sent, watched = synced_buffers(model)
     return sum(b.numel() for b in sent) + len(watched)
+
+
+def watched_buffers(model: torch.nn.Module) -> int:
+    """The buffers runtime.model_buffers only watches (their flags are part of buffer_elements)."""
+    from runtime.buffer_selection import synced_buffers
+
+    return len(synced_buffers(model)[1])
 
 
 def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: int = 3) -> float:

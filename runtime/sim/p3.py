@@ -12,6 +12,8 @@ from .collectives import slice_round_trip
 from .dataparallel import Run, Schedule, param_layers
 from .engine import Event, all_of
 
+CARRIED = -1  # the module buffers' vector in the send queue (runtime.p3 carries it as a tensor more)
+
 
 def p3_settings(run: Run, slice_size="auto", credit="auto") -> tuning.P3Tuning:
     """What runtime.p3.tuning would choose on this cluster: the link probe's figures, from the model of the link."""
@@ -71,13 +73,29 @@ class P3Schedule(Schedule):
         self._updated: set = set()
         self._holding = False  # runtime.p3's hold: no new slice from the agreement's start to the buffers' end
 
+    @property
+    def carries(self) -> bool:
+        """runtime.p3 averages the module buffers' vector in its own exchange (none of them only watched)."""
+        return bool(self.p.buffer_elements) and not self.p.watched_buffers and self.run.cluster.ranks > 1
+
     def agree(self) -> Event | None:
         agreed = super().agree()
-        if agreed is not None and self.options.get("yield_link", False) and self.p.buffer_elements:
+        if agreed is not None and self.options.get("yield_link", False) and self.p.buffer_elements \
+                and not self.carries:
             self._holding = True
         return agreed
 
     def buffers_after_step(self, agreed: Event | None = None) -> Event | None:
+        """What the next forward waits for. The step's updates are owed before its agreement is in (every layer
+        is used: runtime.stepping), so not the agreement, unless the buffers go by MPI's allreduce after it; the
+        carried vector goes as one slice more, ahead of every gradient still queued."""
+        if self.carries:
+            self._carried = Event()
+            heapq.heappush(self._ready, (-1, CARRIED))
+            self._send()
+            return self._carried
+        if not self.p.buffer_elements or self.run.cluster.ranks == 1:
+            return Event().succeed()
         done = super().buffers_after_step(agreed) or agreed
         if done is not None and self._holding:
             done.then(lambda _: self._release())
@@ -132,7 +150,8 @@ class P3Schedule(Schedule):
                 self.run.host.polling(True)
             _, s = heapq.heappop(self._ready)
             self._in_flight += 1
-            proc = slice_round_trip(self.run.host, self.slices[s][0] * self.p.itemsize, f"slice {s}",
+            nbytes = 8 * self.p.buffer_elements if s == CARRIED else self.slices[s][0] * self.p.itemsize
+            proc = slice_round_trip(self.run.host, nbytes, "module buffers" if s == CARRIED else f"slice {s}",
                                     poll=self.tuning.relaxed_sleep,
                                     aggregate=self.options.get("node_aggregation", True))
             self.run.engine.process(proc).then(lambda _, s=s: self._returned(s))
@@ -141,6 +160,10 @@ class P3Schedule(Schedule):
         self._in_flight -= 1
         if self._in_flight == 0 and not self._ready:
             self.run.host.polling(False)
+        if s == CARRIED:
+            self._carried.succeed()
+            self._send()
+            return
         finished = []
         for j, n in self.slices[s][1].items():
             self._back_pending[j] = self._back_pending.get(j, 0.0) + n * self.p.itemsize

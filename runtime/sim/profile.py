@@ -50,7 +50,9 @@ class Profile:
     element; memory_gbs: GB/s of an element-wise pass over device memory, reads and writes together
     (accumulating micro-batches' gradients; 0: not known, and not simulated); buffer_elements: elements of the
     model's floating-point buffers (BatchNorm statistics), made equal on every rank each step (runtime.model_buffers
-    averages them after the step; torch DDP broadcasts rank 0's before each forward; 0 in older files).
+    averages them after the step; torch DDP broadcasts rank 0's before each forward; 0 in older files);
+    watched_buffers: of those, the flags of buffers only watched (a constant such as the Transformer's positions:
+    p3 then averages the vector with MPI's allreduce rather than in its own exchange; 0 in older files).
     """
 
     model: str
@@ -70,6 +72,7 @@ class Profile:
     itemsize: int = 4
     memory_gbs: float = 0.0
     buffer_elements: int = 0
+    watched_buffers: int = 0
     machine: str = ""
     extra: dict = field(default_factory=dict)
 
