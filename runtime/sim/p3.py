@@ -88,11 +88,8 @@ class P3Schedule(Schedule):
     def buffers_after_step(self, agreed: Event | None = None) -> Event | None:
         """What the next forward waits for. The step's updates are owed before its agreement is in (every layer
         is used: runtime.stepping), so not the agreement, unless the buffers go by MPI's allreduce after it; the
-        carried vector goes as one slice more, ahead of every gradient still queued."""
+        carried vector (grad_ready) is back."""
         if self.carries:
-            self._carried = Event()
-            heapq.heappush(self._ready, (-1, CARRIED))
-            self._send()
             return self._carried
         if not self.p.buffer_elements or self.run.cluster.ranks == 1:
             return Event().succeed()
@@ -129,6 +126,10 @@ class P3Schedule(Schedule):
             self._on_device = {j: Event() for j in self._params_ready}
             self._back_pending, self._back_bytes = {}, 0.0
             self._updated = set()
+            if self.carries:  # handed over as the step's first gradient is sent: one slice more, the most urgent
+                self._carried = Event()
+                heapq.heappush(self._ready, (-1, CARRIED))
+                self._send()
         copied = self.on_host(i)
         if copied is None:
             self._on_host(i)
