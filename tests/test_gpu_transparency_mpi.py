@@ -122,3 +122,34 @@ def test_every_wait_holds_under_delays_on_the_compute_and_side_streams(world, de
     half = wide_train(None, world, device, local=DELAYED_BATCH // 2)
     assert_everywhere(world, not all(torch.allclose(a, b, **tol) for a, b in zip(half, reference)),
                       "test cannot fail")
+
+
+def test_p3_carries_cuda_batchnorm_statistics_and_every_rank_averages_them(world, device):
+    """On CUDA, p3 packs the BatchNorm statistics in its first gradient hook (the autograd thread) and carries
+    them in its exchange: after each step every rank holds the mean over ranks of what each held at step()."""
+    import torch.nn as nn
+    from mpi4py import MPI
+
+    from runtime import DistributedOptimizer
+
+    r, P = world.Get_rank(), world.Get_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)).to(device)
+    bn = model[1]
+    dopt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, "p3")
+    g = torch.Generator().manual_seed(5)
+    worst = 0.0
+    for _ in range(3):
+        x = (torch.randn(8, 6, generator=g) + 2 * r).to(device)
+        y = torch.randint(0, 3, (8,), generator=g).to(device)
+        dopt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        held = torch.cat([bn.running_mean, bn.running_var]).double().cpu().numpy()
+        world.Allreduce(MPI.IN_PLACE, held)
+        dopt.step()
+        dopt.synchronize()
+        got = torch.cat([bn.running_mean, bn.running_var]).double().cpu().numpy()
+        worst = max(worst, float(abs(got - held / P).max()))
+    carried = dopt.model_buffers.carrier is dopt.strategy or P == 1
+    dopt.close()
+    assert_everywhere(world, worst < 1e-5 and carried, f"worst difference {worst:g}; carried by p3: {carried}")
