@@ -24,7 +24,7 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
     So the simulator and emulate() time the same work from the same trace: what the two then disagree on is the
     communication and the host, which is what a validation of the simulator against emulation should see.
     """
-    from runtime.sim.measure import buffer_elements, watched_buffers
+    from runtime.sim.measure import buffer_counts
     from runtime.sim.profile import Layer, Profile
 
     if not scale > 0:
@@ -65,8 +65,7 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
                    ranks_at_once=1, cores=1.0, cores_per_rank=1.0, threads=1,
                    select_s_per_element=cm.select_s(elements) * scale / elements,
                    gflops=2.0 * GEMM_SIDE ** 3 / gemm / 1e9 if gemm > 0 else 100.0, copy_gbs=float(copy),
-                   itemsize=itemsize, memory_gbs=memory, buffer_elements=buffer_elements(model),
-                   watched_buffers=watched_buffers(model),
+                   itemsize=itemsize, memory_gbs=memory, **buffer_counts(model),
                    machine=f"modelled: {cm.label}" + (f", compute x{scale:g}" if scale != 1 else ""),
                    extra={"compute_model": cm.label, "compute_scale": scale})
 

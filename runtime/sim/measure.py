@@ -149,25 +149,18 @@ def measure(model: torch.nn.Module, inputs, target, loss_fn, optimizer, *, steps
                    ranks_at_once=ranks_at_once, cores=cores,
                    cores_per_rank=1.0 if cuda else min(float(threads), cores / ranks_at_once),
                    threads=threads, select_s_per_element=select, gflops=rate, copy_gbs=copy,
-                   itemsize=4, buffer_elements=buffer_elements(model), watched_buffers=watched_buffers(model),
-                   machine=machine, extra=extra)
+                   itemsize=4, **buffer_counts(model), machine=machine, extra=extra)
 
 
-def buffer_elements(model: torch.nn.Module) -> int:
-    """The float64 elements runtime.model_buffers averages after each step: the floating-point state buffers
-    (BatchNorm statistics) and a flag per watched one (a constant such as the Transformer's positions; integer
-    ones, num_batches_tracked, advance alike on every rank). DDP's broadcast is priced on the same count."""
+def buffer_counts(model: torch.nn.Module) -> dict:
+    """The profile's buffer_elements and watched_buffers: the float64 elements runtime.model_buffers averages
+    after each step (the floating-point state buffers, BatchNorm statistics, and a flag per watched one: a
+    constant such as the Transformer's positions; integer ones, num_batches_tracked, advance alike on every
+    rank), and how many of those flags there are. DDP's broadcast is priced on the same count."""
     from runtime.buffer_selection import synced_buffers
 
     sent, watched = synced_buffers(model)
-    return sum(b.numel() for b in sent) + len(watched)
-
-
-def watched_buffers(model: torch.nn.Module) -> int:
-    """The buffers runtime.model_buffers only watches (their flags are part of buffer_elements)."""
-    from runtime.buffer_selection import synced_buffers
-
-    return len(synced_buffers(model)[1])
+    return dict(buffer_elements=sum(b.numel() for b in sent) + len(watched), watched_buffers=len(watched))
 
 
 def _select_cost(n: int, density: float, device: str, ranks: int = 1, repeats: int = 3) -> float:
