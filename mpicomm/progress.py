@@ -247,6 +247,75 @@ class HandleTask(Task):
         return f"HandleTask({self.handle!r})"
 
 
+class Window:
+    """Starts its tasks in sequence 0, 1 ... count-1 (then 0 again), at most `size` of them under way at once.
+
+    Every rank starts the same collectives in the same order, whatever order they
+    became ready in (a branch taken on one rank only): no two ranks can each hold
+    a slot that the other's collective needs.
+    """
+
+    __slots__ = ("size", "count", "busy", "next", "_lock")
+
+    def __init__(self, size: int, count: int):
+        if size < 1 or count < 1:
+            raise ValueError(f"a window holds at least 1 task of at least 1, got {size} of {count}")
+        self.size, self.count = size, count
+        self.busy = self.next = 0
+        self._lock = threading.Lock()  # the submitting thread may claim a slot while the progress thread does
+
+    def claim(self, seq: int) -> bool:
+        """Take a slot for task `seq` if its turn has come and there is room."""
+        with self._lock:
+            if seq != self.next or self.busy >= self.size:
+                return False
+            self.busy += 1
+            self.next = (self.next + 1) % self.count
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self.busy -= 1
+
+    def reset(self) -> None:
+        """After an abort: what was under way is dropped; the next round starts at task 0."""
+        with self._lock:
+            self.busy = self.next = 0
+
+
+class WindowedTask(Task):
+    """The task `make()` returns (a HandleTask, say), made once its window reaches `seq` and has room; the
+    window's next task may start the moment this one finishes.
+
+    now: try first on the calling thread, so that a task whose turn has come starts at once rather than when
+    the progress thread next wakes (which, on busy cores, can be after a short backward pass is over).
+    """
+
+    __slots__ = ("window", "seq", "make", "task")
+
+    def __init__(self, window: Window, seq: int, make, now: bool = False):
+        self.window, self.seq, self.make, self.task = window, seq, make, None
+        if now and window.claim(seq):
+            self.task = make()
+
+    def poll(self) -> bool:
+        if self.task is None:
+            if not self.window.claim(self.seq):
+                return False
+            self.task = self.make()
+        if not self.task.poll():
+            return False
+        self.window.release()
+        return True
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    def __repr__(self) -> str:
+        return f"WindowedTask({self.seq}, {self.task!r})"
+
+
 class HandlesTask(Task):
     """Several handles on the progress thread; `on_done()` once all have completed."""
 

@@ -7,7 +7,9 @@ t over ranks on the strategy's ring, non-blocking, and returns a handle. The
 hook's handle must complete with the bucket's averaged gradient (the buffer
 itself, or a tensor of its size the strategy copies back). The bucketed
 strategies call it: `allreduce` (a bucket per dtype) and `wfbp` (its
-buckets, the moment backward produced them).
+buckets as each one's turn comes, `in_flight` at once in bucket order: on
+the thread that readied it if its turn has come, else on the progress
+thread).
 
     dopt.register_comm_hook(CompressionState(), fp16_compress_hook)
 """

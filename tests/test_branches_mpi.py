@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from runtime import HybCommOptions
+from runtime import HybCommOptions, WfbpOptions
 
 from conftest import assert_everywhere
 from dp_helpers import Branchy, batches, close, max_diff, train
@@ -55,6 +55,19 @@ def test_rank_dependent_branches_equal_one_process(world, strategy):
     first = mine.clone()
     world.Bcast(first.numpy(), root=0)
     assert_everywhere(world, torch.equal(mine, first), f"{strategy}: ranks' parameters differ")
+
+
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_wfbp_starts_its_buckets_in_one_order_on_every_rank_whatever_order_they_are_ready_in(world, in_flight):
+    """A bucket per tensor, one or two allreduces under way: even ranks ready expert a's buckets in backward and
+    b's only at step(), odd ranks the other way round. Started in the order they were ready, even ranks would hold
+    a's ring and odd ranks b's, each waiting for the other (a hang, caught by the timeout); wfbp's window starts
+    them in bucket order on every rank."""
+    X, Y = batches(world.Get_size())
+    path = lambda step, rank: rank % 2  # noqa: E731
+    want = train(world, None, Branchy, path, X, Y)
+    got = train(world, WfbpOptions(fuse_bytes=1, in_flight=in_flight), Branchy, path, X, Y)
+    assert_everywhere(world, close(got, want), f"in_flight {in_flight}: max difference {max_diff(got, want):.3g}")
 
 
 def test_first_steps_only_layer_is_left_alone_afterwards(world):

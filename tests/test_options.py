@@ -51,7 +51,8 @@ def test_each_options_object_names_a_registered_strategy(options, name):
 
 def test_describe_names_the_strategy_and_every_field():
     assert AllreduceOptions().describe() == "allreduce algorithm=None"
-    assert WfbpOptions(algorithm="hierarchical").describe() == "wfbp fuse_bytes='auto' algorithm='hierarchical'"
+    assert WfbpOptions(algorithm="hierarchical").describe() == \
+        "wfbp fuse_bytes='auto' algorithm='hierarchical' in_flight=1"
     assert P3Options(slice_size=1000, credit=2).describe() == \
         "p3 slice_size=1000 credit=2 node_aggregation=True node_pacing=True yield_link=False"
     assert TopkOptions(hierarchical=True).describe() == (
@@ -75,6 +76,8 @@ BAD = [
     (P3Options, "credit", 0), (P3Options, "credit", -2), (P3Options, "credit", 2.0), (P3Options, "credit", True),
     (WfbpOptions, "fuse_bytes", 0), (WfbpOptions, "fuse_bytes", -1), (WfbpOptions, "fuse_bytes", 1.5),
     (WfbpOptions, "fuse_bytes", False), (WfbpOptions, "fuse_bytes", "big"),
+    (WfbpOptions, "in_flight", 0), (WfbpOptions, "in_flight", 1.0), (WfbpOptions, "in_flight", True),
+    (WfbpOptions, "in_flight", "auto"),
     (TopkOptions, "density", 0), (TopkOptions, "density", 1.5), (TopkOptions, "density", NAN),
     (TopkOptions, "density", -0.1), (TopkOptions, "density", math.inf), (TopkOptions, "density", True),
     (TopkOptions, "density", "0.1"),

@@ -16,7 +16,9 @@ def check_settings(args) -> list[str]:
     """The strategies to run, after checking what jobs.bench hands the worker under the same option names."""
     strategies = comma_list("--strategies", args.strategies)
     for s in strategies:
-        if s.startswith("p3@"):
+        if s.startswith("wfbp/"):
+            check_wfbp_window(s.removesuffix("+pto"))
+        elif s.startswith("p3@"):
             check_p3_variant(s.removesuffix("+pto"))
         elif "@" in s and s.partition("@")[0] in DENSE_WITH_ALGORITHM:
             check_algorithm_variant(s.removesuffix("+pto"))
@@ -46,6 +48,14 @@ def check_p3_variant(name: str) -> None:
                                          "whole number >= 1 (e.g. p3@262144/8, p3@auto/4)")
 
 
+def check_wfbp_window(name: str) -> None:
+    """'wfbp/2', 'wfbp/all': wfbp with at most that many buckets' allreduces under way (all: no limit)."""
+    window = name.removeprefix("wfbp/")
+    if window != "all" and not (window.isdigit() and int(window) >= 1):
+        raise InputError("--strategies", f"bad wfbp variant {name!r}: write wfbp/N (N >= 1 buckets under way at "
+                                         "once) or wfbp/all")
+
+
 def check_algorithm_variant(name: str) -> None:
     """'wfbp@hierarchical', 'allreduce@ring': a dense strategy whose allreduce takes one algorithm."""
     from mpicomm.algorithms import CHOICES
@@ -71,6 +81,9 @@ def strategy_options(base: str, args):
     """The runtime options (or name) a contender without its "+pto" suffix stands for."""
     from runtime import AllreduceOptions, P3Options, TopkOptions, WfbpOptions
 
+    if base.startswith("wfbp/"):
+        window = base.removeprefix("wfbp/")
+        return WfbpOptions(in_flight=None if window == "all" else int(window))
     name, _, algorithm = base.partition("@")
     if algorithm and name in DENSE_WITH_ALGORITHM:
         if name == "wfbp":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mpicomm.algorithms import Chooser, CostModel, Layout
-from mpicomm.progress import HandleTask, ProgressThread
+from mpicomm.progress import HandleTask, ProgressThread, Window, WindowedTask
 from mpicomm.stall import wait_until
 
 from ..comm_hooks import GradBucket, allreduce_hook
@@ -22,10 +22,13 @@ class WfbpSync(Strategy):
 
     The gradient buffers are laid out bucket by bucket (`layout`), so a bucket
     is a contiguous range of its dtype's buffer, reduced where backward wrote
-    it. It starts, through the comm hook, when all of its gradients exist; a
-    progress thread drives the collectives while backward continues. Buckets
-    are tagged by index, so ranks may start them in different orders (a
-    branch taken on one rank only).
+    it. It is ready when all of its gradients exist; a progress thread starts
+    its allreduce (through the comm hook) and drives the collectives while
+    backward continues. With `in_flight` (1 by default) at most that many run
+    at once, started in bucket order on every rank: ranks that ready them in
+    different orders (a branch taken on one rank only) cannot each hold a
+    slot the other's bucket needs. Without it, each starts the moment it is
+    ready; buckets are tagged by index, so that order may differ by rank.
     """
 
     name = "wfbp"
@@ -50,6 +53,8 @@ class WfbpSync(Strategy):
                                            self.ring, b))
         self.left = [len(idxs) for idxs in self.bucket_params]
         self.futures: list = [None] * len(self.buckets)
+        w = ctx.options.in_flight  # None: every bucket the moment it is ready
+        self.window = Window(w, len(self.buckets)) if w is not None and self.buckets else None
         if self.timeline:  # what fuse_bytes (perhaps "auto", settled) made of this model
             self.timeline.instant("wfbp buckets", "setup", fuse_bytes=ctx.options.fuse_bytes, buckets=len(self.buckets))
 
@@ -75,18 +80,23 @@ class WfbpSync(Strategy):
             self._start(b)
 
     def _start(self, b: int) -> None:
-        tl, bucket = self.timeline, self.buckets[b]
-        token = tl.begin(f"allreduce b{b}", "sync", track="comm", bucket=b,
-                         params=len(self.bucket_params[b])) if tl else None
+        tl, bucket, params = self.timeline, self.buckets[b], self.bucket_params[b]
+        token = None
 
-        def averaged(handle, bucket=bucket, token=token, params=self.bucket_params[b]):
+        def averaged(handle):
             _copy_back(bucket, handle.wait())
             if self.on_averaged is not None:  # before the future is done: a wait() then finds the copy issued
                 self.on_averaged(params)
             if tl:
                 tl.end(token)
 
-        self.futures[b] = self.progress.submit(HandleTask(self.hook(self.hook_state, bucket), averaged))
+        def start() -> HandleTask:  # with a window: here if the bucket's turn has come, else on the progress thread
+            nonlocal token
+            token = tl.begin(f"allreduce b{b}", "sync", track="comm", bucket=b, params=len(params)) if tl else None
+            return HandleTask(self.hook(self.hook_state, bucket), averaged)
+
+        task = start() if self.window is None else WindowedTask(self.window, b, start, now=True)
+        self.futures[b] = self.progress.submit(task)
 
     def wait(self, indices) -> None:
         futures = {self.bucket_of[i] for i in indices}
@@ -111,8 +121,10 @@ class WfbpSync(Strategy):
         self.progress.abort()
         for fut in self.futures:
             if fut is not None:
-                fut.task.handle.cancel()
+                fut.task.cancel()
         self.futures = [None] * len(self.buckets)
+        if self.window is not None:
+            self.window.reset()
         self.left = [len(idxs) for idxs in self.bucket_params]
 
     def close(self) -> None:
