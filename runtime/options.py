@@ -78,7 +78,7 @@ class WfbpOptions(StrategyOptions):
     in_flight: at most this many buckets' allreduces under way at once (1, the default: one after another, as
     DDP's and Horovod's queues run them), started in bucket order on every rank, the next the moment one ends;
     None: each the moment backward has produced it. On 8 emulated hosts at 1 Gbit/s all at once made every ring
-    share the link and the two cores with 30 others, the first buckets finished last, and the step took 1.27x
+    share the link and the two cores with 30 others, the first buckets finished last, and the step took 1.18-1.27x
     as long (benchmarks/claims.md, twenty-first pass).
     """
 

@@ -85,6 +85,8 @@ CASES = [
     ("worker-credit-word", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3", "--credit", "many"], "--credit"),
     ("worker-p3-variant", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3@1k/2"], "--strategies"),
     ("worker-algorithm-variant", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "wfbp@tree"], "--strategies"),
+    ("worker-wfbp-window-zero", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "wfbp/0"], "--strategies"),
+    ("worker-wfbp-window-word", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "wfbp/many"], "--strategies"),
     ("train-credit-zero", "jobs.train", [*TRAIN, "--credit", "0"], "--credit"),
     ("worker-iters-zero", "jobs.bench.strategies_worker", [*WORKER, "--iters", "0"], "--iters"),
     ("worker-threads-zero", "jobs.bench.strategies_worker", [*WORKER, "--threads", "0"], "--threads"),
@@ -344,6 +346,16 @@ def test_bench_worker_takes_p3s_variants():
     opts = [contenders.strategy_options(s, args) for s in args.strategies]
     assert [(o.name, o.node_aggregation, o.node_pacing, o.yield_link) for o in opts] == [
         ("p3", True, True, False), ("p3", False, True, False), ("p3", True, False, False), ("p3", True, True, True)]
+
+
+def test_bench_worker_takes_wfbps_windows():
+    """wfbp/N: at most N buckets under way; wfbp/all: no limit; plain wfbp: the default (one)."""
+    from jobs.bench import contenders
+    from jobs.bench import strategies_worker as bench_worker
+
+    args = bench_worker.parse_args([*WORKER, "--strategies", "wfbp,wfbp/2,wfbp/all", "--bandwidth", "1gbit"])
+    opts = [contenders.strategy_options(s, args) for s in args.strategies]
+    assert opts[0] == "wfbp" and [(o.name, o.in_flight) for o in opts[1:]] == [("wfbp", 2), ("wfbp", None)]
 
 
 def test_bench_scaling_takes_a_bandwidth_and_rank_counts():

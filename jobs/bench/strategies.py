@@ -10,6 +10,8 @@ r"""Benchmark: allreduce vs wfbp vs p3 vs hybcomm vs torch DDP, training through
         --strategies p3,p3@262144/8,p3@1048576/4,ddp --rounds 5      # p3's auto settings against fixed ones
     mpitrain bench strategies --models vgg19-22k --bandwidths 1gbit,10gbit \
         --strategies wfbp,hybcomm,hybcomm-sfb,hybcomm-ps                  # Poseidon's choice vs forced
+    mpitrain bench strategies --compute emulated:v100 --models resnet50-224 --hosts 8 \
+        --strategies wfbp/1,wfbp/2,wfbp/all                               # wfbp's buckets under way at once
     mpitrain bench strategies --device cuda --models vgg19,resnet50 --hosts 2 --ranks-per-host 2 \
         --bandwidths 1gbit,10gbit,none                                    # on GPUs (ranks may share one)
     mpitrain bench strategies --compute emulated:h100 --models vgg19-224 --bandwidths 1gbit --hosts 4

@@ -27,7 +27,7 @@ for, all of them. A "+pto" suffix runs a strategy with PTO (sharded
 optimizer update + allgather). "p3@SLICE/CREDIT" (each auto or a count) runs
 p3 with those settings beside "p3" (--slice-size, --credit; auto: chosen from
 the link); p3 rows carry what was chosen and the messages sent and polls per
-step.
+step. "wfbp/N" (or "wfbp/all"): WfbpOptions(in_flight=N or None).
 Sparse strategies also report the bytes their exchange sent per step, summed
 over ranks, to peers on the same node and on other nodes. On the emulated
 cluster every strategy reports the bytes its hosts' interfaces sent per timed
