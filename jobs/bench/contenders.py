@@ -17,7 +17,7 @@ def check_settings(args) -> list[str]:
     strategies = comma_list("--strategies", args.strategies)
     for s in strategies:
         if s.startswith("wfbp/"):
-            check_wfbp_window(s.removesuffix("+pto"))
+            wfbp_window(s.removesuffix("+pto"))
         elif s.startswith("p3@"):
             check_p3_variant(s.removesuffix("+pto"))
         elif "@" in s and s.partition("@")[0] in DENSE_WITH_ALGORITHM:
@@ -48,12 +48,15 @@ def check_p3_variant(name: str) -> None:
                                          "whole number >= 1 (e.g. p3@262144/8, p3@auto/4)")
 
 
-def check_wfbp_window(name: str) -> None:
-    """'wfbp/2', 'wfbp/all': wfbp with at most that many buckets' allreduces under way (all: no limit)."""
+def wfbp_window(name: str) -> int | None:
+    """'wfbp/2' -> 2, 'wfbp/all' -> None: wfbp's in_flight (buckets' allreduces under way), or an error naming it."""
     window = name.removeprefix("wfbp/")
-    if window != "all" and not (window.isdigit() and int(window) >= 1):
+    if window == "all":
+        return None
+    if not (window.isdigit() and int(window) >= 1):
         raise InputError("--strategies", f"bad wfbp variant {name!r}: write wfbp/N (N >= 1 buckets under way at "
                                          "once) or wfbp/all")
+    return int(window)
 
 
 def check_algorithm_variant(name: str) -> None:
@@ -82,8 +85,7 @@ def strategy_options(base: str, args):
     from runtime import AllreduceOptions, P3Options, TopkOptions, WfbpOptions
 
     if base.startswith("wfbp/"):
-        window = base.removeprefix("wfbp/")
-        return WfbpOptions(in_flight=None if window == "all" else int(window))
+        return WfbpOptions(in_flight=wfbp_window(base))
     name, _, algorithm = base.partition("@")
     if algorithm and name in DENSE_WITH_ALGORITHM:
         if name == "wfbp":
