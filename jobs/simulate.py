@@ -58,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--latency", type=float, default=30e-6, help="seconds per message (default 30e-6)")
     p.add_argument("--intra-bandwidth", default="100gbit", help="between ranks of a node (default 100gbit)")
     p.add_argument("--oversubscription", type=float, default=1.0)
+    p.add_argument("--send-buffer", type=float, default=0.0, metavar="BYTES",
+                   help="bytes a connection takes before a send completes: an eager transport's socket buffer "
+                        "(flat p3, simulated rank by rank up to 32 ranks; default 0: rendezvous)")
     p.add_argument("--compute-scale", type=float, default=1.0, help="compute this many times as fast as profiled")
     p.add_argument("--cores-per-host", type=float, help="default: two per rank")
     p.add_argument("--calibration", metavar="JSON", help="transport costs measured by jobs.sim.validate")
@@ -107,7 +110,7 @@ def check_args(args) -> None:
     args.bandwidth = [link_rate("--bandwidth", b) for b in comma_list("--bandwidth", args.bandwidth)]
     args.intra_bandwidth = link_rate("--intra-bandwidth", args.intra_bandwidth)
     at_least(args, 1, "ranks_per_node", "oversubscription", "batch_size", "ranks")
-    at_least(args, 0, "latency")
+    at_least(args, 0, "latency", "send_buffer")
     if not args.compute_scale > 0:
         raise InputError("--compute-scale", f"must be positive, got {args.compute_scale}")
     if args.take_profile and not args.out:
@@ -145,7 +148,7 @@ def cluster_for(args, nodes: int, bandwidth: float, profile, cal: dict):
     return Cluster(nodes=nodes, ranks_per_node=rpn, bandwidth=bandwidth, latency=cal.get("latency", args.latency),
                    intra_bandwidth=args.intra_bandwidth, oversubscription=args.oversubscription,
                    efficiency=cal.get("efficiency", 0.94), transport_rate=cal.get("rate", float("inf")),
-                   cpu_per_byte=cal.get("cpu_per_byte", 0.0),
+                   cpu_per_byte=cal.get("cpu_per_byte", 0.0), send_buffer=args.send_buffer,
                    cores_per_host=args.cores_per_host or 2.0 * rpn * profile.threads,
                    device="gpu" if profile.device == "cuda" else "cpu")
 

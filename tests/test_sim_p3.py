@@ -9,8 +9,9 @@ from test_sim import fast_net, toy
 
 def test_p3_keeps_credit_slices_in_flight_per_rank_so_an_aggregating_node_keeps_l_times_that(monkeypatch):
     """runtime.p3's credit bounds each rank's outgoing messages. Aggregated, a slice's traffic across the link is
-    its aggregator's (local rank s % L): the node's L ranks keep L x credit slices on its link. Flat, a simulated
-    slice is one of every rank of the host: credit of them."""
+    its aggregator's (local rank s % L): the node's L ranks keep L x credit slices on its link. Flat, where one
+    host stands for all (compute on the cores; on a device every rank is simulated, test_sim_p3_owners), a
+    simulated slice is one of every rank of the host: credit of them."""
     running, peak = [0], [0]
     start = Engine.start
 
@@ -26,7 +27,8 @@ def test_p3_keeps_credit_slices_in_flight_per_rank_so_an_aggregating_node_keeps_
     p = toy(n=4, params=1_000_000)
     for aggregate, rpn, expect in ((True, 4, 8), (False, 4, 2), (True, 1, 2)):
         peak[0] = 0
-        simulate(p, fast_net(2, rpn=rpn), "p3", slice_size=4096, credit=2, node_aggregation=aggregate)
+        simulate(p, fast_net(2, rpn=rpn, device="gpu" if aggregate and rpn > 1 else "cpu"), "p3", slice_size=4096,
+                 credit=2, node_aggregation=aggregate)
         assert peak[0] == expect, (aggregate, rpn, peak[0])
 
 
@@ -59,7 +61,7 @@ def test_p3_yield_starts_no_slice_from_the_steps_agreement_until_the_buffers_ave
     for profile, name, holds in ((buffered, "p3-yield", True), (buffered, "p3", False), (toy(n=4), "p3-yield", False),
                                  (carried, "p3-yield", False)):
         starts.clear(), releases.clear()
-        simulate(profile, fast_net(4, latency=50e-6), name)
+        simulate(profile, fast_net(4, latency=50e-6, device="cpu"), name)  # one host for all: slices by name
         assert starts and not any(starts), (name, "a slice started while holding")
         assert len(releases) == (STEPS if holds else 0), (name, len(releases))  # once a step
 
@@ -82,7 +84,7 @@ def test_p3_carries_the_buffers_as_one_slice_a_step_ahead_of_the_gradients(monke
     monkeypatch.setattr(Engine, "start", counted)
     carried = replace(toy(n=4, params=1_000_000), buffer_elements=200_000)
     watched = replace(carried, watched_buffers=1)
-    net = fast_net(4, latency=50e-6)
+    net = fast_net(4, latency=50e-6, device="cpu")  # one host for all: the vector's round trip is one transfer
     t_carried = simulate(carried, net, "p3").t_iter_s
     trips = names.count("module buffers")
     names.clear()

@@ -232,7 +232,7 @@ def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes:
     """The emulated cluster as runtime.sim sees it: `nodes` hosts (default: one a rank) sharing this machine's
     cores, their transport as calibrated between that many hosts (else the calibration's top level); device
     gpu: the compute runs on an accelerator of each rank's (emulated compute), not on them."""
-    from mpicomm.emulation import parse_bandwidth
+    from mpicomm.emulation import eager_send_buffer, parse_bandwidth
     from runtime.sim import Cluster
 
     nodes = nodes or ranks
@@ -241,7 +241,8 @@ def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes:
     bps = parse_bandwidth(bandwidth)
     return Cluster(nodes=nodes, ranks_per_node=ranks // nodes, bandwidth=bps if bps else 100e9, latency=t["latency"],
                    efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"],
-                   cpu_per_byte=t["cpu_per_byte"], shared_cores=cores, device=device)
+                   cpu_per_byte=t["cpu_per_byte"], send_buffer=eager_send_buffer(bps), shared_cores=cores,
+                   device=device)
 
 
 POLLING = ("wfbp", "p3")  # strategies whose exchange a progress thread drives beside the training thread

@@ -32,7 +32,10 @@ class Cluster:
     (headers, acknowledgements). transport_rate: the most one connection moves
     whatever the link (copies in MPI and the kernel; inf: no such limit).
     cpu_per_byte: core-seconds for a byte sent and one received (both ends'
-    copies). comm_cores: what a rank's progress thread takes of the cores for
+    copies). send_buffer: bytes one connection takes before a send of it
+    completes (an eager transport's socket buffer: p3_owners' credit frees
+    then; 0: a send completes when it is delivered, as rendezvous does).
+    comm_cores: what a rank's progress thread takes of the cores for
     as long as its exchange is pending, beyond the copies (polling, its
     Python; measured per strategy on machines whose cores are shared); a
     thread that drives (wfbp's where compute is off the host) takes them only
@@ -52,6 +55,7 @@ class Cluster:
     efficiency: float = 0.94
     transport_rate: float = math.inf
     cpu_per_byte: float = 0.0
+    send_buffer: float = 0.0
     comm_cores: float = 0.0
     cores_per_host: float = 16.0
     shared_cores: float | None = None
@@ -65,8 +69,10 @@ class Cluster:
         for name in ("bandwidth", "intra_bandwidth", "efficiency", "transport_rate", "cores_per_host"):
             if not getattr(self, name) > 0:
                 raise ClusterError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.latency < 0 or self.cpu_per_byte < 0 or self.comm_cores < 0 or not self.oversubscription >= 1 or self.efficiency > 1:
-            raise ClusterError(f"latency and cpu_per_byte >= 0, oversubscription >= 1, efficiency <= 1: {self}")
+        if self.latency < 0 or self.cpu_per_byte < 0 or self.send_buffer < 0 or self.comm_cores < 0 \
+                or not self.oversubscription >= 1 or self.efficiency > 1:
+            raise ClusterError(f"latency, cpu_per_byte, send_buffer and comm_cores >= 0, oversubscription >= 1, "
+                               f"efficiency <= 1: {self}")
         if self.shared_cores is not None and not self.shared_cores > 0:
             raise ClusterError(f"shared_cores must be positive, got {self.shared_cores!r}")
         if self.device not in ("cpu", "gpu"):

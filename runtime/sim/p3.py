@@ -11,7 +11,9 @@ from runtime.p3.copy_back import BACK_BYTES
 from .collectives import slice_round_trip
 from .dataparallel import Run, Schedule, param_layers
 from .engine import Event, all_of
+from .p3_owners import OwnerExchange
 
+OWNER_RANKS = 32  # the most ranks whose flat exchange is simulated rank by rank (p3_owners)
 CARRIED = -1  # the module buffers' vector in the send queue (runtime.p3 carries it as a tensor more)
 
 
@@ -60,6 +62,13 @@ class P3Schedule(Schedule):
         c = run.cluster
         aggregated = options.get("node_aggregation", True) and c.nodes > 1 and c.ranks_per_node > 1
         self.in_flight = self.tuning.credit * (c.ranks_per_node if aggregated else 1)
+        # Flat across nodes, with compute off the cores: every rank simulated (p3_owners), where each slice
+        # converges on its owner's link. Aggregated, CPU compute (the other nodes' cores would carry compute
+        # that is not simulated) or beyond OWNER_RANKS (its cost: 32 ranks take a minute and a half for six
+        # steps of ResNet-50): one host stands for all (slice_round_trip), which spreads each slice's
+        # traffic over every link.
+        self.owners = OwnerExchange(run, self.tuning.credit, self.tuning.relaxed_sleep, self._returned) \
+            if c.nodes > 1 and not aggregated and c.device == "gpu" and c.ranks <= OWNER_RANKS else None
         self._elements = sum(l.elements for l in self.p.layers)
         self._ready: list = []  # heap of (priority, slice) ready to send
         self._in_flight = 0
@@ -83,6 +92,8 @@ class P3Schedule(Schedule):
         if agreed is not None and self.options.get("yield_link", False) and self.p.buffer_elements \
                 and not self.carries:
             self._holding = True
+            if self.owners is not None:  # every rank's queue holds too, from its next send on
+                self.owners.holding = True
         return agreed
 
     def buffers_after_step(self, agreed: Event | None = None) -> Event | None:
@@ -145,7 +156,25 @@ class P3Schedule(Schedule):
                 heapq.heappush(self._ready, (min(self.slices[s][1]), s))
         self._send()
 
+    def _hand_over(self) -> None:
+        """Rank by rank (p3_owners): every ready slice at once; each rank's credit and queue are the exchange's."""
+        owners, P = self.owners, self.run.cluster.ranks
+        owners.holding = self._holding
+        while self._ready:
+            if self._in_flight == 0:
+                owners.polling(True)
+            _, s = heapq.heappop(self._ready)
+            self._in_flight += 1
+            if s == CARRIED:  # runtime.p3's own flat buffer after the gradients': its first slice's owner
+                owners.ready(s, 8 * self.p.buffer_elements, -1, len(self.slices) % P)
+            else:
+                owners.ready(s, self.slices[s][0] * self.p.itemsize, min(self.slices[s][1]), s % P)
+        owners.pump()
+
     def _send(self) -> None:
+        if self.owners is not None:
+            self._hand_over()
+            return
         while self._ready and self._in_flight < self.in_flight and not self._holding:
             if self._in_flight == 0:
                 self.run.host.polling(True)
@@ -160,7 +189,7 @@ class P3Schedule(Schedule):
     def _returned(self, s: int) -> None:
         self._in_flight -= 1
         if self._in_flight == 0 and not self._ready:
-            self.run.host.polling(False)
+            (self.owners or self.run.host).polling(False)
         if s == CARRIED:
             self._carried.succeed()
             self._send()
