@@ -73,7 +73,8 @@ def simulated() -> None:
             p3_owners.OwnerExchange.ready, p3_owners.OwnerExchange._delivered = ready, delivered
         out = []
         for s, v in sorted(back.items()):
-            last = {k: max(v[7 * k:7 * k + 7]) for k in range(len(v) // 7)}  # a step's 7 results: the last
+            n = cluster.ranks - 1  # a step's results of a slice, one to each rank but its owner: the last of them
+            last = {k: max(v[n * k:n * k + n]) for k in range(len(v) // n)}
             out.append(f"s{s} {statistics.median(1e3 * (w - ends[k]) for k, w in last.items() if k >= 2):.0f}")
         print(f"send_buffer {cluster.send_buffer:.0f} B: T_iter {t:.3f} s; back on every rank (ms after the "
               f"backward, median of the steps): {', '.join(out)}")

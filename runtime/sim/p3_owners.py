@@ -49,6 +49,16 @@ __all__ = ["OwnerExchange"]
 PUSH, RESULT = 0, 1
 
 
+class _Slice:
+    """One slice in flight: its bytes, priority and owner, the pushes in, the owner's results left, who holds it."""
+
+    __slots__ = ("nbytes", "priority", "owner", "pushes_in", "results_left", "holders")
+
+    def __init__(self, nbytes: float, priority: float, owner: int, results: int):
+        self.nbytes, self.priority, self.owner = nbytes, priority, owner
+        self.pushes_in, self.results_left, self.holders = 0, results, 0
+
+
 class OwnerExchange:
     """Every rank's queue, credit and pending slices of a flat p3 exchange, on every node's links."""
 
@@ -61,7 +71,7 @@ class OwnerExchange:
         self.holding = False  # runtime.p3's hold: no new message while set
         self._queue: list[list] = [[] for _ in range(self.P)]
         self._outgoing = [0] * self.P
-        self._slices: dict = {}  # key -> [nbytes, priority, owner, pushes in, owner's results left, ranks holding it]
+        self._slices: dict[object, _Slice] = {}
         # (sender, receiver) -> its messages not yet delivered, first in first out: [key, kind, nbytes, released]
         self._conns: dict = {}
 
@@ -71,7 +81,7 @@ class OwnerExchange:
 
     def ready(self, key, nbytes: float, priority: float, owner: int) -> None:
         """Every rank's gradient of slice `key` is ready (their compute runs in step): each pushes it to `owner`."""
-        self._slices[key] = [nbytes, priority, owner, 0, self.P - 1, 0]
+        self._slices[key] = _Slice(nbytes, priority, owner, self.P - 1)
         for r in range(self.P):
             if r != owner:
                 heapq.heappush(self._queue[r], (priority, key, PUSH, owner))
@@ -88,7 +98,7 @@ class OwnerExchange:
             _, key, kind, peer = heapq.heappop(queue)
             self._outgoing[r] += 1
             conn = self._conns.setdefault((r, peer), collections.deque())
-            conn.append([key, kind, self._slices[key][0], False])
+            conn.append([key, kind, self._slices[key].nbytes, False])
             if len(conn) == 1:
                 self._start(r, peer)
             self._release(r, peer)
@@ -131,9 +141,8 @@ class OwnerExchange:
         if conn:
             self._start(a, b)
             self._release(a, b)
-        state = self._slices[key]
         if kind == PUSH:
-            state[3] += 1
+            self._slices[key].pushes_in += 1
             self._try_average(key)
         else:
             self._holds(key)  # b has the average
@@ -144,22 +153,21 @@ class OwnerExchange:
         self._outgoing[r] -= 1
         if kind == RESULT:
             state = self._slices[key]
-            state[4] -= 1
-            if state[4] == 0:
+            state.results_left -= 1
+            if state.results_left == 0:
                 self._holds(key)
 
     def _try_average(self, key) -> None:
         state = self._slices[key]
-        if state[3] < self.P - 1:
+        if state.pushes_in < self.P - 1:
             return
-        owner = state[2]
         for peer in range(self.P):
-            if peer != owner:
-                heapq.heappush(self._queue[owner], (state[1], key, RESULT, peer))
+            if peer != state.owner:
+                heapq.heappush(self._queue[state.owner], (state.priority, key, RESULT, peer))
 
     def _holds(self, key) -> None:
         state = self._slices[key]
-        state[5] += 1
-        if state[5] == self.P:
+        state.holders += 1
+        if state.holders == self.P:
             del self._slices[key]
             self._done(key)
