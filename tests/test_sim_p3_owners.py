@@ -112,7 +112,8 @@ def test_flat_p3_is_slower_rank_by_rank_where_its_owners_links_are_the_limit():
 
 def test_the_validation_gives_the_emulated_cluster_the_kernels_send_buffer_where_ranks_send_eagerly():
     """mpicomm.emulation's links send eagerly up to 2.5 Gbit/s (UCX_RNDV_THRESH=inf): a send completes once the
-    socket holds it, up to tcp_wmem's largest buffer; faster links use rendezvous."""
+    socket holds it, up to tcp_wmem's largest buffer (the calibration's, else this machine's); faster links use
+    rendezvous."""
     from jobs.sim.validate import emulated_cluster
 
     cal = {"transport": {"rate": 4e8, "cpu_per_byte": 0.0, "latency": 40e-6, "efficiency": 0.94}}
@@ -120,6 +121,10 @@ def test_the_validation_gives_the_emulated_cluster_the_kernels_send_buffer_where
         wmem = int(f.read().split()[2])
     assert emulated_cluster(8, "1gbit", cal, 2.0, device="gpu").send_buffer == wmem
     assert emulated_cluster(8, "10gbit", cal, 2.0, device="gpu").send_buffer == 0
+    # A calibration taken elsewhere carries that machine's buffers (jobs.sim.validate.calibrate records them).
+    elsewhere = {**cal, "tcp_wmem_max": 1 << 20, "hosts": {"8": cal}}
+    assert emulated_cluster(8, "1gbit", elsewhere, 2.0, device="gpu").send_buffer == 1 << 20
+    assert emulated_cluster(8, "10gbit", elsewhere, 2.0, device="gpu").send_buffer == 0
 
 
 def test_p3_yield_holds_every_ranks_queue_once_a_step(monkeypatch):

@@ -180,6 +180,7 @@ def test_validate_measures_profiles_calibrates_and_compares(tmp_path):
         assert r["error"] == pytest.approx((r["simulated_s"] - r["measured_s"]) / r["measured_s"])
     t = doc["meta"]["calibration"]["transport"]
     assert t["rate"] > 0 and t["cpu_per_byte"] > 0 and 0 < t["efficiency"] <= 1
+    assert doc["meta"]["calibration"]["tcp_wmem_max"] > 0  # the eager links' send buffer, from where it ran
     assert (tmp_path / "profiles" / "mlp-b8-r2.json").exists() and (tmp_path / "val-measured-2r.json").exists()
     assert "mean |error|" in proc.stdout and "worst " in proc.stdout and "speed-ups within 3 points" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

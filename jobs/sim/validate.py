@@ -144,9 +144,13 @@ def calibrate(args) -> dict:
     The smallest count's figures are the document's top level (what any row falls back to); each count's own
     are under "hosts" (emulated_cluster takes them by a row's host count): on this VM's 2 cores the ring's
     payload got 0.96 of 1 Gbit/s between 4 emulated hosts and 0.93 between 8 (2026-12-05)."""
+    from mpicomm.emulation import tcp_wmem_max
+
     counts = sorted({r for r in args.ranks if r % 2 == 0}) or [2]
     per = {n: _calibrate_hosts(args, n) for n in counts}
-    return {**per[counts[0]], "hosts": {str(n): {k: v for k, v in c.items() if k != "raw"} for n, c in per.items()}}
+    # The machine's socket buffers go with its figures: the eager links' send buffer (emulated_cluster).
+    return {**per[counts[0]], "tcp_wmem_max": tcp_wmem_max(),
+            "hosts": {str(n): {k: v for k, v in c.items() if k != "raw"} for n, c in per.items()}}
 
 
 def _calibrate_hosts(args, hosts: int) -> dict:
@@ -230,18 +234,20 @@ def for_hosts(cal: dict, hosts: int) -> dict:
 def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes: int | None = None,
                      device: str = "cpu"):
     """The emulated cluster as runtime.sim sees it: `nodes` hosts (default: one a rank) sharing this machine's
-    cores, their transport as calibrated between that many hosts (else the calibration's top level); device
-    gpu: the compute runs on an accelerator of each rank's (emulated compute), not on them."""
+    cores, their transport as calibrated between that many hosts (else the calibration's top level), the socket
+    send buffer of eager links as calibrated; device gpu: the compute runs on an accelerator of each rank's
+    (emulated compute), not on them."""
     from mpicomm.emulation import eager_send_buffer, parse_bandwidth
     from runtime.sim import Cluster
 
     nodes = nodes or ranks
+    wmem = cal.get("tcp_wmem_max")  # where the calibration was taken; older ones: this machine's
     cal = for_hosts(cal, nodes)
     t = cal["transport"]
     bps = parse_bandwidth(bandwidth)
     return Cluster(nodes=nodes, ranks_per_node=ranks // nodes, bandwidth=bps if bps else 100e9, latency=t["latency"],
                    efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"],
-                   cpu_per_byte=t["cpu_per_byte"], send_buffer=eager_send_buffer(bps), shared_cores=cores,
+                   cpu_per_byte=t["cpu_per_byte"], send_buffer=eager_send_buffer(bps, wmem), shared_cores=cores,
                    device=device)
 
 

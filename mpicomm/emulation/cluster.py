@@ -33,17 +33,22 @@ RANK_ENV = {"UCX_TLS": "tcp,self", "UCX_TCP_RX_SEG_SIZE": "4mb", "FI_PROVIDER": 
 EAGER_UP_TO_BPS = 2_500_000_000
 
 
-def eager_send_buffer(bps: float | None) -> int:
-    """Bytes one connection takes before an eager send of it completes on links shaped to `bps`: the kernel's
-    largest TCP send buffer (tcp_wmem's third figure) where the ranks send eagerly, else 0 (rendezvous: a send
-    completes once it is delivered)."""
-    if not (bps and bps <= EAGER_UP_TO_BPS):
-        return 0
+def tcp_wmem_max() -> int:
+    """This machine's largest TCP send buffer (tcp_wmem's third figure), in bytes."""
     try:
         with open("/proc/sys/net/ipv4/tcp_wmem") as f:
             return int(f.read().split()[2])
     except (OSError, ValueError, IndexError):
-        return 4 << 20  # Linux's default largest send buffer
+        return 4 << 20  # Linux's default
+
+
+def eager_send_buffer(bps: float | None, wmem_max: int | None = None) -> int:
+    """Bytes one connection takes before an eager send of it completes on links shaped to `bps`: the largest TCP
+    send buffer (`wmem_max`, by default this machine's) where the ranks send eagerly, else 0 (rendezvous: a send
+    completes once it is delivered)."""
+    if not (bps and bps <= EAGER_UP_TO_BPS):
+        return 0
+    return tcp_wmem_max() if wmem_max is None else wmem_max
 
 
 @contextlib.contextmanager
