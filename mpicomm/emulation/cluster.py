@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ RANK_ENV = {"UCX_TLS": "tcp,self", "UCX_TCP_RX_SEG_SIZE": "4mb", "FI_PROVIDER": 
 EAGER_UP_TO_BPS = 2_500_000_000
 
 
+@functools.lru_cache(maxsize=None)
 def tcp_wmem_max() -> int:
     """This machine's largest TCP send buffer (tcp_wmem's third figure), in bytes."""
     try:

@@ -80,7 +80,19 @@ class P3Schedule(Schedule):
         self._back_pending: dict[int, float] = {}  # layer -> bytes of finished slices not yet sent back
         self._back_bytes = 0.0  # their sum
         self._updated: set = set()
-        self._holding = False  # runtime.p3's hold: no new slice from the agreement's start to the buffers' end
+        self._holding = False
+
+    @property
+    def _holding(self) -> bool:
+        """runtime.p3's hold: no new slice from the agreement's start to the buffers' end (rank by rank: no new
+        message from any rank's queue)."""
+        return self._held
+
+    @_holding.setter
+    def _holding(self, on: bool) -> None:
+        self._held = on
+        if self.owners is not None:
+            self.owners.holding = on
 
     @property
     def carries(self) -> bool:
@@ -92,8 +104,6 @@ class P3Schedule(Schedule):
         if agreed is not None and self.options.get("yield_link", False) and self.p.buffer_elements \
                 and not self.carries:
             self._holding = True
-            if self.owners is not None:  # every rank's queue holds too, from its next send on
-                self.owners.holding = True
         return agreed
 
     def buffers_after_step(self, agreed: Event | None = None) -> Event | None:
@@ -159,7 +169,6 @@ class P3Schedule(Schedule):
     def _hand_over(self) -> None:
         """Rank by rank (p3_owners): every ready slice at once; each rank's credit and queue are the exchange's."""
         owners, P = self.owners, self.run.cluster.ranks
-        owners.holding = self._holding
         while self._ready:
             if self._in_flight == 0:
                 owners.polling(True)

@@ -124,10 +124,9 @@ class OwnerExchange:
     def _message(self, a: int, b: int, nbytes: float, name: str):
         yield self.engine.timeout(self.delay)
         c, ha, hb = self.cluster, self.hosts[a // self.L], self.hosts[b // self.L]
-        # cpu_per_byte is a byte sent and one received: half of it at each end.
-        if ha is hb:
-            act = Activity(name, nbytes, uses=((ha.shm, 1.0),), loads=((ha.cores, c.cpu_per_byte),))
-        else:
+        if ha is hb:  # inside a node: shared memory, as the host's own transfers
+            act = ha.transfer(name, 0.0, nbytes)
+        else:  # cpu_per_byte is a byte sent and one received: half of it at each end
             act = Activity(name, nbytes, uses=((ha.out, 1.0), (hb.into, 1.0)),
                            loads=((ha.cores, c.cpu_per_byte / 2), (hb.cores, c.cpu_per_byte / 2)),
                            cap=c.transport_rate)
