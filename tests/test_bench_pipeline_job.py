@@ -77,6 +77,7 @@ def test_local_bench_pipeline_under_emulated_compute(tmp_path):
     for r in rows:
         assert r["compute_device"] == "v100" and r["compute_scale"] == 1.0 and "v100" in r["compute"]
         assert {"layers", "optimizer"} <= set(r["emulated_parts"]) and r["samples_per_s"] > 0, r
+        assert r["t_iter_rounds_s"] == [r["t_iter_s"]]  # one round: its T_iter is the median
     by = {r["contender"]: r for r in rows}
     # The same activations cross the stages as with real compute: the true bytes, whatever the weight mode.
     assert len({by[c]["bytes_per_step"] for c in contenders[:4] + ["torch-1f1b"]}) == 1
@@ -91,3 +92,24 @@ def test_bad_compute_is_one_line_and_exit_2():
                            "emulated:v99"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
     assert proc.stderr.startswith("error: --compute: unknown device 'v99'") and len(proc.stderr.splitlines()) == 1
+
+
+def test_worker_timeline_has_every_stages_passes_updates_and_waits(tmp_path):
+    """--timeline: one Chrome trace of the pipeline contenders, each rank's forwards, backwards, updates and
+    waits for its neighbours (what a pipeline's step is made of, to set beside the simulator's schedule)."""
+    from mpicomm.launch import mpiexec
+
+    out = tmp_path / "tl.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench.pipeline_worker", "--model", "mlp", "--hidden",
+           "64,64,64", "--contenders", "vanilla", "--batch-size", "16", "--microbatches", "4", "--rounds", "1",
+           "--iters", "2", "--warmup", "1", "--compute", "emulated:v100", "--timeline", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    spans = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("ph") == "X"]
+    for rank in (0, 1):
+        kinds = {e["name"][0] for e in spans if e["pid"] == rank and e["name"][0] in "FBU"}
+        assert kinds == {"F", "B", "U"}, (rank, kinds)
+    # 3 steps of 4 micro-batches, each updated once on each of the 2 stages (vanilla), the drain's too
+    assert sum(e["cat"] == "update" for e in spans) == 2 * 3 * 4
+    assert any(e["name"].startswith("wait") and e["pid"] == 1 for e in spans)
+    assert not list(tmp_path.glob("tl.json.rank*"))  # the parts merged and removed

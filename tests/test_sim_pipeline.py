@@ -56,3 +56,44 @@ def test_asynchronous_pipelines_update_every_micro_batch_and_pay_their_weight_ve
     share = p.optimizer_s / 4 + weights_s  # a stage's update and its zero_grad's memset
     assert t["vanilla"] == pytest.approx(M * (2 * (0.01 + 0.02) / M + share), rel=0.01)
     assert t["vanilla"] < t["stash"] < t["spectrain"]  # 2 passes a forward; 7 a forward and 3 a backward
+
+
+def test_a_stages_messages_to_one_peer_arrive_first_in_first_out():
+    """Two stages; stage 0 computes nothing, stage 1 m a micro-batch (F and B m/2 each); a message takes m.
+    Stage 0 sends its two warm-up activations back to back: on one connection the first arrives at m, the
+    second at 2m (shared fairly, both at 2m). From then every two micro-batches take 3m (a gradient back,
+    the next activation out, stage 1's two passes), so a step takes (1.5·M + 1)·m; fairly shared, m more."""
+    M, m = 8, 0.01
+    layers = (*toy(n=1, fwd=1e-7, bwd=1e-7).layers, *toy(n=1, fwd=m / 2, bwd=m / 2).layers)
+    p = dataclasses.replace(toy(n=2), layers=layers)
+    c = fast_net(2, bw=layers[0].act_bytes * 8 / m)  # one activation (and one gradient) m on the link
+    t = simulate(p, c, "pipeline-flush", microbatches=M, per_microbatch=True).t_iter_s
+    assert t == pytest.approx((1.5 * M + 1) * m, rel=1e-3)
+
+
+def test_asynchronous_stage_replicas_average_every_micro_batch():
+    """The asynchronous modes update after every micro-batch, each update averaged over the stage's replicas
+    (recursive doubling's 6 steps of 1 ms at 64 replicas); flush averages once a step."""
+    M, p = 8, toy(n=8, params=1000)
+    extra = {}
+    for mode in ("flush", "vanilla"):
+        one = simulate(p, fast_net(2, latency=1e-3, bw=100e9), f"pipeline-{mode}", stages=2, microbatches=M).t_iter_s
+        many = simulate(p, fast_net(128, latency=1e-3, bw=100e9), f"pipeline-{mode}", stages=2,
+                        microbatches=M).t_iter_s
+        extra[mode] = many - one
+    assert 6e-3 <= extra["flush"] < 20e-3
+    assert extra["vanilla"] > M / 2 * extra["flush"]  # once a step, it would add about what flush's adds
+
+
+def test_an_emulated_links_token_bucket_lets_a_message_after_an_idle_moment_through_at_once():
+    """One micro-batch through two stages: an activation out and a gradient back, each m on the link, each after an
+    idle moment. A token bucket of a whole message (tc tbf's burst) passes each at once; half a message, half."""
+    m = 0.01
+    p = toy(n=2, fwd=0.005, bwd=0.005)
+    size = p.layers[0].act_bytes
+    passes = 2 * (0.005 + 0.005)
+    t = {b: simulate(p, fast_net(2, bw=size * 8 / m, burst=b), "pipeline-flush", microbatches=1,
+                     per_microbatch=True).t_iter_s for b in (0, size / 2, size)}
+    assert t[0] == pytest.approx(passes + 2 * m, rel=1e-3)
+    assert t[size / 2] == pytest.approx(passes + m, rel=1e-3)
+    assert t[size] == pytest.approx(passes, rel=1e-3)

@@ -203,6 +203,15 @@ def test_each_host_count_is_simulated_on_the_transport_calibrated_between_that_m
     # A count not calibrated (and an older document, without "hosts") takes the top level.
     assert emulated_cluster(6, "1gbit", doc, 2.0).efficiency == 0.96
     assert emulated_cluster(8, "1gbit", cal(0.9, 1e-5), 2.0).efficiency == 0.9
+    # The links' token bucket is tc tbf's (2 ms at 1 Gbit/s); a pipeline's streams take what pairs of hosts got.
+    assert eight.burst == 250_000
+    doc["hosts"]["8"]["pair_efficiency"] = {"1gbit": 0.95}
+    assert emulated_cluster(8, "1gbit", doc, 2.0, pairs=True).efficiency == 0.95
+    assert emulated_cluster(4, "1gbit", doc, 2.0, pairs=True).efficiency == 0.96  # not calibrated: the ring's
+    # An older document: the probe's pair rate in its raw figures (its top level's, which every count takes).
+    old = {**cal(0.7, 1e-5), "raw": {"none": {"ranks": 8}, "1gbit": {"rate": 0.9 * 125e6}}}
+    assert emulated_cluster(8, "1gbit", old, 2.0, pairs=True).efficiency == pytest.approx(0.9)
+    assert emulated_cluster(8, "1gbit", old, 2.0).efficiency == 0.7
 
 
 def _ranked(strategy, measured, simulated, rounds):
@@ -274,14 +283,22 @@ def test_validate_under_emulated_compute_simulates_each_row_from_its_compute_mod
 
 def test_a_pipeline_benchmark_row_is_simulated_on_its_own_split_and_micro_batch():
     """jobs.bench.pipeline's rows: a pipeline mode by its balance over the model's chain (the simulator's layers
-    are the modules holding parameters in each stage), profiled at the micro-batch; torch-1f1b has no schedule."""
-    from jobs.sim.modelled import pipeline_row
+    are the units each stage calls, parameters or not), profiled at the micro-batch; torch-1f1b has no schedule."""
+    from jobs.sim.modelled import pipeline_row, row_profile
+    from runtime.sim import Cluster, simulate
 
     row = dict(model="fc-heavy", contender="vanilla", kind="pipeline", ranks=4, batch=64, microbatches=8,
-               balance=[3, 1, 2, 4], bandwidth="1gbit")
+               balance=[3, 1, 2, 4], bandwidth="1gbit", compute_spec="v100", compute_scale=1.0)
     out = pipeline_row(row)
-    assert out["strategy"] == "pipeline-vanilla" and out["batch_per_rank"] == 8
-    assert out["sim_options"] == {"microbatches": 8, "balance": [1, 1, 1, 2], "per_microbatch": True}
+    assert out["strategy"] == "pipeline-vanilla" and out["batch_per_rank"] == 8 and out["every_unit"]
+    assert out["sim_options"] == {"microbatches": 8, "balance": [3, 1, 2, 4], "per_microbatch": True}
+    # Flatten, Linear, ReLU, ... : a layer per unit, so a stage may start at a ReLU, or be one
+    prof = row_profile(out)
+    assert len(prof.layers) == 10 and prof.layers[0].elements == 0 and prof.layers[1].elements > 0
+    vgg = pipeline_row(dict(row, model="vgg19", ranks=8, balance=[10, 9, 1, 1, 1, 1, 1, 19]))
+    assert vgg["sim_options"]["balance"] == [10, 9, 1, 1, 1, 1, 1, 19]
+    r = simulate(row_profile(vgg), Cluster(nodes=8), "pipeline-vanilla", **vgg["sim_options"])
+    assert r.t_iter_s > 0 and len(r.details["stages"]) == 8
     dp = pipeline_row(dict(row, contender="wfbp", kind="data-parallel", microbatches=None, balance=None))
     assert dp["strategy"] == "wfbp" and dp["batch_per_rank"] == 16 and "sim_options" not in dp
     assert pipeline_row(dict(row, contender="torch-1f1b", kind="peer")) is None

@@ -11,10 +11,14 @@ the micro-batches and one balance, chosen once by rank 0 (PipeDream's partitione
 one micro-batch, with this link's bandwidth). In each of --rounds rounds every
 contender, in a rotating order, is built, warmed up, timed over --iters steps and
 destroyed: one alive at a time. A step's time ends when the last rank finished it, no
-barrier inside the timed steps; the async modes' final drain() and the strategies'
-synchronize() count in the last step (torch-1f1b times its own steps, a barrier before
-each). Rank 0 prints a "ROW {json}" per contender; jobs.bench.pipeline says what the
-columns measure. --device cuda: every contender's model on the rank's GPU (local rank
+barrier inside the timed steps; the strategies' synchronize() counts in the last step. The
+async modes never drain in training, so their window opens and closes with the pipeline
+full (the device's queued update waited for at both ends) and their final drain() comes
+after it: each timed step holds one step's work, as in a long run (counting the drain put
+up to 10 % on a 2-step window). torch-1f1b times its own steps, a barrier before each.
+Rank 0 prints a "ROW {json}" per contender (t_iter_rounds_s: each round's T_iter);
+jobs.bench.pipeline says what the columns measure. --timeline PATH: a Chrome trace of
+the pipeline contenders (each pass, update and wait, per rank). --device cuda: every contender's model on the rank's GPU (local rank
 mod the GPUs it sees); torch-1f1b (gloo, CPU tensors) is left out of the default contenders.
 --compute emulated:DEVICE: every contender under the same compute model (runtime.emulate): each
 pipeline rank's stage emulated alone at its input's shape (runtime.Pipeline(compute=...)), as is
@@ -35,6 +39,7 @@ import time
 from jobs.common.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.common.cluster_sweep import print_row
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
+from jobs.common.outputs import write_training_outputs
 from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list,
                                 launched_ranks, one_of, parse)
 from jobs.common.stats import summary
@@ -63,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--bandwidth", default="unshaped", help="the link's rate (label in the rows; partitioner)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hidden", help=argparse.SUPPRESS)  # mlp widths, e.g. 64,64,64 (the tests' small model)
+    p.add_argument("--timeline", help="Chrome-trace JSON of the pipeline contenders' rounds, one track per rank")
     add_compute_arguments(p)
     return parse(p, argv, check_args, mpi=True)
 
@@ -139,6 +145,10 @@ class Runner:
         self.compute = Compute.from_args(args)
         self.micro = self.x[:args.batch_size // args.microbatches]  # one micro-batch: partition, emulated stages
         self.balance = self._balance()
+        self.timeline = None
+        if args.timeline:
+            from runtime.trace import Timeline
+            self.timeline = Timeline(self.rank)
 
     def build(self):
         from runtime.workloads.models import build_model
@@ -182,8 +192,10 @@ class Runner:
     def timed(self, step, settle, finish, engine_bytes=lambda: 0, steady: bool = False):
         """Warm up, then (per-step seconds: when the last rank finished each step; tx bytes; engine bytes).
 
-        steady (the async pipelines, never drained: full after the warm-up): bytes are counted before
-        finish(), whose drain() would add the warm-up's last backward passes to the timed steps'.
+        steady (the async pipelines, never drained: full after the warm-up): the window closes as it opened,
+        full, so it holds as many steps' work as it times; finish()'s drain (the last step's owed backward
+        passes) comes after it, untimed, as jobs.bench.strategies_worker leaves p3's owed update out. The
+        device's queued work (an update) is waited for at both ends. Bytes likewise.
         """
         import numpy as np
 
@@ -191,6 +203,8 @@ class Runner:
         for _ in range(a.warmup):
             step()
         settle()
+        if steady:
+            self.compute.synchronize(self.device)
         self.comm.Barrier()
         tx0, e0 = (self.tx_bytes() if self.iface else 0), engine_bytes()
         count = lambda: (self.tx_bytes() - tx0 if self.iface else None, engine_bytes() - e0)  # noqa: E731
@@ -198,8 +212,14 @@ class Runner:
         for k in range(a.iters):
             step()
             if k == a.iters - 1:
-                sent = count() if steady else None
-                finish()  # the async modes' owed backward passes, p3's owed update
+                if steady:
+                    self.compute.synchronize(self.device)
+                    ends[k] = time.perf_counter() - t0
+                    sent = count()
+                    finish()  # the owed backward passes, after the window
+                    break
+                sent = None
+                finish()  # p3's owed update, a data-parallel step's last work
                 self.compute.synchronize(self.device)  # its queued work counts too (a GPU's, an emulated one's)
             ends[k] = time.perf_counter() - t0
         sent = sent or count()
@@ -214,7 +234,7 @@ class Runner:
             if c.emulated else {}
         pipe = Pipeline(as_layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
                         loss_fn=self.loss, balance=self.balance, microbatches=self.args.microbatches, mode=name,
-                        topology=self.topo, device=self.device, say=None, **emulated)
+                        topology=self.topo, device=self.device, say=None, timeline=self.timeline, **emulated)
         secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: None, pipe.drain,
                                       lambda: pipe.stats()["bytes_sent"], steady=name in ASYNC_MODES)
         st, mem = pipe.stats(), memory_mb()
@@ -317,7 +337,7 @@ def row(args, runner, name: str, rounds: list[dict]) -> dict:
                batch=args.batch_size, microbatches=None if kind(name) == "data-parallel" else args.microbatches,
                samples_per_s=rate, ci=max(rate_ci[1] - rate, rate - rate_ci[0]), samples_per_s_ci=rate_ci,
                ci_coverage=t_iter["coverage"], rounds=len(rounds), steps=sum(r["steps"] for r in rounds),
-               t_iter_s=t_iter["median"], t_iter_ci=t_iter["ci"],
+               t_iter_s=t_iter["median"], t_iter_ci=t_iter["ci"], t_iter_rounds_s=[r["t_iter"] for r in rounds],
                bytes_per_step=avg(f"{key}_mean"), bytes_per_step_max=avg(f"{key}_max"), bytes_measured=how,
                engine_bytes_per_step=avg("engine_mean") if kind(name) == "pipeline" else None,
                weight_copy_bytes=most("weight_copy_bytes"), parameter_bytes=most("parameter_bytes"),
@@ -361,6 +381,8 @@ def main(argv=None, args=None) -> int:
         from mpicomm.torchdist import shutdown_gloo
 
         shutdown_gloo(runner.comm)
+    write_training_outputs(runner.comm, argparse.Namespace(timeline=args.timeline, json=None), runner.timeline, {},
+                           say=print if runner.rank == 0 else lambda *a, **k: None)
     runner.topo.free()
     return 0
 

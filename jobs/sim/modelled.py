@@ -24,12 +24,13 @@ def row_profile(row: dict):
     spec = row.get("compute_spec") or _spec(row)
     # jobs.bench's rows give the scale asked; a carried run's ran times its carry factor (jobs.common.carry).
     scale = (row.get("compute_scale") or 1.0) * (row.get("carry_factor") or 1.0)
-    key = (row["model"], row["batch_per_rank"], spec, scale, row.get("optimizer", "sgd"))
+    units = bool(row.get("every_unit"))  # a pipeline's: a layer per unit, as its stages are cut
+    key = (row["model"], row["batch_per_rank"], spec, scale, row.get("optimizer", "sgd"), units)
     if key not in _CACHE:
         model = build_model(row["model"])
         inputs, _ = model_input(row["model"], row["batch_per_rank"])
         _CACHE[key] = modelled_profile(model, spec, inputs, row["model"],
-                                       optimizer_state=2 if key[4] == "adam" else 1, scale=key[3])
+                                       optimizer_state=2 if key[4] == "adam" else 1, scale=key[3], every_unit=units)
     return _CACHE[key]
 
 
@@ -54,29 +55,38 @@ def pipeline_row(row: dict) -> dict | None:
     if row["kind"] == "pipeline":
         # Profiled at the micro-batch, as each stage waits its modelled time for one (not the step's batch
         # divided: a micro-batch of 8 through a 8192 x 8192 layer costs what 64 do, its weights read alike).
+        # A layer per unit (parameters or not), so a stage of a ReLU alone, or a cut between a Linear and its
+        # ReLU, is simulated as it ran.
         out.update(strategy=f"pipeline-{row['contender']}", batch_per_rank=row["batch"] // row["microbatches"],
-                   sim_options={"microbatches": row["microbatches"], "balance": profile_split(row),
-                                "per_microbatch": True})
+                   every_unit=True, sim_options={"microbatches": row["microbatches"], "balance": unit_split(row),
+                                                 "per_microbatch": True})
     return out
 
 
-def profile_split(row: dict) -> list[int]:
-    """The run's balance (layers of runtime.pipeline.as_layers per stage) as the simulator's layers per stage:
-    the modules owning parameters in each stage's layers, which are runtime.emulate.sim_profile's layers."""
-    owners = _owners(row["model"])
+def unit_split(row: dict) -> list[int]:
+    """The run's balance (layers of runtime.pipeline.as_layers per stage) as the simulator's layers per stage when
+    it has a layer per unit (runtime.emulate.sim_profile's every_unit): the units each stage's layers call."""
+    units = _units(row["model"])
     out, a = [], 0
     for n in row["balance"]:
-        out.append(sum(owners[a:a + n]))
+        out.append(sum(units[a:a + n]))
         a += n
     return out
 
 
 @functools.lru_cache(maxsize=None)
-def _owners(name: str) -> tuple[int, ...]:
-    """Per layer of the model's chain, its modules owning parameters; built once a model (fc-heavy: 833 MB of
-    parameters), not once a row."""
+def _units(name: str) -> tuple[int, ...]:
+    """Per layer of the model's chain, the units a forward calls in it (runtime.emulate.trace's, on the meta
+    device); once a model (fc-heavy: 833 MB of parameters), not once a row."""
+    from runtime.emulate.trace import trace
     from runtime.pipeline import as_layers
-    from runtime.workloads.models import build_model
+    from runtime.workloads.models import build_model, model_input
 
-    return tuple(sum(1 for m in layer.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
-                 for layer in as_layers(build_model(name)))
+    model = build_model(name)
+    layers = as_layers(model)
+    inputs, _ = model_input(name, 1)
+    where = {id(m): k for k, layer in enumerate(layers) for m in layer.modules()}
+    counts = [0] * len(layers)
+    for call in trace(model, inputs).calls:
+        counts[where[id(call.module)]] += 1
+    return tuple(counts)

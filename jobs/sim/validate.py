@@ -60,6 +60,7 @@ from jobs.common.carry import add_carry_argument, check_carry
 from jobs.common.compute import add_compute_arguments, check_compute
 from jobs.common.inputs import InputError, JobParser, at_least, bench_outputs, comma_list, int_list, parse
 from jobs.sim.agreement import rankings, speedups, verdict, verdict_lines
+from jobs.sim.calibration import calibrate, emulated_cluster, for_hosts
 
 STRATEGIES = "allreduce,wfbp,p3,ddp,hybcomm,topk,allreduce+pto"
 
@@ -132,45 +133,6 @@ def profiles(args, needed) -> dict:
     return out
 
 
-def calibrate(args) -> dict:
-    """Microbenchmarks on the emulated cluster, for each even rank count of the grid (hosts of one rank; 2 where
-    none is even): unshaped, the transport's own costs; at each bandwidth, the share of the line rate the ring's
-    payload gets (headers, acknowledgements, the gaps between ring steps), and the CPU a byte costs at that rate,
-    for the record: 4.2 ns at 1 Gbit/s against 1.2 unshaped on this VM, most of it the waits polled while the
-    link drains. The simulator charges the unshaped figure: the polled part is a share of the cores while
-    waiting, not a cost per byte (charged per byte at 4.2 ns, 4 ranks' rings came within 3.5 % but 8 ranks on
-    the same 2 cores read 35-81 % slow).
-
-    The smallest count's figures are the document's top level (what any row falls back to); each count's own
-    are under "hosts" (emulated_cluster takes them by a row's host count): on this VM's 2 cores the ring's
-    payload got 0.96 of 1 Gbit/s between 4 emulated hosts and 0.93 between 8 (2026-12-05)."""
-    from mpicomm.emulation import tcp_wmem_max
-
-    counts = sorted({r for r in args.ranks if r % 2 == 0}) or [2]
-    per = {n: _calibrate_hosts(args, n) for n in counts}
-    # The machine's socket buffers go with its figures: the eager links' send buffer (emulated_cluster).
-    return {**per[counts[0]], "tcp_wmem_max": tcp_wmem_max(),
-            "hosts": {str(n): {k: v for k, v in c.items() if k != "raw"} for n, c in per.items()}}
-
-
-def _calibrate_hosts(args, hosts: int) -> dict:
-    from jobs.common.cluster_sweep import rows_from
-    from mpicomm.emulation import EmulatedCluster, parse_bandwidth
-
-    cmd = [sys.executable, "-m", "jobs.sim.worker", "transport"]
-    found = {}
-    links = list(dict.fromkeys(args.bandwidths if args.carry_at is None else [args.carry_at]))
-    for bw in ["none", *links]:
-        print(f"# calibrating: {hosts} emulated hosts, {bw} ...", flush=True)
-        with EmulatedCluster(hosts, None if bw == "none" else bw) as cluster:
-            found[bw] = rows_from(cluster.run(cmd, np=hosts, timeout=args.timeout, capture=True))[0]
-    t = found["none"]
-    efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in links}
-    return {"transport": {"rate": t["rate"], "cpu_per_byte": t["cpu_per_byte"], "latency": t["latency"],
-                          "efficiency": 0.94}, "efficiency": efficiency,
-            "cpu_per_byte": {bw: found[bw]["cpu_per_byte"] for bw in links}, "raw": found}
-
-
 def measure(args) -> list[dict]:
     """jobs.bench over the grid: one JSON per rank count, beside --json (or in the working directory)."""
     from jobs.bench import strategies as bench
@@ -226,31 +188,6 @@ def _rows(path: str) -> list[dict]:
     return [r for r in (pipeline_row(r) if "contender" in r else r for r in rows) if r is not None]
 
 
-def for_hosts(cal: dict, hosts: int) -> dict:
-    """The calibration taken between `hosts` emulated hosts, where it was; else the document's top level."""
-    return cal.get("hosts", {}).get(str(hosts), cal)
-
-
-def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes: int | None = None,
-                     device: str = "cpu"):
-    """The emulated cluster as runtime.sim sees it: `nodes` hosts (default: one a rank) sharing this machine's
-    cores, their transport as calibrated between that many hosts (else the calibration's top level), the socket
-    send buffer of eager links as calibrated; device gpu: the compute runs on an accelerator of each rank's
-    (emulated compute), not on them."""
-    from mpicomm.emulation import eager_send_buffer, parse_bandwidth
-    from runtime.sim import Cluster
-
-    nodes = nodes or ranks
-    wmem = cal.get("tcp_wmem_max")  # where the calibration was taken; older ones: this machine's
-    cal = for_hosts(cal, nodes)
-    t = cal["transport"]
-    bps = parse_bandwidth(bandwidth)
-    return Cluster(nodes=nodes, ranks_per_node=ranks // nodes, bandwidth=bps if bps else 100e9, latency=t["latency"],
-                   efficiency=cal.get("efficiency", {}).get(bandwidth, t["efficiency"]), transport_rate=t["rate"],
-                   cpu_per_byte=t["cpu_per_byte"], send_buffer=eager_send_buffer(bps, wmem), shared_cores=cores,
-                   device=device)
-
-
 POLLING = ("wfbp", "p3")  # strategies whose exchange a progress thread drives beside the training thread
 
 
@@ -293,7 +230,8 @@ def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3)
         if emulated(m):
             prof = row_profile(m)
             cluster = emulated_cluster(m["ranks"], m.get("carried_links") or m["bandwidth"], cal,
-                                       float(m.get("cores") or os.cpu_count() or 1), m.get("nodes"), "gpu")
+                                       float(m.get("cores") or os.cpu_count() or 1), m.get("nodes"), "gpu",
+                                       pairs=m["strategy"].startswith("pipeline-"))
         else:
             prof = profs[key]
             cluster = emulated_cluster(m["ranks"], m["bandwidth"], cal, prof.cores)

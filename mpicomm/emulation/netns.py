@@ -95,8 +95,13 @@ def tbf_args(bps: int, mtu: int = 1500, burst: int | None = None) -> list[str]:
     charges it, but TCP then moves 0.92 Gbit/s and MPI 0.68-0.76
     (benchmarks/topology.md): not the default.
     """
-    burst = max(64 * 1024, mtu, bps // 8 // 500) if burst is None else max(mtu, burst)
+    burst = link_burst(bps, mtu) if burst is None else max(mtu, burst)
     return ["tbf", "rate", f"{bps}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def link_burst(bps: int, mtu: int = 1500) -> int:
+    """The bytes an emulated link's token bucket holds by default (tbf_args): ~2 ms at the rate, at least 64 KiB."""
+    return max(64 * 1024, mtu, int(bps) // 8 // 500)
 
 
 def build(hosts: int, bps: int | None, burst: int | None = None) -> None:

@@ -13,7 +13,7 @@ GEMM_SIDE = 4096  # the GEMM whose modelled time gives the profile's rate (hybco
 
 
 def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tuple, name: str,
-                     optimizer_state: int = 1, scale: float = 1.0):
+                     optimizer_state: int = 1, scale: float = 1.0, every_unit: bool = False):
     """runtime.sim's Profile of `model` called with `inputs` under `compute` (a device name, a profile's path, or
     a ComputeModel) times `scale`, laid out as runtime.sim.measure lays out a measured one: a layer per unit
     owning parameters, in forward order; its forward from its start to the next such unit's (the units without
@@ -23,6 +23,9 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
 
     So the simulator and emulate() time the same work from the same trace: what the two then disagree on is the
     communication and the host, which is what a validation of the simulator against emulation should see.
+
+    every_unit: a layer per unit, parameters or not (a pipeline's stage may hold only a ReLU or a pooling, and a
+    cut after a Linear leaves its ReLU to the next stage; jobs.sim.modelled.unit_split maps a run's balance).
     """
     from runtime.sim.measure import buffer_counts
     from runtime.sim.profile import Layer, Profile
@@ -32,7 +35,7 @@ def modelled_profile(model: nn.Module, compute: ComputeModel | str, inputs: tupl
     cm = compute_model(compute) if isinstance(compute, str) else compute
     tr = trace(model, tuple(inputs))
     times = cm.unit_times(tr)
-    owners = [i for i, c in enumerate(tr.calls) if any(p.requires_grad for p in c.params)]
+    owners = [i for i, c in enumerate(tr.calls) if every_unit or any(p.requires_grad for p in c.params)]
     if not owners:
         raise EmulationError(f"{type(model).__name__} has no unit with parameters that take gradients")
     before_f = sum(f for f, _ in times[:owners[0]])

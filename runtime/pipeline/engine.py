@@ -238,6 +238,7 @@ class Pipeline:
             self._update()
 
     def _update(self) -> None:
+        span = self.timeline.begin(f"U{self.versions.updates}", "update", track="compute") if self.timeline else None
         with self.versions.applied_lr():  # flush: lr; the asynchronous modes: lr / microbatches
             if self.dopt is not None:
                 self.dopt.step()
@@ -245,6 +246,8 @@ class Pipeline:
             else:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)  # in place: no new gradient tensors every update
+        if span is not None:
+            self.timeline.end(span)
         self.versions.updates += 1
 
     def drain(self) -> None:

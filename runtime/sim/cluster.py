@@ -35,6 +35,9 @@ class Cluster:
     copies). send_buffer: bytes one connection takes before a send of it
     completes (an eager transport's socket buffer: p3_owners' credit frees
     then; 0: a send completes when it is delivered, as rendezvous does).
+    burst: bytes a host's link lets through at once after an idle moment (an
+    emulated link's token bucket, tc tbf's; 0: a NIC, every byte at the rate):
+    the pipeline's sparse messages cross faster than the rate by that much.
     comm_cores: what a rank's progress thread takes of the cores for
     as long as its exchange is pending, beyond the copies (polling, its
     Python; measured per strategy on machines whose cores are shared); a
@@ -56,6 +59,7 @@ class Cluster:
     transport_rate: float = math.inf
     cpu_per_byte: float = 0.0
     send_buffer: float = 0.0
+    burst: float = 0.0
     comm_cores: float = 0.0
     cores_per_host: float = 16.0
     shared_cores: float | None = None
@@ -69,9 +73,9 @@ class Cluster:
         for name in ("bandwidth", "intra_bandwidth", "efficiency", "transport_rate", "cores_per_host"):
             if not getattr(self, name) > 0:
                 raise ClusterError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.latency < 0 or self.cpu_per_byte < 0 or self.send_buffer < 0 or self.comm_cores < 0 \
+        if self.latency < 0 or self.cpu_per_byte < 0 or self.send_buffer < 0 or self.burst < 0 or self.comm_cores < 0 \
                 or not self.oversubscription >= 1 or self.efficiency > 1:
-            raise ClusterError(f"latency, cpu_per_byte, send_buffer and comm_cores >= 0, oversubscription >= 1, "
+            raise ClusterError(f"latency, cpu_per_byte, send_buffer, burst and comm_cores >= 0, oversubscription >= 1, "
                                f"efficiency <= 1: {self}")
         if self.shared_cores is not None and not self.shared_cores > 0:
             raise ClusterError(f"shared_cores must be positive, got {self.shared_cores!r}")

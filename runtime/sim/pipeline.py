@@ -4,14 +4,17 @@ Stages are not alike, so each gets a host of its own (a Host per stage, one
 engine): stage k runs the ops of runtime.pipeline.schedule in order; a
 forward waits for the previous stage's activation, a backward for the next
 stage's gradient, and each result is sent on at once (non-blocking) over the
-two hosts' links. The split is runtime.pipeline.partition's (PipeDream's
+two hosts' links, queued behind what its host sent before (its interface's
+queue is first in, first out) and, after an idle moment, partly passed at
+once by the link's token bucket (Cluster.burst, an emulated link's). The split is runtime.pipeline.partition's (PipeDream's
 dynamic programme over the profile's layers). "flush" drains every step
 (PipeDream-Flush) and accumulates its micro-batches' gradients; the
 asynchronous modes (vanilla, stash, spectrain) never drain, so step t's
 forwards follow straight on from step t-1's, and update after each
 micro-batch, with the passes of their weight versions. With
-more ranks than stages each stage is data-parallel over its replicas: after
-its step, an allreduce of the stage's gradients among them.
+more ranks than stages each stage is data-parallel over its replicas: an
+allreduce of the stage's gradients among them before each update (flush:
+after its step; the asynchronous modes: after every micro-batch).
 """
 
 from __future__ import annotations
@@ -111,15 +114,31 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
     def event(key) -> Event:
         return arrived.setdefault(key, Event())
 
+    # A host's messages leave in the order it sent them, to either neighbour: its interface's queue (tc tbf's) is
+    # first in, first out, and each message is queued whole (a socket buffer holds it). A message that follows an
+    # idle moment on that queue passes up to the link's token bucket at once (Cluster.burst).
+    queue = [None] * S  # per host: the last message's Event (done once it has left)
+    idle_from = [0.0] * S  # per host: when its link last went idle
+    left = [cluster.burst] * S  # per host: the tokens its bucket held then
+    fill = cluster.bandwidth / 8  # the bucket's refill, bytes a second (the shaped rate)
+
     def send(kind: str, src: int, dst: int, mb: int, nbytes: float) -> None:
         a, b = hosts[src], hosts[dst]
         loads = ((a.cores, cluster.cpu_per_byte / 2), (b.cores, cluster.cpu_per_byte / 2)) if cluster.cpu_per_byte else ()
-        act_ = Activity(f"{kind} {mb} {src}->{dst}", nbytes, uses=((a.out, 1.0), (b.into, 1.0)), loads=loads,
-                        cap=cluster.transport_rate)
+        before, done = queue[src], Event()
+        queue[src] = done
 
         def go():
             yield engine.timeout(cluster.latency)
+            if before is not None:
+                yield before
+            tokens = min(cluster.burst, left[src] + (engine.now - idle_from[src]) * fill)
+            free = min(tokens, nbytes)
+            act_ = Activity(f"{kind} {mb} {src}->{dst}", nbytes - free, uses=((a.out, 1.0), (b.into, 1.0)),
+                            loads=loads, cap=cluster.transport_rate)
             yield engine.start(act_)
+            idle_from[src], left[src] = engine.now, tokens - free
+            done.succeed()
             event((kind, dst, mb)).succeed()
 
         engine.process(go())
@@ -147,10 +166,14 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
                     if k > 0:
                         send("grad", k, k - 1, mb, act[k - 1])
                     if per_micro:  # and zero_grad's memset of the stage's gradients before the next backward
+                        if replicas > 1:  # each update averages the micro-batch's gradients (runtime.pipeline.
+                            # stage_optimizer: one backward pass a step of its DistributedOptimizer)
+                            yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
                         yield engine.start(h.compute("update", profile.optimizer_s * share[k] + weights[k],
                                                      profile.cores_per_rank))
-            if replicas > 1:  # the stage's gradients, averaged over its replicas (one per node) by the runtime's
-                # DistributedOptimizer over the replica group: mpicomm.Collectives, its algorithm the auto choice
+            if replicas > 1 and not per_micro:  # the stage's gradients, averaged over its replicas (one per node)
+                # by the runtime's DistributedOptimizer over the replica group: mpicomm.Collectives, its algorithm
+                # the auto choice
                 yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
             if not per_micro:
                 yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k] + weights[k],
