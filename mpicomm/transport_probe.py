@@ -1,4 +1,4 @@
-"""What moving bytes costs here: one connection's rate, CPU time per byte, latency; and the ring allreduce's rate."""
+"""What moving bytes costs here: one connection's rate, CPU time per byte, latency; the ring allreduce's rate; a chain's."""
 
 from __future__ import annotations
 
@@ -92,3 +92,33 @@ def probe_ring(comm: MPI.Comm, nbytes: int = 32 << 20, rounds: int = 3) -> dict:
         return {"ring_rate": float(-mine[0]), "ring_cpu_per_byte": float(mine[1])}
     finally:
         ring.free()
+
+
+def probe_chain(comm: MPI.Comm, nbytes: int = 512 << 10, count: int = 16, rounds: int = 3) -> dict:
+    """Collective: each rank streams `count` messages of `nbytes` to the next rank, posted back to back, while it
+    receives as many from the one before (a pipeline's stages sending their activations on, every link busy one
+    way); best of `rounds` after one untimed. Returns {"chain_rate": bytes/s of the slowest stream}."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size < 2:
+        raise ValueError("probe_chain needs 2 or more ranks")
+    c = comm.Dup()
+    try:
+        check_tag(c, BIG_TAG)
+        send = np.ones(nbytes, dtype=np.uint8)
+        recv = [np.empty(nbytes, dtype=np.uint8) for _ in range(count)]
+        best = np.inf
+        for r in range(rounds + 1):
+            c.Barrier()
+            t0 = time.perf_counter()
+            reqs = [c.Irecv([buf, MPI.BYTE], rank - 1, BIG_TAG) for buf in recv] if rank > 0 else []
+            if rank < size - 1:
+                reqs += [c.Isend([send, MPI.BYTE], rank + 1, BIG_TAG) for _ in range(count)]
+            MPI.Request.Waitall(reqs)
+            wall = time.perf_counter() - t0
+            if r and wall < best:
+                best = wall
+        mine = np.array([best if rank > 0 else 0.0])  # a stream's time is its receiver's
+        c.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
+        return {"chain_rate": count * nbytes / float(mine[0])}
+    finally:
+        c.Free()

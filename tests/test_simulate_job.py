@@ -203,14 +203,16 @@ def test_each_host_count_is_simulated_on_the_transport_calibrated_between_that_m
     # A count not calibrated (and an older document, without "hosts") takes the top level.
     assert emulated_cluster(6, "1gbit", doc, 2.0).efficiency == 0.96
     assert emulated_cluster(8, "1gbit", cal(0.9, 1e-5), 2.0).efficiency == 0.9
-    # The links' token bucket is tc tbf's (2 ms at 1 Gbit/s); a pipeline's streams take what pairs of hosts got.
+    # The links' token bucket is tc tbf's (2 ms at 1 Gbit/s); a pipeline's streams take what a chain of them got.
     assert eight.burst == 250_000
-    doc["hosts"]["8"]["pair_efficiency"] = {"1gbit": 0.95}
-    assert emulated_cluster(8, "1gbit", doc, 2.0, pairs=True).efficiency == 0.95
-    assert emulated_cluster(4, "1gbit", doc, 2.0, pairs=True).efficiency == 0.96  # not calibrated: the ring's
+    doc["hosts"]["8"]["stream_efficiency"] = {"1gbit": 0.95}
+    assert emulated_cluster(8, "1gbit", doc, 2.0, streams=True).efficiency == 0.95
+    assert emulated_cluster(4, "1gbit", doc, 2.0, streams=True).efficiency == 0.96  # not calibrated: the ring's
     # An older document: the probe's pair rate in its raw figures (its top level's, which every count takes).
     old = {**cal(0.7, 1e-5), "raw": {"none": {"ranks": 8}, "1gbit": {"rate": 0.9 * 125e6}}}
-    assert emulated_cluster(8, "1gbit", old, 2.0, pairs=True).efficiency == pytest.approx(0.9)
+    assert emulated_cluster(8, "1gbit", old, 2.0, streams=True).efficiency == pytest.approx(0.9)
+    old["raw"]["1gbit"]["chain_rate"] = 0.96 * 125e6  # a calibration since the chain probe
+    assert emulated_cluster(8, "1gbit", old, 2.0, streams=True).efficiency == pytest.approx(0.96)
     assert emulated_cluster(8, "1gbit", old, 2.0).efficiency == 0.7
 
 

@@ -1,11 +1,11 @@
-"""mpicomm.transport_probe across 4 ranks: pairs measure, every rank gets the same figures; odd groups refused."""
+"""mpicomm.transport_probe across 4 ranks: pairs and a chain measure, every rank gets the same figures; odd groups refused."""
 
 from __future__ import annotations
 
 import pytest
 
 from conftest import assert_everywhere
-from mpicomm.transport_probe import probe_transport
+from mpicomm.transport_probe import probe_chain, probe_transport
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -25,3 +25,11 @@ def test_an_odd_number_of_ranks_is_refused_on_each_of_them(world):
                 probe_transport(sub)
     finally:
         sub.Free()
+
+
+def test_a_chain_of_streams_gives_every_rank_the_slowest_streams_rate(world):
+    """Each rank streams to the next (3 streams on 4 ranks, as a pipeline's stages send on), on a communicator of
+    its own: the world's messages are untouched, and the figure is every rank's."""
+    out = probe_chain(world, nbytes=1 << 16, count=4, rounds=1)
+    table = world.allgather(out["chain_rate"])  # test-side check only
+    assert_everywhere(world, len(set(table)) == 1 and table[0] > 0, f"chain rates per rank: {table}")

@@ -13,9 +13,10 @@ contender, in a rotating order, is built, warmed up, timed over --iters steps an
 destroyed: one alive at a time. A step's time ends when the last rank finished it, no
 barrier inside the timed steps; the strategies' synchronize() counts in the last step. The
 async modes never drain in training, so their window opens and closes with the pipeline
-full (the device's queued update waited for at both ends) and their final drain() comes
-after it: each timed step holds one step's work, as in a long run (counting the drain put
-up to 10 % on a 2-step window). torch-1f1b times its own steps, a barrier before each.
+full and flowing (one untimed step after the barrier, the device's queued update waited
+for at both ends) and their final drain() comes after it: each timed step holds one
+step's work, as in a long run (counting the drain put up to 10 % on a 2-step window, the
+barrier's stall 4 % on a 4-step one). torch-1f1b times its own steps, a barrier before each.
 Rank 0 prints a "ROW {json}" per contender (t_iter_rounds_s: each round's T_iter);
 jobs.bench.pipeline says what the columns measure. --timeline PATH: a Chrome trace of
 the pipeline contenders (each pass, update and wait, per rank). --device cuda: every contender's model on the rank's GPU (local rank
@@ -193,9 +194,10 @@ class Runner:
         """Warm up, then (per-step seconds: when the last rank finished each step; tx bytes; engine bytes).
 
         steady (the async pipelines, never drained: full after the warm-up): the window closes as it opened,
-        full, so it holds as many steps' work as it times; finish()'s drain (the last step's owed backward
-        passes) comes after it, untimed, as jobs.bench.strategies_worker leaves p3's owed update out. The
-        device's queued work (an update) is waited for at both ends. Bytes likewise.
+        full and flowing (one untimed step after the barrier that stalled it), so it holds as many steps' work
+        as it times; finish()'s drain (the last step's owed backward passes) comes after it, untimed, as
+        jobs.bench.strategies_worker leaves p3's owed update out. The device's queued work (an update) is
+        waited for at both ends. Bytes likewise.
         """
         import numpy as np
 
@@ -206,6 +208,8 @@ class Runner:
         if steady:
             self.compute.synchronize(self.device)
         self.comm.Barrier()
+        if steady:  # the barrier stalled the pipeline: one step, untimed, to flow again (each rank's window opens
+            step()  # after its own step; a step's end is still the slowest rank's)
         tx0, e0 = (self.tx_bytes() if self.iface else 0), engine_bytes()
         count = lambda: (self.tx_bytes() - tx0 if self.iface else None, engine_bytes() - e0)  # noqa: E731
         t0 = time.perf_counter()
@@ -306,7 +310,7 @@ class Runner:
         # The accelerator is the process's, shared by the contenders: the kinds of work this one emulated.
         out["parts"] = sorted(k for k, v in active().seconds.items() if v > before.get(k, 0.0)) if active() else []
         if active():  # the busiest rank's modelled device seconds a step (warm-up and timed steps alike)
-            ran = self.args.warmup + self.args.iters
+            ran = self.args.warmup + self.args.iters + (name in ASYNC_MODES)  # timed(): a step after the barrier
             out["device_s"] = self.spread(sum(active().seconds.values()) - sum(before.values()))[1] / ran
         gc.collect()
         if "t_iter" not in out:  # the round's T_iter: its mean step, so an uneven step weighs as long as it took

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["calibrate", "emulated_cluster", "for_hosts", "pair_efficiency"]
+__all__ = ["calibrate", "emulated_cluster", "for_hosts", "stream_efficiency"]
 
 
 def calibrate(args) -> dict:
     """Microbenchmarks on the emulated cluster, for each even rank count of the grid (hosts of one rank; 2 where
     none is even): unshaped, the transport's own costs; at each bandwidth, the share of the line rate the ring's
-    payload gets (headers, acknowledgements, the gaps between ring steps), the share pairs of hosts exchanging
-    big messages get (pair_efficiency: the pipelines' streams), and the CPU a byte costs at that rate,
+    payload gets (headers, acknowledgements, the gaps between ring steps), the share a chain of streams gets
+    (stream_efficiency: the pipelines'), and the CPU a byte costs at that rate,
     for the record: 4.2 ns at 1 Gbit/s against 1.2 unshaped on this VM, most of it the waits polled while the
     link drains. The simulator charges the unshaped figure: the polled part is a share of the cores while
     waiting, not a cost per byte (charged per byte at 4.2 ns, 4 ranks' rings came within 3.5 % but 8 ranks on
@@ -43,17 +43,19 @@ def _calibrate_hosts(args, hosts: int) -> dict:
     t = found["none"]
     efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in links}
     return {"transport": {"rate": t["rate"], "cpu_per_byte": t["cpu_per_byte"], "latency": t["latency"],
-                          "efficiency": 0.94}, "efficiency": efficiency, "pair_efficiency": pair_efficiency(found),
+                          "efficiency": 0.94}, "efficiency": efficiency, "stream_efficiency": stream_efficiency(found),
             "cpu_per_byte": {bw: found[bw]["cpu_per_byte"] for bw in links}, "raw": found}
 
 
-def pair_efficiency(found: dict) -> dict:
-    """{bandwidth: share of the line rate} that pairs of hosts exchanging big messages got (the transport probe's
-    rate, its slowest pair): what a pipeline's stream to its neighbour gets, where the ring's steps, waiting on
-    each other, can get less (8 emulated hosts at 250 Mbit/s: 0.86 against the ring's 0.71-0.74)."""
+def stream_efficiency(found: dict) -> dict:
+    """{bandwidth: share of the line rate} that a stream of messages from each host to the next got (the transport
+    probe's chain_rate: a pipeline's stages sending on; older calibrations: pairs of hosts exchanging, the probe's
+    rate), where the ring's steps, waiting on each other, can get less (8 emulated hosts at 250 Mbit/s: pairs 0.86,
+    the ring 0.71-0.74, a pipeline's stream between two stages 0.96 in its timeline)."""
     from mpicomm.emulation import parse_bandwidth
 
-    return {bw: min(1.0, f["rate"] * 8 / parse_bandwidth(bw)) for bw, f in found.items() if bw != "none"}
+    return {bw: min(1.0, f.get("chain_rate", f["rate"]) * 8 / parse_bandwidth(bw))
+            for bw, f in found.items() if bw != "none"}
 
 
 def for_hosts(cal: dict, hosts: int) -> dict:
@@ -62,12 +64,12 @@ def for_hosts(cal: dict, hosts: int) -> dict:
 
 
 def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes: int | None = None,
-                     device: str = "cpu", pairs: bool = False):
+                     device: str = "cpu", streams: bool = False):
     """The emulated cluster as runtime.sim sees it: `nodes` hosts (default: one a rank) sharing this machine's
     cores, their transport as calibrated between that many hosts (else the calibration's top level), the socket
     send buffer of eager links as calibrated, the links' token bucket (tc tbf's burst); device gpu: the compute
-    runs on an accelerator of each rank's (emulated compute), not on them. pairs: the links' share of the line
-    rate as pairs of hosts got it (pair_efficiency; a pipeline's), not as the ring did, where calibrated."""
+    runs on an accelerator of each rank's (emulated compute), not on them. streams: the links' share of the line
+    rate as a chain of streams got it (stream_efficiency: a pipeline's), not as the ring did, where calibrated."""
     from mpicomm.emulation import eager_send_buffer, link_burst, parse_bandwidth
     from runtime.sim import Cluster
 
@@ -77,9 +79,9 @@ def emulated_cluster(ranks: int, bandwidth: str, cal: dict, cores: float, nodes:
     t = cal["transport"]
     bps = parse_bandwidth(bandwidth)
     efficiency = cal.get("efficiency", {}).get(bandwidth, t["efficiency"])
-    if pairs:  # older calibrations have the probe's rates at their top level's host count only
+    if streams:  # older calibrations have the probe's rates at their top level's host count only
         same = cal is top or str(top.get("raw", {}).get("none", {}).get("ranks")) == str(nodes)
-        found = cal.get("pair_efficiency") or (pair_efficiency(top["raw"]) if same and "raw" in top else {})
+        found = cal.get("stream_efficiency") or (stream_efficiency(top["raw"]) if same and "raw" in top else {})
         efficiency = found.get(bandwidth, efficiency)
     return Cluster(nodes=nodes, ranks_per_node=ranks // nodes, bandwidth=bps if bps else 100e9, latency=t["latency"],
                    efficiency=efficiency, transport_rate=t["rate"],

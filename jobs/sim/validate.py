@@ -14,10 +14,11 @@ Four stages, each skipped when its result is given:
      taken): every model profiled on R ranks of this machine at once
      (jobs.sim.worker profile), for each rank count R of the grid, so that the
      profile carries what R ranks computing together cost each other here;
-  2. calibration (--calibration): jobs.sim.worker transport on the emulated
-     cluster, unshaped (one connection's rate, CPU time per byte, latency)
-     and at each bandwidth (the share of the line rate the ring's payload
-     gets), microbenchmarks only;
+  2. calibration (--calibration, jobs.sim.calibration): jobs.sim.worker
+     transport on the emulated cluster, unshaped (one connection's rate, CPU
+     time per byte, latency) and at each bandwidth (the share of the line rate
+     the ring's payload gets, and a chain of streams: the pipelines'),
+     microbenchmarks only;
   3. measurements (--measured): jobs.bench over the emulated cluster, R hosts
      of one rank, every bandwidth, model and strategy; the pipeline-MODE
      strategies by jobs.bench.pipeline on --pipeline-models (one stage a
@@ -231,7 +232,7 @@ def compare(measured: list[dict], profs: dict, cal: dict, density: float = 1e-3)
             prof = row_profile(m)
             cluster = emulated_cluster(m["ranks"], m.get("carried_links") or m["bandwidth"], cal,
                                        float(m.get("cores") or os.cpu_count() or 1), m.get("nodes"), "gpu",
-                                       pairs=m["strategy"].startswith("pipeline-"))
+                                       streams=m["strategy"].startswith("pipeline-"))
         else:
             prof = profs[key]
             cluster = emulated_cluster(m["ranks"], m["bandwidth"], cal, prof.cores)

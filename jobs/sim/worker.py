@@ -104,12 +104,13 @@ def slowest_per_step(profiles: list):
 
 
 def transport(args, comm) -> None:
-    from mpicomm.transport_probe import probe_ring, probe_transport
+    from mpicomm.transport_probe import probe_chain, probe_ring, probe_transport
 
     est = probe_transport(comm)
     ring = probe_ring(comm)
+    chain = probe_chain(comm)
     if comm.Get_rank() == 0:
-        print_row({"what": "transport", "ranks": comm.Get_size(), **est.to_json(), **ring})
+        print_row({"what": "transport", "ranks": comm.Get_size(), **est.to_json(), **ring, **chain})
 
 
 def main(argv=None) -> int:
