@@ -1,4 +1,4 @@
-"""What moving bytes costs here: one connection's rate, CPU time per byte, latency; the ring allreduce's rate; a chain's."""
+"""What moving bytes costs here: a connection's rate, CPU per byte and latency; a ring allreduce's and a chain's rates."""
 
 from __future__ import annotations
 

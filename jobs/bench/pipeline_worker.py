@@ -19,8 +19,9 @@ step's work, as in a long run (counting the drain put up to 10 % on a 2-step win
 barrier's stall 4 % on a 4-step one). torch-1f1b times its own steps, a barrier before each.
 Rank 0 prints a "ROW {json}" per contender (t_iter_rounds_s: each round's T_iter);
 jobs.bench.pipeline says what the columns measure. --timeline PATH: a Chrome trace of
-the pipeline contenders (each pass, update and wait, per rank). --device cuda: every contender's model on the rank's GPU (local rank
-mod the GPUs it sees); torch-1f1b (gloo, CPU tensors) is left out of the default contenders.
+the pipeline contenders (each pass, update and wait, per rank). --device cuda: every
+contender's model on the rank's GPU (local rank mod the GPUs it sees); torch-1f1b (gloo,
+CPU tensors) is left out of the default contenders.
 --compute emulated:DEVICE: every contender under the same compute model (runtime.emulate): each
 pipeline rank's stage emulated alone at its input's shape (runtime.Pipeline(compute=...)), as is
 each torch-1f1b stage before torch's PipelineStage takes it, and data parallelism's whole model;

@@ -11,11 +11,11 @@ def calibrate(args) -> dict:
     """Microbenchmarks on the emulated cluster, for each even rank count of the grid (hosts of one rank; 2 where
     none is even): unshaped, the transport's own costs; at each bandwidth, the share of the line rate the ring's
     payload gets (headers, acknowledgements, the gaps between ring steps), the share a chain of streams gets
-    (stream_efficiency: the pipelines'), and the CPU a byte costs at that rate,
-    for the record: 4.2 ns at 1 Gbit/s against 1.2 unshaped on this VM, most of it the waits polled while the
-    link drains. The simulator charges the unshaped figure: the polled part is a share of the cores while
-    waiting, not a cost per byte (charged per byte at 4.2 ns, 4 ranks' rings came within 3.5 % but 8 ranks on
-    the same 2 cores read 35-81 % slow).
+    (stream_efficiency: the pipelines'), and the CPU a byte costs at that rate, for the record: 4.2 ns at
+    1 Gbit/s against 1.2 unshaped on this VM, most of it the waits polled while the link drains. The simulator
+    charges the unshaped figure: the polled part is a share of the cores while waiting, not a cost per byte
+    (charged per byte at 4.2 ns, 4 ranks' rings came within 3.5 % but 8 ranks on the same 2 cores read 35-81 %
+    slow).
 
     The smallest count's figures are the document's top level (what any row falls back to); each count's own
     are under "hosts" (emulated_cluster takes them by a row's host count): on this VM's 2 cores the ring's
