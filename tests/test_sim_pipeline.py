@@ -10,7 +10,13 @@ from runtime.sim import simulate
 from test_sim import fast_net, toy
 
 
-def test_pipeline_flush_matches_the_1f1b_tick_count_and_async_never_drains():
+@pytest.fixture
+def seen_on_arrival(monkeypatch):
+    """Messages noticed the moment they land (no wait_until polling): these tests time the schedule and the links."""
+    monkeypatch.setattr("runtime.sim.pipeline.noticed", lambda waited: waited)
+
+
+def test_pipeline_flush_matches_the_1f1b_tick_count_and_async_never_drains(seen_on_arrival):
     from runtime.pipeline.schedule import ticks
 
     p, c = toy(n=8, params=1000), fast_net(4, bw=100e9)  # 2 layers a stage, messages ~free
@@ -58,7 +64,7 @@ def test_asynchronous_pipelines_update_every_micro_batch_and_pay_their_weight_ve
     assert t["vanilla"] < t["stash"] < t["spectrain"]  # 2 passes a forward; 7 a forward and 3 a backward
 
 
-def test_a_stages_messages_to_one_peer_arrive_first_in_first_out():
+def test_a_stages_messages_to_one_peer_arrive_first_in_first_out(seen_on_arrival):
     """Two stages; stage 0 computes nothing, stage 1 m a micro-batch (F and B m/2 each); a message takes m.
     Stage 0 sends its two warm-up activations back to back: on one connection the first arrives at m, the
     second at 2m (shared fairly, both at 2m). From then every two micro-batches take 3m (a gradient back,
@@ -85,7 +91,7 @@ def test_asynchronous_stage_replicas_average_every_micro_batch():
     assert extra["vanilla"] > M / 2 * extra["flush"]  # once a step, it would add about what flush's adds
 
 
-def test_an_emulated_links_token_bucket_lets_a_message_after_an_idle_moment_through_at_once():
+def test_an_emulated_links_token_bucket_lets_a_message_after_an_idle_moment_through_at_once(seen_on_arrival):
     """One micro-batch through two stages: an activation out and a gradient back, each m on the link, each after an
     idle moment. A token bucket of a whole message (tc tbf's burst) passes each at once; half a message, half."""
     m = 0.01
@@ -97,3 +103,16 @@ def test_an_emulated_links_token_bucket_lets_a_message_after_an_idle_moment_thro
     assert t[0] == pytest.approx(passes + 2 * m, rel=1e-3)
     assert t[size / 2] == pytest.approx(passes + m, rel=1e-3)
     assert t[size] == pytest.approx(passes, rel=1e-3)
+
+
+def test_a_wait_notices_a_message_at_its_next_poll_as_the_runtimes_wait_until_polls():
+    """mpicomm.stall.wait_until spins SPIN_SECONDS, then sleeps doubling from MIN_SLEEP to MAX_SLEEP: a message is
+    seen at once while it spins, later at the first poll after it lands, never more than MAX_SLEEP late."""
+    from mpicomm.stall import MAX_SLEEP, MIN_SLEEP, SPIN_SECONDS
+    from runtime.sim.pipeline import noticed
+
+    assert noticed(0.0) == 0.0 and noticed(SPIN_SECONDS) == SPIN_SECONDS
+    assert noticed(SPIN_SECONDS + MIN_SLEEP / 2) == pytest.approx(SPIN_SECONDS + MIN_SLEEP)
+    assert noticed(SPIN_SECONDS + 1.5 * MIN_SLEEP) == pytest.approx(SPIN_SECONDS + 3 * MIN_SLEEP)  # 10 then 20 us
+    for waited in (0.0031, 0.0207, 0.5):
+        assert waited <= noticed(waited) <= waited + MAX_SLEEP

@@ -20,6 +20,7 @@ after its step; the asynchronous modes: after every micro-batch).
 
 from __future__ import annotations
 
+from mpicomm.stall import MAX_SLEEP, MIN_SLEEP, SPIN_SECONDS
 from runtime.pipeline import schedule as order
 from runtime.pipeline.partition import LayerProfile, best_balance
 from runtime.pipeline.versions import version_difference
@@ -45,6 +46,19 @@ def _ranges(counts: list[int]) -> list[range]:
         out.append(range(a, a + n))
         a += n
     return out
+
+
+def noticed(waited: float) -> float:
+    """When a wait of mpicomm.stall.wait_until notices what arrived `waited` seconds after it began: at once while
+    it spins (SPIN_SECONDS of yielding polls), then at its next poll, the sleeps between them doubling from
+    MIN_SLEEP to MAX_SLEEP (a message that lands in a 1 ms sleep is seen up to 1 ms late)."""
+    if waited <= SPIN_SECONDS:
+        return waited
+    poll, sleep = SPIN_SECONDS, MIN_SLEEP
+    while poll < waited:
+        poll += sleep
+        sleep = min(MAX_SLEEP, 2 * sleep)
+    return poll
 
 
 def default_stages(profile: Profile, cluster: Cluster) -> int:
@@ -144,6 +158,14 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
 
         engine.process(go())
 
+    def arrival(key):
+        """Wait for a message as the runtime's wait_until does: noticed at its first poll after it arrived."""
+        start = engine.now
+        yield event(key)
+        late = noticed(engine.now - start) - (engine.now - start)
+        if late > 0:
+            yield engine.timeout(late)
+
     def stage(k: int):
         h = hosts[k]  # its link carries the stage's messages and its replicas' allreduce alike
         for t in range(steps):
@@ -155,13 +177,13 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
             for op, mb in ops:
                 if op == order.FORWARD:
                     if k > 0:
-                        yield event(("act", k, mb))
+                        yield from arrival(("act", k, mb))
                     yield engine.start(h.compute(f"F{mb}", fwd[k] + fwd_versions[k], profile.cores_per_rank))
                     if k < S - 1:
                         send("act", k, k + 1, mb, act[k])
                 else:
                     if k < S - 1:
-                        yield event(("grad", k, mb))
+                        yield from arrival(("grad", k, mb))
                     extra = (accumulate[k] if mb != t * M else 0.0) + bwd_versions[k]
                     yield engine.start(h.compute(f"B{mb}", bwd[k] + extra, profile.cores_per_rank))
                     if k > 0:
