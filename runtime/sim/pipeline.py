@@ -6,7 +6,8 @@ forward waits for the previous stage's activation, a backward for the next
 stage's gradient, and each result is sent on at once (non-blocking) over the
 two hosts' links, queued behind what its host sent before (its interface's
 queue is first in, first out) and, after an idle moment, partly passed at
-once by the link's token bucket (Cluster.burst, an emulated link's). The
+once by the link's token bucket (Cluster.burst, an emulated link's); a stage
+waiting for one sees it at its next poll (noticed: mpicomm.stall's). The
 split is runtime.pipeline.partition's (PipeDream's dynamic programme over the
 profile's layers). "flush" drains every step
 (PipeDream-Flush) and accumulates its micro-batches' gradients; the
