@@ -41,7 +41,7 @@ import time
 from jobs.common.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.common.cluster_sweep import print_row
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
-from jobs.common.outputs import write_training_outputs
+from jobs.common.outputs import write_timeline
 from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, check_device, comma_list,
                                 launched_ranks, one_of, parse)
 from jobs.common.stats import summary
@@ -211,6 +211,7 @@ class Runner:
         self.comm.Barrier()
         if steady:  # the barrier stalled the pipeline: one step, untimed, to flow again (each rank's window opens
             step()  # after its own step; a step's end is still the slowest rank's)
+            self.ran += 1
         tx0, e0 = (self.tx_bytes() if self.iface else 0), engine_bytes()
         count = lambda: (self.tx_bytes() - tx0 if self.iface else None, engine_bytes() - e0)  # noqa: E731
         t0 = time.perf_counter()
@@ -307,12 +308,12 @@ class Runner:
         from runtime.emulate import active
 
         before = dict(active().seconds) if active() else {}
+        self.ran = self.args.warmup + self.args.iters  # steps this contender runs (timed() may add one)
         out = getattr(self, kind(name).replace("-", "_"))(name)
         # The accelerator is the process's, shared by the contenders: the kinds of work this one emulated.
         out["parts"] = sorted(k for k, v in active().seconds.items() if v > before.get(k, 0.0)) if active() else []
         if active():  # the busiest rank's modelled device seconds a step (warm-up and timed steps alike)
-            ran = self.args.warmup + self.args.iters + (name in ASYNC_MODES)  # timed(): a step after the barrier
-            out["device_s"] = self.spread(sum(active().seconds.values()) - sum(before.values()))[1] / ran
+            out["device_s"] = self.spread(sum(active().seconds.values()) - sum(before.values()))[1] / self.ran
         gc.collect()
         if "t_iter" not in out:  # the round's T_iter: its mean step, so an uneven step weighs as long as it took
             out.update(steps=len(out["secs"]), t_iter=statistics.fmean(out["secs"]))
@@ -386,8 +387,8 @@ def main(argv=None, args=None) -> int:
         from mpicomm.torchdist import shutdown_gloo
 
         shutdown_gloo(runner.comm)
-    write_training_outputs(runner.comm, argparse.Namespace(timeline=args.timeline, json=None), runner.timeline, {},
-                           say=print if runner.rank == 0 else lambda *a, **k: None)
+    if runner.timeline is not None:
+        write_timeline(runner.comm, args.timeline, runner.timeline, say=print if runner.rank == 0 else lambda *a: None)
     runner.topo.free()
     return 0
 

@@ -47,24 +47,29 @@ def write_results(comm, args, meta: dict, rows: list, draw: Callable[[str], obje
         write_together(comm, "--plot", args.plot, lambda: (draw(args.plot), say(f"wrote {args.plot}")), here=here)
 
 
-def write_training_outputs(comm, args, timeline, metrics: dict, say=print) -> None:
-    """A training job's --timeline (each rank's part, merged by rank 0) and --json (`metrics`, by rank 0)."""
+def write_timeline(comm, path: str, timeline, say=print) -> None:
+    """A job's --timeline: each rank writes its part, rank 0 merges them into `path` and removes the parts."""
+    from runtime.trace.timeline import merge
+
     rank, size = comm.Get_rank(), comm.Get_size()
+    parts = [f"{path}.rank{r}.json" for r in range(size)]
+    write_together(comm, "--timeline", parts[rank], lambda: timeline.dump(parts[rank]))
+
+    def merge_parts():
+        merge(parts, path)
+        for part in parts:
+            os.remove(part)
+        say(f"wrote {path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    write_together(comm, "--timeline", path, merge_parts, here=rank == 0)
+
+
+def write_training_outputs(comm, args, timeline, metrics: dict, say=print) -> None:
+    """A training job's --timeline (write_timeline) and --json (`metrics`, by rank 0)."""
     if timeline is not None and args.timeline:
-        from runtime.trace.timeline import merge
-
-        parts = [f"{args.timeline}.rank{r}.json" for r in range(size)]
-        write_together(comm, "--timeline", parts[rank], lambda: timeline.dump(parts[rank]))
-
-        def merge_parts():
-            merge(parts, args.timeline)
-            for part in parts:
-                os.remove(part)
-            say(f"wrote {args.timeline} (open in https://ui.perfetto.dev or chrome://tracing)")
-        write_together(comm, "--timeline", args.timeline, merge_parts, here=rank == 0)
+        write_timeline(comm, args.timeline, timeline, say)
     if args.json:
         def write_metrics():
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(metrics, f, indent=1)
-        write_together(comm, "--json", args.json, write_metrics, here=rank == 0)
+        write_together(comm, "--json", args.json, write_metrics, here=comm.Get_rank() == 0)
