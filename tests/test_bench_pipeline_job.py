@@ -112,5 +112,23 @@ def test_worker_timeline_has_every_stages_passes_updates_and_waits(tmp_path):
     # warm-up, one step after the barrier (the pipeline flowing again before the window opens), 2 timed: 4 steps
     # of 4 micro-batches, each updated once on each of the 2 stages (vanilla), the drain's too
     assert sum(e["cat"] == "update" for e in spans) == 2 * 4 * 4
-    assert any(e["name"].startswith("wait") and e["pid"] == 1 for e in spans)
+    waits = [e for e in spans if e["name"].startswith("wait") and e["pid"] == 1]
+    # each names the message it waits for, so a reader can match it to its send
+    assert waits and all(e["args"]["waits_for"].startswith(("activation of micro-batch ", "gradient of micro-batch "))
+                         for e in waits)
     assert not list(tmp_path.glob("tl.json.rank*"))  # the parts merged and removed
+    # The row says, per stage, how long each send held its host (21 quantiles, seconds): stage 0 sends activations
+    # only, stage 1 gradients only.
+    (row,) = [json.loads(line[4:]) for line in proc.stdout.splitlines() if line.startswith("ROW ")]
+    first, second = row["send_host_s"]
+    assert first["grad"] is None and second["act"] is None
+    for q in (first["act"], second["grad"]):
+        assert len(q) == 21 and 0 <= q[0] and q == sorted(q) and q[-1] < 5, q
+
+
+def test_send_quantiles_run_from_the_least_to_the_most():
+    from jobs.bench.pipeline_sends import quantiles
+
+    assert quantiles([]) is None and quantiles([0.5]) == [0.5] * 21
+    q = quantiles([3.0, 1.0, 2.0], points=5)
+    assert q == [1.0, 1.5, 2.0, 2.5, 3.0]

@@ -86,6 +86,22 @@ def test_host_staged_links_send_the_true_bytes_too():
     assert sent == (BATCH // MICRO) * per_micro
 
 
+@pytest.mark.parametrize("staging", [False, True])
+def test_each_send_records_how_long_it_held_the_host(staging):
+    """send_times: one host time per message, by direction (what the simulator draws); clear starts anew."""
+    x, y = batch()
+    with pipeline("vanilla", staging=staging) as pipe:
+        pipe.train_step(x, y)
+        pipe.drain()
+        times, messages = pipe.send_times(clear=True), pipe.stats()["messages_sent"]
+        after = pipe.send_times()
+    micro = BATCH // MICRO
+    want = {"act": micro if not pipe.last else 0, "grad": micro if pipe.stage else 0}
+    ok = ({k: len(v) for k, v in times.items()} == want and messages == sum(want.values())
+          and all(0 <= t < 5 for v in times.values() for t in v) and after == {"act": [], "grad": []})
+    assert_everywhere(MPI.COMM_WORLD, ok, f"stage {pipe.stage}: {times}, {messages} messages, then {after}")
+
+
 def test_automatic_partition_uses_the_modelled_layer_times():
     said = []
     with pipeline("flush", balance=None, stages=4, say=said.append) as pipe:

@@ -116,3 +116,32 @@ def test_a_wait_notices_a_message_at_its_next_poll_as_the_runtimes_wait_until_po
     assert noticed(SPIN_SECONDS + 1.5 * MIN_SLEEP) == pytest.approx(SPIN_SECONDS + 3 * MIN_SLEEP)  # 10 then 20 us
     for waited in (0.0031, 0.0207, 0.5):
         assert waited <= noticed(waited) <= waited + MAX_SLEEP
+
+
+def test_a_send_holds_its_stages_host_for_a_measured_time_before_the_message_leaves(seen_on_arrival):
+    """send_host (a run's Pipeline.send_times as quantiles): 2 stages, 1 micro-batch, flush: each step sends one
+    activation and one gradient, each after its stage's host spent c on it; with a spread, the mean of seeded
+    runs, each reproducible."""
+    from runtime.sim.pipeline import draw
+
+    p, c = toy(n=4, params=1000), fast_net(2, bw=100e9)
+    base = simulate(p, c, "pipeline-flush", microbatches=1).t_iter_s
+    fixed = [{"act": [0.004], "grad": None}, {"act": None, "grad": [0.004]}]
+    held = simulate(p, c, "pipeline-flush", microbatches=1, send_host=fixed).t_iter_s
+    assert held - base == pytest.approx(2 * 0.004, rel=1e-6)
+    assert simulate(p, c, "pipeline-flush", microbatches=1, send_host=fixed, seeds=3).t_iter_s == \
+        pytest.approx(held, rel=1e-9)  # no spread: every seed alike
+    spread = [{"act": [0.0, 0.002, 0.010], "grad": None}, {"act": None, "grad": [0.0, 0.002, 0.010]}]
+    one = [simulate(p, c, "pipeline-vanilla", microbatches=4, send_host=spread, seeds=k).t_iter_s for k in (1, 4)]
+    assert one == [simulate(p, c, "pipeline-vanilla", microbatches=4, send_host=spread, seeds=k).t_iter_s
+                   for k in (1, 4)]
+    bare = simulate(p, c, "pipeline-vanilla", microbatches=4).t_iter_s
+    assert bare < one[1] < bare + 2 * 0.010 * 4  # each of the step's 4 micro-batches crosses once each way
+    with pytest.raises(ValueError, match="seeds must be 1 or more"):
+        simulate(p, c, "pipeline-flush", microbatches=1, seeds=0)
+
+    import random
+    rng = random.Random(0)
+    draws = [draw([1.0, 2.0, 4.0], rng) for _ in range(2000)]
+    assert 1.0 <= min(draws) and max(draws) <= 4.0 and draw([3.0], rng) == 3.0
+    assert sum(d <= 2.0 for d in draws) == pytest.approx(1000, abs=100)  # half below the median

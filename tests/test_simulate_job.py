@@ -301,6 +301,14 @@ def test_a_pipeline_benchmark_row_is_simulated_on_its_own_split_and_micro_batch(
     assert vgg["sim_options"]["balance"] == [10, 9, 1, 1, 1, 1, 1, 19]
     r = simulate(row_profile(vgg), Cluster(nodes=8), "pipeline-vanilla", **vgg["sim_options"])
     assert r.t_iter_s > 0 and len(r.details["stages"]) == 8
+    # A row that says how long its sends held each stage's host: drawn, the step the mean of SEEDS runs.
+    from runtime.sim.pipeline import SEEDS
+    sends = [{"act": [0.001, 0.002], "grad": None}] + [{"act": [0.001, 0.002], "grad": [0.001, 0.003]}] * 2 + \
+        [{"act": None, "grad": [0.001, 0.003]}]
+    held = pipeline_row(dict(row, send_host_s=sends))["sim_options"]
+    assert held == dict(out["sim_options"], send_host=sends, seeds=SEEDS) and SEEDS > 1
+    assert simulate(prof, Cluster(nodes=4), "pipeline-vanilla", **held).t_iter_s > \
+        simulate(prof, Cluster(nodes=4), "pipeline-vanilla", **out["sim_options"]).t_iter_s
     dp = pipeline_row(dict(row, contender="wfbp", kind="data-parallel", microbatches=None, balance=None))
     assert dp["strategy"] == "wfbp" and dp["batch_per_rank"] == 16 and "sim_options" not in dp
     assert pipeline_row(dict(row, contender="torch-1f1b", kind="peer")) is None

@@ -39,6 +39,13 @@ def ranks_per_core(comm) -> float:
     return here / cores
 
 
+def memory_mb() -> tuple[float, float]:
+    """(VmRSS, VmHWM) of this process in MB: now, and its peak so far."""
+    with open("/proc/self/status") as f:
+        found = {line[:5]: int(line.split()[1]) / 1024 for line in f if line.startswith(("VmRSS:", "VmHWM:"))}
+    return found["VmRSS"], found["VmHWM"]
+
+
 def reset_peak_rss() -> None:
     """Start this process's peak resident set (VmHWM) again from its current size (Linux >= 4.0)."""
     try:

@@ -17,7 +17,8 @@ full and flowing (one untimed step after the barrier, the device's queued update
 for at both ends) and their final drain() comes after it: each timed step holds one
 step's work, as in a long run (counting the drain put up to 10 % on a 2-step window, the
 barrier's stall 4 % on a 4-step one). torch-1f1b times its own steps, a barrier before each.
-Rank 0 prints a "ROW {json}" per contender (t_iter_rounds_s: each round's T_iter);
+Rank 0 prints a "ROW {json}" per contender (t_iter_rounds_s: each round's T_iter; a pipeline's send_host_s:
+per stage, how long each send held its host, jobs.bench.pipeline_sends);
 jobs.bench.pipeline says what the columns measure. --timeline PATH: a Chrome trace of
 the pipeline contenders (each pass, update and wait, per rank). --device cuda: every
 contender's model on the rank's GPU (local rank mod the GPUs it sees); torch-1f1b (gloo,
@@ -38,6 +39,8 @@ import os
 import statistics
 import time
 
+from jobs.bench.host_usage import memory_mb
+from jobs.bench.pipeline_sends import per_stage
 from jobs.common.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.common.cluster_sweep import print_row
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
@@ -113,13 +116,6 @@ def check_settings(args, models: list[str], ranks: int) -> None:
             raise InputError("--hidden", f"widths must be >= 1, got {args.hidden}")
     check_device(args)  # last: it imports torch
     check_compute(args)
-
-
-def memory_mb() -> tuple[float, float]:
-    """(VmRSS, VmHWM) of this process in MB: now, and its peak so far."""
-    with open("/proc/self/status") as f:
-        found = {line[:5]: int(line.split()[1]) / 1024 for line in f if line.startswith(("VmRSS:", "VmHWM:"))}
-    return found["VmRSS"], found["VmHWM"]
 
 
 class Runner:
@@ -241,12 +237,12 @@ class Runner:
         pipe = Pipeline(as_layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
                         loss_fn=self.loss, balance=self.balance, microbatches=self.args.microbatches, mode=name,
                         topology=self.topo, device=self.device, say=None, timeline=self.timeline, **emulated)
-        secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: None, pipe.drain,
-                                      lambda: pipe.stats()["bytes_sent"], steady=name in ASYNC_MODES)
-        st, mem = pipe.stats(), memory_mb()
+        secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: pipe.send_times(clear=True),
+                                      pipe.drain, lambda: pipe.stats()["bytes_sent"], steady=name in ASYNC_MODES)
+        st, mem, sends = pipe.stats(), memory_mb(), pipe.send_times()  # sends: from the warm-up's end
         pipe.close()
         return dict(secs=secs, tx=tx, engine=engine, mem=mem, weight_copy_bytes=st["weight_copy_bytes"],
-                    parameter_bytes=st["parameter_bytes"], updates_per_step=st["updates"] / pipe.steps)
+                    parameter_bytes=st["parameter_bytes"], updates_per_step=st["updates"] / pipe.steps, sends=sends)
 
     def data_parallel(self, name: str) -> dict:
         # Emulated (or not) before DDP or a strategy hooks into it; the same compute model as the pipelines'.
@@ -351,6 +347,8 @@ def row(args, runner, name: str, rounds: list[dict]) -> dict:
                updates_per_step=rounds[0]["updates_per_step"],
                balance=runner.balance if kind(name) != "data-parallel" else None, cores=os.cpu_count(),
                **runner.compute.describe())
+    if kind(name) == "pipeline":  # per stage: how long each send held its host (jobs.bench.pipeline_sends)
+        out["send_host_s"] = per_stage(runner.comm, rounds)
     if runner.compute.emulated:
         out["emulated_parts"] = sorted({k for r in rounds for k in r["parts"]})
         out["modelled_device_s_max"] = statistics.median(r["device_s"] for r in rounds)

@@ -60,6 +60,10 @@ def pipeline_row(row: dict) -> dict | None:
         out.update(strategy=f"pipeline-{row['contender']}", batch_per_rank=row["batch"] // row["microbatches"],
                    every_unit=True, sim_options={"microbatches": row["microbatches"], "balance": unit_split(row),
                                                  "per_microbatch": True})
+        if row.get("send_host_s"):  # how long each send held a stage's host, as the run measured it: drawn
+            from runtime.sim.pipeline import SEEDS
+
+            out["sim_options"].update(send_host=row["send_host_s"], seeds=SEEDS)
     return out
 
 

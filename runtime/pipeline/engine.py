@@ -330,6 +330,11 @@ class Pipeline:
                 self.check.stop_listening()  # now: a failed pipeline may never be closed
         return exc
 
+    def send_times(self, clear: bool = False) -> dict[str, list[float]]:
+        """Host seconds of each of this stage's sends since the last clear, by direction ("act", "grad"): the
+        copy out of a stage's output and the Isend; clear: start anew (a benchmark's timed window)."""
+        return self.link.send_times(clear) if self.link is not None else {"act": [], "grad": []}
+
     def stats(self) -> dict:
         """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held, and
         host_waits: the times training waited for the device (loss reads, staged copies)."""

@@ -14,6 +14,8 @@ runtime.pipeline.staging.StagedLink, which crosses through host buffers.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 from mpi4py import MPI
@@ -24,6 +26,7 @@ from mpicomm.stall import StallPolicy, wait_until
 from mpicomm.tags import check_tag
 
 TAG_ACTIVATION, TAG_GRADIENT, TAG_EVAL = 11, 12, 13
+SEND_SAMPLES = 100_000  # host times of sends kept per direction until cleared (a long run keeps its first ones)
 _MAX_DIMS = 8
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -104,6 +107,9 @@ class StageLink:
             check_tag(comm, tag)
         self.log = RequestLog("pipeline stage link")
         self.bytes_sent = self.messages_sent = 0
+        # Seconds each send held this stage's host (a copy out of the output, the Isend's own copy and calls):
+        # what a simulator adds after each op that sends (runtime.sim.pipeline's send_host).
+        self.send_seconds: dict[str, list[float]] = {"act": [], "grad": []}
         # Inputs stay alive until their backward (they are autograd leaves): one buffer per micro-batch
         # in flight, plus the one being received ahead.
         self._acts = [self._buffer(in_meta) for _ in range(in_flight + 1)] if self.prev is not None else []
@@ -140,10 +146,24 @@ class StageLink:
 
     # -- sends ---------------------------------------------------------------------------
     def send_activation(self, micro: int, out: torch.Tensor) -> None:
-        self._send(out, self.next, TAG_ACTIVATION, micro)
+        self._timed_send(out, self.next, TAG_ACTIVATION, micro, self.send_seconds["act"])
 
     def send_gradient(self, micro: int, grad: torch.Tensor) -> None:
-        self._send(grad, self.prev, TAG_GRADIENT, micro)
+        self._timed_send(grad, self.prev, TAG_GRADIENT, micro, self.send_seconds["grad"])
+
+    def _timed_send(self, t: torch.Tensor, dest: int, tag: int, micro: int, times: list[float]) -> None:
+        start = time.perf_counter()
+        self._send(t, dest, tag, micro)
+        if len(times) < SEND_SAMPLES:
+            times.append(time.perf_counter() - start)
+
+    def send_times(self, clear: bool = False) -> dict[str, list[float]]:
+        """The host seconds of each send since the last clear, by direction ("act", "grad"); clear: start anew."""
+        out = {k: list(v) for k, v in self.send_seconds.items()}
+        if clear:
+            for v in self.send_seconds.values():
+                v.clear()
+        return out
 
     def _send(self, t: torch.Tensor, dest: int, tag: int, micro: int) -> None:
         t = t.detach().contiguous()  # kept referenced below until MPI is done with it
@@ -188,8 +208,10 @@ class StageLink:
     def _wait(self, req: MPI.Request, what: str) -> None:
         if req.Test():
             return
-        span = self.timeline.begin(f"wait {what.split(' of ')[0]}", "pipeline", track="comm") if self.timeline \
-            else None
+        # The span carries what it waits for ("activation of micro-batch 3 from stage 1"): a reader matches it
+        # to its send.
+        span = self.timeline.begin(f"wait {what.split(' of ')[0]}", "pipeline", track="comm", waits_for=what) \
+            if self.timeline else None
 
         def done() -> bool:
             self._poll()

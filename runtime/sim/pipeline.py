@@ -3,8 +3,9 @@
 Stages are not alike, so each gets a host of its own (a Host per stage, one
 engine): stage k runs the ops of runtime.pipeline.schedule in order; a
 forward waits for the previous stage's activation, a backward for the next
-stage's gradient, and each result is sent on at once (non-blocking) over the
-two hosts' links, queued behind what its host sent before (its interface's
+stage's gradient, and each result is sent on (non-blocking, once its host has
+copied it out and posted it: a measured run's send times, drawn, where given)
+over the two hosts' links, queued behind what its host sent before (its interface's
 queue is first in, first out) and, after an idle moment, partly passed at
 once by the link's token bucket (Cluster.burst, an emulated link's); a stage
 waiting for one sees it at its next poll (noticed: mpicomm.stall's). The
@@ -21,6 +22,8 @@ after its step; the asynchronous modes: after every micro-batch).
 
 from __future__ import annotations
 
+import random
+
 from mpicomm.stall import MAX_SLEEP, MIN_SLEEP, SPIN_SECONDS
 from runtime.pipeline import schedule as order
 from runtime.pipeline.partition import LayerProfile, best_balance
@@ -32,6 +35,7 @@ from .engine import Activity, Engine, Event
 from .profile import Profile
 
 MODES = ("flush", "vanilla", "stash", "spectrain")
+SEEDS = 8  # runs a measured spread of send times is averaged over where a row gives one (jobs.sim.modelled)
 
 
 def stage_split(profile: Profile, stages: int, bandwidth: float, scale: float) -> list[range]:
@@ -71,8 +75,8 @@ def default_stages(profile: Profile, cluster: Cluster) -> int:
 
 
 def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mode: str = "flush", steps: int = 6,
-                      stages: int | None = None, balance: list[int] | None = None,
-                      per_microbatch: bool = False) -> tuple[float, list[range]]:
+                      stages: int | None = None, balance: list[int] | None = None, per_microbatch: bool = False,
+                      send_host: list | None = None, seeds: int = 1) -> tuple[float, list[range]]:
     """Mean step time after the first two steps, and the split.
 
     `stages` stages (default_stages) of ranks / stages replicas each, every rank of a stage on its own
@@ -81,7 +85,33 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
     micro-batch the profile's batch as it was profiled: a GPU's time for a small batch is not in
     proportion (a fully connected layer's weights are read whatever the batch). balance: the profile's
     layers per stage (a measured run's split), instead of the partitioner's; it sets the stages.
+
+    send_host: per stage, {"act": q, "grad": q}: the seconds each send holds the stage's host (its copy out,
+    the Isend), as equally spaced quantiles of a measured run's (runtime.pipeline.Pipeline.send_times); each
+    send draws one and leaves after it. A pipeline that never drains is a loop of such waits, and a spread
+    moves it off the one phase a fixed schedule locks into: the step is then the mean of `seeds` runs, each
+    with its own draws.
     """
+    if seeds < 1:
+        raise ValueError(f"seeds must be 1 or more, got {seeds}")
+    runs = [_simulate(profile, cluster, microbatches, mode, steps, stages, balance, per_microbatch, send_host,
+                      random.Random(seed)) for seed in range(seeds)]
+    return sum(t for t, _ in runs) / seeds, runs[0][1]
+
+
+def draw(quantiles: list[float], rng: random.Random) -> float:
+    """One draw from a distribution given by equally spaced quantiles (its minimum to its maximum), linear between
+    them."""
+    if len(quantiles) == 1:
+        return quantiles[0]
+    u = rng.random() * (len(quantiles) - 1)
+    i = int(u)
+    return quantiles[i] + (quantiles[i + 1] - quantiles[i]) * (u - i)
+
+
+def _simulate(profile: Profile, cluster: Cluster, microbatches: int, mode: str, steps: int, stages: int | None,
+              balance: list[int] | None, per_microbatch: bool, send_host: list | None,
+              rng: random.Random) -> tuple[float, list[range]]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if balance is not None:
@@ -159,6 +189,12 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
 
         engine.process(go())
 
+    def host_send(k: int, direction: str):
+        """The stage's host busy with a send (a measured run's time, drawn), before the message leaves."""
+        q = (send_host[k] or {}).get(direction) if send_host and k < len(send_host) else None
+        if q:
+            yield engine.timeout(draw(q, rng))
+
     def arrival(key):
         """Wait for a message as the runtime's wait_until does: noticed at its first poll after it arrived."""
         start = engine.now
@@ -181,6 +217,7 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
                         yield from arrival(("act", k, mb))
                     yield engine.start(h.compute(f"F{mb}", fwd[k] + fwd_versions[k], profile.cores_per_rank))
                     if k < S - 1:
+                        yield from host_send(k, "act")
                         send("act", k, k + 1, mb, act[k])
                 else:
                     if k < S - 1:
@@ -188,6 +225,7 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
                     extra = (accumulate[k] if mb != t * M else 0.0) + bwd_versions[k]
                     yield engine.start(h.compute(f"B{mb}", bwd[k] + extra, profile.cores_per_rank))
                     if k > 0:
+                        yield from host_send(k, "grad")
                         send("grad", k, k - 1, mb, act[k - 1])
                     if per_micro:  # and zero_grad's memset of the stage's gradients before the next backward
                         if replicas > 1:  # each update averages the micro-batch's gradients (runtime.pipeline.
