@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -140,7 +141,6 @@ def test_a_send_holds_its_stages_host_for_a_measured_time_before_the_message_lea
     with pytest.raises(ValueError, match="seeds must be 1 or more"):
         simulate(p, c, "pipeline-flush", microbatches=1, seeds=0)
 
-    import random
     rng = random.Random(0)
     draws = [draw([1.0, 2.0, 4.0], rng) for _ in range(2000)]
     assert 1.0 <= min(draws) and max(draws) <= 4.0 and draw([3.0], rng) == 3.0
