@@ -9,15 +9,9 @@ QUANTILES = 21  # equally spaced, minimum to maximum: every 5 %
 
 def quantiles(samples: list[float], points: int = QUANTILES) -> list[float] | None:
     """`points` equally spaced quantiles of the samples (linear between order statistics), None for none."""
-    if not samples:
-        return None
-    v = sorted(samples)
-    out = []
-    for j in range(points):
-        x = j * (len(v) - 1) / (points - 1)
-        i = int(x)
-        out.append(v[i] + (v[min(i + 1, len(v) - 1)] - v[i]) * (x - i))
-    return out
+    import numpy as np
+
+    return np.quantile(samples, np.linspace(0.0, 1.0, points)).tolist() if samples else None
 
 
 def per_stage(comm, rounds: list[dict]) -> list[dict]:

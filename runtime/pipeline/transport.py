@@ -26,7 +26,7 @@ from mpicomm.stall import StallPolicy, wait_until
 from mpicomm.tags import check_tag
 
 TAG_ACTIVATION, TAG_GRADIENT, TAG_EVAL = 11, 12, 13
-SEND_SAMPLES = 100_000  # host times of sends kept per direction until cleared (a long run keeps its first ones)
+SEND_SAMPLES = 10_000  # host times of sends kept per direction until cleared (a long run keeps its first ones)
 _MAX_DIMS = 8
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64]
