@@ -95,8 +95,8 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
     if seeds < 1:
         raise ValueError(f"seeds must be 1 or more, got {seeds}")
     runs = [_simulate(profile, cluster, microbatches, mode, steps, stages, balance, per_microbatch, send_host,
-                      random.Random(seed)) for seed in range(seeds)]
-    return sum(t for t, _ in runs) / seeds, runs[0][1]
+                      random.Random(seed)) for seed in range(seeds if send_host else 1)]  # nothing drawn: one run
+    return sum(t for t, _ in runs) / len(runs), runs[0][1]
 
 
 def draw(quantiles: list[float], rng: random.Random) -> float:
