@@ -33,6 +33,7 @@ BENCHMARKS = (
     ("strategies", "jobs.bench.strategies", "alone", "each strategy's samples/s across link rates (and torch DDP)"),
     ("scaling", "jobs.bench.scaling", "alone", "samples/s on 1, 2, 4, 8 ... ranks over emulated links"),
     ("collectives", "jobs.bench.collectives", "MPI", "mpicomm's ring collectives against MPI's own, nccl-tests style"),
+    ("links", "jobs.bench.links", "alone", "the emulated links: MPI's share of each rate and token bucket"),
     ("overhead", "jobs.bench.overhead", "MPI", "what the runtime itself costs per step and per wrap"),
     ("pipeline", "jobs.bench.pipeline", "alone", "pipeline modes against data parallel and torch's 1F1B"),
     ("pipeline-accuracy", "jobs.bench.pipeline_accuracy", "MPI", "SpecTrain's accuracy table: asynchronous pipelines"),

@@ -85,7 +85,8 @@ def why_not() -> str | None:
 
 
 def tbf_args(bps: int, mtu: int = 1500, burst: int | None = None) -> list[str]:
-    """tbf parameters for `bps`: the bucket holds ~2 ms of traffic, never less than 64 KiB (or `burst` bytes).
+    """tbf parameters for `bps`: the bucket holds ~2 ms of traffic, never less than a whole GSO packet (or `burst`
+    bytes: link_burst).
 
     tbf stalls if burst < MTU, and a bucket much smaller than rate/HZ cannot
     reach the rate at all (10 Gbit/s needs ~2.5 MB); latency caps the queue.
@@ -99,9 +100,19 @@ def tbf_args(bps: int, mtu: int = 1500, burst: int | None = None) -> list[str]:
     return ["tbf", "rate", f"{bps}bit", "burst", str(burst), "latency", "50ms"]
 
 
+# The least bucket that passes TCP's largest packet whole: a 64 KiB GSO packet as a qdisc counts it, every one of
+# its ~45 segments' headers added (the kernel's qdisc_pkt_len_init), is ~68.5 kB.
+GSO_BUCKET = 72 * 1024
+
+
 def link_burst(bps: int, mtu: int = 1500) -> int:
-    """The bytes an emulated link's token bucket holds by default (tbf_args): ~2 ms at the rate, at least 64 KiB."""
-    return max(64 * 1024, mtu, int(bps) // 8 // 500)
+    """The bytes an emulated link's token bucket holds by default (tbf_args): ~2 ms at the rate, at least
+    GSO_BUCKET and an MTU.
+
+    tbf cuts a packet larger than its bucket into segments. With a bucket of 64 KiB (the floor until 2026-12-05)
+    or 67 kB the ring between 8 hosts got 0.57-0.63 of 250 Mbit/s and a small message 0.5-2 ms; with 70 kB, 0.90
+    and 51 us (benchmarks/cluster.md)."""
+    return max(GSO_BUCKET, mtu, int(bps) // 8 // 500)
 
 
 def build(hosts: int, bps: int | None, burst: int | None = None) -> None:
