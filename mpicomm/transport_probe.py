@@ -94,31 +94,43 @@ def probe_ring(comm: MPI.Comm, nbytes: int = 32 << 20, rounds: int = 3) -> dict:
         ring.free()
 
 
-def probe_chain(comm: MPI.Comm, nbytes: int = 512 << 10, count: int = 16, rounds: int = 3) -> dict:
+def probe_chain(comm: MPI.Comm, nbytes: int = 512 << 10, count: int = 16, rounds: int = 3,
+                two_way: bool = False) -> dict:
     """Collective: each rank streams `count` messages of `nbytes` to the next rank, posted back to back, while it
     receives as many from the one before (a pipeline's stages sending their activations on, every link busy one
-    way); best of `rounds` after one untimed. Returns {"chain_rate": bytes/s of the slowest stream}."""
+    way); best of `rounds` after one untimed. Returns {"chain_rate": bytes/s of the slowest stream}.
+
+    two_way: each rank also streams as many to the one before (the gradients going back while the activations go
+    on, as in 1F1B), so a middle rank's link carries two streams each way and its own sends' acknowledgements
+    queue behind the data coming in. Returns {"chain2_rate": bytes/s of the slowest stream}: half the link's
+    share where nothing but the bytes contend."""
     size, rank = comm.Get_size(), comm.Get_rank()
     if size < 2:
         raise ValueError("probe_chain needs 2 or more ranks")
+    ends = [p for p in (rank - 1, rank + 1) if 0 <= p < size] if two_way else []
     c = comm.Dup()
     try:
         check_tag(c, BIG_TAG)
         send = np.ones(nbytes, dtype=np.uint8)
         recv = [np.empty(nbytes, dtype=np.uint8) for _ in range(count)]
+        recv2 = [np.empty(nbytes, dtype=np.uint8) for _ in range(count)] if len(ends) == 2 else []
         best = np.inf
         for r in range(rounds + 1):
             c.Barrier()
             t0 = time.perf_counter()
-            reqs = [c.Irecv([buf, MPI.BYTE], rank - 1, BIG_TAG) for buf in recv] if rank > 0 else []
-            if rank < size - 1:
-                reqs += [c.Isend([send, MPI.BYTE], rank + 1, BIG_TAG) for _ in range(count)]
+            if two_way:  # a buffer set per neighbour: both streams land at once
+                reqs = [c.Irecv([buf, MPI.BYTE], p, BIG_TAG) for p, bufs in zip(ends, (recv, recv2)) for buf in bufs]
+                reqs += [c.Isend([send, MPI.BYTE], p, BIG_TAG) for p in ends for _ in range(count)]
+            else:
+                reqs = [c.Irecv([buf, MPI.BYTE], rank - 1, BIG_TAG) for buf in recv] if rank > 0 else []
+                if rank < size - 1:
+                    reqs += [c.Isend([send, MPI.BYTE], rank + 1, BIG_TAG) for _ in range(count)]
             MPI.Request.Waitall(reqs)
             wall = time.perf_counter() - t0
             if r and wall < best:
                 best = wall
-        mine = np.array([best if rank > 0 else 0.0])  # a stream's time is its receiver's
+        mine = np.array([best if rank > 0 or two_way else 0.0])  # a stream's time is its receiver's
         c.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
-        return {"chain_rate": count * nbytes / float(mine[0])}
+        return {"chain2_rate" if two_way else "chain_rate": count * nbytes / float(mine[0])}
     finally:
         c.Free()

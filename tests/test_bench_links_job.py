@@ -37,7 +37,7 @@ def test_each_link_and_bucket_is_probed_every_round(tmp_path):
         ("250mbit", "default", link_burst(250_000_000)), ("250mbit", 70000, 70000)]
     for r in rows:
         assert r["rounds"] == 2 and r["latency_s"] > 0
-        for name in ("pair", "ring", "chain"):
+        for name in ("pair", "ring", "chain", "two_way"):
             # A share of the shaped rate: not the unshaped veth's ~40x it.
             assert len(r[f"{name}_rounds"]) == 2 and 0 < r[name] < 1.5, (name, r)
     assert doc["meta"]["compute"].startswith("none") and "| 250mbit | 70000 |" in proc.stdout

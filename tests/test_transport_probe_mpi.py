@@ -33,3 +33,12 @@ def test_a_chain_of_streams_gives_every_rank_the_slowest_streams_rate(world):
     out = probe_chain(world, nbytes=1 << 16, count=4, rounds=1)
     table = world.allgather(out["chain_rate"])  # test-side check only
     assert_everywhere(world, len(set(table)) == 1 and table[0] > 0, f"chain rates per rank: {table}")
+
+
+def test_a_two_way_chain_gives_every_rank_the_slowest_streams_rate(world):
+    """Every rank streams to both neighbours at once (6 streams on 4 ranks): its own key, the same figure on every
+    rank, and every message delivered (one that never arrived would time the test out)."""
+    out = probe_chain(world, nbytes=1 << 16, count=4, rounds=1, two_way=True)
+    table = world.allgather(out.get("chain2_rate"))  # test-side check only
+    ok = set(out) == {"chain2_rate"} and len(set(table)) == 1 and table[0] > 0
+    assert_everywhere(world, ok, f"two-way chain rates per rank: {table}")

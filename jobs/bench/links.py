@@ -6,8 +6,10 @@ r"""Benchmark: the emulated links themselves, at each rate and token bucket (as 
 For every round and every (bandwidth, bucket), an emulated cluster of --hosts hosts comes up with that
 link (`mpitrain cluster up --bandwidth B --burst N`; "default": netns.link_burst's) and runs the simulator's
 transport probe (jobs.sim.worker transport, the validation's calibration): the share of the line rate that
-pairs of hosts exchanging, the ring allreduce and a chain of streams from each host to the next get, and a
-small message's one-way latency. The configurations are interleaved, in reverse order every other round, so
+pairs of hosts exchanging, the ring allreduce and a chain of streams from each host to the next get, the
+share a host's two streams out get when the chain runs both ways (two-way: a middle host's acknowledgements
+then queue behind the data coming in from both neighbours, as in a pipeline's 1F1B), and a small message's
+one-way latency. The configurations are interleaved, in reverse order every other round, so
 that a change in the machine's load moves all alike. Prints a table of medians with each round's figure;
 writes the rows to --json and a PNG of the ring's and the chain's shares (and the latency) per
 configuration. No model compute: links and MPI alone.
@@ -25,7 +27,13 @@ from jobs.common.report import run_metadata, save_figure
 
 __all__ = ["main", "markdown", "summarise"]
 
-SHARES = (("pair", "rate"), ("ring", "ring_rate"), ("chain", "chain_rate"))
+SHARES = (("pair", "rate"), ("ring", "ring_rate"), ("chain", "chain_rate"), ("two_way", "chain2_rate"))
+
+
+def streams_out(name: str, hosts: int) -> int:
+    """A host's streams out that a probe's figure (one stream's rate) stands for: a two-way chain's middle hosts
+    send two (with 2 hosts there is no middle: one); every other probe's, one."""
+    return min(2, hosts - 1) if name == "two_way" else 1
 
 
 def parse_args(argv=None):
@@ -76,7 +84,8 @@ def measure(hosts: int, bandwidth: str, burst: int | None, timeout: float) -> di
     bytes_per_s = parse_bandwidth(bandwidth) / 8
     return {"bandwidth": bandwidth, "burst": "default" if burst is None else burst,
             "burst_bytes": link_burst(parse_bandwidth(bandwidth)) if burst is None else burst,
-            **{name: row[key] / bytes_per_s for name, key in SHARES}, "latency_s": row["latency"]}
+            **{name: streams_out(name, hosts) * row[key] / bytes_per_s for name, key in SHARES},
+            "latency_s": row["latency"]}
 
 
 def summarise(runs: list[dict]) -> list[dict]:
@@ -93,10 +102,10 @@ def summarise(runs: list[dict]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| link | bucket, bytes | pairs ÷ rate | ring ÷ rate | chain ÷ rate | latency, us | rounds (ring) |\n"
-            "|---|---:|---:|---:|---:|---:|---|")
+    head = ("| link | bucket, bytes | pairs ÷ rate | ring ÷ rate | chain ÷ rate | two-way chain ÷ rate | latency, us "
+            "| rounds (ring) |\n|---|---:|---:|---:|---:|---:|---:|---|")
     body = [f"| {r['bandwidth']} | {r['burst_bytes']}{' (default)' if r['burst'] == 'default' else ''} | "
-            f"{r['pair']:.3f} | {r['ring']:.3f} | {r['chain']:.3f} | {r['latency_s'] * 1e6:.0f} | "
+            f"{r['pair']:.3f} | {r['ring']:.3f} | {r['chain']:.3f} | {r['two_way']:.3f} | {r['latency_s'] * 1e6:.0f} | "
             f"{', '.join(f'{v:.3f}' for v in r['ring_rounds'])} |" for r in rows]
     return "\n".join([head, *body])
 
@@ -109,8 +118,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     labels = [f"{r['bandwidth']}\n{r['burst_bytes']} B" for r in rows]
     x = range(len(rows))
     fig, (share, lat) = plt.subplots(1, 2, figsize=(max(7.0, 1.6 * len(rows)), 3.8))
+    width = 0.8 / len(SHARES)
     for i, (name, _) in enumerate(SHARES):
-        share.bar([j + (i - 1) * 0.27 for j in x], [r[name] for r in rows], width=0.27, label=name)
+        share.bar([j + (i - (len(SHARES) - 1) / 2) * width for j in x], [r[name] for r in rows], width=width,
+                  label=name.replace("_", "-"))
     share.set_ylabel("share of the line rate")
     share.set_ylim(0, 1.05)
     lat.bar(list(x), [r["latency_s"] * 1e6 for r in rows])

@@ -109,8 +109,9 @@ def transport(args, comm) -> None:
     est = probe_transport(comm)
     ring = probe_ring(comm)
     chain = probe_chain(comm)
+    chain2 = probe_chain(comm, two_way=True)  # for the record (jobs.bench.links); the simulator does not use it
     if comm.Get_rank() == 0:
-        print_row({"what": "transport", "ranks": comm.Get_size(), **est.to_json(), **ring, **chain})
+        print_row({"what": "transport", "ranks": comm.Get_size(), **est.to_json(), **ring, **chain, **chain2})
 
 
 def main(argv=None) -> int:
