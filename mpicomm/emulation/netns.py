@@ -110,7 +110,7 @@ def link_burst(bps: int, mtu: int = 1500) -> int:
     GSO_BUCKET and an MTU.
 
     tbf cuts a packet larger than its bucket into segments. With a bucket of 64 KiB (the floor until 2026-12-05)
-    or 67 kB the ring between 8 hosts got 0.57-0.63 of 250 Mbit/s and a small message 0.5-2 ms; with 70 kB, 0.90
+    or 67 kB the ring between 8 hosts got 0.57-0.63 of 250 Mbit/s and a small message 0.4-2 ms; with 70 kB, 0.90
     and 51 us (benchmarks/cluster.md)."""
     return max(GSO_BUCKET, mtu, int(bps) // 8 // 500)
 
