@@ -74,16 +74,15 @@ def check_args(args) -> None:
 
 
 def measure(hosts: int, bandwidth: str, burst: int | None, timeout: float) -> dict:
-    """One configuration's probe: its cluster up, the transport worker across its hosts, its cluster down."""
-    from jobs.common.cluster_sweep import rows_from
-    from mpicomm.emulation import EmulatedCluster, link_burst, parse_bandwidth
+    """One configuration's probe (the validation's calibration's, jobs.sim.calibration.probe_links), as shares."""
+    from jobs.sim.calibration import probe_links
+    from mpicomm.emulation import link_burst, parse_bandwidth
 
-    cmd = [sys.executable, "-m", "jobs.sim.worker", "transport"]
-    with EmulatedCluster(hosts, bandwidth, burst=burst) as cluster:
-        (row,) = rows_from(cluster.run(cmd, np=hosts, timeout=timeout, capture=True))
-    bytes_per_s = parse_bandwidth(bandwidth) / 8
+    row = probe_links(hosts, bandwidth, timeout, burst)
+    bps = parse_bandwidth(bandwidth)
+    bytes_per_s = bps / 8
     return {"bandwidth": bandwidth, "burst": "default" if burst is None else burst,
-            "burst_bytes": link_burst(parse_bandwidth(bandwidth)) if burst is None else burst,
+            "burst_bytes": link_burst(bps) if burst is None else burst,
             **{name: streams_out(name, hosts) * row[key] / bytes_per_s for name, key in SHARES},
             "latency_s": row["latency"]}
 

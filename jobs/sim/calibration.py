@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["calibrate", "emulated_cluster", "for_hosts", "stream_efficiency"]
+__all__ = ["calibrate", "emulated_cluster", "for_hosts", "probe_links", "stream_efficiency"]
 
 
 def calibrate(args) -> dict:
@@ -29,17 +29,25 @@ def calibrate(args) -> dict:
             "hosts": {str(n): {k: v for k, v in c.items() if k != "raw"} for n, c in per.items()}}
 
 
-def _calibrate_hosts(args, hosts: int) -> dict:
+def probe_links(hosts: int, bandwidth: str | None, timeout: float, burst: int | None = None) -> dict:
+    """The transport probe's row (jobs.sim.worker transport) across `hosts` emulated hosts, one rank each, whose
+    links run at `bandwidth` (None: unshaped) with a token bucket of `burst` bytes (None: the default)."""
     from jobs.common.cluster_sweep import rows_from
-    from mpicomm.emulation import EmulatedCluster, parse_bandwidth
+    from mpicomm.emulation import EmulatedCluster
 
     cmd = [sys.executable, "-m", "jobs.sim.worker", "transport"]
+    with EmulatedCluster(hosts, bandwidth, burst=burst) as cluster:
+        return rows_from(cluster.run(cmd, np=hosts, timeout=timeout, capture=True))[0]
+
+
+def _calibrate_hosts(args, hosts: int) -> dict:
+    from mpicomm.emulation import parse_bandwidth
+
     found = {}
     links = list(dict.fromkeys(args.bandwidths if args.carry_at is None else [args.carry_at]))
     for bw in ["none", *links]:
         print(f"# calibrating: {hosts} emulated hosts, {bw} ...", flush=True)
-        with EmulatedCluster(hosts, None if bw == "none" else bw) as cluster:
-            found[bw] = rows_from(cluster.run(cmd, np=hosts, timeout=args.timeout, capture=True))[0]
+        found[bw] = probe_links(hosts, None if bw == "none" else bw, args.timeout)
     t = found["none"]
     efficiency = {bw: min(1.0, found[bw]["ring_rate"] * 8 / parse_bandwidth(bw)) for bw in links}
     return {"transport": {"rate": t["rate"], "cpu_per_byte": t["cpu_per_byte"], "latency": t["latency"],
@@ -50,8 +58,8 @@ def _calibrate_hosts(args, hosts: int) -> dict:
 def stream_efficiency(found: dict) -> dict:
     """{bandwidth: share of the line rate} that a stream of messages from each host to the next got (the transport
     probe's chain_rate: a pipeline's stages sending on; older calibrations: pairs of hosts exchanging, the probe's
-    rate), where the ring's steps, waiting on each other, can get less (8 emulated hosts at 250 Mbit/s: pairs 0.86,
-    the ring 0.71-0.74, a pipeline's stream between two stages 0.96 in its timeline)."""
+    rate), where the ring's steps, waiting on each other, can get less (8 emulated hosts at 250 Mbit/s with the old
+    64 KiB bucket: pairs 0.86, the ring 0.71-0.74, a pipeline's stream between two stages 0.96 in its timeline)."""
     from mpicomm.emulation import parse_bandwidth
 
     return {bw: min(1.0, f.get("chain_rate", f["rate"]) * 8 / parse_bandwidth(bw))
