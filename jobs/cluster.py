@@ -30,7 +30,7 @@ def parse_args(argv):
     up.add_argument("--ranks-per-host", type=int, default=1, help="MPI ranks per host for `run` (default 1)")
     up.add_argument("--netmod", choices=("ucx", "ofi"), help="MPICH network module (default: MPICH's choice)")
     up.add_argument("--burst", type=int, metavar="BYTES",
-                    help="the links' token bucket (default ~2 ms of traffic, at least 64 KiB)")
+                    help="the links' token bucket (default ~2 ms of traffic, at least 72 KiB: a whole GSO packet)")
     up.add_argument("--verify", action="store_true", help="measure every link after bringing it up")
     up.add_argument("--force", action="store_true", help="remove leftovers of a crashed run first")
     sub.add_parser("down", help="remove the hosts, links and every process in them")
