@@ -124,6 +124,11 @@ def test_worker_timeline_has_every_stages_passes_updates_and_waits(tmp_path):
     assert first["grad"] is None and second["act"] is None
     for q in (first["act"], second["grad"]):
         assert len(q) == 21 and 0 <= q[0] and q == sorted(q) and q[-1] < 5, q
+    # ... and each forward's, backward's and update's host work, every stage (vanilla: an update a micro-batch)
+    assert len(row["op_host_s"]) == 2
+    for stage in row["op_host_s"]:
+        for q in stage.values():
+            assert len(q) == 21 and 0 <= q[0] and q == sorted(q) and q[-1] < 5, q
 
 
 def test_send_quantiles_run_from_the_least_to_the_most():

@@ -102,6 +102,26 @@ def test_each_send_records_how_long_it_held_the_host(staging):
     assert_everywhere(MPI.COMM_WORLD, ok, f"stage {pipe.stage}: {times}, {messages} messages, then {after}")
 
 
+def test_each_op_records_its_hosts_work_beyond_the_devices_sleeps():
+    """op_times: one host time per forward, backward and update (vanilla: an update a micro-batch), without what
+    the thread slept for the emulated device, so never more than the op's span; clear starts anew."""
+    from runtime.trace.timeline import Timeline
+
+    x, y = batch()
+    tl = Timeline(MPI.COMM_WORLD.Get_rank())
+    with pipeline("vanilla", timeline=tl) as pipe:
+        pipe.train_step(x, y)
+        pipe.drain()
+        times, after = pipe.op_times(clear=True), pipe.op_times()
+    spans = {e["name"]: e["dur"] / 1e6 for e in tl.to_trace()["traceEvents"] if e.get("ph") == "X"}
+    micro = BATCH // MICRO
+    counts = {k: len(v) for k, v in times.items()}
+    within = all(t <= spans[f"{k}{i}"] + 1e-4 for k in "FB" for i, t in enumerate(times[k]))
+    ok = counts == {"F": micro, "B": micro, "U": micro} and within and all(t >= 0 for v in times.values() for t in v) \
+        and after == {"F": [], "B": [], "U": []}
+    assert_everywhere(MPI.COMM_WORLD, ok, f"stage {pipe.stage}: {counts}, {times}, spans {spans}, then {after}")
+
+
 def test_automatic_partition_uses_the_modelled_layer_times():
     said = []
     with pipeline("flush", balance=None, stages=4, say=said.append) as pipe:

@@ -145,3 +145,20 @@ def test_a_send_holds_its_stages_host_for_a_measured_time_before_the_message_lea
     draws = [draw([1.0, 2.0, 4.0], rng) for _ in range(2000)]
     assert 1.0 <= min(draws) and max(draws) <= 4.0 and draw([3.0], rng) == 3.0
     assert sum(d <= 2.0 for d in draws) == pytest.approx(1000, abs=100)  # half below the median
+
+
+def test_an_op_takes_its_hosts_measured_work_where_that_is_longer_than_its_device_time(seen_on_arrival):
+    """op_host (a run's Pipeline.op_times as quantiles): an op lasts the longer of its modelled device time and
+    its host's own work; host work shorter than every op changes nothing, longer work sets the step."""
+    p, c = toy(n=4, params=1000), fast_net(2, bw=100e9)
+    base = simulate(p, c, "pipeline-flush", microbatches=1).t_iter_s
+    short = [{"F": [1e-9], "B": [1e-9], "U": [1e-9]}] * 2
+    assert simulate(p, c, "pipeline-flush", microbatches=1, op_host=short).t_iter_s == pytest.approx(base, rel=1e-9)
+    # 2 stages, 1 micro-batch: the step is stage 0's forward, stage 1's forward and backward, stage 0's backward
+    # and update, one after the other (and two small messages): 5 ops of 50 ms of host work each
+    long = [{"F": [0.05], "B": [0.05], "U": [0.05]}] * 2
+    held = simulate(p, c, "pipeline-flush", microbatches=1, op_host=long).t_iter_s
+    assert 5 * 0.05 <= held <= 5 * 0.05 + base, (held, base)
+    # a stage with no measurement (None) keeps its modelled times
+    assert simulate(p, c, "pipeline-flush", microbatches=1, op_host=[None, None]).t_iter_s == \
+        pytest.approx(base, rel=1e-9)

@@ -309,6 +309,12 @@ def test_a_pipeline_benchmark_row_is_simulated_on_its_own_split_and_micro_batch(
     assert held == dict(out["sim_options"], send_host=sends, seeds=SEEDS) and SEEDS > 1
     assert simulate(prof, Cluster(nodes=4), "pipeline-vanilla", **held).t_iter_s > \
         simulate(prof, Cluster(nodes=4), "pipeline-vanilla", **out["sim_options"]).t_iter_s
+    # ... and how long each op held it beyond the emulated device's sleeps: drawn too, the longer of the two
+    ops = [{"F": [0.001, 0.004], "B": [0.002, 0.003], "U": [0.0005, 0.001]}] * 4
+    both = pipeline_row(dict(row, send_host_s=sends, op_host_s=ops))["sim_options"]
+    assert both == dict(held, op_host=ops)
+    assert simulate(prof, Cluster(nodes=4), "pipeline-vanilla", **both).t_iter_s > \
+        simulate(prof, Cluster(nodes=4), "pipeline-vanilla", **held).t_iter_s
     dp = pipeline_row(dict(row, contender="wfbp", kind="data-parallel", microbatches=None, balance=None))
     assert dp["strategy"] == "wfbp" and dp["batch_per_rank"] == 16 and "sim_options" not in dp
     assert pipeline_row(dict(row, contender="torch-1f1b", kind="peer")) is None

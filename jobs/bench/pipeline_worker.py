@@ -17,8 +17,8 @@ full and flowing (one untimed step after the barrier, the device's queued update
 for at both ends) and their final drain() comes after it: each timed step holds one
 step's work, as in a long run (counting the drain put up to 10 % on a 2-step window, the
 barrier's stall 4 % on a 4-step one). torch-1f1b times its own steps, a barrier before each.
-Rank 0 prints a "ROW {json}" per contender (t_iter_rounds_s: each round's T_iter; a pipeline's send_host_s:
-per stage, how long each send held its host, jobs.bench.pipeline_sends);
+Rank 0 prints a "ROW {json}" per contender (t_iter_rounds_s: each round's T_iter; a pipeline's send_host_s and
+op_host_s: per stage, how long each send and op held its host, jobs.bench.pipeline_sends);
 jobs.bench.pipeline says what the columns measure. --timeline PATH: a Chrome trace of
 the pipeline contenders (each pass, update and wait, per rank). --device cuda: every
 contender's model on the rank's GPU (local rank mod the GPUs it sees); torch-1f1b (gloo,
@@ -40,7 +40,7 @@ import statistics
 import time
 
 from jobs.bench.host_usage import memory_mb
-from jobs.bench.pipeline_sends import per_stage
+from jobs.bench.pipeline_sends import host_times
 from jobs.common.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.common.cluster_sweep import print_row
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
@@ -237,11 +237,12 @@ class Runner:
         pipe = Pipeline(as_layers(self.build()), lambda ps: self.torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM),
                         loss_fn=self.loss, balance=self.balance, microbatches=self.args.microbatches, mode=name,
                         topology=self.topo, device=self.device, say=None, timeline=self.timeline, **emulated)
-        secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), lambda: pipe.send_times(clear=True),
+        clear = lambda: (pipe.send_times(clear=True), pipe.op_times(clear=True))  # noqa: E731
+        secs, tx, engine = self.timed(lambda: pipe.train_step(self.x, self.y), clear,
                                       pipe.drain, lambda: pipe.stats()["bytes_sent"], steady=name in ASYNC_MODES)
-        st, mem, sends = pipe.stats(), memory_mb(), pipe.send_times()  # sends: from the warm-up's end
+        st, mem, sends, ops = pipe.stats(), memory_mb(), pipe.send_times(), pipe.op_times()  # from the warm-up's end
         pipe.close()
-        return dict(secs=secs, tx=tx, engine=engine, mem=mem, weight_copy_bytes=st["weight_copy_bytes"],
+        return dict(secs=secs, tx=tx, engine=engine, mem=mem, weight_copy_bytes=st["weight_copy_bytes"], ops=ops,
                     parameter_bytes=st["parameter_bytes"], updates_per_step=st["updates"] / pipe.steps, sends=sends)
 
     def data_parallel(self, name: str) -> dict:
@@ -347,8 +348,8 @@ def row(args, runner, name: str, rounds: list[dict]) -> dict:
                updates_per_step=rounds[0]["updates_per_step"],
                balance=runner.balance if kind(name) != "data-parallel" else None, cores=os.cpu_count(),
                **runner.compute.describe())
-    if kind(name) == "pipeline":  # per stage: how long each send held its host (jobs.bench.pipeline_sends)
-        out["send_host_s"] = per_stage(runner.comm, rounds)
+    if kind(name) == "pipeline":  # per stage: how long each send and op held its host (jobs.bench.pipeline_sends)
+        out.update(host_times(runner.comm, rounds))
     if runner.compute.emulated:
         out["emulated_parts"] = sorted({k for r in rounds for k in r["parts"]})
         out["modelled_device_s_max"] = statistics.median(r["device_s"] for r in rounds)

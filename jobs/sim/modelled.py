@@ -64,6 +64,10 @@ def pipeline_row(row: dict) -> dict | None:
             from runtime.sim.pipeline import SEEDS
 
             out["sim_options"].update(send_host=row["send_host_s"], seeds=SEEDS)
+        if row.get("op_host_s"):  # and each forward's, backward's and update's host work: drawn, where longer
+            from runtime.sim.pipeline import SEEDS
+
+            out["sim_options"].update(op_host=row["op_host_s"], seeds=SEEDS)
     return out
 
 

@@ -14,6 +14,7 @@ from mpicomm.step_check import BARRIER, CLOSE, EXCHANGE, GATHER, StepCheck, dige
 from . import emulation, model_state, partition, schedule
 from .checks import PipelineError, check_arguments, check_same_values, describe_layers, split_batch
 from .divergence import DIVERGE_FACTOR, LossWatch, heard
+from .host_times import OpTimes
 from .placement import PipelineLayout
 from .stage_optimizer import stage_optimizer
 from .staging import StagedLink
@@ -113,6 +114,7 @@ class Pipeline:
                 self.acc, self.loss_fn, wrap = emulation.emulate_stage(world, self.stage, self.module, layers, a,
                                                                        sample, compute, compute_scale)
                 optimizer_factory = wrap(optimizer_factory)
+            self.ops = OpTimes(self.timeline, (lambda: self.acc.clock) if self.acc is not None else None)
             ends = np.cumsum([0] + self.balance)
             # Gradients flow back across boundary k only if a stage before it has something to train.
             self._trains_before = [any(p.requires_grad for layer in layers[:ends[k]] for p in layer.parameters())
@@ -202,30 +204,25 @@ class Pipeline:
             x = self.link.activation(i)
             if self._grad_in and not x.requires_grad:
                 x.requires_grad_()
-        span = self.timeline.begin(f"F{i}", "forward", track="compute") if self.timeline else None
-        with self.versions.forward(i % self.in_flight, i):
-            out = self.module(x)
-        if self.last:
-            loss = self.loss_fn(out, target)
-            self.watch.add(loss)
-            if self.dopt is not None:  # its gradients may reach the other replicas during the backward
-                self.watch.read(self.steps + 1)
-            out = loss / self.microbatches if self.mode == "flush" else loss
-        else:
+        with self.ops.op("F", f"F{i}", "forward"):  # the send as well: its host time is the link's own
+            with self.versions.forward(i % self.in_flight, i):
+                out = self.module(x)
+            if self.last:
+                loss = self.loss_fn(out, target)
+                self.watch.add(loss)
+                if self.dopt is not None:  # its gradients may reach the other replicas during the backward
+                    self.watch.read(self.steps + 1)
+                out = loss / self.microbatches if self.mode == "flush" else loss
+        if not self.last:
             self.link.send_activation(i, out)
-        if span is not None:
-            self.timeline.end(span)
         self._inflight[i] = (x, out)
 
     def _backward(self, i: int) -> None:
         x, out = self._inflight.pop(i)
         grad = self.link.gradient(i) if self._grad_out else None
-        span = self.timeline.begin(f"B{i}", "backward", track="compute") if self.timeline else None
-        with self.versions.backward(i % self.in_flight, i):
+        with self.ops.op("B", f"B{i}", "backward"), self.versions.backward(i % self.in_flight, i):
             if out.requires_grad:
                 torch.autograd.backward(out, grad)
-        if span is not None:
-            self.timeline.end(span)
         if self.last:
             # Read once the backward is queued (the device computes it meanwhile), before its gradient is
             # sent or applied: a diverged loss is never applied, here or on another stage.
@@ -238,16 +235,14 @@ class Pipeline:
             self._update()
 
     def _update(self) -> None:
-        span = self.timeline.begin(f"U{self.versions.updates}", "update", track="compute") if self.timeline else None
-        with self.versions.applied_lr():  # flush: lr; the asynchronous modes: lr / microbatches
+        # flush: lr; the asynchronous modes: lr / microbatches
+        with self.ops.op("U", f"U{self.versions.updates}", "update"), self.versions.applied_lr():
             if self.dopt is not None:
                 self.dopt.step()
                 self.dopt.zero_grad()
             else:
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=False)  # in place: no new gradient tensors every update
-        if span is not None:
-            self.timeline.end(span)
         self.versions.updates += 1
 
     def drain(self) -> None:
@@ -334,6 +329,11 @@ class Pipeline:
         """Host seconds of each of this stage's sends since the last clear, by direction ("act", "grad"): the
         copy out of a stage's output and the Isend; clear: start anew (a benchmark's timed window)."""
         return self.link.send_times(clear) if self.link is not None else {"act": [], "grad": []}
+
+    def op_times(self, clear: bool = False) -> dict[str, list[float]]:
+        """Host seconds of each of this stage's forwards, backwards and updates since the last clear ("F", "B",
+        "U"), beyond its emulated device's sleeps (host_times.OpTimes); clear: start anew."""
+        return self.ops.times(clear)
 
     def stats(self) -> dict:
         """Counters: bytes and messages this rank sent to neighbouring stages, updates, weight copies held, and

@@ -76,7 +76,8 @@ def default_stages(profile: Profile, cluster: Cluster) -> int:
 
 def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mode: str = "flush", steps: int = 6,
                       stages: int | None = None, balance: list[int] | None = None, per_microbatch: bool = False,
-                      send_host: list | None = None, seeds: int = 1) -> tuple[float, list[range]]:
+                      send_host: list | None = None, op_host: list | None = None,
+                      seeds: int = 1) -> tuple[float, list[range]]:
     """Mean step time after the first two steps, and the split.
 
     `stages` stages (default_stages) of ranks / stages replicas each, every rank of a stage on its own
@@ -91,11 +92,17 @@ def simulate_pipeline(profile: Profile, cluster: Cluster, microbatches: int, mod
     send draws one and leaves after it. A pipeline that never drains is a loop of such waits, and a spread
     moves it off the one phase a fixed schedule locks into: the step is then the mean of `seeds` runs, each
     with its own draws.
+
+    op_host: per stage, {"F": q, "B": q, "U": q}: the host seconds of each forward, backward and update beyond
+    the emulated device's sleeps, as quantiles of a measured run's (runtime.pipeline.Pipeline.op_times). An
+    emulated device's work costs the host nothing, so an op takes the longer of its modelled device time and
+    its host's own work, drawn: a stage of one small layer is its host's Python, not its device's time.
     """
     if seeds < 1:
         raise ValueError(f"seeds must be 1 or more, got {seeds}")
     runs = [_simulate(profile, cluster, microbatches, mode, steps, stages, balance, per_microbatch, send_host,
-                      random.Random(seed)) for seed in range(seeds if send_host else 1)]  # nothing drawn: one run
+                      op_host, random.Random(seed))
+            for seed in range(seeds if send_host or op_host else 1)]  # nothing drawn: one run
     return sum(t for t, _ in runs) / len(runs), runs[0][1]
 
 
@@ -110,7 +117,7 @@ def draw(quantiles: list[float], rng: random.Random) -> float:
 
 
 def _simulate(profile: Profile, cluster: Cluster, microbatches: int, mode: str, steps: int, stages: int | None,
-              balance: list[int] | None, per_microbatch: bool, send_host: list | None,
+              balance: list[int] | None, per_microbatch: bool, send_host: list | None, op_host: list | None,
               rng: random.Random) -> tuple[float, list[range]]:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -195,6 +202,11 @@ def _simulate(profile: Profile, cluster: Cluster, microbatches: int, mode: str, 
         if q:
             yield engine.timeout(draw(q, rng))
 
+    def busy(k: int, kind: str, device_s: float) -> float:
+        """An op's time: its modelled device time, or its host's own work (drawn) where that is longer."""
+        q = (op_host[k] or {}).get(kind) if op_host and k < len(op_host) else None
+        return max(device_s, draw(q, rng)) if q else device_s
+
     def arrival(key):
         """Wait for a message as the runtime's wait_until does: noticed at its first poll after it arrived."""
         start = engine.now
@@ -215,7 +227,8 @@ def _simulate(profile: Profile, cluster: Cluster, microbatches: int, mode: str, 
                 if op == order.FORWARD:
                     if k > 0:
                         yield from arrival(("act", k, mb))
-                    yield engine.start(h.compute(f"F{mb}", fwd[k] + fwd_versions[k], profile.cores_per_rank))
+                    f_s = busy(k, "F", fwd[k] + fwd_versions[k])
+                    yield engine.start(h.compute(f"F{mb}", f_s, profile.cores_per_rank))
                     if k < S - 1:
                         yield from host_send(k, "act")
                         send("act", k, k + 1, mb, act[k])
@@ -223,7 +236,7 @@ def _simulate(profile: Profile, cluster: Cluster, microbatches: int, mode: str, 
                     if k < S - 1:
                         yield from arrival(("grad", k, mb))
                     extra = (accumulate[k] if mb != t * M else 0.0) + bwd_versions[k]
-                    yield engine.start(h.compute(f"B{mb}", bwd[k] + extra, profile.cores_per_rank))
+                    yield engine.start(h.compute(f"B{mb}", busy(k, "B", bwd[k] + extra), profile.cores_per_rank))
                     if k > 0:
                         yield from host_send(k, "grad")
                         send("grad", k, k - 1, mb, act[k - 1])
@@ -231,15 +244,15 @@ def _simulate(profile: Profile, cluster: Cluster, microbatches: int, mode: str, 
                         if replicas > 1:  # each update averages the micro-batch's gradients (runtime.pipeline.
                             # stage_optimizer: one backward pass a step of its DistributedOptimizer)
                             yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
-                        yield engine.start(h.compute("update", profile.optimizer_s * share[k] + weights[k],
-                                                     profile.cores_per_rank))
+                        u_s = busy(k, "U", profile.optimizer_s * share[k] + weights[k])
+                        yield engine.start(h.compute("update", u_s, profile.cores_per_rank))
             if replicas > 1 and not per_micro:  # the stage's gradients, averaged over its replicas (one per node)
                 # by the runtime's DistributedOptimizer over the replica group: mpicomm.Collectives, its algorithm
                 # the auto choice
                 yield engine.process(allreduce(h, profile.grad_bytes * share[k]))
             if not per_micro:
-                yield engine.start(h.compute("optimizer", profile.optimizer_s * share[k] + weights[k],
-                                             profile.cores_per_rank))
+                u_s = busy(k, "U", profile.optimizer_s * share[k] + weights[k])
+                yield engine.start(h.compute("optimizer", u_s, profile.cores_per_rank))
             ends[k].append(engine.now)
 
     for k in range(S):
