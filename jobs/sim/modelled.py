@@ -60,14 +60,13 @@ def pipeline_row(row: dict) -> dict | None:
         out.update(strategy=f"pipeline-{row['contender']}", batch_per_rank=row["batch"] // row["microbatches"],
                    every_unit=True, sim_options={"microbatches": row["microbatches"], "balance": unit_split(row),
                                                  "per_microbatch": True})
-        if row.get("send_host_s"):  # how long each send held a stage's host, as the run measured it: drawn
+        # How long each send, and each forward's, backward's and update's own work, held a stage's host, as the
+        # run measured them: drawn (an op, where longer than its modelled device time).
+        drawn = {opt: row[key] for opt, key in (("send_host", "send_host_s"), ("op_host", "op_host_s")) if row.get(key)}
+        if drawn:
             from runtime.sim.pipeline import SEEDS
 
-            out["sim_options"].update(send_host=row["send_host_s"], seeds=SEEDS)
-        if row.get("op_host_s"):  # and each forward's, backward's and update's host work: drawn, where longer
-            from runtime.sim.pipeline import SEEDS
-
-            out["sim_options"].update(op_host=row["op_host_s"], seeds=SEEDS)
+            out["sim_options"].update(drawn, seeds=SEEDS)
     return out
 
 

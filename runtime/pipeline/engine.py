@@ -204,7 +204,7 @@ class Pipeline:
             x = self.link.activation(i)
             if self._grad_in and not x.requires_grad:
                 x.requires_grad_()
-        with self.ops.op("F", f"F{i}", "forward"):  # the send as well: its host time is the link's own
+        with self.ops.op("F", f"F{i}", "forward"):  # not the send after it: its host time is the link's own
             with self.versions.forward(i % self.in_flight, i):
                 out = self.module(x)
             if self.last:
