@@ -5,10 +5,19 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-__all__ = ["OpTimes", "OPS", "SAMPLES"]
+__all__ = ["OpTimes", "OPS", "SAMPLES", "snapshot"]
 
 OPS = ("F", "B", "U")
-SAMPLES = 10_000  # per kind until cleared, as the stage link keeps its send times
+SAMPLES = 10_000  # host times kept per kind until cleared (a long run keeps its first ones): ops, sends
+
+
+def snapshot(seconds: dict[str, list[float]], clear: bool) -> dict[str, list[float]]:
+    """A copy of each kind's host times; clear: empty them (a benchmark's timed window starts anew)."""
+    out = {k: list(v) for k, v in seconds.items()}
+    if clear:
+        for v in seconds.values():
+            v.clear()
+    return out
 
 
 class OpTimes:
@@ -41,8 +50,4 @@ class OpTimes:
 
     def times(self, clear: bool = False) -> dict[str, list[float]]:
         """The host seconds of each op since the last clear, by kind ("F", "B", "U"); clear: start anew."""
-        out = {k: list(v) for k, v in self.seconds.items()}
-        if clear:
-            for v in self.seconds.values():
-                v.clear()
-        return out
+        return snapshot(self.seconds, clear)

@@ -25,8 +25,9 @@ from mpicomm.requests import RequestLog
 from mpicomm.stall import StallPolicy, wait_until
 from mpicomm.tags import check_tag
 
+from .host_times import SAMPLES, snapshot
+
 TAG_ACTIVATION, TAG_GRADIENT, TAG_EVAL = 11, 12, 13
-SEND_SAMPLES = 10_000  # host times of sends kept per direction until cleared (a long run keeps its first ones)
 _MAX_DIMS = 8
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool, torch.complex64]
@@ -154,16 +155,12 @@ class StageLink:
     def _timed_send(self, t: torch.Tensor, dest: int, tag: int, micro: int, times: list[float]) -> None:
         start = time.perf_counter()
         self._send(t, dest, tag, micro)
-        if len(times) < SEND_SAMPLES:
+        if len(times) < SAMPLES:
             times.append(time.perf_counter() - start)
 
     def send_times(self, clear: bool = False) -> dict[str, list[float]]:
         """The host seconds of each send since the last clear, by direction ("act", "grad"); clear: start anew."""
-        out = {k: list(v) for k, v in self.send_seconds.items()}
-        if clear:
-            for v in self.send_seconds.values():
-                v.clear()
-        return out
+        return snapshot(self.send_seconds, clear)
 
     def _send(self, t: torch.Tensor, dest: int, tag: int, micro: int) -> None:
         t = t.detach().contiguous()  # kept referenced below until MPI is done with it
