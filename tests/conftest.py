@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from running_test import launcher_rank, pytest_runtest_logfinish, pytest_runtest_logstart  # noqa: F401 (hooks)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -21,14 +23,6 @@ def exit_in_process(main, argv, capsys) -> tuple[object, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
-
-
-def _launcher_rank() -> int:
-    """This process's rank as the launcher told it (hydra, Open MPI, SLURM), without initialising MPI."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
 
 
 def _world_size() -> int:
@@ -77,7 +71,7 @@ def pytest_configure(config):
     """Under mpiexec only rank 0 reports; another rank's report is shown only if it failed."""
     global _quiet_report
     reporter = config.pluginmanager.getplugin("terminalreporter")
-    if _launcher_rank() == 0 or reporter is None:
+    if launcher_rank() == "0" or reporter is None:
         return
     from _pytest.config import create_terminal_writer
 
@@ -105,7 +99,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_unconfigure(config):
     if _quiet_report is not None and "failed" in _quiet_report.getvalue():
-        rank = _launcher_rank()
+        rank = launcher_rank()
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in _quiet_report.getvalue().splitlines()))
         sys.stderr.flush()
 

@@ -1,20 +1,28 @@
 """Run an MPI test command (mpiexec -prepend-rank ...); if it fails, repeat where each rank was stuck at the end.
 
 A hang makes every rank dump its threads' stacks (faulthandler_timeout) long before pytest-timeout
-ends the job, but 4 ranks' dumps scroll far above the log's tail, which is all a CI summary keeps.
+ends the job, and a crashed rank dumps its own (faulthandler's fatal-signal handler), but 4 ranks' dumps
+scroll far above the log's tail, which is all a CI summary keeps. So does the name of the test each rank was
+in: pytest -q prints none, so each rank writes it to a file (conftest.py, under TRACE_ENV) that is read here.
 Usage: python tests/run_mpi.py COMMAND... (its exit status is the command's).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import tempfile
+import time
 from collections import defaultdict
+
+from running_test import TRACE_ENV  # each rank writes "rank-N" in this folder with the test it is in
 
 _RANK = re.compile(r"^\[(\d+)\] ")
 _PIECE = re.compile(r"\[(\d+)\] ")
-_DUMP = ("Timeout (0:", "+++++ Timeout +++++")  # faulthandler's header, pytest-timeout's
+# faulthandler's header on a hang, pytest-timeout's, faulthandler's on a fatal signal (SIGSEGV, SIGABRT, ...)
+_DUMP = ("Timeout (0:", "+++++ Timeout +++++", "Fatal Python error")
 _FRAMES = 8  # innermost frames shown per thread, pytest's and pluggy's left out
 _HEADS = ("Thread ", "Current thread", "~~~")
 _NOISE = ("/_pytest/", "/pytest/", "/pluggy/", "/mpi4py/", "<frozen ", "/threading.py")
@@ -73,22 +81,37 @@ def _trim(dump: list[str]) -> list[str]:
     return out
 
 
+def in_progress(folder: str, now: float) -> list[str]:
+    """Each rank's test at the end, from the files the ranks wrote ("start-time nodeid"; "-" after its last)."""
+    out = []
+    for name in sorted(os.listdir(folder), key=lambda n: int(n.rpartition("-")[2])):
+        with open(os.path.join(folder, name)) as f:
+            started, _, nodeid = f.read().strip().partition(" ")
+        where = "between tests" if nodeid in ("", "-") else f"in {nodeid}, for {now - float(started):.0f} s"
+        out.append(f"{name.replace('-', ' ')}: {where}")
+    return out
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         sys.exit("usage: run_mpi.py COMMAND...")
     lines = []
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace") as p:
-        for line in p.stdout:
-            sys.stdout.write(line)
-            lines.append(line)
-    if p.returncode != 0:
-        found = stuck(lines)
-        print(f"\n=== the MPI run failed (exit {p.returncode}); where each rank was when it hung "
-              f"({len(found)} dumped) ===")
-        for rank, dump in found.items():
-            print(f"--- rank {rank}")
-            print("\n".join(dump))
-        sys.stdout.flush()
+    with tempfile.TemporaryDirectory(prefix="mpitrain-tests-") as trace:
+        env = dict(os.environ, **{TRACE_ENV: trace})
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+                              env=env) as p:
+            for line in p.stdout:
+                sys.stdout.write(line)
+                lines.append(line)
+        if p.returncode != 0:
+            found = stuck(lines)
+            print(f"\n=== the MPI run failed (exit {p.returncode}); where each rank was when it hung or crashed "
+                  f"({len(found)} dumped) ===")
+            print("\n".join(in_progress(trace, time.time())))
+            for rank, dump in found.items():
+                print(f"--- rank {rank}")
+                print("\n".join(dump))
+            sys.stdout.flush()
     return p.returncode
 
 

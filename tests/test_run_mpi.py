@@ -1,4 +1,4 @@
-"""make test's MPI runs (tests/run_mpi.py): a hung run ends with where each rank was, at the log's tail."""
+"""make test's MPI runs (tests/run_mpi.py): a hung or crashed run ends with where each rank was, at the log's tail."""
 
 from __future__ import annotations
 
@@ -20,21 +20,47 @@ def test_one_rank_waits_for_another_that_never_comes():
         time.sleep(600)  # rank 1 is busy elsewhere
 """
 
+CRASH = """
+import os
+from mpi4py import MPI
+
+def test_one_rank_crashes():
+    if MPI.COMM_WORLD.Get_rank() == 1:
+        os.abort()  # as a fault in C code would end it: SIGABRT
+    MPI.COMM_WORLD.Barrier()
+"""
+
+
+def _run(tmp_path, test_file: str, *pytest_args: str) -> str:
+    """The output of tests/run_mpi.py running test_file on 2 ranks, with the plugin that names each rank's test."""
+    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), "timeout", "120", mpiexec(), "-prepend-rank",
+           "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-p", "running_test", *pytest_args, test_file]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
+    assert out.returncode not in (0, 124), out.stdout[-3000:]
+    return out.stdout[out.stdout.index("=== the MPI run failed"):]
+
 
 def test_a_hung_run_ends_with_each_ranks_stack(tmp_path):
     (tmp_path / "test_hang.py").write_text(HANG)
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), "timeout", "120", mpiexec(), "-prepend-rank",
-           "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "-o", "faulthandler_timeout=2", "-o", "timeout=6", "-o", "timeout_method=thread", "test_hang.py"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150)
-    assert out.returncode not in (0, 124), out.stdout[-3000:]
-    tail = out.stdout[out.stdout.index("=== the MPI run failed"):]
+    tail = _run(tmp_path, "test_hang.py", "-o", "faulthandler_timeout=2", "-o", "timeout=6",
+                "-o", "timeout_method=thread")
+    assert "rank 0: in test_hang.py::test_one_rank_waits_for_another_that_never_comes, for " in tail, tail
     rank0, rank1 = tail.split("--- rank 1")
     # faulthandler's dump of each ("line 7 in f"), and pytest-timeout's of the rank it ended ("line 7, in f").
     assert "--- rank 0" in rank0 and "line 7 in test_one_rank_waits" in rank0, tail
     assert "line 9 in test_one_rank_waits" in rank1, tail
     assert "line 7, in test_one_rank_waits" in rank0 or "line 9, in test_one_rank_waits" in rank1, tail
     assert "_pytest" not in tail, tail  # pytest's own frames left out
+
+
+def test_a_crashed_rank_ends_with_its_stack_and_its_test(tmp_path):
+    (tmp_path / "test_crash.py").write_text(CRASH)
+    tail = _run(tmp_path, "test_crash.py")
+    assert "rank 1: in test_crash.py::test_one_rank_crashes, for " in tail, tail
+    rank1 = tail.split("--- rank 1")[1]
+    assert "Fatal Python error: Aborted" in rank1 and "line 7 in test_one_rank_crashes" in rank1, tail
 
 
 def test_a_run_that_passes_says_nothing_more(tmp_path):
