@@ -12,6 +12,7 @@ _ACTIVE: set = set()  # logs holding requests that may still be in flight
 _ABANDONED: list = []  # (owner, request): collectives an error path dropped, completed later (see abandon)
 _DRAINED: dict = {}  # id -> a communicator whose leftover messages are received at exit (see drain_at_exit)
 _LATE: weakref.WeakSet = weakref.WeakSet()  # owners whose join_late() runs at exit (see join_late_at_exit)
+_FREED: list = []  # requests an error path freed while MPI may still use their buffers: kept to the end (cancel)
 _LOCK = threading.Lock()  # error paths on progress threads abandon requests too
 
 
@@ -174,6 +175,12 @@ class RequestLog:
     def cancel(self, grace: float = 1.0) -> None:
         """Cancel pending receives and free pending sends; never blocks for longer than `grace` seconds."""
         pending = cancel_receives([r for r in self.recvs if r], grace)
-        for req in pending + [r for r in self.sends if r]:
+        freed = pending + [r for r in self.sends if r]
+        for req in freed:
             req.Free()
+        # A freed request goes on: MPI may still read a send's buffer, or write a receive's, after this. mpi4py keeps
+        # the buffer as long as the request object, which would go with these lists, and the memory with it (a large
+        # buffer unmapped under MPI's feet: a crash later, in whatever runs next). So the objects stay to the end.
+        with _LOCK:
+            _FREED.extend(freed)
         self.release()

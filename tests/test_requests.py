@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 from mpi4py import MPI
 
@@ -40,6 +43,23 @@ def test_cancel_drops_receives_that_no_message_will_match():
     comm.Send(np.ones(8), 0, 10)
     req.Wait()
     assert np.all(got == 1) and np.all(bufs[0] == 0)
+    comm.Free()
+
+
+def test_a_freed_send_keeps_its_buffer_for_mpi_to_read():
+    """The error path frees sends MPI may still be reading: their buffers must outlive the log's references."""
+    comm = MPI.COMM_SELF.Dup()
+    log = RequestLog("a test's send")
+    out = np.full(1 << 20, 3.0)  # 8 MiB that nothing receives yet
+    alive = weakref.ref(out)
+    log.isend(comm, out, 0, 7)
+    log.cancel(grace=0.01)
+    del out
+    gc.collect()
+    assert alive() is not None and live_requests() == 0
+    got = np.zeros(1 << 20)
+    comm.Recv(got, 0, 7)  # the message still comes whole, read from the kept buffer
+    assert np.all(got == 3.0)
     comm.Free()
 
 
