@@ -3,7 +3,8 @@
 A hang makes every rank dump its threads' stacks (faulthandler_timeout) long before pytest-timeout
 ends the job, and a crashed rank dumps its own (faulthandler's fatal-signal handler), but 4 ranks' dumps
 scroll far above the log's tail, which is all a CI summary keeps. So does the name of the test each rank was
-in: pytest -q prints none, so each rank writes it to a file (conftest.py, under TRACE_ENV) that is read here.
+in: pytest -q prints none, so each rank writes it to a file in TRACE_ENV's folder (tests/running_test.py, a plugin
+that conftest.py loads), read here.
 Usage: python tests/run_mpi.py COMMAND... (its exit status is the command's).
 """
 

@@ -36,7 +36,8 @@ def _run(tmp_path, test_file: str, *pytest_args: str) -> str:
     cmd = [sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), "timeout", "120", mpiexec(), "-prepend-rank",
            "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "running_test", *pytest_args, test_file]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    paths = [os.path.join(ROOT, "tests")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150, env=env)
     assert out.returncode not in (0, 124), out.stdout[-3000:]
     return out.stdout[out.stdout.index("=== the MPI run failed"):]
