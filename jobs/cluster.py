@@ -1,6 +1,6 @@
 """A cluster on one machine: hosts in network namespaces with shaped links, and MPI jobs across them.
 
-    mpitrain cluster up --hosts 4 --bandwidth 1gbit [--ranks-per-host 2] [--verify]
+    mpitrain cluster up --hosts 4 --bandwidth 1gbit [--ranks-per-host 2] [--congestion-control cubic] [--verify]
     mpitrain cluster run [-n N] -- mpitrain bench collectives --sizes 64M
     mpitrain cluster status | verify | down
     mpitrain cluster exec 2 -- ip addr          # a plain command on host h2
@@ -31,6 +31,8 @@ def parse_args(argv):
     up.add_argument("--netmod", choices=("ucx", "ofi"), help="MPICH network module (default: MPICH's choice)")
     up.add_argument("--burst", type=int, metavar="BYTES",
                     help="the links' token bucket (default ~2 ms of traffic, at least 72 KiB: a whole GSO packet)")
+    up.add_argument("--congestion-control", metavar="NAME",
+                    help="the hosts' TCP congestion control, cubic say (default: this machine's)")
     up.add_argument("--verify", action="store_true", help="measure every link after bringing it up")
     up.add_argument("--force", action="store_true", help="remove leftovers of a crashed run first")
     sub.add_parser("down", help="remove the hosts, links and every process in them")
@@ -64,13 +66,18 @@ def check_args(args) -> None:
     at_least(args, 1, "ranks_per_host", "burst")
     # Last: the cluster's own limits, from mpicomm (which imports torch and starts MPI).
     from mpicomm.emulation import EmulationError, parse_bandwidth
-    from mpicomm.emulation.netns import MAX_HOSTS
+    from mpicomm.emulation.netns import MAX_HOSTS, check_congestion_control
 
     between(args, 1, MAX_HOSTS, "hosts")
     try:
         parse_bandwidth(args.bandwidth)
     except EmulationError as exc:
         raise InputError("--bandwidth", str(exc)) from None
+    try:
+        if args.congestion_control is not None:
+            check_congestion_control(args.congestion_control)
+    except EmulationError as exc:
+        raise InputError("--congestion-control", str(exc)) from None
 
 
 def main(argv=None) -> int:
@@ -82,10 +89,12 @@ def main(argv=None) -> int:
         if args.action == "up":
             if args.force:
                 EmulatedCluster.down()
-            cluster = EmulatedCluster(args.hosts, args.bandwidth, args.ranks_per_host, args.netmod, args.burst).up()
+            cluster = EmulatedCluster(args.hosts, args.bandwidth, args.ranks_per_host, args.netmod, args.burst,
+                                      args.congestion_control).up()
             bucket = f", a {cluster.burst}-byte bucket" if cluster.burst else ""
             print(f"up: {cluster.hosts} hosts (h0..h{cluster.hosts - 1}, 10.213.0.1..{cluster.hosts}) at "
-                  f"{cluster.bandwidth} each way{bucket}, {cluster.ranks_per_host} rank(s) per host")
+                  f"{cluster.bandwidth} each way{bucket}, {cluster.ranks_per_host} rank(s) per host, "
+                  f"TCP {cluster.congestion_control_in_effect or 'unknown'}")
             return _verify(cluster, verify, format_rows) if args.verify else 0
         if args.action == "down":
             removed = EmulatedCluster.down()
@@ -102,7 +111,8 @@ def main(argv=None) -> int:
                 print(json.dumps(st, indent=1))
             else:
                 bucket = f", a {st['burst_bytes']}-byte bucket" if st.get("burst_bytes") else ""
-                print(f"{st['hosts']} hosts at {st['bandwidth']}{bucket}, {st['ranks_per_host']} rank(s) per host")
+                print(f"{st['hosts']} hosts at {st['bandwidth']}{bucket}, {st['ranks_per_host']} rank(s) per host, "
+                      f"TCP {st['congestion_control'] or 'unknown'}")
                 for i in range(st["hosts"]):
                     ns, link = f"mpt-h{i}", st["link_bytes"][i]
                     traffic = f", sent {link['up']} B, received {link['down']} B" if link else ""

@@ -13,6 +13,15 @@ from running_test import launcher_rank, pytest_runtest_logfinish, pytest_runtest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def another_congestion_control() -> str | None:
+    """A TCP congestion control the emulated hosts may take (the kernel's allowed list) other than the machine's
+    default, or None."""
+    from mpicomm.emulation import netns
+
+    machine = netns.congestion_control()
+    return next((name for name in netns.kernel_congestion_controls("allowed") if name != machine), None)
+
+
 def exit_in_process(main, argv, capsys) -> tuple[object, str, str]:
     """(exit status, stdout, stderr) of a job's main(argv) run in this process. For inputs a job refuses before its
     work starts: a subprocess would spend its seconds importing torch (each file keeps one such case as a user runs

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, exit_in_process
+from conftest import ROOT, another_congestion_control, exit_in_process
 from mpicomm.emulation import netns
 from mpicomm.launch import mpiexec
 
@@ -285,7 +285,8 @@ def test_carried_rows_are_reported_at_the_bandwidth_asked():
 @pytest.mark.skipif(netns.why_not() is not None, reason=f"{netns.why_not()}")
 @pytest.mark.timeout(300)
 def test_carry_at_runs_on_slower_links_and_reports_at_the_bandwidth_asked(tmp_path):
-    """2 Gbit/s carried at 1: the links shaped to 1 Gbit/s, compute x2; the rows at 2gbit, the x2 divided back."""
+    """2 Gbit/s carried at 1: the links shaped to 1 Gbit/s, compute x2; the rows at 2gbit, the x2 divided back.
+    With --congestion-control, the hosts' TCP as asked, in each row."""
     from runtime.emulate import compute_model
     from runtime.workloads.models import build_model
 
@@ -293,9 +294,11 @@ def test_carry_at_runs_on_slower_links_and_reports_at_the_bandwidth_asked(tmp_pa
     cmd = [sys.executable, "-m", "jobs.bench", "--hosts", "2", "--models", "mlp", "--bandwidths", "2gbit",
            "--carry-at", "1gbit", "--compute", "emulated:v100", "--strategies", "allreduce", "--batches", "1",
            "--iters", "1", "--warmup", "1", "--rounds", "1", "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=280)
+    tcp = another_congestion_control() or netns.congestion_control()
+    proc = subprocess.run([*cmd, "--congestion-control", tcp], capture_output=True, text=True, cwd=ROOT, timeout=280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
+    assert row["congestion_control"] == tcp
     assert (row["bandwidth"], row["carried_links"], row["carry_factor"]) == ("2gbit", "1gbit", 2.0)
     assert row["carried_at"] == "1 Gbit/s links, compute x2" and row["compute_scale"] == 1.0
     params = list(build_model("mlp").parameters())

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, exit_in_process
+from conftest import ROOT, another_congestion_control, exit_in_process
 from mpicomm.emulation import EmulatedCluster, EmulationError, parse_bandwidth
 from mpicomm.emulation import netns
 
@@ -59,6 +59,8 @@ def test_bandwidth_strings():
     (["up", "--hosts", "65"], "--hosts: must be between 1 and 64"),
     (["up", "--bandwidth", "fast"], "cannot parse bandwidth"),
     (["up", "--burst", "0"], "--burst: must be >= 1"),
+    (["up", "--congestion-control", "bbr;reboot"], "--congestion-control: congestion control must be a kernel"),
+    (["up", "--hosts", "2", "--congestion-control", "nosuchcc"], "'nosuchcc' cannot be set in the emulated hosts"),
     (["down"], "no emulated cluster is up"),
     (["status"], "no emulated cluster is up"),
     (["run", "--", "true"], "no emulated cluster is up"),
@@ -111,6 +113,26 @@ def test_the_links_bucket_is_two_ms_of_traffic_or_what_up_is_told():
         assert _buckets() == {"16000b"}
         status = json.loads(cli("status", "--json").stdout)
         assert status["burst_bytes"] == 16000
+    finally:
+        cli("down")
+
+
+def test_the_hosts_tcp_is_the_machines_or_what_up_is_told():
+    """New namespaces inherit the machine's congestion control; `up --congestion-control` sets every host's, and
+    the machine's own stays as it was."""
+    machine = netns.congestion_control()
+    with EmulatedCluster(hosts=2, bandwidth="1gbit") as cluster:
+        assert cluster.congestion_control_in_effect == machine
+        assert [netns.congestion_control(netns.host_ns(i)) for i in range(2)] == [machine, machine]
+    other = another_congestion_control()
+    if other is None:
+        pytest.skip(f"the kernel lets namespaces take only {machine}")
+    proc = cli("up", "--hosts", "2", "--bandwidth", "1gbit", "--congestion-control", other)
+    try:
+        assert proc.returncode == 0 and f"TCP {other}" in proc.stdout, proc.stderr
+        assert [netns.congestion_control(netns.host_ns(i)) for i in range(2)] == [other, other]
+        assert json.loads(cli("status", "--json").stdout)["congestion_control"] == other
+        assert netns.congestion_control() == machine
     finally:
         cli("down")
 

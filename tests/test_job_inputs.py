@@ -98,6 +98,8 @@ CASES = [
     ("bench-local-density-above-1", "jobs.bench", [*LOCAL, "--strategies", "topk", "--density", "2"], "--density"),
     ("bench-local-with-bandwidths", "jobs.bench", [*LOCAL, "--bandwidths", "1gbit", "--json", "{out}/b.json"],
      "--bandwidths"),
+    ("bench-local-with-congestion-control", "jobs.bench", [*LOCAL, "--congestion-control", "cubic"],
+     "--congestion-control"),
     ("bench-local-json-under-a-file", "jobs.bench", [*LOCAL, "--json", "{file}/b.json"], "--json"),
     ("bench-local-ranks-per-host-zero", "jobs.bench", [*LOCAL, "--ranks-per-host", "0"], "--ranks-per-host"),
     ("bench-local-rounds-zero", "jobs.bench", [*LOCAL, "--rounds", "0"], "--rounds"),
@@ -373,7 +375,8 @@ def test_bench_scaling_takes_a_bandwidth_and_rank_counts():
 @pytest.mark.parametrize("job,args,message", [
     ("train", [*TRAIN, "--strategy", "hybcomm", "--link-bandwidth", "fast"], "--link-bandwidth: cannot parse"),
     ("bench.scaling", ["--models", "mlp", "--ranks", "1,2,128"], "--ranks: 128 ranks need more than 64 hosts"),
-], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts"])
+    ("bench.strategies", ["--congestion-control", "Cubic!"], "--congestion-control: congestion control must be a"),
+], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts", "bench-congestion-control-not-a-name"])
 def test_checks_that_need_mpicomm(capsys, job, args, message):
     """In this process, which has imported mpicomm (torch) already: a job pays that only when the option is given."""
     import importlib

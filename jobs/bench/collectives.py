@@ -355,7 +355,8 @@ def describe_network() -> dict:
 
         state = read_state() or {}
         return dict(kind="emulated-cluster", hosts=state.get("hosts"), bandwidth_bps=state.get("bandwidth_bps"),
-                    burst_bytes=state.get("burst_bytes"))
+                    burst_bytes=state.get("burst_bytes"),
+                    congestion_control=state.get("congestion_control_in_effect"))
     return dict(kind="unshaped-local" if os.environ.get("MPITRAIN_UNSHAPED") else "local")
 
 

@@ -61,9 +61,13 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
                     proc = run_local(cmd, n, args.timeout, capture=True, echo=PROGRESS)
                 else:
                     shaped = bw if links is None else links(bw)
-                    with EmulatedCluster(-(-n // ranks_per_host), shaped, ranks_per_host=ranks_per_host) as cluster:
+                    with EmulatedCluster(-(-n // ranks_per_host), shaped, ranks_per_host=ranks_per_host,
+                                         congestion_control=getattr(args, "congestion_control", None)) as cluster:
                         proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True, echo=PROGRESS)
+                    tcp = cluster.congestion_control_in_effect
                 new = rows_from(proc)
+                for r in new:  # the hosts' TCP shapes what mixes traffic both ways (README, the emulated cluster)
+                    r.setdefault("congestion_control", None if args.local or n == 1 else tcp)
                 if adjust is not None:
                     adjust(new, label)
                 rows += new

@@ -299,6 +299,8 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser, default_bandwidths: 
     """A cluster benchmark's --bandwidths, --local, --timeout, --json, --plot (checked by cluster_bench_outputs)."""
     p.add_argument("--bandwidths", "--bandwidth", help=f"per-host link rates; none = unshaped (default "
                                                      f"{default_bandwidths}; not with --local)")
+    p.add_argument("--congestion-control", metavar="NAME",
+                   help="the emulated hosts' TCP congestion control, cubic say (default: this machine's)")
     add_run_arguments(p)
 
 
@@ -328,9 +330,12 @@ def cluster_bench_outputs(args, default_bandwidths: str) -> None:
         if args.bandwidths is not None:
             raise InputError("--bandwidths", "--local runs unshaped on this host, with no links to shape: "
                                              "drop --bandwidths or --local")
+        if args.congestion_control is not None:
+            raise InputError("--congestion-control", "--local runs on this host's own TCP, with no emulated hosts: "
+                                                     "drop --congestion-control or --local")
         return
     from mpicomm.emulation import EmulationError, parse_bandwidth
-    from mpicomm.emulation.netns import MAX_HOSTS
+    from mpicomm.emulation.netns import MAX_HOSTS, check_congestion_control
 
     between(args, 1, MAX_HOSTS, "hosts")
     args.bandwidths = comma_list("--bandwidths", args.bandwidths or default_bandwidths)
@@ -339,3 +344,8 @@ def cluster_bench_outputs(args, default_bandwidths: str) -> None:
             parse_bandwidth(bw)
         except EmulationError as exc:
             raise InputError("--bandwidths", str(exc)) from None
+    if args.congestion_control is not None:
+        try:
+            check_congestion_control(args.congestion_control)
+        except EmulationError as exc:
+            raise InputError("--congestion-control", str(exc)) from None

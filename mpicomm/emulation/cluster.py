@@ -80,10 +80,12 @@ class EmulatedCluster:
     MPI runs across them with hydra: mpiexec itself runs in host 0 and
     reaches the others through the `netns-ssh` launcher on their addresses.
     burst: the links' token bucket in bytes (None: netns.tbf_args' ~2 ms).
+    congestion_control: the hosts' TCP congestion control, "cubic" say (None: the machine's, which new
+    namespaces inherit); `congestion_control_in_effect` is what they run once up.
     """
 
     def __init__(self, hosts: int = 4, bandwidth: str | int | None = "1gbit", ranks_per_host: int = 1,
-                 netmod: str | None = None, burst: int | None = None):
+                 netmod: str | None = None, burst: int | None = None, congestion_control: str | None = None):
         if not isinstance(hosts, int) or not 1 <= hosts <= netns.MAX_HOSTS:
             raise EmulationError(f"hosts must be between 1 and {netns.MAX_HOSTS}, got {hosts!r}")
         if not isinstance(ranks_per_host, int) or not 1 <= ranks_per_host <= 64:
@@ -92,11 +94,15 @@ class EmulatedCluster:
             raise EmulationError(f"netmod must be ucx or ofi, got {netmod!r}")
         if burst is not None and (isinstance(burst, bool) or not isinstance(burst, int) or burst < 1):
             raise EmulationError(f"burst must be a whole number of bytes >= 1, got {burst!r}")
+        if congestion_control is not None:
+            netns.check_congestion_control(congestion_control)
         self.hosts = hosts
         self.bps = bandwidth if isinstance(bandwidth, int) or bandwidth is None else netns.parse_bandwidth(bandwidth)
         self.ranks_per_host = ranks_per_host
         self.netmod = netmod
         self.burst = burst
+        self.congestion_control = congestion_control
+        self.congestion_control_in_effect: str | None = None
 
     @classmethod
     def current(cls) -> "EmulatedCluster":
@@ -104,8 +110,10 @@ class EmulatedCluster:
         state = read_state()
         if state is None or not netns.our_namespaces():
             raise EmulationError("no emulated cluster is up: start one with `python -m jobs.cluster up`")
-        return cls(state["hosts"], state["bandwidth_bps"], state["ranks_per_host"], state.get("netmod"),
-                   state.get("burst_bytes"))
+        cluster = cls(state["hosts"], state["bandwidth_bps"], state["ranks_per_host"], state.get("netmod"),
+                      state.get("burst_bytes"), state.get("congestion_control"))
+        cluster.congestion_control_in_effect = state.get("congestion_control_in_effect")
+        return cluster
 
     @property
     def bandwidth(self) -> str:
@@ -126,9 +134,11 @@ class EmulatedCluster:
             if existing:
                 raise EmulationError(f"leftover namespaces from a crashed run: {' '.join(existing)}; "
                                      "run `python -m jobs.cluster down` to remove them")
-            netns.build(self.hosts, self.bps, self.burst)
+            netns.build(self.hosts, self.bps, self.burst, self.congestion_control)
+            self.congestion_control_in_effect = netns.congestion_control(netns.host_ns(0))
             state = dict(hosts=self.hosts, bandwidth_bps=self.bps, ranks_per_host=self.ranks_per_host,
-                         netmod=self.netmod, burst_bytes=self.burst,
+                         netmod=self.netmod, burst_bytes=self.burst, congestion_control=self.congestion_control,
+                         congestion_control_in_effect=self.congestion_control_in_effect,
                          addresses=[netns.host_addr(i) for i in range(self.hosts)],
                          created=datetime.now(timezone.utc).isoformat(timespec="seconds"), pid=os.getpid())
             with open(_state_path() + ".tmp", "w") as f:
@@ -185,7 +195,7 @@ class EmulatedCluster:
     def status(self) -> dict:
         present = netns.our_namespaces()
         return dict(hosts=self.hosts, bandwidth=self.bandwidth, ranks_per_host=self.ranks_per_host,
-                    burst_bytes=self.burst, namespaces=present,
+                    burst_bytes=self.burst, congestion_control=self.congestion_control_in_effect, namespaces=present,
                     processes={ns: len(netns.processes_in(ns)) for ns in present},
                     link_bytes=[netns.qdisc_bytes(i) if self.bps else None for i in range(self.hosts)])
 

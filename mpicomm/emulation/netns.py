@@ -13,6 +13,7 @@ BRIDGE_NS = PREFIX + "br"
 SUBNET = "10.213.0"  # private, and it exists only inside our namespaces
 IFACE = "eth0"
 MAX_HOSTS = 64
+CC_SYSCTL = "/proc/sys/net/ipv4/tcp_congestion_control"  # per namespace; a new one takes the root namespace's
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
 
 
@@ -67,6 +68,51 @@ def in_ns(ns: str, *cmd: str) -> list[str]:
     return ["ip", "netns", "exec", ns, *cmd]
 
 
+def congestion_control(ns: str | None = None) -> str | None:
+    """The TCP congestion control that new connections take in namespace `ns` (None: this process's); None where
+    it cannot be read."""
+    if ns is None:
+        try:
+            with open(CC_SYSCTL) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+    proc = run(in_ns(ns, "cat", CC_SYSCTL), check=False)
+    return (proc.stdout.strip() or None) if proc.returncode == 0 else None
+
+
+def check_congestion_control(name) -> str:
+    """`name` if it can name a kernel congestion control (the kernel says later whether it has it); else an error."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]{1,15}", name):
+        raise EmulationError(f"congestion control must be a kernel algorithm's name (cubic, bbr, reno ...), "
+                             f"got {name!r}")
+    return name
+
+
+def set_congestion_control(ns: str, name: str) -> None:
+    """New TCP connections in `ns` use `name`. The kernel lets a namespace other than the root one take only the
+    algorithms the root namespace allows (net.ipv4.tcp_allowed_congestion_control), which this module never
+    changes: the error says how."""
+    proc = run(in_ns(ns, "sh", "-c", f'printf %s "$1" > {CC_SYSCTL}', "sh", name), check=False)
+    if proc.returncode:
+        allowed = " ".join(kernel_congestion_controls("allowed")) or "none"
+        raise EmulationError(
+            f"TCP congestion control {name!r} cannot be set in the emulated hosts: the kernel has "
+            f"{' '.join(kernel_congestion_controls('available')) or 'none'}, and lets namespaces take {allowed}; "
+            f"allow it first (as root: sysctl -w net.ipv4.tcp_allowed_congestion_control=\"{allowed} {name}\", "
+            f"after `modprobe tcp_{name}` if the kernel does not have it)")
+
+
+def kernel_congestion_controls(kind: str = "allowed") -> list[str]:
+    """The congestion controls the kernel has ("available") or lets namespaces take ("allowed"), as the root
+    namespace lists them; [] where unreadable."""
+    try:
+        with open(f"/proc/sys/net/ipv4/tcp_{kind}_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
 def our_namespaces() -> list[str]:
     out = run(["ip", "netns", "list"]).stdout
     return sorted(line.split()[0] for line in out.splitlines() if line.startswith(PREFIX))
@@ -115,12 +161,14 @@ def link_burst(bps: int, mtu: int = 1500) -> int:
     return max(GSO_BUCKET, mtu, int(bps) // 8 // 500)
 
 
-def build(hosts: int, bps: int | None, burst: int | None = None) -> None:
+def build(hosts: int, bps: int | None, burst: int | None = None, congestion_control: str | None = None) -> None:
     """Create the bridge namespace and `hosts` host namespaces, each joined by a shaped veth pair.
 
     Each host's eth0 egress is its upload; the bridge-side peer's egress is
-    its download, so both directions are shaped without an ifb device. On any
-    failure everything made so far is removed again.
+    its download, so both directions are shaped without an ifb device. The
+    hosts' TCP takes `congestion_control` (None: the root namespace's, which a
+    new namespace inherits). On any failure everything made so far is removed
+    again.
     """
     if not 1 <= hosts <= MAX_HOSTS:
         raise EmulationError(f"--hosts must be between 1 and {MAX_HOSTS}, got {hosts}")
@@ -138,6 +186,8 @@ def build(hosts: int, bps: int | None, burst: int | None = None) -> None:
             run(["ip", "-n", ns, "addr", "add", f"{host_addr(i)}/24", "dev", IFACE])
             run(["ip", "-n", ns, "link", "set", IFACE, "up"])
             run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if congestion_control is not None:
+                set_congestion_control(ns, congestion_control)
             if bps is not None:
                 run(in_ns(ns, "tc", "qdisc", "add", "dev", IFACE, "root", *tbf_args(bps, burst=burst)))
                 run(in_ns(BRIDGE_NS, "tc", "qdisc", "add", "dev", port, "root", *tbf_args(bps, burst=burst)))
