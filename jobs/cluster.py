@@ -17,7 +17,8 @@ import argparse
 import json
 import sys
 
-from jobs.common.inputs import InputError, JobParser, at_least, between, parse, positive, runnable
+from jobs.common.inputs import (InputError, JobParser, at_least, between, congestion_control_name, parse, positive,
+                                runnable)
 
 
 def parse_args(argv):
@@ -66,18 +67,14 @@ def check_args(args) -> None:
     at_least(args, 1, "ranks_per_host", "burst")
     # Last: the cluster's own limits, from mpicomm (which imports torch and starts MPI).
     from mpicomm.emulation import EmulationError, parse_bandwidth
-    from mpicomm.emulation.netns import MAX_HOSTS, check_congestion_control
+    from mpicomm.emulation.netns import MAX_HOSTS
 
     between(args, 1, MAX_HOSTS, "hosts")
     try:
         parse_bandwidth(args.bandwidth)
     except EmulationError as exc:
         raise InputError("--bandwidth", str(exc)) from None
-    try:
-        if args.congestion_control is not None:
-            check_congestion_control(args.congestion_control)
-    except EmulationError as exc:
-        raise InputError("--congestion-control", str(exc)) from None
+    congestion_control_name(args)
 
 
 def main(argv=None) -> int:

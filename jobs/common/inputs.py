@@ -335,7 +335,7 @@ def cluster_bench_outputs(args, default_bandwidths: str) -> None:
                                                      "drop --congestion-control or --local")
         return
     from mpicomm.emulation import EmulationError, parse_bandwidth
-    from mpicomm.emulation.netns import MAX_HOSTS, check_congestion_control
+    from mpicomm.emulation.netns import MAX_HOSTS
 
     between(args, 1, MAX_HOSTS, "hosts")
     args.bandwidths = comma_list("--bandwidths", args.bandwidths or default_bandwidths)
@@ -344,8 +344,17 @@ def cluster_bench_outputs(args, default_bandwidths: str) -> None:
             parse_bandwidth(bw)
         except EmulationError as exc:
             raise InputError("--bandwidths", str(exc)) from None
-    if args.congestion_control is not None:
-        try:
-            check_congestion_control(args.congestion_control)
-        except EmulationError as exc:
-            raise InputError("--congestion-control", str(exc)) from None
+    congestion_control_name(args)
+
+
+def congestion_control_name(args) -> None:
+    """--congestion-control, where given, names a kernel algorithm (mpicomm.emulation; it imports torch)."""
+    if args.congestion_control is None:
+        return
+    from mpicomm.emulation import EmulationError
+    from mpicomm.emulation.netns import check_congestion_control
+
+    try:
+        check_congestion_control(args.congestion_control)
+    except EmulationError as exc:
+        raise InputError("--congestion-control", str(exc)) from None

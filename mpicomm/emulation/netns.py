@@ -81,12 +81,11 @@ def congestion_control(ns: str | None = None) -> str | None:
     return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
-def check_congestion_control(name) -> str:
-    """`name` if it can name a kernel congestion control (the kernel says later whether it has it); else an error."""
+def check_congestion_control(name) -> None:
+    """An error unless `name` can name a kernel congestion control (whether the kernel has it, it says later)."""
     if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]{1,15}", name):
         raise EmulationError(f"congestion control must be a kernel algorithm's name (cubic, bbr, reno ...), "
                              f"got {name!r}")
-    return name
 
 
 def set_congestion_control(ns: str, name: str) -> None:

@@ -1,29 +1,20 @@
-"""CUBIC (B) against BBR (A), the emulated hosts' TCP congestion control, alternated: medians over every round."""
+"""CUBIC (B) against BBR (A), the emulated hosts' TCP congestion control, alternated: medians over every round,
+and p3's speed-up over DDP round by round."""
 
 import collections
 import glob
 import json
 import os
 import statistics
+import sys
 
 here = os.path.dirname(os.path.abspath(__file__))
-rounds = collections.defaultdict(list)
-for path in sorted(glob.glob(os.path.join(here, "*-[AB][0-9].json"))):
-    name = os.path.basename(path)
-    where, variant = name.rsplit("-", 2)[1], name[-7]  # p3-ddp-8x1-A1.json: 8x1, A
-    for r in json.load(open(path))["rows"]:
-        rounds[(where, r["strategy"], r["bandwidth"], variant)] += r["t_iter_rounds_s"]
-print("| hosts x ranks | strategy | link | BBR (A) | CUBIC (B) | B / A |")
-print("|---|---|---|---|---|---|")
-for where, s, bw in sorted({k[:3] for k in rounds}):
-    a, b = rounds[(where, s, bw, "A")], rounds[(where, s, bw, "B")]
-    if s == "compute" or not a or not b:
-        continue
-    ma, mb = statistics.median(a), statistics.median(b)
-    print(f"| {where} | {s} | {bw} | {ma:.4f} ({min(a):.4f}-{max(a):.4f}, {len(a)}) | {mb:.4f} ({min(b):.4f}-"
-          f"{max(b):.4f}, {len(b)}) | {mb / ma:.3f} |")
+sys.path.insert(0, os.path.join(here, "..", "sndbuf-nineteenth-session"))
+from summary import ab_table  # noqa: E402 (the nineteenth session's A/B table)
 
-# p3 ÷ DDP round by round (the two run in turn inside each round of a run), under each congestion control.
+ab_table(here, "BBR", "CUBIC")
+print()
+# p3 and DDP run in turn inside each round of a run: their ratio paired by round, under each congestion control.
 ratios = collections.defaultdict(list)
 for path in sorted(glob.glob(os.path.join(here, "*-[AB][0-9].json"))):
     rows = {r["strategy"]: r["t_iter_rounds_s"] for r in json.load(open(path))["rows"]}
