@@ -66,8 +66,9 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
                         proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True, echo=PROGRESS)
                     tcp = cluster.congestion_control_in_effect
                 new = rows_from(proc)
-                for r in new:  # the hosts' TCP shapes what mixes traffic both ways (README, the emulated cluster)
-                    r.setdefault("congestion_control", None if args.local or n == 1 else tcp)
+                if not (args.local or n == 1):  # the hosts' TCP shapes what mixes traffic both ways (README)
+                    for r in new:
+                        r.setdefault("congestion_control", tcp)
                 if adjust is not None:
                     adjust(new, label)
                 rows += new
