@@ -57,6 +57,7 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
             for name, n in runs or [(model, args.hosts * ranks_per_host) for model in args.models]:
                 print(f"# {name} at {label}, {n} rank{'s' * (n > 1)} ...", flush=True)
                 cmd = command(name, label, n)
+                hosts = {}  # what the emulated hosts were, for each row (none on this host alone)
                 if args.local or n == 1:
                     proc = run_local(cmd, n, args.timeout, capture=True, echo=PROGRESS)
                 else:
@@ -64,11 +65,9 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
                     with EmulatedCluster(-(-n // ranks_per_host), shaped, ranks_per_host=ranks_per_host,
                                          congestion_control=getattr(args, "congestion_control", None)) as cluster:
                         proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True, echo=PROGRESS)
-                    tcp = cluster.congestion_control_in_effect
-                new = rows_from(proc)
-                if not (args.local or n == 1):  # the hosts' TCP shapes what mixes traffic both ways (README)
-                    for r in new:
-                        r.setdefault("congestion_control", tcp)
+                    # The hosts' TCP shapes what mixes traffic both ways (README, the emulated cluster).
+                    hosts = {"congestion_control": cluster.congestion_control_in_effect}
+                new = [{**hosts, **r} for r in rows_from(proc)]
                 if adjust is not None:
                     adjust(new, label)
                 rows += new
