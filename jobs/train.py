@@ -74,7 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--slice-size", default="auto",
                    help="p3 slice, in elements, or auto: chosen from the link measured at start-up (default auto)")
     p.add_argument("--credit", default="auto",
-                   help="p3: outgoing slices in flight, or auto: from the measured link (default auto)")
+                   help="p3: outgoing slices in flight, auto: from the measured link, or online: auto's first, "
+                        "then the fastest of a few tried over the first ~30 steps (default auto)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
@@ -109,7 +110,8 @@ def check_args(args) -> None:
     if args.compute != "real" and args.parallel == "pipeline":
         raise InputError("--compute", "emulated compute trains data parallel only for now: drop --parallel pipeline")
     at_least(args, 1, "batch_size", "epochs", "threads", "synthetic_samples", "prefetch")
-    auto_or_count(args, "slice_size", "credit")
+    auto_or_count(args, "slice_size")
+    auto_or_count(args, "credit", words=("auto", "online"))
     at_least(args, 0, "max_steps", "dense_warmup_steps", "density_ramp_steps", "lr", "momentum", "seed",
              "cache_memory_mb")
     fraction(args, "density")
@@ -249,6 +251,7 @@ def main(argv=None, args=None) -> int:
     tuning = getattr(dopt.strategy, "tuning", None) or getattr(getattr(dopt.strategy, "inner", None), "tuning", None)
     if tuning is not None:
         say(f"p3: {tuning.describe()}")
+    trials = dopt.strategy.trials  # credit="online": its choice is said once made
     history = []
     plan_watch = PlanWatch(dopt.strategy, say) if rank == 0 else None  # hybcomm's plan, whenever it changes
     for epoch in range(start_epoch, args.epochs):
@@ -272,6 +275,9 @@ def main(argv=None, args=None) -> int:
                 return 3
             if plan_watch is not None:
                 plan_watch.check()
+            if trials is not None and trials.chosen is not None:
+                say(f"p3: {trials.describe()}")  # credit="online": its trials are over
+                trials = None
             if loss_value is not None:
                 loss_sum += loss_value
                 if bar is not None:

@@ -144,6 +144,15 @@ class SlicedExchange(Task):
         self._posted = False
         self._inbox.clear()
 
+    def set_credit(self, credit: int) -> None:
+        """Between steps only: the outgoing messages in flight from the next begin() on."""
+        if self.active or not isinstance(credit, int) or credit < 1:
+            raise ValueError(f"the credit changes between steps, to an integer >= 1: got {credit!r}"
+                             + (" during a step" if self.active else ""))
+        self.credit = credit
+        if self.pacer is not None:
+            self.pacer.burst = credit * max(w.nbytes for w in self.wire)
+
     def begin(self) -> "SlicedExchange":
         if self.active:
             raise RuntimeError("the previous p3 step is still in flight")
@@ -358,7 +367,7 @@ class SlicedExchange(Task):
         """What the slices of these tensors are still waiting for."""
         plan, lines = self.plan, []
         for t in tensors:
-            pending = [s for s in plan.slices_of[t] if self._slice_pending(s)]
+            pending = [s for s in plan.slices_of[t] if not self._slice_finished[s]]
             if not pending:
                 continue
             s = pending[0]
@@ -366,20 +375,13 @@ class SlicedExchange(Task):
                 waits = "this rank's own gradients (its backward has not produced them)"
             elif s in self._arrived and self._arrived[s] < len(self.sources[s]):
                 waits = f"pushes from rank(s) {[p for p, got in zip(self.sources[s], self._got[s]) if not got]}"
-            elif self.upstream[s] is not None and not self._results_sent(s):
+            elif self.upstream[s] is not None and self._results_left[s] == len(self.downstream[s]):  # none out
                 waits = (f"the average from its {'owner' if self.upstream[s] == plan.owner(s) else 'aggregator'}, "
                          f"rank {self.upstream[s]}")
             else:
                 waits = f"sending its average ({self._results_left[s]} peers left)"
             lines.append(f"{self.names[t]} ({len(pending)} slices left, e.g. slice {s} waits for {waits})")
         return "; ".join(lines[:6]) or "nothing (finishing)"
-
-    def _results_sent(self, s: int) -> bool:
-        """Whether any of slice s's averages has gone out from here (it then holds the average)."""
-        return self._results_left[s] < len(self.downstream[s])
-
-    def _slice_pending(self, s: int) -> bool:
-        return not self._slice_finished[s]
 
     def abort(self) -> None:
         """Error path: cancel the receives, free the sends, forget the step."""

@@ -46,8 +46,9 @@ EXCHANGE, CLOSE, METRIC, BARRIER, GATHER = 1, 2, 3, 4, 5
 _ACTION = {EXCHANGE: "step", CLOSE: "close()", METRIC: "sum_over_ranks()", BARRIER: "barrier()", GATHER: "a gather"}
 TEXT = 240  # bytes of a failure beacon: the rounds its sender posted (int64), then the error text
 _TAG_ARRIVED, _TAG_BEACON = 1, 3
-_HEAD = 8  # action, -action, step, -step, settings, -settings, problem, stopped (1 + the rank, in a joined round)
-_STOPPED = 7
+# action, -action, step, -step, settings, -settings, problem, stopped (1 + the rank, in a joined round), figure
+_HEAD = 9
+_STOPPED, _FIGURE = 7, 8
 
 
 class ReportedProblem(RuntimeError):
@@ -80,6 +81,7 @@ class StepCheck:
         self.broken = False  # a round failed: no more rounds
         self.everyone_knows = False  # ...and every rank raised (or heard of) it: nobody to tell
         self.posted = 0  # rounds this rank posted, joined ones included
+        self.figure = 0  # the largest `figure` of the last round finished, over ranks
         self._late = 0  # the most rounds a beacon asked for that came as this rank stopped listening
         self._joined: list = []  # the buffers of rounds joined after a failure, alive until MPI is done
         self._beacon_in = np.zeros(TEXT, dtype=np.uint8)
@@ -192,25 +194,30 @@ class StepCheck:
 
     # -- one round --------------------------------------------------------------
     def run(self, action: int, step: int, settings: int, used: np.ndarray | None = None, text: str = "",
-            describe: Callable[[], list[str]] | None = None, policy: StallPolicy | None = None) -> np.ndarray:
+            describe: Callable[[], list[str]] | None = None, policy: StallPolicy | None = None,
+            figure: int = 0) -> np.ndarray:
         """Agree with every rank; returns the OR over ranks of `used` (bools), or raises on every rank.
 
         text: a problem this rank found (every rank then raises ReportedProblem
         naming it). describe(): this rank's settings as "name=value" lines,
         gathered only when the `settings` digests differ, to name the values.
         """
-        self.start(action, step, settings, used, text, describe)
+        self.start(action, step, settings, used, text, describe, figure)
         return self.finish(policy)
 
     def start(self, action: int, step: int, settings: int, used: np.ndarray | None = None, text: str = "",
-              describe: Callable[[], list[str]] | None = None) -> None:
-        """The first half of run(): post this rank's part and return; finish() completes the round."""
+              describe: Callable[[], list[str]] | None = None, figure: int = 0) -> None:
+        """The first half of run(): post this rank's part and return; finish() completes the round.
+
+        figure: a whole number >= 0 of this rank's (a step's duration); after finish(), `figure` holds the
+        largest any rank gave, the same on every rank.
+        """
         if self.broken:
             raise RuntimeError("an earlier agreement round failed: this object cannot be used any more")
         if self._round is not None:
             raise RuntimeError("the previous agreement round was not finished")
         vec = self._vec
-        vec[:_HEAD] = (action, -action, step, -step, settings, -settings, int(bool(text)), 0)
+        vec[:_HEAD] = (action, -action, step, -step, settings, -settings, int(bool(text)), 0, max(0, int(figure)))
         vec[_HEAD:] = np.asarray(used, dtype=bool) if used is not None else 0
         self._round = (action, step, settings, text, describe)
         if self.size == 1:
@@ -246,6 +253,7 @@ class StepCheck:
         self._round = None
         self.interrupt()  # a round can complete with a rank that has given up meanwhile
         out = self._out
+        self.figure = int(out[_FIGURE])
         if out[_STOPPED]:
             self._stopped(int(out[_STOPPED]) - 1)
         if (out[0:6:2] != -out[1:6:2]).any() or out[6]:

@@ -106,6 +106,7 @@ class DistributedOptimizer:
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync, self._update_mask = False, None
         self._owed_early = False  # the step's updates owed before its agreement was in (runtime.stepping)
+        self._stepped_at = None  # perf_counter() at the last step()'s agreement (runtime.stepping)
         self.steps, self._closed = 0, False
         self.failed: BaseException | None = None
         on_grad = gradient_hook(self._on_grad, self.staging)

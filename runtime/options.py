@@ -8,6 +8,7 @@ from mpicomm.algorithms import CHOICES as ALLREDUCE_CHOICES
 
 DEFAULT_FUSE_BYTES = 1 << 20  # wfbp: gradients share buckets of about this size
 AUTO = "auto"  # p3's slice size and credit: chosen from the link measured when wrapping (runtime.p3.tuning)
+ONLINE = "online"  # p3's credit: auto's first, then the fastest of a few tried over the first steps
 OPERATORS = ("mstopk", "exact")
 GRANULARITIES = ("model", "layer")
 HYBCOMM_DENSE = ("wfbp", "p3")  # what hybcomm sends the layers without sufficient factors through
@@ -25,6 +26,13 @@ def _check_auto_or_int(name: str, value, low: int) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"{name} must be {AUTO!r} or an integer >= {low}, got {value!r}")
+
+
+def _check_credit(value) -> None:
+    if value in (AUTO, ONLINE):
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"credit must be {AUTO!r}, {ONLINE!r} or an integer >= 1, got {value!r}")
 
 
 def _check_fraction(name: str, value, *, allow_zero: bool = False, allow_one: bool = True) -> None:
@@ -100,6 +108,9 @@ class P3Options(StrategyOptions):
 
     Either may be "auto" (the default): chosen from the link measured when
     wrapping, so that fast links get fewer, larger messages (runtime.p3.tuning).
+    credit="online": auto's first, then a few credits tried in turn over the
+    first ~30 steps and the fastest kept, the same on every rank
+    (runtime.p3.online_credit; like Horovod's autotune, opt-in).
     node_aggregation: on several nodes of several ranks, each slice is summed
     inside its node first and crosses the node's link once each way
     (mpicomm.sliced_ps); False: every rank pushes its own (the flat exchange).
@@ -126,7 +137,7 @@ class P3Options(StrategyOptions):
 
     def __post_init__(self):
         _check_auto_or_int("slice_size", self.slice_size, 1)
-        _check_auto_or_int("credit", self.credit, 1)
+        _check_credit(self.credit)
         for flag in ("node_aggregation", "node_pacing", "yield_link"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
@@ -209,7 +220,7 @@ class HybCommOptions(StrategyOptions):
                 raise ValueError(f"{rate} must be a positive finite number, got {value!r}")
         _check_int("fuse_bytes", self.fuse_bytes, 1)
         _check_auto_or_int("slice_size", self.slice_size, 1)
-        _check_auto_or_int("credit", self.credit, 1)
+        _check_credit(self.credit)
 
     def dense_options(self) -> StrategyOptions:
         """The options of the dense path's own strategy."""

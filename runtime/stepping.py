@@ -23,6 +23,8 @@ case, so a disagreement still raises on every rank, before another round.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from mpicomm.step_check import EXCHANGE, ReportedProblem, digest
@@ -55,9 +57,13 @@ def exchange(dopt, full: bool) -> None:
     problem = dopt.strategy.local_problem()
     hyper = hyperparameters(dopt.optimizer)
     settings = describe_hyper(hyper) + [f"comm hook {dopt._comm_hook}"]
+    # The time since the previous step(), in microseconds: the agreement gives every rank the slowest rank's.
+    now = time.perf_counter()
+    since = 0 if dopt._stepped_at is None else round(1e6 * (now - dopt._stepped_at))
+    dopt._stepped_at = now
     with dopt._failing():
         dopt.check.start(EXCHANGE, dopt.steps, digest("\n".join(settings)), dopt._used, problem or "",
-                         describe=lambda: settings)
+                         describe=lambda: settings, figure=since)
     dopt.steps += 1
     # The others need the agreement's `used` to finish; a deferred strategy's step() leaves it to settle(),
     # in flight (dopt.check.pending) until then.
@@ -99,9 +105,11 @@ def finish_round(dopt):
     """The step's agreement: which parameters any rank used, or the error every rank raises."""
     with span_of(dopt.timeline, "wait step agreement", "sync"), dopt._failing():
         try:
-            return dopt.check.finish()
+            used = dopt.check.finish()
         except ReportedProblem as exc:
             raise dopt.strategy.problem_error(str(exc)) from None
+    dopt.strategy.step_time(1e-6 * dopt.check.figure)
+    return used
 
 
 def settle(dopt, fresh=(), wait: bool = True) -> None:

@@ -75,6 +75,7 @@ class Strategy:
     can_shard_gradients = False  # with PTO, may leave only this rank's averaged shard (grad_shard)
     progress_thread = False  # a thread of its own drives MPI: the wrapper's waits only watch
     carries_buffers = False
+    trials = None  # p3's credit="online" trials (runtime.p3.online_credit.CreditTrials), where they run
     on_device = False  # works on the GPU gradients itself (buffers.device_flats); else the wrapper stages them
     problem_error = RuntimeError  # what every rank raises when a rank reports a local_problem()
     # Set by the wrapper where it stages the gradients through host memory (runtime.device): a strategy whose
@@ -146,6 +147,10 @@ class Strategy:
     def local_problem(self) -> str | None:
         """Before the step's agreement: a reason this rank cannot go on (a NaN gradient), or None."""
         return None
+
+    def step_time(self, seconds: float) -> None:
+        """A step's agreement is in (once a step, in order): the time from the step() before to this step's on
+        the slowest rank (0: none), the same figure on every rank (p3's online credit tunes itself from it)."""
 
     @property
     def grad_shard(self):

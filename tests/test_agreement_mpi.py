@@ -266,6 +266,18 @@ def test_rank_raising_mid_step_stops_every_rank(world, strategy, when):
     assert_everywhere(world, live_requests() == 0, "requests left after a clean run")
 
 
+def test_a_rounds_figure_is_the_largest_any_rank_gave_on_every_rank(world):
+    check = StepCheck(world, nbits=2)
+    try:
+        check.run(EXCHANGE, 0, 7, np.array([True, False]), figure=1000 * (world.Get_rank() + 1))
+        first = check.figure
+        check.run(EXCHANGE, 1, 7, np.array([False, False]))
+        assert_everywhere(world, (first, check.figure) == (1000 * world.Get_size(), 0), f"figures {first}, "
+                          f"{check.figure}")
+    finally:
+        check.free()
+
+
 def second_round_that_rank_1_waits_in(world) -> StepCheck:
     """A StepCheck whose second round every rank has posted, which ranks 0 and 2 have (under MPICH's recursive
     doubling on 4 ranks) completed here while rank 1 still waits for the last rank's part.

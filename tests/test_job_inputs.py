@@ -84,6 +84,8 @@ CASES = [
      "--slice-size"),
     ("worker-credit-word", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3", "--credit", "many"], "--credit"),
     ("worker-p3-variant", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3@1k/2"], "--strategies"),
+    ("worker-p3-slice-online", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "p3@online/2"],
+     "--strategies"),
     ("worker-algorithm-variant", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "wfbp@tree"], "--strategies"),
     ("worker-wfbp-window-zero", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "wfbp/0"], "--strategies"),
     ("worker-wfbp-window-word", "jobs.bench.strategies_worker", [*WORKER, "--strategies", "wfbp/many"], "--strategies"),
@@ -348,6 +350,9 @@ def test_bench_worker_takes_p3s_variants():
     opts = [contenders.strategy_options(s, args) for s in args.strategies]
     assert [(o.name, o.node_aggregation, o.node_pacing, o.yield_link) for o in opts] == [
         ("p3", True, True, False), ("p3", False, True, False), ("p3", True, False, False), ("p3", True, True, True)]
+    args = bench_worker.parse_args([*WORKER, "--strategies", "p3,p3@auto/online,p3@4096/2", "--credit", "online"])
+    assert [contenders.p3_settings(s, args) for s in args.strategies] == \
+        [("auto", "online"), ("auto", "online"), (4096, 2)]  # credit "online": its trials (runtime.p3.online_credit)
 
 
 def test_bench_worker_takes_wfbps_windows():

@@ -74,6 +74,7 @@ BAD = [
     (P3Options, "slice_size", True), (P3Options, "slice_size", "8"), (P3Options, "slice_size", None),
     (P3Options, "slice_size", "Auto"), (HybCommOptions, "credit", "automatic"),
     (P3Options, "credit", 0), (P3Options, "credit", -2), (P3Options, "credit", 2.0), (P3Options, "credit", True),
+    (P3Options, "credit", "Online"), (P3Options, "credit", "tune"),
     (WfbpOptions, "fuse_bytes", 0), (WfbpOptions, "fuse_bytes", -1), (WfbpOptions, "fuse_bytes", 1.5),
     (WfbpOptions, "fuse_bytes", False), (WfbpOptions, "fuse_bytes", "big"),
     (WfbpOptions, "in_flight", 0), (WfbpOptions, "in_flight", 1.0), (WfbpOptions, "in_flight", True),
@@ -98,7 +99,8 @@ def test_every_validation_error_names_the_field_and_the_bad_value(cls, field, va
 
 
 @pytest.mark.parametrize("options", [
-    P3Options(slice_size=1, credit=1), WfbpOptions(fuse_bytes=1), TopkOptions(density=1), TopkOptions(density=1e-9),
+    P3Options(slice_size=1, credit=1), P3Options(credit="online"), HybCommOptions(credit="online"),
+    WfbpOptions(fuse_bytes=1), TopkOptions(density=1), TopkOptions(density=1e-9),
     TopkOptions(warmup_steps=0, ramp_steps=0, granularity="layer", operator="exact", hierarchical=True,
                 error_feedback=False, momentum_correction=False, momentum_masking=False),
 ])
@@ -197,7 +199,7 @@ def test_the_null_communicator_does_fail_the_first_mpi_call():
     ("bandwidth", float("inf"), "bandwidth must be a positive finite number, got inf"),
     ("gflops", -1.0, "gflops must be a positive finite number"),
     ("intra_bandwidth", True, "intra_bandwidth must be a positive finite number, got True"),
-    ("credit", 0, "credit must be 'auto' or an integer >= 1"),
+    ("credit", 0, "credit must be 'auto', 'online' or an integer >= 1"),
 ])
 def test_hybcomm_options_refuse_bad_values(field, value, message):
     with pytest.raises(ValueError, match=message):

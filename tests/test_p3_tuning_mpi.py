@@ -65,3 +65,33 @@ def test_a_small_model_is_not_probed(world, monkeypatch):
     with DistributedOptimizer(sgd(model), model, P3Options()) as dopt:
         t = dopt.strategy.tuning
     assert_everywhere(world, t.link is None and t.slice_size * 4 == tuning.MIN_SLICE_BYTES, t.describe())
+
+
+def test_online_credit_runs_the_same_trials_everywhere_keeps_one_credit_and_changes_no_result(world):
+    """credit="online": every rank's exchange runs each step with the schedule's credit, the trials' figures are
+    the same on every rank (the agreement's), every rank keeps the same credit, and training is unchanged."""
+    model, reference = wide(), wide()
+    dopt = DistributedOptimizer(sgd(model), model, P3Options(credit="online"))
+    ref = DistributedOptimizer(sgd(reference), reference, "allreduce")
+    trials = dopt.strategy.trials
+    steps = len(trials.schedule) + 3
+    g = torch.Generator().manual_seed(world.Get_rank())
+    credits = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 1024, generator=g), torch.randint(0, 4, (8,), generator=g)
+        for m, o in ((model, dopt), (reference, ref)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+        credits.append(dopt.strategy.exchange.credit)  # the credit of the exchange step() has just begun
+    dopt.synchronize()
+    chosen, figures = trials.chosen, {c: list(v) for c, v in trials.figures.items()}
+    same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(model.parameters(), reference.parameters()))
+    dopt.close()
+    ref.close()
+    table = world.allgather((chosen, figures, credits))  # test-side check only
+    expected = trials.schedule + [trials.start, chosen, chosen]
+    ok = (len({repr(row) for row in table}) == 1 and chosen in trials.order and credits == expected
+          and all(len(v) == 4 and min(v) > 0 for v in figures.values()) and same
+          and dopt.strategy.tuning.online and f"chose {chosen}" in trials.describe())
+    assert_everywhere(world, ok, f"chosen, figures, credits per rank: {table}; results equal {same}")

@@ -26,26 +26,31 @@ def check_settings(args) -> list[str]:
             raise InputError("--strategies", f"unknown {s!r} (choose from {', '.join(STRATEGIES)}; "
                                              "any but ddp may end in +pto)")
     at_least(args, 1, "batch_size", "batches", "iters", "rounds", "threads")
-    auto_or_count(args, "slice_size", "credit")
+    auto_or_count(args, "slice_size")
+    auto_or_count(args, "credit", words=("auto", "online"))
     at_least(args, 0, "warmup")
     fraction(args, "density")
     return strategies
 
 
 def p3_settings(name: str, args) -> tuple:
-    """(slice_size, credit) of "p3" (--slice-size, --credit) or of a variant "p3@SLICE/CREDIT" (each auto or a count)."""
+    """(slice_size, credit) of "p3" (--slice-size, --credit) or of a variant "p3@SLICE/CREDIT" (each auto or a
+    count; the credit may be online)."""
     if name == "p3":
         return args.slice_size, args.credit
     slice_size, _, credit = name.removeprefix("p3@").partition("/")
-    return tuple(v if v == "auto" else int(v) for v in (slice_size, credit))
+    return tuple(v if v in ("auto", "online") else int(v) for v in (slice_size, credit))
 
 
 def check_p3_variant(name: str) -> None:
-    """'p3@65536/4', 'p3@auto/8': the variant's two settings, or an error naming it."""
+    """'p3@65536/4', 'p3@auto/8', 'p3@auto/online': the variant's two settings, or an error naming it."""
     slice_size, sep, credit = name.removeprefix("p3@").partition("/")
-    if not sep or not all(v == "auto" or (v.isdigit() and int(v) >= 1) for v in (slice_size, credit)):
+    count = lambda v: v.isdigit() and int(v) >= 1  # noqa: E731
+    if not sep or not (slice_size == "auto" or count(slice_size)) or \
+            not (credit in ("auto", "online") or count(credit)):
         raise InputError("--strategies", f"bad p3 variant {name!r}: write p3@SLICE/CREDIT, each auto or a "
-                                         "whole number >= 1 (e.g. p3@262144/8, p3@auto/4)")
+                                         "whole number >= 1, the credit also online (e.g. p3@262144/8, "
+                                         "p3@auto/4, p3@auto/online)")
 
 
 def wfbp_window(name: str) -> int | None:

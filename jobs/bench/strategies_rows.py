@@ -84,6 +84,8 @@ def row(args, b, name: str, mine: list[dict], plain: list[dict]) -> dict:
         out["plan"] = mine[-1]["plan"]
     if mine[-1].get("p3") is not None:  # what p3 chose, and its messages and polls per step (medians)
         out["p3_settings"] = mine[-1]["p3"]["settings"]
+        if "online" in mine[-1]["p3"]:  # credit="online": the trials and the credit kept, per round
+            out["p3_online"] = [r["p3"]["online"] for r in mine]
         for key in ("messages", "polls", "comm_polls"):
             values = [r["p3"][key] for r in mine if key in r["p3"]]
             out[f"p3_{key}_per_step"] = statistics.median(values) if values else None

@@ -16,18 +16,17 @@ slowest rank; after --warmup steps), T_comm (its
 synchronisation alone, gradients already computed, --iters calls) and the
 CPU-seconds per step all ranks' processes used for the plain step, the
 training step and the synchronisation alone. A row gives medians over the
-rounds with jobs.common.stats's order-statistic CI of the median (with few
-rounds the rounds' min-max, its coverage in
-ci_coverage), samples/s from the median T_iter, the per-round values, and
+rounds with jobs.common.stats's order-statistic CI of the median (few rounds:
+their min-max, its coverage in ci_coverage), samples/s from the median T_iter, the per-round values, and
 overlap efficiency max(T_compute, T_comm) / T_iter and the hidden share of
 the shorter phase (jobs.bench.strategies_rows), per round, medians over rounds. T_comm
 hands every strategy fresh gradients each call (one copy into its buffers;
 DDP's copies into its flat buffer too), so that each exchanges, and waits
 for, all of them. A "+pto" suffix runs a strategy with PTO (sharded
-optimizer update + allgather). "p3@SLICE/CREDIT" (each auto or a count) runs
-p3 with those settings beside "p3" (--slice-size, --credit; auto: chosen from
-the link); p3 rows carry what was chosen and the messages sent and polls per
-step. "wfbp/N" (or "wfbp/all"): WfbpOptions(in_flight=N or None).
+optimizer update + allgather). "p3@SLICE/CREDIT" (each auto or a count, the credit
+also online: its trials then warm up too) runs p3 with those settings beside
+"p3"; p3 rows carry what was chosen, messages and polls per step.
+"wfbp/N" (or "wfbp/all"): WfbpOptions(in_flight=N or None).
 Sparse strategies also report the bytes their exchange sent per step, summed
 over ranks, to peers on the same node and on other nodes. On the emulated
 cluster every strategy reports the bytes its hosts' interfaces sent per timed
@@ -38,11 +37,9 @@ with every eligible layer forced one way; --bandwidth is the link rate the
 cost model assumes (unshaped: its default). Their T_comm, overlap and
 communication CPU are None: the factors exist only inside a backward pass,
 so a synchronisation without one would time the dense part alone.
-With --device cuda every rank trains on GPU local_rank % GPUs (ranks may
-share one), the synthetic batch stays there, ddp is torch DDP on the GPU over
-gloo (NCCL refuses several ranks on one GPU), and the clock is read after
-the GPU has finished each timed batch. Rows carry the device and torch's
-CUDA version.
+With --device cuda every rank trains on GPU local_rank % GPUs (ranks may share one), the synthetic batch
+stays there, ddp is torch DDP on the GPU over gloo (NCCL refuses several ranks on one GPU), and the clock
+is read after the GPU has finished each timed batch. Rows carry the device and torch's CUDA version.
 With --compute emulated:DEVICE (runtime.emulate) every contender's model,
 optimizer and loss are emulated: each layer waits the time DEVICE would take
 (times --compute-scale) instead of computing, gradients of the true sizes
@@ -66,8 +63,7 @@ from jobs.bench.between_contenders import release_memory, warm_mpi
 from jobs.bench.contenders import FORCED, STRATEGIES, check_settings, strategy_options
 from jobs.bench.host_usage import ranks_cpu_s
 from jobs.bench.strategies_rows import row
-from jobs.common.choices import MODELS
-from jobs.common.choices import SPARSE_STRATEGIES as SPARSE
+from jobs.common.choices import MODELS, SPARSE_STRATEGIES as SPARSE
 from jobs.common.cluster_sweep import print_row
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import JobParser, add_device_argument, at_least, check_device, one_of, parse
@@ -87,7 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the contenders (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--slice-size", default="auto", help="p3: elements per slice, or auto (default)")
-    p.add_argument("--credit", default="auto", help="p3: messages in flight, or auto (default)")
+    p.add_argument("--credit", default="auto", help="p3: messages in flight, auto (default) or online")
     p.add_argument("--density", type=float, default=0.001, help="topk/hier-topk: fraction sent (default 0.001)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="sgd with momentum 0.9, or adam")
     p.add_argument("--bandwidth", default="unshaped", help="label written into the rows")
@@ -111,7 +107,6 @@ def slowest(comm, seconds: float) -> float:
     """The most seconds any rank of `comm` took (collective)."""
     import numpy as np
     from mpi4py import MPI
-
     t = np.array([seconds])
     comm.Allreduce(MPI.IN_PLACE, t, op=MPI.MAX)
     return float(t[0])
@@ -185,15 +180,15 @@ class Bench:
         self.iface = os.environ.get("MPITRAIN_CLUSTER_IFACE")
         self.steps = args.warmup + args.batches * steps_per_batch(args.iters)  # per contender and round
 
-    def timed(self, step, finish=lambda: None) -> tuple[list[float], dict, dict | None]:
-        """(per-batch seconds per step, slowest rank, after warm-up; bytes sent per timed step, see wire_per_step;
-        this rank's modelled device seconds per timed step and kind, None without emulation)."""
+    def timed(self, step, finish=lambda: None, warmup: int | None = None) -> tuple[list[float], dict, dict | None]:
+        """(per-batch seconds per step, slowest rank, after warm-up (--warmup steps unless given); bytes sent per
+        timed step (wire_per_step); this rank's modelled device seconds per timed step and kind, or None)."""
         a = self.args
 
         def done():
             finish()
             self.sync()
-        timed_batches(self.comm, step, done, a.warmup, 0, a.iters)  # the warm-up alone
+        timed_batches(self.comm, step, done, a.warmup if warmup is None else warmup, 0, a.iters)  # the warm-up alone
         self.comm.Barrier()
         tx0, modelled = self.host_tx_bytes(), host_usage.modelled_s()
         per_batch = timed_batches(self.comm, step, done, 0, a.batches, a.iters, self.compute.now)
@@ -294,17 +289,22 @@ class Bench:
             before = self._traffic(dopt) if base in SPARSE else None  # hybcomm's traffic counts other things
             exchange = getattr(dopt.strategy, "exchange", None)  # p3's: it counts messages and polls
             counted = (exchange.messages, exchange.polls) if exchange is not None else None
+            trials = dopt.strategy.trials  # credit="online": its trials are warm-up, the credit kept is timed
+            extra = len(trials.schedule) + 2 if trials is not None else 0
             c0 = ranks_cpu_s(self.comm)
             out["batches"], out["wire"], out["modelled"] = self.timed(self.train_step(model, dopt),
-                                                                      dopt.synchronize)
-            out["step_cpu"] = (ranks_cpu_s(self.comm) - c0) / self.steps
+                                                                      dopt.synchronize, self.args.warmup + extra)
+            steps = self.steps + extra
+            out["step_cpu"] = (ranks_cpu_s(self.comm) - c0) / steps
             if counted is not None:
                 out["p3"] = dict(settings=dopt.strategy.tuning.describe(),
-                                 messages=(exchange.messages - counted[0]) / self.steps,
-                                 polls=(exchange.polls - counted[1]) / self.steps)
+                                 messages=(exchange.messages - counted[0]) / steps,
+                                 polls=(exchange.polls - counted[1]) / steps)
+                if trials is not None:
+                    out["p3"]["online"] = trials.describe()
             out["plan"] = plan_rows(dopt.strategy, PLAN_KEYS)
             if before is not None:
-                out["traffic"] = {k: (v - before[k]) / self.steps for k, v in self._traffic(dopt).items()}
+                out["traffic"] = {k: (v - before[k]) / steps for k, v in self._traffic(dopt).items()}
             if hybrid:  # no T_comm (see the module's docstring)
                 return out
             params = list(model.parameters())

@@ -55,17 +55,19 @@ def at_least(args, minimum: float, *names: str) -> None:
             raise InputError(opt, f"must be >= {minimum:g}, got {value}")
 
 
-def auto_or_count(args, *names: str) -> None:
-    """Options such as --slice-size that take "auto" or a whole number >= 1: converted in place."""
+def auto_or_count(args, *names: str, words=("auto",)) -> None:
+    """Options such as --slice-size that take "auto" (or another of `words`) or a whole number >= 1: converted
+    in place."""
+    allowed = " or ".join(words)
     for opt, value in _values(args, names):
-        if value == "auto":
+        if value in words:
             continue
         try:
             number = int(value)
         except ValueError:
-            raise InputError(opt, f"must be auto or a whole number >= 1, got {value!r}") from None
+            raise InputError(opt, f"must be {allowed} or a whole number >= 1, got {value!r}") from None
         if number < 1:
-            raise InputError(opt, f"must be auto or a whole number >= 1, got {number}")
+            raise InputError(opt, f"must be {allowed} or a whole number >= 1, got {number}")
         setattr(args, opt[2:].replace("-", "_"), number)
 
 

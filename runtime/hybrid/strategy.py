@@ -251,6 +251,14 @@ class HybCommSync(Strategy):
     def local_problem(self) -> str | None:
         return self.inner.local_problem() if self.inner is not None else None
 
+    def step_time(self, seconds: float) -> None:
+        if self.inner is not None:
+            self.inner.step_time(seconds)  # p3's online credit
+
+    @property
+    def trials(self):
+        return getattr(self.inner, "trials", None)
+
     def plan_text(self) -> str:
         return cost_model.format_plan(self.plan) if self.plan else "(no plan yet: it is made in the first step)"
 

@@ -9,6 +9,7 @@ from mpicomm.stall import wait_until
 from ..device.threads import device_setup
 from ..strategy import Strategy, StrategyContext
 from .copy_back import SliceCopyBack
+from .online_credit import CreditTrials
 from .tuning import tune
 
 
@@ -20,7 +21,8 @@ class P3Sync(Strategy):
     (`deferred`). Slice priorities follow the forward order learned from the
     first forward pass (set_priorities). Slice size and credit left "auto"
     are chosen from the link measured when wrapping (runtime.p3.tuning;
-    `tuning` says what was chosen and why).
+    `tuning` says what was chosen and why); credit "online" starts there and
+    keeps the fastest of a few tried over the first steps (`trials`).
     """
 
     name = "p3"
@@ -55,6 +57,9 @@ class P3Sync(Strategy):
         self.copy_back = SliceCopyBack(self.exchange.plan.slices, [b.element_size() for b in exchanged],
                                        self._send_back)
         self.exchange.on_done = self._averaged
+        # credit="online": the credit of each step from the trials' schedule, then the fastest (online_credit).
+        self.trials = CreditTrials(t.credit) if t.online else None
+        self.begun = self.timed = 0  # exchanges begun and agreements in: one each a step, in order
         self.future = None  # the exchange of the newest step on the progress thread
         self._open = False  # gradients of the current step are being handed over
         self.yield_link = getattr(o, "yield_link", False)
@@ -99,9 +104,25 @@ class P3Sync(Strategy):
                 fut.wait()
             self.copy_back.reset()
             self._carried_in = False  # the previous step is over: its buffers' average is in the vector
+            if self.trials is not None:
+                self._set_credit(self.trials.credit_for(self.begun))
+            self.begun += 1
             self.future = self.progress.submit(ex.begin())
             self._open = True
         return ex
+
+    def _set_credit(self, credit: int) -> None:
+        if credit != self.exchange.credit:
+            self.exchange.set_credit(credit)
+            if self.timeline:
+                self.timeline.instant(f"p3 credit {credit}", "setup")
+
+    def step_time(self, seconds: float) -> None:
+        trials, self.timed = self.trials, self.timed + 1
+        if trials is not None and trials.chosen is None:
+            trials.observe(self.timed - 1, seconds)  # the n-th agreement is that of the n-th exchange begun
+            if trials.chosen is not None and self.timeline:
+                self.timeline.instant("p3 credit chosen", "setup", settings=trials.describe())
 
     def grad_ready(self, i: int) -> None:
         self._started().ready(i)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from mpicomm.link_probe import LinkEstimate, measured_link
 
 AUTO = "auto"
+ONLINE = "online"  # credit: auto's to start with, then the fastest of a few tried over the first steps (online_credit)
 # A slice should take long enough on the wire that its fixed cost (MPI's and the progress thread's
 # per-message work, measured as the small round) is a few percent of it, and short enough that a
 # newly ready early-layer slice overtakes queued ones within a few milliseconds (the point of P3).
@@ -48,9 +49,11 @@ class P3Tuning:
     link: LinkEstimate | None
     chosen: tuple[str, ...]  # which settings were "auto"
     local_rate: float | None = None  # bytes a second of pushes inside a node (None: not paced)
+    online: bool = False  # credit is where the online trials start (runtime.p3.online_credit)
 
     def describe(self, itemsize: int = 4) -> str:
         slice_how, credit_how = ("auto" if name in self.chosen else "given" for name in ("slice_size", "credit"))
+        credit_how = "auto; online trials start here" if self.online else credit_how
         text = (f"slice {self.slice_size} elements ({self.slice_size * itemsize / 2**20:.2f} MiB, {slice_how}), "
                 f"credit {self.credit} ({credit_how}), relaxed poll {1e6 * self.relaxed_sleep:.0f} us")
         if self.local_rate:
@@ -67,6 +70,8 @@ def choose(link: LinkEstimate | None, total_bytes: int, itemsize: int, ranks: in
     model too small for the link to matter) slices are the smallest allowed
     and every slice may be in flight.
     """
+    online = credit == ONLINE
+    credit = AUTO if online else credit
     chosen = tuple(name for name, v in (("slice_size", slice_size), ("credit", credit)) if v == AUTO)
     fair = max(MIN_SLICE_BYTES, total_bytes // (SLICES_PER_OWNER * ranks))
     rate = None if link is None or link.bandwidth == float("inf") else link.bandwidth
@@ -83,7 +88,7 @@ def choose(link: LinkEstimate | None, total_bytes: int, itemsize: int, ranks: in
     relaxed = DEFAULT_RELAXED_SLEEP if rate is None else \
         min(MAX_RELAXED_SLEEP, max(MIN_RELAXED_SLEEP, min(SOCKET_BYTES, slice_bytes / POLLS_PER_SLICE) / rate))
     local = None if rate is None or ranks_per_node < 2 else LOCAL_PACE * ranks_per_node * rate
-    return P3Tuning(int(slice_size), int(credit), relaxed, link, chosen, local)
+    return P3Tuning(int(slice_size), int(credit), relaxed, link, chosen, local, online)
 
 
 def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO, ranks_per_node: int = 1) -> P3Tuning:
@@ -103,4 +108,4 @@ def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO, ra
 
 def needs_probe(ranks: int, total_bytes: int, slice_size=AUTO, credit=AUTO) -> bool:
     """Whether the link decides anything: a setting is auto and the model exceeds the fair-share bound."""
-    return AUTO in (slice_size, credit) and ranks > 1 and total_bytes > MIN_SLICE_BYTES * SLICES_PER_OWNER * ranks
+    return (AUTO in (slice_size, credit) or credit == ONLINE) and ranks > 1 and total_bytes > MIN_SLICE_BYTES * SLICES_PER_OWNER * ranks

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpicomm.algorithms import CHOICES
+from runtime.p3.online_credit import CreditTrials, fastest
 
 from .cluster import Cluster
 from .dataparallel import AllreduceSchedule, BucketSchedule, DdpSchedule, Run, Schedule, TopkSchedule, train
@@ -54,7 +55,7 @@ def schedule_for(name: str):
         return simulate_pipeline, {"mode": name.removeprefix("pipeline-")}
     if name.startswith("p3@"):
         slice_size, _, credit = name.removeprefix("p3@").partition("/")
-        as_opt = lambda v: v if v == "auto" else int(v)  # noqa: E731
+        as_opt = lambda v: v if v in ("auto", "online") else int(v)  # noqa: E731
         return P3Schedule, {"slice_size": as_opt(slice_size), "credit": as_opt(credit)}
     base, _, algorithm = name.partition("@")
     if algorithm and base in ("allreduce", "wfbp"):  # "wfbp@ring": the contender whose allreduce takes one algorithm
@@ -79,8 +80,11 @@ def simulate(profile: Profile, cluster: Cluster, strategy: str, steps: int = STE
         return Result(strategy, t_iter, cluster.describe(), 0,
                       {"samples_per_step": per_step * cluster.ranks // len(split), "ranks": cluster.ranks,
                        "stages": [f"{r.start}-{r.stop - 1}" for r in split], "microbatches": opts["microbatches"]})
+    options = {**defaults, **options}
+    if cls is P3Schedule and options.get("credit") == "online":
+        return _online_credit(profile, cluster, strategy, steps, options)
     run = Run(profile, cluster)
-    schedule = cls(run, **{**defaults, **options})
+    schedule = cls(run, **options)
     ends = train(run, schedule, steps)
     skip = 2 if steps > 3 else 1 if steps > 1 else 0
     t_iter = (ends[-1] - ends[skip - 1]) / (steps - skip) if skip else ends[-1]
@@ -91,3 +95,18 @@ def simulate(profile: Profile, cluster: Cluster, strategy: str, steps: int = STE
     if isinstance(schedule, HybcommSchedule):
         details["plan"] = schedule.plan
     return Result(strategy, t_iter, cluster.describe(), run.engine.events, details)
+
+
+def _online_credit(profile: Profile, cluster: Cluster, strategy: str, steps: int, options: dict) -> Result:
+    """p3 with credit "online" once its trials are over: each credit the runtime tries, simulated, and the one
+    its rule keeps (runtime.p3.online_credit.fastest); the trial steps themselves are not in T_iter."""
+    start = P3Schedule(Run(profile, cluster), **options).tuning
+    trials = CreditTrials(start.credit)
+    tried = {c: simulate(profile, cluster, "p3", steps, **{**options, "credit": c}) for c in trials.order}
+    chosen = fastest({c: [r.t_iter_s] for c, r in tried.items()}, trials.order)
+    best = tried[chosen]
+    figures = ", ".join(f"{c} {1e3 * r.t_iter_s:.2f} ms" for c, r in tried.items())
+    said = f"{start.describe(profile.itemsize)}; credit online: {figures}; chose {chosen}"
+    details = {**best.details, "p3": said,
+               "credit_tried": {str(c): r.t_iter_s for c, r in tried.items()}, "credit_chosen": chosen}
+    return Result(strategy, best.t_iter_s, best.cluster, sum(r.events for r in tried.values()), details)
