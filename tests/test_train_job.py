@@ -24,7 +24,9 @@ def train(tmp_path, *args, n=2, timeout=180):
     return proc
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "topk", "hier-topk", "allreduce --pto"])
+# p3 with its credit online: 32 steps, so that its trials (28) end and the choice is said
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3 --credit online --synthetic-samples 1024", "topk",
+                                      "hier-topk", "allreduce --pto"])
 def test_trains_and_reports_every_epoch(tmp_path, strategy):
     out = tmp_path / "m.json"
     proc = train(tmp_path, "--strategy", *strategy.split(), "--epochs", "2", "--json", str(out), "--density", "0.1")
@@ -35,6 +37,9 @@ def test_trains_and_reports_every_epoch(tmp_path, strategy):
     assert rows[1]["loss"] < rows[0]["loss"]  # the synthetic classes are learnable
     assert all(r["test_targets"] == 256 and 0 <= r["test_accuracy"] <= 1 and r["samples_per_s"] > 0 for r in rows)
     assert "epoch 2: loss" in proc.stdout
+    if "online" in strategy:
+        said = [line for line in proc.stdout.splitlines() if line.startswith("p3: credit online:")]
+        assert len(said) == 1 and " chose " in said[0], proc.stdout  # rank 0, once
 
 
 def test_emulated_compute_reports_throughput_and_says_scores_are_meaningless(tmp_path):
