@@ -36,6 +36,13 @@ def test_only_intervals_inside_one_block_count_and_the_fastest_median_is_kept_fr
     assert t.chosen == 4
 
 
+def test_without_a_single_figure_the_start_credit_stays():
+    t = CreditTrials(4, candidates=(2, 8), warmup=1, hold=2, rounds=1)
+    for k in range(1, len(t.schedule)):
+        t.observe(k, 0.0)
+    assert t.chosen == 4 and t.credit_for(len(t.schedule) + 1) == 4
+
+
 def test_a_credit_must_beat_the_earlier_ones_by_more_than_the_tie_to_be_kept():
     assert fastest({16: [1.0, 1.0], 2: [0.995, 0.995]}, [16, 2]) == 16  # 0.5 % faster: noise, the start stays
     assert fastest({16: [1.0, 1.0], 2: [0.98, 0.97]}, [16, 2]) == 2

@@ -130,7 +130,8 @@ def add_worker_arguments(p, models: str, strategies: str, batch_size: int, emula
                        help=f"{what} (default {STEPS[name]}" + (f"{big}{BIG_STEPS[name]})" if big else ")"))
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--slice-size", default="auto", help="p3: elements per slice, or auto (default: from the link)")
-    p.add_argument("--credit", default="auto", help="p3: messages in flight, auto (default: from the link) or online (tried)")
+    p.add_argument("--credit", default="auto",
+                   help="p3: messages in flight, auto (default: from the link) or online (tried)")
     add_device_argument(p)
 
 

@@ -6,10 +6,11 @@ few, so that the next forward's first slices are not queued behind them. ByteSch
 from the measured training speed, and Horovod's autotune its knobs; this is the same idea, kept simple and
 deterministic so that every rank takes the same decision without a message of its own:
 
-    step:    0 1 2 | 3 4 5 | 6 7 8 | 9 ... | ... | 27 28 29 | 30 | 31 ...
-    credit:  start | c1    | c2    | c3    | ... | c1 (2nd) |start| the fastest
-             warm-up  trial blocks: each candidate HOLD steps, the order reversed in the second round
-                                                            ^ decision not yet in on every rank
+    step:    0 1 2 | 3 4 5 | 6 7 8 | 9 10 11 | 12 13 14 | 15 ... 23 | 24 25 26 | 27    | 28 ...
+    credit:  start | start | 2     | 4       | 8        | 8 4 2     | start    | start | the fastest
+             warm-up  trial blocks, HOLD steps each (start 16 here), reversed the second time
+                                                                               ^ the decision is not yet
+                                                                                 in on every rank
 
 The figure of step k is the time from step k-1's step() to step k's on the slowest rank, agreed in the
 step's own agreement round (mpicomm.step_check, MAX over ranks), so every rank sees the same figures.
@@ -82,13 +83,15 @@ class CreditTrials:
 
     def observe(self, step: int, seconds: float) -> None:
         """Step `step`'s agreed figure: the time from step `step - 1`'s step() to its own (0: none)."""
-        if self.chosen is not None or step < 1 or step > self.last_trial or seconds <= 0:
+        if self.chosen is not None or not 1 <= step <= self.last_trial:
             return
         self.seen.add(step)
-        if step - 1 >= self.warmup and (step - 1 - self.warmup) // self.hold == (step - self.warmup) // self.hold:
-            self.figures[self.schedule[step]].append(seconds)  # both steps in one trial block
-        if step == self.last_trial:
-            self.chosen = fastest(self.figures, self.order)
+        in_block = step - 1 >= self.warmup and \
+            (step - 1 - self.warmup) // self.hold == (step - self.warmup) // self.hold  # both steps in one block
+        if in_block and seconds > 0:
+            self.figures[self.schedule[step]].append(seconds)
+        if step == self.last_trial:  # no figure at all (no clock?): the start credit stays
+            self.chosen = fastest(self.figures, self.order) if any(self.figures.values()) else self.start
 
     def describe(self) -> str:
         """'credit online: 2 1.234 s, 4 1.201 s, ...; chose 4' (medians of the clean intervals)."""

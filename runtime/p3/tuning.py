@@ -108,4 +108,5 @@ def tune(comm, total_bytes: int, itemsize: int, slice_size=AUTO, credit=AUTO, ra
 
 def needs_probe(ranks: int, total_bytes: int, slice_size=AUTO, credit=AUTO) -> bool:
     """Whether the link decides anything: a setting is auto and the model exceeds the fair-share bound."""
-    return (AUTO in (slice_size, credit) or credit == ONLINE) and ranks > 1 and total_bytes > MIN_SLICE_BYTES * SLICES_PER_OWNER * ranks
+    auto = AUTO in (slice_size, credit) or credit == ONLINE
+    return auto and ranks > 1 and total_bytes > MIN_SLICE_BYTES * SLICES_PER_OWNER * ranks
