@@ -6,8 +6,10 @@ handed over at once in backward order, the progress loop in this thread; seconds
 Environment: MODEL (default resnet50-224), NODES=1 (aggregate inside each node, as the runtime does; the nodes
 are mpicomm.Topology's), LOCAL_RATE (bytes a second of pushes inside a node; 0: unpaced), RELAXED
 (seconds between polls while nothing completes; default 100e-6), STEPS (default 4; the first is a warm-up).
+Rank 0 prints the steps' seconds, the bytes across each node's link, and all ranks' CPU-seconds and polls.
 """
 import os
+import resource
 import sys
 import time
 
@@ -45,9 +47,12 @@ for step in range(int(os.environ.get("STEPS", 4))):
     world.Barrier()
     times.append(time.perf_counter() - t0)
 cross = world.reduce(ex.cross_bytes)
+usage = resource.getrusage(resource.RUSAGE_SELF)
+cpu, polls = world.reduce(usage.ru_utime + usage.ru_stime), world.reduce(ex.polls)  # CPU: start-up included
 ex.free()
 if world.Get_rank() == 0:
     steady = sorted(times[1:] or times)
     per_host = cross / len(nodes or [[0]] * world.Get_size()) / len(times)
     print("steps s:", " ".join(f"{x:.3f}" for x in times), f"| median after the first {steady[len(steady) // 2]:.3f} s,"
-          f" {per_host / 1e6:.0f} MB a step across each node's link", flush=True)
+          f" {per_host / 1e6:.0f} MB a step across each node's link; all ranks: {cpu:.1f} CPU-s (start-up included),"
+          f" {polls} polls", flush=True)
