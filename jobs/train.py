@@ -323,6 +323,9 @@ def main(argv=None, args=None) -> int:
                    epochs=history)
     if plan is not None:
         metrics.update(plan=plan, plan_version=dopt.strategy.plan_version)
+    if tuning is not None:  # what p3 chose (and, with --credit online, its trials)
+        metrics["p3"] = dict(settings=tuning.describe(), online=dopt.strategy.trials.describe()
+                             if dopt.strategy.trials is not None else None)
     dopt.close()
     if cache is not None:
         cache.close()

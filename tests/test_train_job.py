@@ -40,6 +40,8 @@ def test_trains_and_reports_every_epoch(tmp_path, strategy):
     if "online" in strategy:
         said = [line for line in proc.stdout.splitlines() if line.startswith("p3: credit online:")]
         assert len(said) == 1 and " chose " in said[0], proc.stdout  # rank 0, once
+        assert doc["p3"]["online"] == said[0].removeprefix("p3: ") and "online trials" in doc["p3"]["settings"]
+    assert ("p3" in doc) == strategy.startswith("p3")
 
 
 def test_emulated_compute_reports_throughput_and_says_scores_are_meaningless(tmp_path):
