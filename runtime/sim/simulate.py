@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from mpicomm.algorithms import CHOICES
 from runtime.p3.online_credit import CreditTrials, fastest
+from runtime.p3.tuning import AUTO, ONLINE
 
 from .cluster import Cluster
 from .dataparallel import AllreduceSchedule, BucketSchedule, DdpSchedule, Run, Schedule, TopkSchedule, train
 from .hybrid import HybcommSchedule
-from .p3 import P3Schedule
+from .p3 import P3Schedule, p3_settings
 from .pipeline import MODES as PIPELINE_MODES, simulate_pipeline
 from .profile import Profile
 
@@ -55,7 +56,7 @@ def schedule_for(name: str):
         return simulate_pipeline, {"mode": name.removeprefix("pipeline-")}
     if name.startswith("p3@"):
         slice_size, _, credit = name.removeprefix("p3@").partition("/")
-        as_opt = lambda v: v if v in ("auto", "online") else int(v)  # noqa: E731
+        as_opt = lambda v: v if v in (AUTO, ONLINE) else int(v)  # noqa: E731
         return P3Schedule, {"slice_size": as_opt(slice_size), "credit": as_opt(credit)}
     base, _, algorithm = name.partition("@")
     if algorithm and base in ("allreduce", "wfbp"):  # "wfbp@ring": the contender whose allreduce takes one algorithm
@@ -81,7 +82,7 @@ def simulate(profile: Profile, cluster: Cluster, strategy: str, steps: int = STE
                       {"samples_per_step": per_step * cluster.ranks // len(split), "ranks": cluster.ranks,
                        "stages": [f"{r.start}-{r.stop - 1}" for r in split], "microbatches": opts["microbatches"]})
     options = {**defaults, **options}
-    if cls is P3Schedule and options.get("credit") == "online":
+    if cls is P3Schedule and options.get("credit") == ONLINE:
         return _online_credit(profile, cluster, strategy, steps, options)
     run = Run(profile, cluster)
     schedule = cls(run, **options)
@@ -100,7 +101,7 @@ def simulate(profile: Profile, cluster: Cluster, strategy: str, steps: int = STE
 def _online_credit(profile: Profile, cluster: Cluster, strategy: str, steps: int, options: dict) -> Result:
     """p3 with credit "online" once its trials are over: each credit the runtime tries, simulated, and the one
     its rule keeps (runtime.p3.online_credit.fastest); the trial steps themselves are not in T_iter."""
-    start = P3Schedule(Run(profile, cluster), **options).tuning
+    start = p3_settings(Run(profile, cluster), options.get("slice_size", AUTO), ONLINE)
     trials = CreditTrials(start.credit)
     tried = {c: simulate(profile, cluster, "p3", steps, **{**options, "credit": c}) for c in trials.order}
     chosen = fastest({c: [r.t_iter_s] for c, r in tried.items()}, trials.order)
