@@ -29,7 +29,8 @@ import argparse
 import sys
 import time
 
-from jobs.common.choices import FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, STRATEGIES, TOKEN_MODELS
+from jobs.common.choices import (FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, P3_CREDIT_WORDS, STRATEGIES,
+                                 TOKEN_MODELS)
 from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
                                 existing_dir, fraction, launched_ranks, link_rate, one_of, option, output_dir,
                                 output_file, parse)
@@ -111,7 +112,7 @@ def check_args(args) -> None:
         raise InputError("--compute", "emulated compute trains data parallel only for now: drop --parallel pipeline")
     at_least(args, 1, "batch_size", "epochs", "threads", "synthetic_samples", "prefetch")
     auto_or_count(args, "slice_size")
-    auto_or_count(args, "credit", words=("auto", "online"))
+    auto_or_count(args, "credit", words=P3_CREDIT_WORDS)
     at_least(args, 0, "max_steps", "dense_warmup_steps", "density_ramp_steps", "lr", "momentum", "seed",
              "cache_memory_mb")
     fraction(args, "density")

@@ -300,12 +300,13 @@ def test_the_jobs_names_are_runtimes():
     """jobs.common.choices lets the jobs check names before runtime (and MPI) is imported: it must not drift."""
     from jobs.common import choices
     from runtime import SPARSE_STRATEGIES, STRATEGIES
-    from runtime.options import HYBCOMM_DENSE, HYBCOMM_FORCE
+    from runtime.options import AUTO, HYBCOMM_DENSE, HYBCOMM_FORCE, ONLINE
     from runtime.workloads.models import FIXED_CLASSES, MODELS
 
     assert choices.MODELS == tuple(MODELS) and choices.FIXED_CLASSES == FIXED_CLASSES
     assert choices.EXACT_STRATEGIES == tuple(STRATEGIES) and choices.SPARSE_STRATEGIES == tuple(SPARSE_STRATEGIES)
     assert (choices.HYBCOMM_DENSE, choices.HYBCOMM_FORCE) == (HYBCOMM_DENSE, HYBCOMM_FORCE)
+    assert choices.P3_CREDIT_WORDS == (AUTO, ONLINE)
 
 
 def test_train_hands_hybcomm_its_options():

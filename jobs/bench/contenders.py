@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jobs.common.choices import EXACT_STRATEGIES
+from jobs.common.choices import EXACT_STRATEGIES, P3_CREDIT_WORDS
 from jobs.common.choices import SPARSE_STRATEGIES as SPARSE
 from jobs.common.inputs import InputError, at_least, auto_or_count, comma_list, fraction
 
@@ -27,7 +27,7 @@ def check_settings(args) -> list[str]:
                                              "any but ddp may end in +pto)")
     at_least(args, 1, "batch_size", "batches", "iters", "rounds", "threads")
     auto_or_count(args, "slice_size")
-    auto_or_count(args, "credit", words=("auto", "online"))
+    auto_or_count(args, "credit", words=P3_CREDIT_WORDS)
     at_least(args, 0, "warmup")
     fraction(args, "density")
     return strategies
@@ -39,7 +39,7 @@ def p3_settings(name: str, args) -> tuple:
     if name == "p3":
         return args.slice_size, args.credit
     slice_size, _, credit = name.removeprefix("p3@").partition("/")
-    return tuple(v if v in ("auto", "online") else int(v) for v in (slice_size, credit))
+    return tuple(v if v in P3_CREDIT_WORDS else int(v) for v in (slice_size, credit))
 
 
 def check_p3_variant(name: str) -> None:
@@ -47,7 +47,7 @@ def check_p3_variant(name: str) -> None:
     slice_size, sep, credit = name.removeprefix("p3@").partition("/")
     count = lambda v: v.isdigit() and int(v) >= 1  # noqa: E731
     if not sep or not (slice_size == "auto" or count(slice_size)) or \
-            not (credit in ("auto", "online") or count(credit)):
+            not (credit in P3_CREDIT_WORDS or count(credit)):
         raise InputError("--strategies", f"bad p3 variant {name!r}: write p3@SLICE/CREDIT, each auto or a "
                                          "whole number >= 1, the credit also online (e.g. p3@262144/8, "
                                          "p3@auto/4, p3@auto/online)")

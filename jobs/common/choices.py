@@ -12,6 +12,8 @@ STRATEGIES = EXACT_STRATEGIES + SPARSE_STRATEGIES
 # hybcomm's options (runtime.options.HYBCOMM_DENSE, HYBCOMM_FORCE).
 HYBCOMM_DENSE = ("wfbp", "p3")
 HYBCOMM_FORCE = ("auto", "sfb", "ps")
+# p3's credit in words (runtime.options.AUTO, ONLINE); else a count.
+P3_CREDIT_WORDS = ("auto", "online")
 # Models whose head has its own number of classes whatever the data (runtime.workloads.models.FIXED_CLASSES).
 FIXED_CLASSES = {"vgg19-22k": 21_841, "vgg19-224": 1000, "vgg19-22k-224": 21_841, "resnet50-224": 1000}
 # runtime.pipeline.MODES, and the models whose forward is a chain a pipeline can cut (pipeline_layers()).
