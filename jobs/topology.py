@@ -1,4 +1,4 @@
-"""Show how MPI sees this allocation: nodes, ranks per node, node/cross groups, thread level, MPI library.
+"""Show how MPI sees this allocation: nodes, ranks per node, node/cross groups, thread level, MPI library, copies.
 
     mpiexec -n 4 mpitrain topology [--json PATH] [--expect-nodes N]
 
@@ -36,6 +36,7 @@ def main(argv=None, args=None) -> int:
     from mpi4py import MPI  # here, not at import: importing a job must not start MPI
 
     from mpicomm import Topology, TopologyError
+    from mpicomm.single_copy import single_copy
 
     try:
         topo = Topology(ranks_per_node=args.ranks_per_node)
@@ -50,11 +51,15 @@ def main(argv=None, args=None) -> int:
                       hostnames=[sorted({hosts[r] for r in node}) for node in topo.nodes],
                       thread_level=MPI.Query_thread(),
                       mpi=" ".join(MPI.Get_library_version().split()[:3]))
+        layout["single_copy"], why = single_copy(MPI.Get_library_version())
         if topo.rank == 0:
             print(f"{layout['mpi']}: {topo.size} ranks on {topo.num_nodes} node(s)"
                   f"{' (emulated)' if topo.emulated else ''}, thread level {layout['thread_level']}")
             for i, (node, names) in enumerate(zip(topo.nodes, layout["hostnames"])):
                 print(f"  node {i}: ranks {node} on host {','.join(names)}")
+            if layout["single_copy"] is not None and topo.local_size > 1:
+                print(f"  large messages inside a node: {'one copy' if layout['single_copy'] else 'through MPICH cells'}"
+                      f" ({why}){'' if layout['single_copy'] else '; p3 uses a shared window, wfbp is slower'}")
         if args.json:
             def write_layout():
                 os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -24,7 +24,9 @@ crosses a node's link once each way, as a ring's bytes do, not once per rank.
 Pushes to the node's own aggregator are paced (`local_rate`, one at a time):
 MPICH polls its network module only when its shared-memory one made no
 progress in that call, so a rank pushing half its gradients to its neighbour
-at once would starve its node's traffic across the link meanwhile.
+at once would starve its node's traffic across the link meanwhile. With
+`node_window`, those pushes and results go through one MPI-3 shared window
+per node instead (mpicomm.node_window): zero-byte notices, nothing to pace.
 
     slice s, nodes [0 1] [2 3]: aggregator local rank s % 2, owner node (s // 2) % 2
     s = 3: 0 -> 1 and 2 -> 3 (node pushes), 1 -> 3 (cross push); 3 averages all four;
@@ -36,16 +38,18 @@ from __future__ import annotations
 import collections
 import heapq
 import threading
+import warnings
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from .node_window import NOTICE, NodeWindow
 from .pacing import Pacer
 from .progress import Task
 from .requests import RequestLog, drain_at_exit
-from .stall import StallPolicy, wait_until
 from .slice_plan import SlicePlan
+from .slice_waits import SliceWaits
 
 PUSH, RESULT = 0, 1
 IN_PUSH, IN_RESULT, OUT_PUSH, OUT_RESULT = range(4)  # what a request in flight is
@@ -55,7 +59,7 @@ IN_PUSH, IN_RESULT, OUT_PUSH, OUT_RESULT = range(4)  # what a request in flight 
 URGENT_SLEEP_MIN, URGENT_SLEEP_MAX = 20e-6, 100e-6
 
 
-class SlicedExchange(Task):
+class SlicedExchange(SliceWaits, Task):
     """P3 on one communicator: the plan, persistent views and scratch, and the state of the step in flight.
 
     One step at a time: `begin()` starts a step (the previous one must be
@@ -67,7 +71,7 @@ class SlicedExchange(Task):
     def __init__(self, comm: MPI.Comm, buffers: list[torch.Tensor], segments: list[tuple[int, int, int]],
                  slice_size: int, credit: int = 8, timeline=None, names: list[str] | None = None,
                  relaxed_sleep: float = 100e-6, nodes: list[list[int]] | None = None,
-                 node_aggregation: bool = True, local_rate: float | None = None):
+                 node_aggregation: bool = True, local_rate: float | None = None, node_window: bool = True):
         if not isinstance(credit, int) or credit < 1:
             raise ValueError(f"credit must be an integer >= 1, got {credit!r}")
         if not relaxed_sleep > 0:
@@ -92,9 +96,23 @@ class SlicedExchange(Task):
         self.wire = [v.view(torch.uint8).numpy() for v in self.views]  # what MPI sends and receives into
         self.sources, self.upstream, self.downstream = plan.routes(self.rank)
         self.owned = [s for s in range(plan.count) if self.sources[s]]  # slices this rank sums pushes of
-        self.scratch = {s: torch.empty((len(self.sources[s]), self.views[s].numel()), dtype=self.views[s].dtype)
-                        for s in self.owned}
-        self.scratch_wire = {s: [row.view(torch.uint8).numpy() for row in rows] for s, rows in self.scratch.items()}
+        node_of = {r: k for k, n in enumerate(nodes or [list(range(self.size))]) for r in n}
+        self.window = None
+        if node_window and plan.nodes is not None:
+            try:
+                self.window = NodeWindow(self.comm, plan, self.wire, [v.dtype for v in self.views])
+            except RuntimeError as exc:  # on every rank alike: the node's ranks share no memory, so no MPI
+                warnings.warn(f"{exc}: its pushes go as messages")  # shared memory either, nothing to starve
+        # Per peer: its pushes and results are notices, their bytes in the node's window (node_window).
+        self._windowed = [self.window is not None and p != self.rank and node_of[p] == node_of[self.rank]
+                          for p in range(self.size)]
+        self.scratch, self.push_in = {}, {}  # per owned slice: what its sum adds, and each source's receive
+        for s in self.owned:
+            rows = iter(torch.empty((sum(not self._windowed[p] for p in self.sources[s]), self.views[s].numel()),
+                                    dtype=self.views[s].dtype))
+            self.scratch[s] = [self.window.source(p, s) if self._windowed[p] else next(rows) for p in self.sources[s]]
+            self.push_in[s] = [NOTICE if self._windowed[p] else r.view(torch.uint8).numpy()
+                               for p, r in zip(self.sources[s], self.scratch[s])]
         self._nothing_to_send = np.array([not ids for ids in plan.slices_of], dtype=bool)
         self.tensor_done = self._nothing_to_send.copy()  # per tensor: holds the average of this step
         self.slice_priority = list(range(plan.count))
@@ -104,14 +122,15 @@ class SlicedExchange(Task):
         self.active = False
         self.holding = False  # set and cleared by the owner's thread: _send_from_queue then sends nothing new
         self.error: BaseException | None = None
+        self._aborted = False
         self.log = RequestLog("p3 sliced exchange")
         self.messages = self.polls = 0  # sent and polled so far (benchmarks read them)
-        node_of = {r: k for k, n in enumerate(nodes or [list(range(self.size))]) for r in n}
         self._crosses = [node_of.get(p, -1) != node_of.get(self.rank, -2) for p in range(self.size)]
         self.cross_bytes = 0  # sent to ranks on other nodes so far (tests and benchmarks read it)
         # local_rate: bytes a second of pushes to this node's aggregators (None: as fast as the queue allows).
         pace = local_rate is not None and node_aggregation and len(nodes or []) > 1 and bool(self.wire)
-        self._paced = [pace and not c and p != self.rank for p, c in enumerate(self._crosses)]  # node peers
+        self._paced = [pace and not c and p != self.rank and not w  # node peers, by message
+                       for p, (c, w) in enumerate(zip(self._crosses, self._windowed))]
         self.pacer = Pacer(local_rate, credit * max(w.nbytes for w in self.wire)) if any(self._paced) else None
         self._reset()
 
@@ -198,7 +217,7 @@ class SlicedExchange(Task):
         plan, log, comm = self.plan, self.log, self.comm
         for s in self.owned:
             for k, peer in enumerate(self.sources[s]):
-                self._reqs.append(log.irecv(comm, [self.scratch_wire[s][k], MPI.BYTE], peer, plan.push_tag(s)))
+                self._reqs.append(log.irecv(comm, [self.push_in[s][k], MPI.BYTE], peer, plan.push_tag(s)))
                 self._what.append((IN_PUSH, s, k))
                 self._active += 1
         self._posted = True
@@ -230,7 +249,14 @@ class SlicedExchange(Task):
             tag = plan.push_tag(s) if kind == PUSH else plan.result_tag(s)
             token = tl.begin(f"{'push' if kind == PUSH else 'send result'} s{s}", "p3", track="push",
                              slice=s, peer=peer, priority=prio) if tl else None
-            self._reqs.append(self.log.isend(self.comm, [self.wire[s], MPI.BYTE], peer, tag))
+            data = self.wire[s]
+            if self._windowed[peer]:  # the bytes through the window, a notice by MPI
+                if kind == PUSH:
+                    self.window.put(s, data)
+                else:
+                    self.window.write_result(peer, s, self.views[s])
+                data = NOTICE
+            self._reqs.append(self.log.isend(self.comm, [data, MPI.BYTE], peer, tag))
             self._what.append((OUT_PUSH if kind == PUSH else OUT_RESULT, s, token))
             self._outgoing += 1
             self._active += 1
@@ -254,6 +280,8 @@ class SlicedExchange(Task):
             elif kind == IN_RESULT:  # x: the pull's timeline token
                 if tl:
                     tl.end(x)
+                if self._windowed[self.upstream[s]]:
+                    self.window.get(s, self.wire[s])
                 self._share(s)
             else:
                 self._outgoing -= 1
@@ -265,7 +293,8 @@ class SlicedExchange(Task):
                     if self._paced[up]:
                         self.pacer.done()
                     token = tl.begin(f"pull s{s}", "p3", track="pull", slice=s, peer=up) if tl else None
-                    self._reqs.append(self.log.irecv(self.comm, [self.wire[s], MPI.BYTE], up, plan.result_tag(s)))
+                    into = NOTICE if self._windowed[up] else self.wire[s]
+                    self._reqs.append(self.log.irecv(self.comm, [into, MPI.BYTE], up, plan.result_tag(s)))
                     self._what.append((IN_RESULT, s, token))
                     self._active += 1
                 else:
@@ -285,6 +314,8 @@ class SlicedExchange(Task):
         view, tl = self.views[s], self.timeline
         if s in self.scratch:
             token = tl.begin(f"aggregate s{s}", "p3", track="comm", slice=s) if tl else None
+            if self.window is not None:
+                self.window.sync()  # the peers' staged slices, as their notices said
             for row in self.scratch[s]:  # row by row: no temporary the size of the slice
                 view.add_(row)
             if tl:
@@ -320,78 +351,20 @@ class SlicedExchange(Task):
                     self.tensor_done[t] = True
                 self._cond.notify_all()
 
-    # -- the training thread ------------------------------------------------------------
-    def fail(self, error: BaseException) -> None:
-        """The progress thread's poll raised: wake every waiter with the error."""
-        with self._cond:
-            self.error = error
-            self._cond.notify_all()
-
-    def wait(self, tensors, policy: StallPolicy | None = None, interrupt=None) -> None:
-        """Block until these tensors hold the averaged gradient; a stall report names the missing slices."""
-        done = self.tensor_done
-        if self.error is None and all(done[t] for t in tensors):
-            return
-        self._waiters += 1  # only the training thread changes these two; the progress thread reads them
-        self._urgent = self._nearly_done(tensors)
-        self.nudge()  # one poll now, whatever the urgency: what this layer needs may have arrived
-        try:
-            self._wait(tensors, policy, interrupt)
-        finally:
-            self._waiters -= 1
-
-    def _nearly_done(self, tensors) -> bool:
-        """At most `credit` slices of these tensors left: what remains is in flight, completions matter now."""
-        left = self._slices_left
-        return sum(left[t] for t in tensors) <= self.credit
-
-    def _wait(self, tensors, policy, interrupt) -> None:
-        done, cond = self.tensor_done, self._cond
-
-        def finished() -> bool:
-            if self.error is not None:
-                raise self.error
-            if all(done[t] for t in tensors):
-                return True
-            if not self._urgent and self._nearly_done(tensors):
-                self._urgent = True
-                self.nudge()
-            with cond:  # woken at each completion; the timeout lets wait_until keep the deadline
-                if not all(done[t] for t in tensors) and self.error is None:
-                    cond.wait(0.05)
-            return False
-        wait_until(finished, what="p3 exchange", report=lambda: self.report(tensors), policy=policy,
-                   who=f"rank {self.rank}: ", blocking=True, interrupt=interrupt)
-
-    def report(self, tensors) -> str:
-        """What the slices of these tensors are still waiting for."""
-        plan, lines = self.plan, []
-        for t in tensors:
-            pending = [s for s in plan.slices_of[t] if not self._slice_finished[s]]
-            if not pending:
-                continue
-            s = pending[0]
-            if self._tensors_left[s]:
-                waits = "this rank's own gradients (its backward has not produced them)"
-            elif s in self._arrived and self._arrived[s] < len(self.sources[s]):
-                waits = f"pushes from rank(s) {[p for p, got in zip(self.sources[s], self._got[s]) if not got]}"
-            elif self.upstream[s] is not None and self._results_left[s] == len(self.downstream[s]):  # none out
-                waits = (f"the average from its {'owner' if self.upstream[s] == plan.owner(s) else 'aggregator'}, "
-                         f"rank {self.upstream[s]}")
-            else:
-                waits = f"sending its average ({self._results_left[s]} peers left)"
-            lines.append(f"{self.names[t]} ({len(pending)} slices left, e.g. slice {s} waits for {waits})")
-        return "; ".join(lines[:6]) or "nothing (finishing)"
-
     def abort(self) -> None:
         """Error path: cancel the receives, free the sends, forget the step."""
         self.log.cancel()
+        self._aborted = True
         self._reqs, self._what, self._outgoing, self._active = [], [], 0, 0
         with self._cond:
             self.active = False
             self._cond.notify_all()
 
     def free(self) -> None:
+        if self.window is not None:  # after an error a peer may be gone, and Win_free waits for the node's ranks
+            self.scratch = {}  # some of it is the window's memory
+            self.window.free(clean=self.error is None and not self._aborted)
+            self.window = None
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 

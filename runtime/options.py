@@ -117,6 +117,10 @@ class P3Options(StrategyOptions):
     node_pacing: with node_aggregation and a measured link, the pushes inside a
     node go one at a time at a paced rate (runtime.p3.tuning.LOCAL_PACE);
     False: as fast as the queue lets them.
+    node_window: with node_aggregation, those pushes and results go through
+    an MPI-3 shared window (mpicomm.node_window: zero-byte notices, no pacing),
+    where without it a node's messages starve its link when MPI has no
+    single-copy path (benchmarks/topology.md); False: as MPI messages.
     yield_link: where module buffers are averaged by MPI's allreduce after each
     step (p3 carries them in its own exchange unless one is only watched:
     runtime.model_buffers), send nothing
@@ -132,13 +136,14 @@ class P3Options(StrategyOptions):
     credit: int | str = AUTO
     node_aggregation: bool = True
     node_pacing: bool = True
+    node_window: bool = True
     yield_link: bool = False
     name = "p3"
 
     def __post_init__(self):
         _check_auto_or_int("slice_size", self.slice_size, 1)
         _check_credit(self.credit)
-        for flag in ("node_aggregation", "node_pacing", "yield_link"):
+        for flag in ("node_aggregation", "node_pacing", "node_window", "yield_link"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
 

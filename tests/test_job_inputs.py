@@ -341,16 +341,17 @@ def test_bench_worker_takes_hybcomm_and_its_forced_variants():
 
 
 def test_bench_worker_takes_p3s_variants():
-    """p3-flat, p3-unpaced and p3-yield: p3 with one of its settings changed, the others as by default, slice and
-    credit as given."""
+    """p3-flat, p3-messages, p3-unpaced and p3-yield: p3 with its settings changed, the others as by default,
+    slice and credit as given."""
     from jobs.bench import contenders
     from jobs.bench import strategies_worker as bench_worker
 
-    args = bench_worker.parse_args([*WORKER, "--strategies", "p3,p3-flat,p3-unpaced,p3-yield", "--bandwidth",
-                                    "1gbit"])
+    args = bench_worker.parse_args([*WORKER, "--strategies", "p3,p3-flat,p3-messages,p3-unpaced,p3-yield",
+                                    "--bandwidth", "1gbit"])
     opts = [contenders.strategy_options(s, args) for s in args.strategies]
-    assert [(o.name, o.node_aggregation, o.node_pacing, o.yield_link) for o in opts] == [
-        ("p3", True, True, False), ("p3", False, True, False), ("p3", True, False, False), ("p3", True, True, True)]
+    assert [(o.name, o.node_aggregation, o.node_window, o.node_pacing, o.yield_link) for o in opts] == [
+        ("p3", True, True, True, False), ("p3", False, True, True, False), ("p3", True, False, True, False),
+        ("p3", True, False, False, False), ("p3", True, True, True, True)]
     args = bench_worker.parse_args([*WORKER, "--strategies", "p3,p3@auto/online,p3@4096/2", "--credit", "online"])
     assert [contenders.p3_settings(s, args) for s in args.strategies] == \
         [("auto", "online"), ("auto", "online"), (4096, 2)]  # credit "online": its trials (runtime.p3.online_credit)

@@ -54,7 +54,7 @@ def test_describe_names_the_strategy_and_every_field():
     assert WfbpOptions(algorithm="hierarchical").describe() == \
         "wfbp fuse_bytes='auto' algorithm='hierarchical' in_flight=1"
     assert P3Options(slice_size=1000, credit=2).describe() == \
-        "p3 slice_size=1000 credit=2 node_aggregation=True node_pacing=True yield_link=False"
+        "p3 slice_size=1000 credit=2 node_aggregation=True node_pacing=True node_window=True yield_link=False"
     assert TopkOptions(hierarchical=True).describe() == (
         "hier-topk density=0.01 hierarchical=True error_feedback=True warmup_steps=0 ramp_steps=0 "
         "granularity='model' operator='mstopk' momentum_correction=True momentum_masking=True")

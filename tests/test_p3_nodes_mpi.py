@@ -22,13 +22,14 @@ def layout(request, world):
         yield topo
 
 
-def run(topo, aggregate: bool, steps: int = 2, local_rate=None, peaks=None):
+def run(topo, aggregate: bool, steps: int = 2, local_rate=None, peaks=None, window: bool = True, windows=None):
     """Poll a SlicedExchange of random gradients to the end, `steps` times; (buffers, their inputs, cross bytes).
-    peaks: a list that gets the pacer's peak (None when nothing was paced)."""
+    peaks: a list that gets the pacer's peak (None when nothing was paced); windows: whether it had a node window."""
     r = topo.world.Get_rank()
     buffers = [torch.empty(n) for n in SIZES]
     ex = SlicedExchange(topo.world, buffers, [(t, 0, n) for t, n in enumerate(SIZES)], SLICE, credit=4,
-                        nodes=topo.nodes, node_aggregation=aggregate, local_rate=local_rate)
+                        nodes=topo.nodes, node_aggregation=aggregate, local_rate=local_rate,
+                        node_window=window)
     inputs = []
     try:
         for step in range(steps):
@@ -44,6 +45,8 @@ def run(topo, aggregate: bool, steps: int = 2, local_rate=None, peaks=None):
             assert all(ex.tensor_done)
         if peaks is not None:
             peaks.append(None if ex.pacer is None else ex.pacer.peak)
+        if windows is not None:
+            windows.append(ex.window is not None)
         return buffers, inputs, ex.cross_bytes / steps
     finally:
         ex.free()
@@ -85,10 +88,25 @@ def test_paced_node_pushes_give_the_same_averages_one_at_a_time(layout):
     pushes went one at a time, where a node has two ranks or more and there are two nodes or more."""
     topo = layout
     peaks = []
-    paced, _, _ = run(topo, aggregate=True, local_rate=4e6, peaks=peaks)  # ~1 KB slices: a few ms a step
-    free, _, _ = run(topo, aggregate=True)
+    paced, _, _ = run(topo, aggregate=True, local_rate=4e6, peaks=peaks, window=False)  # ~1 KB slices: ms a step
+    free, _, _ = run(topo, aggregate=True, window=False)
     same = all(torch.equal(a, b) for a, b in zip(paced, free))
     # Every rank of a node but its aggregator of a slice pushes it there, so each pushes some (SIZES > L slices).
     expect = 1 if topo.num_nodes > 1 and topo.local_size > 1 else None
     assert_everywhere(topo.world, same and peaks == [expect], f"bitwise equal: {same}, pacer peak {peaks} on "
                       f"{topo} (expected {expect})")
+
+
+def test_the_node_window_gives_the_messages_averages_to_the_bit(layout):
+    """Pushes and results inside a node through the shared window (the default) or as messages: the same sums
+    in the same order, so the same bits, and the same bytes across the links; the window exists exactly where
+    slices are aggregated inside nodes (two nodes or more of two ranks or more), and nothing is paced through it."""
+    topo = layout
+    windows, peaks = [], []
+    shared, _, across = run(topo, aggregate=True, windows=windows, local_rate=4e6, peaks=peaks)
+    sent, _, across_sent = run(topo, aggregate=True, window=False)
+    same = all(torch.equal(a, b) for a, b in zip(shared, sent))
+    expect = topo.num_nodes > 1 and topo.local_size > 1
+    assert_everywhere(topo.world, same and across == across_sent and windows == [expect] and peaks == [None],
+                      f"bitwise equal: {same}, cross bytes {across} against {across_sent}, window {windows} "
+                      f"(expected {expect}), pacer {peaks} on {topo}")

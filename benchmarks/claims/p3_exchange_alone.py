@@ -5,7 +5,8 @@ handed over at once in backward order, the progress loop in this thread; seconds
 
 Environment: MODEL (default resnet50-224), NODES=1 (aggregate inside each node, as the runtime does; the nodes
 are mpicomm.Topology's), LOCAL_RATE (bytes a second of pushes inside a node; 0: unpaced), RELAXED
-(seconds between polls while nothing completes; default 100e-6), STEPS (default 4; the first is a warm-up).
+(seconds between polls while nothing completes; default 100e-6), STEPS (default 4; the first is a warm-up),
+WINDOW=1 (the node's pushes and results through an MPI-3 shared window: mpicomm.node_window).
 Rank 0 prints the steps' seconds, the bytes across each node's link, and all ranks' CPU-seconds and polls.
 """
 import os
@@ -33,7 +34,7 @@ for n in sizes:
     a += n
 ex = SlicedExchange(world, [buf], segs, int(sys.argv[1]), credit=int(sys.argv[2]),
                     relaxed_sleep=float(os.environ.get("RELAXED", 100e-6)), nodes=nodes,
-                    local_rate=float(os.environ.get("LOCAL_RATE", 0)) or None)
+                    local_rate=float(os.environ.get("LOCAL_RATE", 0)) or None, node_window=os.environ.get("WINDOW") == "1")
 ex.set_priorities(list(range(len(sizes))))
 times = []
 for step in range(int(os.environ.get("STEPS", 4))):

@@ -8,7 +8,7 @@ from jobs.common.inputs import InputError, at_least, auto_or_count, comma_list, 
 
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
 FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
-STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "p3-unpaced", "p3-yield", "ddp", *SPARSE)
+STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "p3-messages", "p3-unpaced", "p3-yield", "ddp", *SPARSE)
 DENSE_WITH_ALGORITHM = ("allreduce", "wfbp")  # "wfbp@hierarchical": its allreduce's algorithm (mpicomm.algorithms)
 
 
@@ -98,8 +98,10 @@ def strategy_options(base: str, args):
         return AllreduceOptions(algorithm=algorithm)
     if base == "p3-flat":  # p3 without node-local aggregation: every rank pushes its own slices across
         return P3Options(args.slice_size, args.credit, node_aggregation=False)
-    if base == "p3-unpaced":  # p3 whose pushes inside a node go as fast as the queue lets them
-        return P3Options(args.slice_size, args.credit, node_pacing=False)
+    if base == "p3-messages":  # p3 whose pushes inside a node are MPI messages (paced), not the shared window
+        return P3Options(args.slice_size, args.credit, node_window=False)
+    if base == "p3-unpaced":  # the same, as fast as the queue lets them
+        return P3Options(args.slice_size, args.credit, node_window=False, node_pacing=False)
     if base == "p3-yield":  # p3 that holds its sends while the step's agreement and buffers' average cross
         return P3Options(args.slice_size, args.credit, yield_link=True)
     if base.startswith("p3"):

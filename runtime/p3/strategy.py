@@ -34,8 +34,9 @@ class P3Sync(Strategy):
         super().__init__(ctx)
         o, flats = ctx.options, self.buffers.flats
         itemsize = max((b.element_size() for b in flats), default=4)
-        aggregate = getattr(o, "node_aggregation", True)
-        paced = aggregate and getattr(o, "node_pacing", True) and len(ctx.topology.nodes) > 1
+        aggregate, window = getattr(o, "node_aggregation", True), getattr(o, "node_window", True)
+        # Through the window nothing is paced; where it cannot be had, no shared memory either (node_window)
+        paced = aggregate and not window and getattr(o, "node_pacing", True) and len(ctx.topology.nodes) > 1
         per_node = max(map(len, ctx.topology.nodes)) if paced else 1  # 1: nothing paced
         self.tuning = t = tune(ctx.topology.world, sum(b.numel() * b.element_size() for b in flats), itemsize,
                                o.slice_size, o.credit, ranks_per_node=per_node)
@@ -51,7 +52,7 @@ class P3Sync(Strategy):
         self.exchange = SlicedExchange(ctx.topology.world, exchanged, segments, t.slice_size, t.credit,
                                        self.timeline, names, relaxed_sleep=t.relaxed_sleep,
                                        nodes=ctx.topology.nodes, node_aggregation=aggregate,
-                                       local_rate=t.local_rate)
+                                       local_rate=t.local_rate, node_window=window)
         self.progress = ProgressThread("mpitrain-p3", setup=device_setup(self.buffers.device))  # copies back
         self.exchange.nudge = self.progress.nudge
         self.copy_back = SliceCopyBack(self.exchange.plan.slices, [b.element_size() for b in exchanged],
