@@ -33,8 +33,7 @@ NOTICE = np.empty(0, dtype=np.uint8)  # a zero-byte message's buffer
 def pushed_to_node(plan, rank: int) -> list[int]:
     """The slices `rank` pushes to an aggregator of its own node (all it does not aggregate), in order."""
     node = next(n for n in plan.nodes if rank in n)
-    L = len(node)
-    return [s for s in range(plan.count) if node[s % L] != rank]
+    return [s for s, up in enumerate(plan.routes(rank)[1]) if up in node]
 
 
 class NodeWindow:
