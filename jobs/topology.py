@@ -57,9 +57,10 @@ def main(argv=None, args=None) -> int:
                   f"{' (emulated)' if topo.emulated else ''}, thread level {layout['thread_level']}")
             for i, (node, names) in enumerate(zip(topo.nodes, layout["hostnames"])):
                 print(f"  node {i}: ranks {node} on host {','.join(names)}")
-            if layout["single_copy"] is not None and topo.local_size > 1:
-                print(f"  large messages inside a node: {'one copy' if layout['single_copy'] else 'through MPICH cells'}"
-                      f" ({why}){'' if layout['single_copy'] else '; p3 uses a shared window, wfbp is slower'}")
+            one = layout["single_copy"]
+            if one is not None and topo.local_size > 1:
+                print(f"  large messages inside a node: {'one copy' if one else 'through MPICH cells'}"
+                      f" ({why}){'' if one else '; p3 uses a shared window, wfbp is slower'}")
         if args.json:
             def write_layout():
                 os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -34,7 +34,8 @@ for n in sizes:
     a += n
 ex = SlicedExchange(world, [buf], segs, int(sys.argv[1]), credit=int(sys.argv[2]),
                     relaxed_sleep=float(os.environ.get("RELAXED", 100e-6)), nodes=nodes,
-                    local_rate=float(os.environ.get("LOCAL_RATE", 0)) or None, node_window=os.environ.get("WINDOW") == "1")
+                    local_rate=float(os.environ.get("LOCAL_RATE", 0)) or None,
+                    node_window=os.environ.get("WINDOW") == "1")
 ex.set_priorities(list(range(len(sizes))))
 times = []
 for step in range(int(os.environ.get("STEPS", 4))):
