@@ -60,7 +60,7 @@ def main(argv=None, args=None) -> int:
             one = layout["single_copy"]
             if one is not None and topo.local_size > 1:
                 print(f"  large messages inside a node: {'one copy' if one else 'through MPICH cells'}"
-                      f" ({why}){'' if one else '; p3 uses a shared window, wfbp is slower'}")
+                      f" ({why}){'' if one else '; p3 and the hierarchical allreduce take shared windows'}")
         if args.json:
             def write_layout():
                 os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

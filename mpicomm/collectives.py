@@ -17,6 +17,7 @@ hanging on each other's messages.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import numpy as np
@@ -31,6 +32,8 @@ from .halving import halving_allreduce
 from .handle import Handle
 from .hierarchical import (LANES, contiguous, hierarchical_allgather, hierarchical_allreduce,
                            hierarchical_reduce_scatter, pieces, pipelined)
+from .node_stage import NodeStage
+from .single_copy import single_copy
 from .requests import RequestLog, drain_at_exit
 from .ring import DEFAULT_CHUNK_BYTES, IN_PLACE, Ring
 from .topology import Topology
@@ -47,21 +50,31 @@ class Collectives:
 
     algorithm, table, model: see mpicomm.algorithms.Chooser (model: a CostModel, e.g.
     CostModel.measured(topology), which probes the link). validate: as the Ring's
-    (default $MPITRAIN_VALIDATE). `rank`, `size`, `left` and `comm` are the
-    world ring's, so code written for a Ring reads them alike.
+    (default $MPITRAIN_VALIDATE). node_window: True, the hierarchy's steps inside
+    a node through an MPI-3 shared window per lane (mpicomm.node_stage; 8 MiB a
+    rank each) instead of the node ring's messages; "auto" (the default): where
+    any rank's MPI has no single-copy path for a node's large messages
+    (mpicomm.single_copy), which is where the window is faster; where a node's
+    ranks cannot share one, messages on every rank, with a warning. `rank`,
+    `size`, `left` and `comm` are the world ring's, so code written for a Ring
+    reads them alike.
     """
 
     def __init__(self, topology: Topology, *, algorithm: str | None = None, table=None, model=None,
-                 validate: bool | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 validate: bool | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 node_window: bool | str = "auto"):
         problem, chooser = None, None
         layout = Layout(topology.size, topology.num_nodes, topology.local_size)
         try:
             chooser = Chooser(layout, algorithm, table, model)
+            if node_window not in (True, False, "auto"):
+                raise ValueError(f"node_window must be True, False or 'auto', got {node_window!r}")
         except ValueError as exc:
             problem = exc
         self.comm = drain_at_exit(topology.world.Dup())
         try:
-            check_same_structure(self.comm, [f"error: {problem}" if problem else chooser.describe()],
+            check_same_structure(self.comm, [f"error: {problem}" if problem
+                                             else f"{chooser.describe()}, node_window={node_window}"],
                                  "allreduce setting")
         except Exception:
             self.comm.Free()
@@ -91,6 +104,9 @@ class Collectives:
             self.comm.Free()
             raise
         self.rank, self.size, self.left = self.flat.rank, self.flat.size, self.flat.left
+        if two_levels and node_window == "auto":  # any rank without the single copy: every rank takes the window
+            node_window = self.comm.allreduce(single_copy(MPI.Get_library_version())[0] is not True, op=MPI.LOR)
+        self.stages = self._stages(topology, len(self.lanes)) if two_levels and node_window else []
         # The hierarchical reduce-scatter and allgather: whenever the layout allows and the setting is not a
         # flat algorithm; decided without the message's size, so every rank takes the same path even when
         # their lengths differ (validation then names them).
@@ -110,8 +126,27 @@ class Collectives:
                                                                                 self.layout)
         return across
 
+    def _stages(self, topology: Topology, lanes: int) -> list[NodeStage]:
+        """One NodeStage per lane, or none on every rank (a warning) where any rank could not allocate its own."""
+        stages, problem = [], None
+        try:
+            for _ in range(lanes):
+                stages.append(NodeStage(topology.node))
+        except MPI.Exception as exc:
+            problem = exc
+        if not self.comm.allreduce(problem is not None, op=MPI.LOR):
+            return stages
+        for stage in stages:
+            stage.free(clean=False)  # Win_free would wait for ranks that have no window
+        warnings.warn(f"rank {self.rank}: no MPI-3 shared window for the hierarchy's node steps "
+                      f"({problem or 'another rank could not allocate one'}): they go as messages")
+        return []
+
     # -- lifecycle ---------------------------------------------------------
     def free(self) -> None:
+        for stage in self.stages:
+            stage.free()
+        self.stages = []
         for ring in [self.flat] + [r for lane in self.lanes for r in lane]:
             ring.free()
         if self.comm != MPI.COMM_NULL:
@@ -161,12 +196,7 @@ class Collectives:
             dst.copy_from(src)
         self.counts[name] += 1
         if name == "hierarchical":
-            nbytes = dst.count * dst.itemsize
-            k, across = pieces(nbytes), self.across_for(nbytes)
-            if k == 1:
-                yield from hierarchical_allreduce(self.node, self.cross, dst, op, tag, log, across)
-            else:
-                yield from pipelined(self.lanes[:k], dst, op, tag, log, across)
+            yield from self._hierarchical(dst, op, tag, log)
         elif name == "doubling":
             yield from doubling_allreduce(ring.comm, dst, op, tag, log)
         elif name == "rabenseifner":
@@ -174,6 +204,18 @@ class Collectives:
         else:
             yield from ring._ring(dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj
+
+    def _stage(self) -> NodeStage | None:
+        return self.stages[0] if self.stages else None
+
+    def _hierarchical(self, dst: Buffer, op, tag, log):
+        """Generator: `dst` in pieces, each on its own lane (and NodeStage, where the node steps take the window)."""
+        nbytes = dst.count * dst.itemsize
+        k, across = pieces(nbytes), self.across_for(nbytes)
+        if k == 1:
+            yield from hierarchical_allreduce(self.node, self.cross, dst, op, tag, log, across, self._stage())
+        else:
+            yield from pipelined(self.lanes[:k], dst, op, tag, log, across, self.stages[:k] or None)
 
     def _reduce_scatter(self, buf, out, op, tag, log):
         ring = self.flat
@@ -193,7 +235,7 @@ class Collectives:
         if dst is not None:  # out of place leaves buf as it was: the partial sums go to a copy
             work = src.scratch(src.count)
             work.copy_from(src)
-        yield from hierarchical_reduce_scatter(self.node, self.cross, work, counts, op, tag, log)
+        yield from hierarchical_reduce_scatter(self.node, self.cross, work, counts, op, tag, log, self._stage())
         if dst is None:
             return src.elements(lo, lo + counts[self.rank])
         dst.bytes()[...] = work.bytes(lo, lo + counts[self.rank])
@@ -217,7 +259,7 @@ class Collectives:
                                extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()))
         if src is not None:
             dst.copy_from(src, sum(counts[:self.rank]))
-        yield from hierarchical_allgather(self.node, self.cross, dst, counts, tag, log)
+        yield from hierarchical_allgather(self.node, self.cross, dst, counts, tag, log, self._stage())
         return dst.obj
 
     def _agree(self, kind: str, ref: Buffer | None, op: str, tag: int, name: str, problem, extra: int = 0):

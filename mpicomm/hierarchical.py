@@ -26,7 +26,7 @@ from .ring import Ring
 from .scratch import SCRATCH
 
 __all__ = ["LANES", "PIECE_BYTES", "contiguous", "hierarchical_allgather", "hierarchical_allreduce",
-           "hierarchical_reduce_scatter", "pieces", "pipelined"]
+           "hierarchical_reduce_scatter", "node_steps", "pieces", "pipelined"]
 
 # A large message goes as up to LANES pieces of at least PIECE_BYTES, each on its own node and cross
 # communicators, staggered: a piece starts once the one before has reduced inside the node, so one piece's
@@ -42,18 +42,24 @@ def pieces(nbytes: int) -> int:
 
 
 def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: int, log: RequestLog,
-                           across: str = "ring"):
+                           across: str = "ring", stage=None):
     """Generator (a Handle's algorithm): reduce `data` in place over node x cross; `across`: ring, doubling
     or rabenseifner (the cross-node step's algorithm).
 
     `node` and `cross` are unvalidated Rings over the node and cross
     communicators of one Topology; the result equals the flat allreduce's
-    within float rounding (another order of additions).
+    within float rounding (another order of additions). With a NodeStage
+    (mpicomm.node_stage), the node steps go through its shared window instead
+    of the node ring's messages.
     """
     L, lr = node.size, node.rank
     counts = block_counts(data.count, L)
     lo = offsets(counts)[lr]
-    yield from node._ring(data, counts, range(0, L - 1), op, tag, log)  # block lr of the node's sum
+    call = stage.open() if stage is not None else None
+    if call is not None:
+        yield from stage.reduce_scatter(call, data, counts, op, tag, log)
+    else:
+        yield from node._ring(data, counts, range(0, L - 1), op, tag, log)  # block lr of the node's sum
     yield REDUCED
     block = Buffer(data.elements(lo, lo + counts[lr]), checked=True)
     if across == "doubling":
@@ -63,17 +69,24 @@ def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: 
     else:
         yield from cross._ring(block, block_counts(block.count, cross.size), range(0, 2 * cross.size - 2), op,
                                tag, log)
-    yield from node._ring(data, counts, range(L - 1, 2 * L - 2), None, tag, log)
+    if call is not None:
+        yield from stage.allgather(call, data, counts, tag, log)
+        yield from stage.close(call, tag, log)
+    else:
+        yield from node._ring(data, counts, range(L - 1, 2 * L - 2), None, tag, log)
 
 
-def pipelined(lanes: list[tuple[Ring, Ring]], data: Buffer, op: str, tag: int, log: RequestLog, across: str):
+def pipelined(lanes: list[tuple[Ring, Ring]], data: Buffer, op: str, tag: int, log: RequestLog, across: str,
+              stages=None):
     """Generator: `data` in len(lanes) contiguous pieces, each a hierarchical allreduce on its own lane's
-    (node, cross) Rings, all in flight at once; returns when every piece is reduced."""
+    (node, cross) Rings (and NodeStage, with `stages`), all in flight at once; returns when every piece is
+    reduced."""
     k = len(lanes)
     counts = block_counts(data.count, k)
     starts = offsets(counts)
-    gens = [hierarchical_allreduce(node, cross, Buffer(data.elements(a, a + n), checked=True), op, tag, log, across)
-            for (node, cross), a, n in zip(lanes, starts, counts)]
+    gens = [hierarchical_allreduce(node, cross, Buffer(data.elements(a, a + n), checked=True), op, tag, log, across,
+                                   stage)
+            for (node, cross), a, n, stage in zip(lanes, starts, counts, stages or [None] * k)]
     yield Together(gens)
 
 
@@ -134,8 +147,27 @@ def contiguous(nodes: list[list[int]]) -> bool:
     return all(ranks == list(range(m * L, (m + 1) * L)) for m, ranks in enumerate(nodes))
 
 
+def node_steps(node: Ring, stage, data: Buffer, counts: list[int], op, tag: int, log: RequestLog):
+    """Generator: each node's chunk of `data` (L blocks of `counts` per node, node by node) reduce-scattered
+    inside the node (op) or, with op None, allgathered; through the NodeStage's window where there is one."""
+    L = node.size
+    offs = offsets(counts) + [data.count]
+    call = stage.open() if stage is not None else None
+    for m in range(len(counts) // L):
+        chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
+        part = counts[m * L:(m + 1) * L]
+        if call is None:
+            yield from node._ring(chunk, part, range(0, L - 1) if op else range(L - 1, 2 * L - 2), op, tag, log)
+        elif op:
+            yield from stage.reduce_scatter(call, chunk, part, op, tag, log)
+        else:
+            yield from stage.allgather(call, chunk, part, tag, log)
+    if call is not None:
+        yield from stage.close(call, tag, log)
+
+
 def hierarchical_reduce_scatter(node: Ring, cross: Ring, data: Buffer, counts: list[int], op: str, tag: int,
-                                log: RequestLog):
+                                log: RequestLog, stage=None):
     """Generator: block r of `counts` (world order) ends reduced in place on world rank r, as Ring's in-place
     reduce-scatter leaves it; ranks placed node by node (contiguous()).
 
@@ -145,9 +177,7 @@ def hierarchical_reduce_scatter(node: Ring, cross: Ring, data: Buffer, counts: l
     """
     L, N, l, n = node.size, cross.size, node.rank, cross.rank
     offs = offsets(counts) + [data.count]
-    for m in range(N):
-        chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
-        yield from node._ring(chunk, counts[m * L:(m + 1) * L], range(0, L - 1), op, tag, log)
+    yield from node_steps(node, stage, data, counts, op, tag, log)
     mine = [counts[m * L + l] for m in range(N)]
     gathered = SCRATCH.take(data, sum(mine))
     at = offsets(mine)
@@ -159,7 +189,8 @@ def hierarchical_reduce_scatter(node: Ring, cross: Ring, data: Buffer, counts: l
     SCRATCH.give(gathered)
 
 
-def hierarchical_allgather(node: Ring, cross: Ring, data: Buffer, counts: list[int], tag: int, log: RequestLog):
+def hierarchical_allgather(node: Ring, cross: Ring, data: Buffer, counts: list[int], tag: int, log: RequestLog,
+                           stage=None):
     """Generator: every rank's block r (already in place in `data`) gathered everywhere: across nodes within
     each cross group first (its blocks gathered into scratch), then inside each node, chunk by chunk."""
     L, N, l, n = node.size, cross.size, node.rank, cross.rank
@@ -173,6 +204,4 @@ def hierarchical_allgather(node: Ring, cross: Ring, data: Buffer, counts: list[i
     for m in range(N):
         data.bytes(offs[m * L + l], offs[m * L + l + 1])[...] = gathered.bytes(at[m], at[m] + mine[m])
     SCRATCH.give(gathered)
-    for m in range(N):
-        chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
-        yield from node._ring(chunk, counts[m * L:(m + 1) * L], range(L - 1, 2 * L - 2), None, tag, log)
+    yield from node_steps(node, stage, data, counts, None, tag, log)

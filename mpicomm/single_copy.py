@@ -16,7 +16,8 @@ def single_copy(library: str, env=os.environ, yama: str = YAMA) -> tuple[bool | 
     MPIR_CVAR_CH4_CMA_ENABLE=0 or Yama's ptrace_scope is not 0 (its MPIDI_CMA_init_local; Ubuntu's default
     is 1). Without it each such message moves a cell per progress call, and MPICH polls its network
     module only when shared memory made no progress: wfbp's node phases took 1.6x and p3's node messages
-    7x as long at 4 hosts x 2 (benchmarks/topology.md), which is why p3 goes through a shared window.
+    7x as long at 4 hosts x 2 (benchmarks/topology.md), which is why p3, and there the hierarchical allreduce,
+    go through shared windows.
     """
     if not library.startswith("MPICH"):
         return None, "not MPICH: its own shared-memory transport decides"

@@ -48,6 +48,17 @@ def _check_algorithm(value) -> None:
         raise ValueError(f"algorithm must be one of {ALLREDUCE_CHOICES} or None, got {value!r}")
 
 
+def _check_node_window(value) -> None:
+    if value is not True and value is not False and value != AUTO:
+        raise ValueError(f"node_window must be True, False or {AUTO!r}, got {value!r}")
+
+
+def _check_flags(options, *flags: str) -> None:
+    for flag in flags:
+        if not isinstance(getattr(options, flag), bool):
+            raise ValueError(f"{flag} must be True or False, got {getattr(options, flag)!r}")
+
+
 class StrategyOptions:
     """Base of the option classes; `name` is the strategy they configure."""
 
@@ -64,13 +75,19 @@ class AllreduceOptions(StrategyOptions):
 
     algorithm: "auto", "ring", "doubling" or "hierarchical" (mpicomm.algorithms;
     None: $MPITRAIN_ALLREDUCE, else auto: by size, nodes and ranks per node).
+    node_window: True, the hierarchical allreduce's steps inside a node
+    through an MPI-3 shared window (mpicomm.node_stage); False, as MPI messages;
+    "auto" (the default), the window where MPI has no single-copy path for a
+    node's large messages (mpicomm.single_copy; benchmarks/topology.md).
     """
 
     algorithm: str | None = None
+    node_window: bool | str = AUTO
     name = "allreduce"
 
     def __post_init__(self):
         _check_algorithm(self.algorithm)
+        _check_node_window(self.node_window)
 
 
 @dataclass(frozen=True)
@@ -88,11 +105,13 @@ class WfbpOptions(StrategyOptions):
     None: each the moment backward has produced it. On 8 emulated hosts at 1 Gbit/s all at once made every ring
     share the link and the two cores with 30 others, the first buckets finished last, and the step took 1.18-1.27x
     as long (benchmarks/claims.md, twenty-first pass).
+    node_window: as AllreduceOptions'.
     """
 
     fuse_bytes: int | str = AUTO
     algorithm: str | None = None
     in_flight: int | None = 1
+    node_window: bool | str = AUTO
     name = "wfbp"
 
     def __post_init__(self):
@@ -100,6 +119,7 @@ class WfbpOptions(StrategyOptions):
         _check_algorithm(self.algorithm)
         if self.in_flight is not None:
             _check_int("in_flight", self.in_flight, 1)
+        _check_node_window(self.node_window)
 
 
 @dataclass(frozen=True)
@@ -143,9 +163,7 @@ class P3Options(StrategyOptions):
     def __post_init__(self):
         _check_auto_or_int("slice_size", self.slice_size, 1)
         _check_credit(self.credit)
-        for flag in ("node_aggregation", "node_pacing", "node_window", "yield_link"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        _check_flags(self, "node_aggregation", "node_pacing", "node_window", "yield_link")
 
 
 @dataclass(frozen=True)
@@ -179,9 +197,7 @@ class TopkOptions(StrategyOptions):
             raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.operator not in OPERATORS:
             raise ValueError(f"operator must be one of {OPERATORS}, got {self.operator!r}")
-        for flag in ("hierarchical", "error_feedback", "momentum_correction", "momentum_masking"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"{flag} must be True or False, got {getattr(self, flag)!r}")
+        _check_flags(self, "hierarchical", "error_feedback", "momentum_correction", "momentum_masking")
 
     @property
     def name(self) -> str:  # type: ignore[override]

@@ -50,9 +50,9 @@ def test_each_options_object_names_a_registered_strategy(options, name):
 
 
 def test_describe_names_the_strategy_and_every_field():
-    assert AllreduceOptions().describe() == "allreduce algorithm=None"
+    assert AllreduceOptions().describe() == "allreduce algorithm=None node_window='auto'"
     assert WfbpOptions(algorithm="hierarchical").describe() == \
-        "wfbp fuse_bytes='auto' algorithm='hierarchical' in_flight=1"
+        "wfbp fuse_bytes='auto' algorithm='hierarchical' in_flight=1 node_window='auto'"
     assert P3Options(slice_size=1000, credit=2).describe() == \
         "p3 slice_size=1000 credit=2 node_aggregation=True node_pacing=True node_window=True yield_link=False"
     assert TopkOptions(hierarchical=True).describe() == (
@@ -78,7 +78,8 @@ BAD = [
     (WfbpOptions, "fuse_bytes", 0), (WfbpOptions, "fuse_bytes", -1), (WfbpOptions, "fuse_bytes", 1.5),
     (WfbpOptions, "fuse_bytes", False), (WfbpOptions, "fuse_bytes", "big"),
     (WfbpOptions, "in_flight", 0), (WfbpOptions, "in_flight", 1.0), (WfbpOptions, "in_flight", True),
-    (WfbpOptions, "in_flight", "auto"),
+    (WfbpOptions, "in_flight", "auto"), (WfbpOptions, "node_window", 1), (AllreduceOptions, "node_window", None),
+    (AllreduceOptions, "node_window", "Auto"),
     (TopkOptions, "density", 0), (TopkOptions, "density", 1.5), (TopkOptions, "density", NAN),
     (TopkOptions, "density", -0.1), (TopkOptions, "density", math.inf), (TopkOptions, "density", True),
     (TopkOptions, "density", "0.1"),
@@ -210,3 +211,17 @@ def test_hybcomm_options_hand_the_dense_path_its_own():
     assert HybCommOptions(fuse_bytes=64).dense_options() == WfbpOptions(fuse_bytes=64)
     assert HybCommOptions(dense="p3", slice_size=9, credit=2).dense_options() == P3Options(slice_size=9, credit=2)
     assert resolve("hybcomm") == HybCommOptions()
+
+
+def test_bench_worker_takes_the_dense_strategies_node_steps_either_way():
+    """allreduce-messages, wfbp-window, ...: the hierarchy's node steps as MPI messages or through the shared
+    window whatever MPI's single copy; plain names: the default (auto)."""
+    from jobs.bench import contenders
+    from jobs.bench import strategies_worker as bench_worker
+
+    args = bench_worker.parse_args(["--model", "mlp", "--strategies",
+                                    "allreduce,allreduce-messages,allreduce-window,wfbp,wfbp-messages,wfbp-window"])
+    opts = [contenders.strategy_options(s, args) for s in args.strategies]
+    assert opts[0] == "allreduce" and opts[3] == "wfbp"  # by name: the defaults
+    assert [(o.name, o.node_window, o.algorithm) for o in opts[1:3] + opts[4:]] == [
+        ("allreduce", False, None), ("allreduce", True, None), ("wfbp", False, None), ("wfbp", True, None)]

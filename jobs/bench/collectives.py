@@ -43,8 +43,11 @@ from jobs.common.outputs import write_results, write_together
 from jobs.common.report import parse_size as _parse_size
 from jobs.common.report import run_metadata, write_document
 
-IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "rabenseifner", "hierarchical", "auto")
-ALGORITHM_IMPLS = ("doubling", "rabenseifner", "hierarchical", "auto")  # mpicomm.Collectives, allreduce only
+IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "rabenseifner", "hierarchical", "hierarchical-messages",
+         "hierarchical-window", "auto")
+# mpicomm.Collectives, allreduce only; "-messages", "-window": the hierarchy's node steps as messages or through the
+# shared window, whatever MPI's single-copy path (without either: the window where there is none)
+ALGORITHM_IMPLS = ("doubling", "rabenseifner", "hierarchical", "hierarchical-messages", "hierarchical-window", "auto")
 GLOO_OPS = ("allreduce", "allgather", "broadcast")  # gloo has no CPU reduce_scatter
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 
@@ -79,7 +82,10 @@ def parse_args(argv=None):
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
     p.add_argument("--impls", default="ring,ring-only,native",
                    help="comma-separated subset of ring (mpicomm, with its latency path), ring-only (no latency "
-                        "path), native (MPI), gloo (torch.distributed); default ring,ring-only,native")
+                        "path), native (MPI), gloo (torch.distributed), and for allreduce doubling, rabenseifner, "
+                        "hierarchical, hierarchical-messages, hierarchical-window (its node steps as messages or "
+                        "through a shared window; plain: the window where MPI has no single copy), auto; default "
+                        "ring,ring-only,native")
     p.add_argument("--iters", type=int, default=0,
                    help="timed iterations per row and round (default: as many as fit ~1 GiB of traffic over "
                         "the rounds, at least 3 per round, at most 100 in all)")
@@ -256,8 +262,10 @@ def main(argv=None, args=None) -> int:
         if impl in args.impls:
             # As the dense strategies build them: auto and the hierarchy's cross-node step choose by the cost
             # model told the measured link (auto: or a table).
-            rings[impl] = Collectives(topo, algorithm=impl, validate=validate, chunk_bytes=chunk,
-                                      model=CostModel.for_algorithm(topo, impl))
+            algorithm, _, how = impl.partition("-")
+            rings[impl] = Collectives(topo, algorithm=algorithm, validate=validate, chunk_bytes=chunk,
+                                      model=CostModel.for_algorithm(topo, algorithm),
+                                      node_window={"messages": False, "window": True}.get(how, "auto"))
     bench_comm = comm.Dup()
     rows = []
     say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "

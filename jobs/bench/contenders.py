@@ -8,7 +8,8 @@ from jobs.common.inputs import InputError, at_least, auto_or_count, comma_list, 
 
 # hybcomm with every eligible layer forced to sufficient factors or to the parameter-server path.
 FORCED = {"hybcomm-sfb": "sfb", "hybcomm-ps": "ps"}
-STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "p3-messages", "p3-unpaced", "p3-yield", "ddp", *SPARSE)
+STRATEGIES = (*EXACT_STRATEGIES, *FORCED, "p3-flat", "p3-messages", "p3-unpaced", "p3-yield", "ddp", *SPARSE,
+              "allreduce-messages", "allreduce-window", "wfbp-messages", "wfbp-window")
 DENSE_WITH_ALGORITHM = ("allreduce", "wfbp")  # "wfbp@hierarchical": its allreduce's algorithm (mpicomm.algorithms)
 
 
@@ -96,6 +97,10 @@ def strategy_options(base: str, args):
         if name == "wfbp":
             return WfbpOptions(algorithm=algorithm)
         return AllreduceOptions(algorithm=algorithm)
+    if base.endswith(("-messages", "-window")) and base.partition("-")[0] in DENSE_WITH_ALGORITHM:
+        # the hierarchy's node steps as messages or through the shared window, whatever MPI's single copy
+        name, _, how = base.partition("-")
+        return (AllreduceOptions if name == "allreduce" else WfbpOptions)(node_window=how == "window")
     if base == "p3-flat":  # p3 without node-local aggregation: every rank pushes its own slices across
         return P3Options(args.slice_size, args.credit, node_aggregation=False)
     if base == "p3-messages":  # p3 whose pushes inside a node are MPI messages (paced), not the shared window

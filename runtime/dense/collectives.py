@@ -13,9 +13,10 @@ def dense_collectives(ctx) -> Collectives:
 
     With auto or the hierarchy on several nodes the cost model gets the measured link (or
     $MPITRAIN_LINK_BANDWIDTH): the crossovers between the algorithms, and the hierarchy's cross-node step, move
-    with the link's rate. A registered subclass's options may lack `algorithm`.
+    with the link's rate. A registered subclass's options may lack `algorithm` and `node_window`.
     """
     algorithm = getattr(ctx.options, "algorithm", None)
     model = CostModel.for_algorithm(ctx.topology, algorithm)
-    return Collectives(ctx.topology, algorithm=algorithm, model=model, validate=False)
+    return Collectives(ctx.topology, algorithm=algorithm, model=model, validate=False,
+                       node_window=getattr(ctx.options, "node_window", "auto"))
 
