@@ -3,7 +3,7 @@
     rank l of a node of L ranks; round i of the node reduce-scatter, in half i % 2 of its slot:
     1. the round's part of every block m != l into region m of that half      (its own segment)
     2. Win_sync; a header to each node peer (its slot), and wait for theirs
-    3. Win_sync; add region l of each peer's half into its own block l        (the peers' segments)
+    3. Win_sync; add region l of each peer's half into its own block l, in the node ring's order (the same bits)
     a round of the allgather: its block's part into its half, headers, each peer's part copied out
     at the end: a zero-byte "done" to each peer and from each: no peer reads its slot any more
 
@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from .buffers import Buffer, is_torch, offsets, reduce_into
 from .node_window import NOTICE
+from .scratch import SCRATCH
 
 __all__ = ["HALF_BYTES", "MESSAGES", "SLOTS", "NodeStage"]
 
@@ -111,11 +112,24 @@ class NodeStage:
                 yield sends + [log.irecv(self.notices, got[q].bytes(), q, tag) for q in got]
             if a >= z:
                 continue
+            # The node ring's order of operations: its partial sum starts at rank+1 and goes round, own part last.
+            src = []
+            for k in range(1, self.size):
+                q = (self.rank + k) % self.size
+                j = self.peers.index(q)
+                src.append(got[q].elements() if q in got else
+                           self._typed(q, self._at(int(call.heads[j]), i) + self.rank * self.region, z - a, data))
             own = data.elements(a, z)
-            for j, q in enumerate(self.peers):  # peers in rank order: the sum's order is fixed
-                src = got[q].elements() if q in got else \
-                    self._typed(q, self._at(int(call.heads[j]), i) + self.rank * self.region, z - a, data)
-                reduce_into(op, own, own, src)
+            if len(src) == 1:
+                reduce_into(op, own, own, src[0])
+                continue
+            acc = SCRATCH.take(data, z - a)
+            total = acc.elements(0, z - a)
+            total[...] = src[0]
+            for more in src[1:]:
+                reduce_into(op, total, total, more)
+            reduce_into(op, own, own, total)
+            SCRATCH.give(acc)
 
     def allgather(self, call: Call, data: Buffer, counts: list[int], tag: int, log):
         """Generator: every block m of `counts`, reduced on node rank m, copied into `data` on every rank."""
