@@ -209,11 +209,13 @@ def test_detected_nodes(world, algorithm):
         assert_everywhere(world, np.array_equal(x, ref), f"{algorithm} on {topo}")
 
 
-def test_reduce_scatter_and_allgatherv_keep_the_flat_blocks(layout):
-    """PTO's pair: on two levels (placed node by node) by the hierarchy, block r on rank r as the ring leaves it."""
+@pytest.mark.parametrize("node_window", ["auto", True])
+def test_reduce_scatter_and_allgatherv_keep_the_flat_blocks(layout, node_window):
+    """PTO's pair: on two levels (placed node by node) by the hierarchy, block r on rank r as the ring leaves it;
+    its node steps as messages or through the shared window (mpicomm.node_stage)."""
     comm, topo = layout
     P, r = comm.Get_size(), comm.Get_rank()
-    with Collectives(topo, chunk_bytes=64 << 10) as coll:
+    with Collectives(topo, chunk_bytes=64 << 10, node_window=node_window) as coll:
         for n in lengths(P):
             x = data(n, np.int64, r)
             counts = block_counts(n, P)
@@ -236,6 +238,7 @@ def test_reduce_scatter_and_allgatherv_keep_the_flat_blocks(layout):
                               and np.array_equal(full, every) and np.array_equal(other, every), f"n={n} on {topo}")
         took = coll.blocks_hierarchical
         assert_everywhere(comm, took == (topo.num_nodes > 1 and topo.local_size > 1), f"hierarchical: {took}")
+        assert_everywhere(comm, node_window != True or bool(coll.stages) == took, f"window: {len(coll.stages)}")  # noqa: E712
 
 
 def test_reduce_scatter_lengths_that_differ_fail_together(world):
