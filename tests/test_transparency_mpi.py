@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from conftest import assert_everywhere
 from dp_helpers import ddp_parameters, wrap
-from runtime import STRATEGIES, DistributedOptimizer
+from runtime import STRATEGIES, AllreduceOptions, DistributedOptimizer, WfbpOptions
 
 pytestmark = pytest.mark.mpi
 
@@ -125,6 +125,18 @@ def test_wfbp_buckets(world, fuse_bytes):
     X, Y = data(world.Get_size())
     reference = train(None, world, X, Y)
     assert_everywhere(world, close(train("wfbp", world, X, Y, fuse_bytes=fuse_bytes), reference), f"{fuse_bytes}")
+
+
+@pytest.mark.parametrize("opts", [
+    AllreduceOptions(algorithm="hierarchical", node_window=True),
+    WfbpOptions(fuse_bytes=200, algorithm="hierarchical", in_flight=None, node_window=True),
+], ids=["allreduce", "wfbp-all-in-flight"])
+def test_the_hierarchys_node_window_equals_single_process(world, opts):
+    """Through the node's shared window (mpicomm.node_stage) wherever MPI's single copy: on two levels (2 hosts or
+    emulated nodes of 2) the window, elsewhere the flat path; either way one process's parameters."""
+    X, Y = data(world.Get_size())
+    reference = train(None, world, X, Y)
+    assert_everywhere(world, close(train(opts, world, X, Y), reference), opts.describe())
 
 
 def test_p3_waits_for_weights_read_by_a_parent_module(world):
