@@ -73,9 +73,8 @@ class Collectives:
             problem = exc
         self.comm = drain_at_exit(topology.world.Dup())
         try:
-            check_same_structure(self.comm, [f"error: {problem}" if problem
-                                             else f"{chooser.describe()}, node_window={node_window}"],
-                                 "allreduce setting")
+            check_same_structure(self.comm, [f"error: {problem}"] if problem
+                                 else [chooser.describe(), f"node_window={node_window}"], "allreduce setting")
         except Exception:
             self.comm.Free()
             raise

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from conftest import assert_everywhere
 from layout_helpers import sub_topology
-from mpicomm import Collectives
+from mpicomm import CollectiveMismatchError, Collectives
 from mpicomm.hierarchical import PIECE_BYTES, pieces
 from mpicomm.node_stage import HALF_BYTES, SLOTS
 from mpicomm.single_copy import single_copy
@@ -95,6 +95,9 @@ def test_auto_takes_the_window_where_any_rank_lacks_the_single_copy(layout, monk
         assert_everywhere(comm, bool(coll.stages) == two_levels, f"{len(coll.stages)} stages with CMA off on rank 0")
     with pytest.raises(ValueError, match="node_window must be True, False or 'auto', got 'yes'"):
         Collectives(topo, node_window="yes")
+    if comm.Get_size() > 1:
+        with pytest.raises(CollectiveMismatchError, match="rank 0: node_window=True; rank 1"):
+            Collectives(topo, node_window=True if comm.Get_rank() == 0 else "auto")
 
 
 def test_allreduces_cancelled_everywhere_leave_free_to_finish(layout):
