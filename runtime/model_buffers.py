@@ -6,7 +6,6 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpicomm import Collectives
 from mpicomm.requests import abandon
 from mpicomm.stall import StallPolicy, wait_until
 
@@ -14,20 +13,6 @@ from .buffer_selection import synced_buffers
 from .trace import span_of
 
 MODES = ("average", "broadcast", "none")
-
-
-def windowed_collectives(topology):
-    """Where MPI has no single copy for a node's large messages and the ranks are on several nodes of several
-    (mpicomm.node_stage): a Collectives whose hierarchy takes the node window; else None. There MPI's own
-    allreduce moves its node messages a cell per progress call while the strategy's bytes cross the link, and
-    wfbp's first buckets took 2x as long (benchmarks/topology.md)."""
-    if topology is None or topology.num_nodes < 2:
-        return None
-    coll = Collectives(topology, algorithm="hierarchical", validate=False)
-    if coll.stages:
-        return coll
-    coll.free()
-    return None
 
 
 class _Pack:
@@ -117,10 +102,7 @@ class BufferSync:
     On a GPU the pack is queued on the current stream of step(), behind the
     forward pass that wrote the buffers when it ran on that stream (a
     forward pass on another stream must be joined to it first, as for the
-    gradients), and the host waits for that one copy alone. With a `topology`
-    whose node steps take the shared window (windowed_collectives) the average
-    goes through mpicomm's hierarchical allreduce instead of MPI's, driven in
-    finish().
+    gradients), and the host waits for that one copy alone.
 
     Carried (`carry(strategy)`, where `carryable`): the strategy's own exchange
     averages the vector with the step's gradients instead (p3: as a slice more,
@@ -132,7 +114,7 @@ class BufferSync:
     """
 
     def __init__(self, model: torch.nn.Module, comm: MPI.Comm, mode: str, policy: StallPolicy, interrupt=None,
-                 timeline=None, topology=None):
+                 timeline=None):
         if mode not in MODES:
             raise ValueError(f"buffers must be one of {MODES}, got {mode!r}")
         self.mode, self.policy, self.interrupt, self.timeline = mode, policy, interrupt, timeline
@@ -143,8 +125,7 @@ class BufferSync:
         self.comm = comm.Dup() if self.active else comm
         self.collectives = self.copies_to_host = self.copies_to_device = 0  # issued so far (reported, tested)
         self.carried_rounds = 0  # handed to the carrier so far
-        self._request = self._handle = None  # MPI's request, or the windowed Collectives' handle
-        self.windowed = windowed_collectives(topology) if self.active and mode == "average" else None
+        self._request = None
         self.carrier = None  # the strategy whose exchange averages the vector (carry())
         self._carried = False  # a vector handed over, its average not yet written back
         self.handed = False  # ...in the step in progress (its owner clears it as the step ends)
@@ -170,9 +151,6 @@ class BufferSync:
         if not self.carryable:
             raise ValueError("these module buffers cannot be carried by a strategy's exchange")
         self.carrier = carrier
-        if self.windowed is not None:  # every rank carries alike (the strategy's choice): freed together
-            self.windowed.free()
-            self.windowed = None
 
     def _layout(self) -> None:
         """One pack per device (a model's buffers are on one), each a slice of the host vector MPI reduces."""
@@ -194,9 +172,7 @@ class BufferSync:
         if not self.active or self.carrier is not None:
             return
         self._pack()
-        if self.windowed is not None:
-            self._handle = self.windowed.allreduce(self.staging)
-        elif self.mode == "average":
+        if self.mode == "average":
             self._request = self.comm.Iallreduce(MPI.IN_PLACE, self.staging)
         else:
             self._request = self.comm.Ibcast(self.staging, root=0)
@@ -224,18 +200,15 @@ class BufferSync:
             self._carried = False
             self._write_back()  # averaged already: the exchange divides its sums by the ranks
             return
-        req, handle = self._request, self._handle
-        if req is None and handle is None:
+        req = self._request
+        if req is None:
             return
         # On the timeline: behind bulk traffic this wait can be long (benchmarks/claims.md, ninth pass).
         with span_of(self.timeline, "wait module buffers", "sync"):
-            wait_until(req.Test if handle is None else handle.test, what="averaging module buffers",
-                       policy=self.policy, who=f"rank {self.comm.Get_rank()}: ",
-                       report=lambda: f"{'a native MPI' if handle is None else 'the hierarchical'} allreduce of the "
-                                      "buffers", interrupt=self.interrupt)
-        if handle is not None:
-            handle.wait()  # raises what the collective raised
-        self._request = self._handle = None
+            wait_until(req.Test, what="averaging module buffers", policy=self.policy,
+                       who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
+                       interrupt=self.interrupt)
+        self._request = None
         if self.mode == "average":
             self.staging *= 1.0 / self.size
         self._write_back()
@@ -276,13 +249,9 @@ class BufferSync:
         if self.active:
             self.finish()  # every rank posted the last one (step() does, after the step's agreement)
             self.comm.Free()
-            if self.windowed is not None:
-                self.windowed.free()
 
     def abandon(self) -> None:
         """Error path: a collective cannot be cancelled; it is completed in the background (mpicomm.requests)."""
         abandon(self._request, "module buffers")
-        if self._handle is not None:
-            self._handle.cancel()
-        self._request = self._handle = None
+        self._request = None
         self._carried = self.handed = False  # the carrier aborts its own exchange

@@ -142,7 +142,7 @@ class DistributedOptimizer:
         self._comm_hook = None
         self.check = StepCheck(self.comm, len(self.params), self.policy, watch=cls.progress_thread)
         self.model_buffers = BufferSync(self.model, self.comm, self.buffer_mode, self.policy,
-                                        self.check.interrupt, timeline=self.timeline, topology=self.topology)
+                                        self.check.interrupt, timeline=self.timeline)
         carried = self.model_buffers.vector if cls.carries_buffers and self.model_buffers.carryable else None
         ctx = StrategyContext(self.topology, self.params, self.names, self.buffers, self.options, self.timeline,
                               self.policy, shard_gradients=pto and cls.can_shard_gradients,

@@ -308,31 +308,3 @@ def test_which_buffers_travel(world):
     ok = ok and [id(b) for b in sent] == [id(bn.running_mean), id(bn.running_var)] and watched == []
     ok = ok and synced_buffers(model, "none") == ([], [])
     assert_everywhere(world, ok, "synced_buffers")
-
-
-@pytest.mark.parametrize("strategy", ["allreduce", "p3"])
-def test_without_a_single_copy_the_average_takes_the_node_window(world, monkeypatch, strategy):
-    """Two nodes of two, MPICH's single copy off (its variable; mpicomm.single_copy): the average goes through
-    mpicomm's hierarchical allreduce with the node window, not MPI's (allreduce; p3 carries it in its exchange and
-    drops that), and the statistics agree as everywhere else."""
-    from mpicomm import Topology
-
-    if world.Get_size() != 4:
-        pytest.skip("needs 4 ranks")
-    monkeypatch.setenv("MPIR_CVAR_CH4_CMA_ENABLE", "0")
-    r = world.Get_rank()
-    with Topology(world, ranks_per_node=2) as topo:
-        model = bn_model()
-        dopt = wrap(torch.optim.SGD(model.parameters(), lr=0.05), model, strategy, topology=topo)
-        windowed = dopt.model_buffers.windowed is not None
-        for step in range(3):
-            dopt.zero_grad()
-            nn.functional.cross_entropy(model(torch.randn(8, 6) + r), torch.randint(0, 3, (8,))).backward()
-            dopt.step()
-        dopt.synchronize()
-        stats = torch.cat([model[1].running_mean, model[1].running_var])
-        first = stats.clone()
-        world.Bcast(first.numpy(), root=0)
-        dopt.close()
-        assert_everywhere(world, windowed == (strategy != "p3") and torch.allclose(stats, first, rtol=1e-6),
-                          f"{strategy}: windowed {windowed}, statistics {stats[:2].tolist()} / {first[:2].tolist()}")
