@@ -109,7 +109,7 @@ class NodeStage:
             yield heads  # not the parts' sends: a large one completes once its peer, past its own headers, receives
             self.win.Sync()  # the peers' writes, as their headers say
             a, z = parts[self.rank]
-            got = {q: data.scratch(z - a) for j, q in enumerate(self.peers) if call.heads[j] == MESSAGES} \
+            got = {q: SCRATCH.take(data, z - a) for j, q in enumerate(self.peers) if call.heads[j] == MESSAGES} \
                 if a < z else {}
             if got or sends:
                 yield sends + [log.irecv(self.notices, got[q].bytes(), q, tag) for q in got]
@@ -125,14 +125,15 @@ class NodeStage:
             own = data.elements(a, z)
             if len(src) == 1:
                 reduce_into(op, own, own, src[0])
-                continue
-            acc = SCRATCH.take(data, z - a)
-            total = acc.elements(0, z - a)
-            total[...] = src[0]
-            for more in src[1:]:
-                reduce_into(op, total, total, more)
-            reduce_into(op, own, own, total)
-            SCRATCH.give(acc)
+            else:
+                acc = SCRATCH.take(data, z - a)
+                total = acc.elements(0, z - a)
+                total[...] = src[0]
+                for more in src[1:]:
+                    reduce_into(op, total, total, more)
+                reduce_into(op, own, own, total)
+                SCRATCH.give(acc)
+            SCRATCH.give(*got.values())  # only here: a cancelled call may still have a receive posted into them
 
     def allgather(self, call: Call, data: Buffer, counts: list[int], tag: int, log):
         """Generator: every block m of `counts`, reduced on node rank m, copied into `data` on every rank."""
