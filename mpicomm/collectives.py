@@ -99,7 +99,7 @@ class Collectives:
                                                       for _ in range(LANES - 1 if two_levels else 0)]
         except BaseException:
             for r in rings:
-                r.free()
+                r.free(drain=False)  # nothing sent on them yet, and a rank that raised here is not freeing
             self.comm.Free()
             raise
         self.rank, self.size, self.left = self.flat.rank, self.flat.size, self.flat.left
@@ -142,20 +142,22 @@ class Collectives:
         return []
 
     # -- lifecycle ---------------------------------------------------------
-    def free(self) -> None:
+    def free(self, drain: bool = True) -> None:
+        """Collective on every rank of the topology, as MPI_Comm_free: what calls cancelled on one side left queued
+        is dropped first (Ring.free), not handed to MPI's next communicators; not on an error path (`drain`)."""
         for stage in self.stages:
             stage.free()
         self.stages = []
         for ring in [self.flat] + [r for lane in self.lanes for r in lane]:
-            ring.free()
+            ring.free(drain)
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
     def __enter__(self) -> "Collectives":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.free()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.free(drain=exc_type is None)
 
     # -- collectives -------------------------------------------------------
     def allreduce(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:

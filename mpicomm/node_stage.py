@@ -25,7 +25,6 @@ call, and a progress thread that sleeps between polls stretched wfbp's steps
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import torch
@@ -33,13 +32,13 @@ from mpi4py import MPI
 
 from .buffers import Buffer, is_torch, offsets, reduce_into
 from .node_window import NOTICE
+from .quiesce import quiesce
 from .requests import cancel_receives
 from .scratch import SCRATCH
 
 __all__ = ["HALF_BYTES", "MESSAGES", "SLOTS", "NodeStage"]
 
 SLOTS, HALF_BYTES = 4, 1 << 20  # a lane's window: 8 MiB a rank
-DONE_GRACE = 5.0  # seconds free() waits for peers' done notices before cancelling them
 MESSAGES = -1  # a header's slot when the rank's parts come as messages
 
 
@@ -173,14 +172,17 @@ class NodeStage:
         with self._lock:
             self.held[call.slot] = done
 
-    def _settle(self, done: list) -> None:
-        deadline = time.monotonic() + DONE_GRACE
-        while not MPI.Request.Testall(done) and time.monotonic() < deadline:
-            time.sleep(1e-4)
-        n = len(self.peers)  # each call's list: its receives, then its sends
-        recvs = [r for k, r in enumerate(done) if k % (2 * n) < n and r]
-        for req in cancel_receives(recvs) + [r for k, r in enumerate(done) if k % (2 * n) >= n and r]:
-            req.Free()
+    def _drain(self) -> None:
+        """free()'s clean path: the done notices still awaited are cancelled (a call a peer never closed sends
+        none), then whatever the peers sent that nothing received is dropped (mpicomm.quiesce)."""
+        held = [r for h in self.held if h is not None and h is not True for r in h]
+        n = len(self.peers)  # each call's done list: its receives, then its sends
+        for req in cancel_receives([r for k, r in enumerate(held) if k % (2 * n) < n and r]):
+            req.Free()  # matched but not landed: zero bytes into NOTICE, a global buffer
+        quiesce([self.notices, self.done])
+        for req in [r for k, r in enumerate(held) if k % (2 * n) >= n and r]:
+            if not req.Test():
+                req.Free()  # zero bytes from NOTICE
 
     def _headers(self, call: Call, tag: int, log) -> list:
         """A round's headers (this rank's slot), after a Win_sync that publishes its writes (MPI's unified memory
@@ -210,10 +212,10 @@ class NodeStage:
         """Collective over the node's ranks on the clean path (Win_free waits for them all); not `clean` (a peer may
         be gone), the window is left to the process's end, as freed requests are (mpicomm.requests).
 
-        A call cancelled here or on a peer (strategy.abort() before a clean close) never sends its done notices:
-        those still pending after DONE_GRACE seconds are cancelled, not waited for."""
+        Calls cancelled here or on a peer (strategy.abort() before a clean close) may leave messages that nothing
+        receives; the clean path drops them first (_drain), so that no later communicator is handed one."""
         if self.win is not None and clean:
-            self._settle([r for h in self.held if h is not None and h is not True for r in h])
+            self._drain()
             self.segments = []
             self.win.Unlock_all()
             self.win.Free()

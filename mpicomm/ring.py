@@ -22,6 +22,7 @@ from .buffers import (OP_CODES, Buffer, BufferError, allreduce_operands, block_c
 from .handle import Handle
 from .requests import RequestLog, drain_at_exit
 from .scratch import SCRATCH
+from .quiesce import quiesce
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
@@ -78,16 +79,21 @@ class Ring:
         self.tags = TagAllocator(self.comm)
 
     # -- lifecycle ---------------------------------------------------------
-    def free(self) -> None:
+    def free(self, drain: bool = True) -> None:
+        """Collective, as MPI_Comm_free: what calls cancelled on one side left queued is dropped first
+        (mpicomm.quiesce), not handed to MPI's next communicator; `drain=False` (an error path, where a peer may
+        be gone) skips that."""
         if self.comm != MPI.COMM_NULL:
+            if drain:
+                quiesce([self.comm])
             self.native.free()
             self.comm.Free()
 
     def __enter__(self) -> "Ring":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.free()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.free(drain=exc_type is None)
 
     # -- public collectives ------------------------------------------------
     def allreduce(self, buf, out=None, *, op: str = "sum", tag: int | None = None) -> Handle:

@@ -15,6 +15,11 @@ def tag_upper_bound(comm: MPI.Comm) -> int:
     return int(ub) if ub is not None else 32767
 
 
+def end_tag(comm: MPI.Comm) -> int:
+    """The top tag, which no call of this library sends: mpicomm.quiesce's end markers."""
+    return tag_upper_bound(comm)
+
+
 def explicit_tag_bound(comm: MPI.Comm) -> int:
     """The largest tag a caller may choose; tags above it are handed out automatically.
 
@@ -49,8 +54,8 @@ class TagAllocator:
     def next(self) -> int:
         tag = self._next
         # Wrapping is safe: two collectives that far apart in the sequence are
-        # never in flight together.
-        self._next = self.first if tag >= self.ub else tag + 1
+        # never in flight together. The top tag is left to end markers (end_tag).
+        self._next = self.first if tag >= self.ub - 1 else tag + 1
         return tag
 
 

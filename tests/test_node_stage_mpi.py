@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -99,3 +101,39 @@ def test_auto_takes_the_window_where_any_rank_lacks_the_single_copy(layout, monk
         with pytest.raises(CollectiveMismatchError, match="rank 0: node_window=True; rank 1"):
             Collectives(topo, node_window=True if comm.Get_rank() == 0 else "auto")
 
+
+
+@pytest.mark.parametrize("window", [True, False], ids=["window", "messages"])
+def test_calls_cancelled_everywhere_leave_nothing_for_later_communicators(layout, window):
+    """strategy.abort() before a clean close cancels the calls in flight on every rank, each at its own point: a
+    header or a ring chunk sent to a peer that had cancelled its receive is left queued. free() drops them
+    (mpicomm.quiesce), so that the communicators MPI builds next on the same contexts receive nothing stale; and
+    a new Collectives works."""
+    comm, topo = layout
+    r = comm.Get_rank()
+    coll = Collectives(topo, algorithm="hierarchical", validate=False, node_window=window)
+    coll.allreduce(random(300_001, r), tag=1).wait()  # its done notices left pending with its slot
+    handles = [coll.allreduce(random(3_000_001, r), tag=k) for k in (3, 4)]
+    end = time.monotonic() + 0.01 * r  # each rank cancels at another point of the calls
+    while time.monotonic() < end:
+        for h in handles:
+            h.test()
+    for h in handles:
+        h.cancel()
+    coll.free()
+    with Collectives(topo, algorithm="hierarchical", node_window=window) as again:  # built as the freed one was
+        later = [again.comm] + [ring.comm for ring in [again.flat] + [r for lane in again.lanes for r in lane]] \
+            + [c for stage in again.stages for c in (stage.notices, stage.done)] + [comm.Dup() for _ in range(20)]
+        comm.Barrier()
+        time.sleep(0.2)  # what a peer sent before its free() has landed by now
+        status, stale = MPI.Status(), []
+        for c in later:
+            while (msg := c.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+                stale.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
+                msg.Recv([np.empty(stale[-1][2], dtype=np.uint8), MPI.BYTE])
+        for c in later[-20:]:
+            c.Free()
+        assert_everywhere(comm, not stale, f"{topo}: stale messages (source, tag, bytes) {stale}")
+        y = torch.ones(300_001)
+        again.allreduce(y).wait()
+        assert_everywhere(comm, bool(torch.all(y == comm.Get_size())), f"after the cancelled calls on {topo}")

@@ -8,7 +8,7 @@ import torch
 from mpi4py import MPI
 
 from mpicomm import IN_PLACE, BufferError, Ring, TagAllocator, TagError, check_tag, slice_tag
-from mpicomm.tags import explicit_tag_bound
+from mpicomm.tags import end_tag, explicit_tag_bound
 
 
 def test_tag_bounds():
@@ -20,12 +20,13 @@ def test_tag_bounds():
             check_tag(MPI.COMM_SELF, bad)
 
 
-def test_automatic_tags_live_above_the_explicit_ones_and_wrap_there():
+def test_automatic_tags_live_above_the_explicit_ones_and_wrap_below_the_end_tag():
+    """The top tag is never handed out: mpicomm.quiesce's end markers carry it."""
     tags = TagAllocator(MPI.COMM_SELF)
     first = explicit_tag_bound(MPI.COMM_SELF) + 1
     assert [tags.next() for _ in range(3)] == [first, first + 1, first + 2]
-    tags._next = tags.ub
-    assert tags.next() == tags.ub and tags.next() == first
+    tags._next = tags.ub - 1
+    assert tags.next() == tags.ub - 1 == end_tag(MPI.COMM_SELF) - 1 and tags.next() == first
 
 
 def test_slice_tags_distinct_and_checked():
