@@ -47,6 +47,7 @@ from mpi4py import MPI
 from .node_window import NOTICE, NodeWindow
 from .pacing import Pacer
 from .progress import Task
+from .quiesce import quiesce
 from .requests import RequestLog, drain_at_exit
 from .slice_plan import SlicePlan
 from .slice_waits import SliceWaits
@@ -366,6 +367,8 @@ class SlicedExchange(SliceWaits, Task):
             self.window.free(clean=self.error is None and not self._aborted)
             self.window = None
         if self.comm != MPI.COMM_NULL:
+            if self.error is None:  # every rank frees it (close); pushes and pulls an abort cut short are dropped
+                quiesce([self.comm])
             self.comm.Free()
 
     def __repr__(self) -> str:

@@ -133,6 +133,19 @@ def assert_everywhere(comm, ok: bool, message: str = "") -> None:
     assert not bad, f"failed on rank(s) {bad}: {message if not ok else '(see those ranks)'}"
 
 
+def queued(comms) -> list:
+    """(source, tag, bytes) of every message waiting on these communicators for this rank: received and dropped."""
+    import numpy as np
+    from mpi4py import MPI
+
+    status, found = MPI.Status(), []
+    for comm in comms:
+        while (msg := comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+            found.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
+            msg.Recv([np.empty(found[-1][2], dtype=np.uint8), MPI.BYTE])
+    return found
+
+
 @pytest.fixture
 def device(world):
     """gpu tests: this rank's GPU as the jobs pick it (local rank % GPUs): 4 ranks on one GPU share it."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from conftest import assert_everywhere
+from conftest import assert_everywhere, queued
 from layout_helpers import sub_topology
 from mpicomm import CollectiveMismatchError, Collectives
 from mpicomm.hierarchical import PIECE_BYTES, pieces
@@ -126,11 +126,7 @@ def test_calls_cancelled_everywhere_leave_nothing_for_later_communicators(layout
             + [c for stage in again.stages for c in (stage.notices, stage.done)] + [comm.Dup() for _ in range(20)]
         comm.Barrier()
         time.sleep(0.2)  # what a peer sent before its free() has landed by now
-        status, stale = MPI.Status(), []
-        for c in later:
-            while (msg := c.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
-                stale.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
-                msg.Recv([np.empty(stale[-1][2], dtype=np.uint8), MPI.BYTE])
+        stale = queued(later)
         for c in later[-20:]:
             c.Free()
         assert_everywhere(comm, not stale, f"{topo}: stale messages (source, tag, bytes) {stale}")

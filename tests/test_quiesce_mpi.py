@@ -8,21 +8,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import assert_everywhere
+from conftest import assert_everywhere, queued
 from mpicomm import Ring
 from mpicomm.quiesce import quiesce
 from mpicomm.tags import end_tag
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
-
-
-def queued(comm) -> list:
-    """(source, tag, bytes) of every message waiting on `comm`, received and dropped."""
-    status, found = MPI.Status(), []
-    while (msg := comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
-        found.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
-        msg.Recv([np.empty(found[-1][2], dtype=np.uint8), MPI.BYTE])
-    return found
 
 
 @pytest.mark.parametrize("nbytes", [16, 4 << 20], ids=["eager", "rendezvous"])
@@ -41,7 +32,7 @@ def test_a_message_nobody_received_is_not_handed_to_the_next_ring(world, nbytes)
     with Ring(world, validate=False) as again:
         world.Barrier()
         time.sleep(0.2)  # a message still on its way would land by now
-        stale = queued(again.comm)
+        stale = queued([again.comm])
         assert_everywhere(world, not stale and (done or size == 1), f"stale {stale}, send completed: {done}")
     if not done:
         sent.Free()
