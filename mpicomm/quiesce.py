@@ -6,12 +6,12 @@ that had already cancelled its receive. Freed with such a message queued, a
 communicator hands it to the next one MPI builds on the same context, whose
 call with that tag would receive it as its own.
 
-    every rank: an end marker (tag END_TAG, no bytes) to every other rank of each communicator
+    every rank: an end marker (the top tag, no bytes) to every other rank of each communicator
     then: receive whatever comes, from anyone, until every peer's marker is in
 
 MPI keeps one sender's messages on one communicator in order, so once a
 peer's marker is in, nothing of that peer is left behind. No call of this
-library sends END_TAG (mpicomm.tags leaves the top tag free).
+library sends the top tag (mpicomm.tags.end_tag).
 """
 
 from __future__ import annotations

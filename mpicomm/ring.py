@@ -20,9 +20,9 @@ from . import validate as V
 from .buffers import (OP_CODES, Buffer, BufferError, allreduce_operands, block_counts, check_op, chunk_ranges,
                       offsets, reduce_into, wrap)
 from .handle import Handle
+from .quiesce import quiesce
 from .requests import RequestLog, drain_at_exit
 from .scratch import SCRATCH
-from .quiesce import quiesce
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
