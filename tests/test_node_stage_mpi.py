@@ -102,7 +102,6 @@ def test_auto_takes_the_window_where_any_rank_lacks_the_single_copy(layout, monk
             Collectives(topo, node_window=True if comm.Get_rank() == 0 else "auto")
 
 
-
 @pytest.mark.parametrize("window", [True, False], ids=["window", "messages"])
 def test_calls_cancelled_everywhere_leave_nothing_for_later_communicators(layout, window):
     """strategy.abort() before a clean close cancels the calls in flight on every rank, each at its own point: a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from mpicomm.quiesce import quiesce
 from mpicomm.tags import end_tag
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
+KEPT: list = []  # a send that failed to complete, with its buffer: MPI may still read it
 
 
 @pytest.mark.parametrize("nbytes", [16, 4 << 20], ids=["eager", "rendezvous"])
@@ -35,7 +37,7 @@ def test_a_message_nobody_received_is_not_handed_to_the_next_ring(world, nbytes)
         stale = queued([again.comm])
         assert_everywhere(world, not stale and (done or size == 1), f"stale {stale}, send completed: {done}")
     if not done:
-        sent.Free()
+        KEPT.append((sent, payload))
 
 
 def test_a_peer_that_never_quiesces_is_named_and_nobody_waits_for_ever(world):
@@ -44,16 +46,18 @@ def test_a_peer_that_never_quiesces_is_named_and_nobody_waits_for_ever(world):
         pytest.skip("needs 2 ranks")
     r = world.Get_rank()
     pair = world.Split(0 if r < 2 else MPI.UNDEFINED, r)
-    said = []
+    said, dropped = [], 0
     if r == 0:
-        with pytest.warns(UserWarning, match=r"no end marker from rank\(s\) \[1\] within 0 s") as caught:
+        with warnings.catch_warnings(record=True) as caught:  # checked on every rank below, not raised here alone
+            warnings.simplefilter("always")
             quiesce([pair], limit=0.2)
         said = [str(w.message) for w in caught]
     world.Barrier()
     if r == 1:
-        assert quiesce([pair]) == 0  # rank 0's marker is in: at once
+        dropped = quiesce([pair])  # rank 0's marker is in: at once, and nothing else
     if r == 0:
         pair.Recv([np.empty(0, dtype=np.uint8), MPI.BYTE], 1, end_tag(pair))  # rank 1's, sent after the limit
-    assert_everywhere(world, r != 0 or len(said) == 1, f"warnings {said}")
+    named = len(said) == 1 and "no end marker from rank(s) [1] within 0 s" in said[0]
+    assert_everywhere(world, (r != 0 or named) and dropped == 0, f"warnings {said}, dropped {dropped}")
     if pair != MPI.COMM_NULL:
         pair.Free()
