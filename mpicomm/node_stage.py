@@ -70,8 +70,8 @@ class NodeStage:
         self.region = max(64, half_bytes // self.size // 64 * 64)  # a block's part of a half: whole cache lines
         self.half = self.region * self.size
         self.win = self.notices = self.done = None
-        # Per slot: None (free), True (a call's), or the done notices of the call that last held it, pending: it
-        # is free once they complete, which open() tests, so that no call waits for them.
+        # Per slot: None (free), True (a call's), or the done notices of the call that last held it, pending, as
+        # (receives, sends): it is free once they complete, which open() tests, so that no call waits for them.
         self.held: list = [None] * SLOTS
         self.as_messages = 0  # calls that found every slot held (tests, reports)
         self._lock = threading.Lock()  # calls may open from the progress thread and the caller's
@@ -84,7 +84,7 @@ class NodeStage:
         """A free slot of this rank's segment, or MESSAGES where all are held."""
         with self._lock:
             slot = next((s for s, h in enumerate(self.held) if h is None or h is not True and
-                         MPI.Request.Testall(h)), MESSAGES)
+                         MPI.Request.Testall(h[0] + h[1])), MESSAGES)
             if slot != MESSAGES:
                 self.held[slot] = True
             else:
@@ -164,10 +164,10 @@ class NodeStage:
         """Generator: the done notices (this rank reads no peer's slot any more; each peer, none of its own). A
         call that held a slot leaves them pending with it, free once they complete; only one that sent its parts
         as messages waits for them."""
-        done = ([log.irecv(self.done, NOTICE, q, tag) for q in self.peers]
-                + [log.isend(self.done, NOTICE, q, tag) for q in self.peers])
+        done = ([log.irecv(self.done, NOTICE, q, tag) for q in self.peers],
+                [log.isend(self.done, NOTICE, q, tag) for q in self.peers])
         if call.slot == MESSAGES:
-            yield done
+            yield done[0] + done[1]
             return
         with self._lock:
             self.held[call.slot] = done
@@ -175,12 +175,11 @@ class NodeStage:
     def _drain(self) -> None:
         """free()'s clean path: the done notices still awaited are cancelled (a call a peer never closed sends
         none), then whatever the peers sent that nothing received is dropped (mpicomm.quiesce)."""
-        held = [r for h in self.held if h is not None and h is not True for r in h]
-        n = len(self.peers)  # each call's done list: its receives, then its sends
-        for req in cancel_receives([r for k, r in enumerate(held) if k % (2 * n) < n and r]):
+        held = [h for h in self.held if h is not None and h is not True]
+        for req in cancel_receives([r for recvs, _ in held for r in recvs if r]):
             req.Free()  # matched but not landed: zero bytes into NOTICE, a global buffer
         quiesce([self.notices, self.done])
-        for req in [r for k, r in enumerate(held) if k % (2 * n) >= n and r]:
+        for req in [r for _, sends in held for r in sends if r]:
             if not req.Test():
                 req.Free()  # zero bytes from NOTICE
 
