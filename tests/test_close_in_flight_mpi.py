@@ -17,12 +17,12 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 STEPS = 4
 
 
-def trained(world, strategy, X, Y):
+def trained(world, strategy, X, Y, **kw):
     """Branchy after STEPS steps under `strategy` (one process: strategy None, every rank's batch)."""
     torch.manual_seed(7)
     model, P, r = Branchy(), world.Get_size(), world.Get_rank()
     opt = sgd(model)
-    dopt = wrap(opt, model, strategy) if strategy else opt
+    dopt = wrap(opt, model, strategy, **kw) if strategy else opt
     for step in range(STEPS):
         dopt.zero_grad()
         ranks = [r] if strategy else range(P)
@@ -34,14 +34,14 @@ def trained(world, strategy, X, Y):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def close_in_flight(world, strategy):
+def close_in_flight(world, strategy, **kw):
     """Two steps of a wide model, then a backward without step(), rank r 20*r ms late, and close(): what the
     exchange had in flight is cancelled on every rank at its own point. Nothing may stay queued for the
     communicators MPI builds next."""
     r = world.Get_rank()
     torch.manual_seed(3)
     wide = nn.Sequential(nn.Linear(1000, 1500), nn.ReLU(), nn.Linear(1500, 1000))
-    dopt = wrap(sgd(wide), wide, strategy)
+    dopt = wrap(sgd(wide), wide, strategy, **kw)
     x = torch.randn(8, 1000)
     for _ in range(2):
         dopt.zero_grad()
@@ -60,26 +60,28 @@ def close_in_flight(world, strategy):
     assert_everywhere(world, not stale, f"{strategy}: stale messages (source, tag, bytes) {stale}")
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "hybcomm"])
-def test_the_next_optimizer_trains_as_one_process(world, strategy):
+@pytest.mark.parametrize("strategy,kw", [("allreduce", {}), ("wfbp", {}), ("p3", {}), ("hybcomm", {}),
+                                         ("allreduce", {"pto": True}), ("wfbp", {"pto": True}),
+                                         ("p3", {"credit": "online"})])
+def test_the_next_optimizer_trains_as_one_process(world, strategy, kw):
     """A wide model's backward without step(), rank 3's last: the exchange is cut short at different points on
     different ranks. Run as a script on 2 fake hosts x 2, the code before mpicomm.quiesce left a wfbp ring chunk or
     a p3 slice queued on the freed communicators in 2 runs of 3; the communicators built next here saw none of
     them (MPI gave them other contexts), so the checks that bite are tests/test_quiesce_mpi.py's and
     tests/test_node_stage_mpi.py's: this one covers the path end to end."""
-    close_in_flight(world, strategy)
+    close_in_flight(world, strategy, **kw)
     X, Y = batches(world.Get_size(), steps=STEPS)
-    got, want = trained(world, strategy, X, Y), trained(world, None, X, Y)
+    got, want = trained(world, strategy, X, Y, **kw), trained(world, None, X, Y)
     assert_everywhere(world, close(got, want), f"{strategy}: {max_diff(got, want):.3g} from one process")
 
 
-@pytest.mark.parametrize("strategy", ["topk", "hier-topk"])
-def test_the_next_optimizer_trains_as_a_fresh_one(world, strategy):
+@pytest.mark.parametrize("strategy,kw", [("topk", {}), ("hier-topk", {}), ("topk", {"pto": True})])
+def test_the_next_optimizer_trains_as_a_fresh_one(world, strategy, kw):
     """The same for the sparse strategies (top-k is not one process's SGD): the optimizer built after
     the cancelled close() trains bitwise as the one built before it."""
     X, Y = batches(world.Get_size(), steps=STEPS)
-    want = trained(world, strategy, X, Y)
-    close_in_flight(world, strategy)
-    got = trained(world, strategy, X, Y)
+    want = trained(world, strategy, X, Y, **kw)
+    close_in_flight(world, strategy, **kw)
+    got = trained(world, strategy, X, Y, **kw)
     same = all(torch.equal(a, b) for a, b in zip(got, want))
     assert_everywhere(world, same, f"{strategy}: {max_diff(got, want):.3g} from the run before the cancelled close")
