@@ -25,7 +25,9 @@ the watcher thread PICKUP seconds later, if its main thread did not take the
 notice up (and, for an EXIT notice, only while it is inside this library).
 A stopping rank waits up to GRACE seconds for every other rank's FAILED notice, so
 that each prints its line before the first exit makes mpiexec end the job,
-then leaves with os._exit(1): no MPI_Finalize that could block.
+then leaves with os._exit(1) (130 after ^C): no MPI_Finalize that could block.
+A KeyboardInterrupt (^C, which mpiexec passes to every rank) prints one line a
+rank, where it was, not a traceback a rank.
 
 Opt out: MPITRAIN_FAILSTOP=0 before importing runtime, or disable().
 """
@@ -36,6 +38,7 @@ import atexit
 import os
 import struct
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -54,6 +57,8 @@ GRACE = 10.0  # seconds a stopping rank waits for every other rank's notice
 # MPI going until every rank has exited), one it never joins would wait for ever.
 EXIT_GRACE = 2.0
 FAILED, EXIT = 1, 2
+INTERRUPTED = 130  # a shell's status for a process ended by SIGINT (128 + 2)
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _HEADER = struct.Struct("<iiq")  # origin rank, kind, its step (-1: none)
 TEXT = 2048
 _PACKAGES = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + p + os.sep
@@ -142,8 +147,8 @@ class _Guard:
         raise PeerFailedError(describe(notice))
 
     # -- stopping -----------------------------------------------------------------------------
-    def stop(self, origin: int, text: str, step: int, say: str = "") -> None:
-        """Tell every other rank, wait for theirs (so that every rank prints), then leave: exit status 1."""
+    def stop(self, origin: int, text: str, step: int, say: str = "", status: int = 1) -> None:
+        """Tell every other rank, wait for theirs (so that every rank prints), then leave with `status`."""
         with self.lock:
             if self.stopping:
                 return
@@ -159,7 +164,7 @@ class _Guard:
         while not self._all_stopping() and time.monotonic() < deadline:
             self._poll()
             time.sleep(POLL / 10)
-        os._exit(1)
+        os._exit(status)
 
     def _all_stopping(self) -> bool:
         return all(self.heard.get(r, (0, 0))[1] == FAILED for r in range(self.size) if r != self.rank)
@@ -170,7 +175,8 @@ class _Guard:
         self.fail(exc)
 
     def fail(self, exc: BaseException) -> None:
-        """This rank's exception ends the job: its traceback (or, for a peer's failure, one line), then stop()."""
+        """This rank's exception ends the job: its traceback (for a peer's failure or ^C, one line), then stop()."""
+        status = 1
         if isinstance(exc, PeerFailedError):  # not this rank's error: the line names the rank that failed
             deadline = time.monotonic() + 0.5  # heard through an optimizer's beacon first: the origin's notice
             while self.failure is None and time.monotonic() < deadline:  # is on its way
@@ -178,11 +184,15 @@ class _Guard:
                 time.sleep(POLL / 10)
             origin, _, step, text, _ = self.failure or (self.rank, FAILED, self.steps(), f"PeerFailedError: {exc}", 0)
             say = f"[rank {self.rank}] PeerFailedError: {exc}"
+        elif isinstance(exc, KeyboardInterrupt):
+            origin, step = self.rank, self.steps()
+            text = interrupted(exc, step)
+            say, status = f"[rank {self.rank}] {text}", INTERRUPTED
         else:
             origin, step, text = self.rank, self.steps(), f"{type(exc).__name__}: {exc}"
             lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n")
             say = "".join(f"[rank {self.rank}] {line}\n" for line in lines.split("\n"))
-        self.stop(origin, text, step, say)
+        self.stop(origin, text, step, say, status)
 
     def _watch(self) -> None:
         while not self._done.wait(POLL):
@@ -317,6 +327,13 @@ def register(obj) -> None:
 def unregister(obj) -> None:
     if _GUARD is not None:
         _GUARD.open.pop(id(obj), None)
+
+
+def interrupted(exc: KeyboardInterrupt, step: int = -1) -> str:
+    """One line for ^C: the innermost place outside Python's own library where the rank was."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_STDLIB)]
+    where = f" in {frames[-1].name} ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"KeyboardInterrupt: interrupted{f' at step {step}' if step >= 0 else ''}{where}"
 
 
 def fail(exc: BaseException) -> bool:

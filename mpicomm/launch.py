@@ -51,10 +51,11 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
         from . import failstop
         if failstop.fail(sys.exc_info()[1]):  # does not return
             raise
-        rank = MPI.COMM_WORLD.Get_rank()
-        lines = traceback.format_exc().rstrip("\n").split("\n")
+        rank, exc = MPI.COMM_WORLD.Get_rank(), sys.exc_info()[1]
+        interrupt = isinstance(exc, KeyboardInterrupt)  # ^C: where, not a traceback a rank
+        lines = [failstop.interrupted(exc)] if interrupt else traceback.format_exc().rstrip("\n").split("\n")
         sys.stdout.flush()
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
         sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+        MPI.COMM_WORLD.Abort(failstop.INTERRUPTED if interrupt else 1)
     sys.exit(status)

@@ -34,7 +34,10 @@ if mode == "before-wrap" and rank == 1:
 opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                            "nope" if mode == "unknown-strategy" and rank == 1 else strategy)
 steps = 9 if mode.startswith("uneven") and rank == 3 else 10 if mode.startswith("uneven") else 40
+steps = 10 ** 9 if mode == "interrupt" else steps  # until ^C
 for step in range(steps):
+    if mode == "interrupt" and step == 5 and rank == 0:
+        print("[rank 0] training", flush=True)
     if mode == "raise" and step == 20 and rank == 1:
         raise OSError("disk gone")
     if mode == "exit" and step == 5 and rank == 2:

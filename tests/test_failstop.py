@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -98,3 +100,29 @@ def test_fail_stop_can_be_turned_off():
     """MPITRAIN_FAILSTOP=0: the old behaviour (the ranks waiting for the failed one are ended by the limit)."""
     proc = run("raise", "allreduce", env={"MPITRAIN_FAILSTOP": "0", "MPITRAIN_STALL_TIMEOUT": "4"})
     assert proc.returncode != 0 and "PeerFailedError: rank 1" not in proc.stderr
+
+
+@pytest.mark.parametrize("launch", ["script", "job"])
+def test_ctrl_c_ends_every_rank_with_one_line_each_and_status_130(launch):
+    """^C at mpiexec (which passes SIGINT to every rank): each rank says where it was in one line, no traceback
+    a rank; the job ends with a shell's status for SIGINT. A user's script (sys.excepthook) and a job (run_main)."""
+    cmd = [SCRIPT, "interrupt", "p3"] if launch == "script" else \
+        ["-m", "jobs.train", "--data", "synthetic", "--epochs", "1000"]
+    proc = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, *cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            start_new_session=True)
+    try:
+        first = proc.stdout.readline()  # the script's "training", the job's first line: both ranks are going
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=LIMIT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said = [line for line in err.splitlines() if line.startswith("[rank")]
+    assert proc.returncode == 130, f"status {proc.returncode}\n{first}{out[-2000:]}\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    for rank in range(2):
+        mine = [line for line in said if line.startswith(f"[rank {rank}] ")]
+        assert len(mine) == 1 and re.match(rf"\[rank {rank}\] KeyboardInterrupt: interrupted at step \d+ in ",
+                                           mine[0]), f"rank {rank} said {mine}:\n{err[-3000:]}"
