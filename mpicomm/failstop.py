@@ -25,9 +25,9 @@ the watcher thread PICKUP seconds later, if its main thread did not take the
 notice up (and, for an EXIT notice, only while it is inside this library).
 A stopping rank waits up to GRACE seconds for every other rank's FAILED notice, so
 that each prints its line before the first exit makes mpiexec end the job,
-then leaves with os._exit(1) (130 after ^C): no MPI_Finalize that could block.
-A KeyboardInterrupt (^C, which mpiexec passes to every rank) prints one line a
-rank, where it was, not a traceback a rank.
+then leaves with os._exit(1): no MPI_Finalize that could block. A
+KeyboardInterrupt (^C, which mpiexec passes to every rank) prints one line a
+rank, where it was, not a traceback a rank, and every rank leaves with 130.
 
 Opt out: MPITRAIN_FAILSTOP=0 before importing runtime, or disable().
 """
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import signal
 import struct
 import sys
 import sysconfig
@@ -147,12 +148,15 @@ class _Guard:
         raise PeerFailedError(describe(notice))
 
     # -- stopping -----------------------------------------------------------------------------
-    def stop(self, origin: int, text: str, step: int, say: str = "", status: int = 1) -> None:
-        """Tell every other rank, wait for theirs (so that every rank prints), then leave with `status`."""
+    def stop(self, origin: int, text: str, step: int, say: str = "") -> None:
+        """Tell every other rank, wait for theirs (so that every rank prints), then leave: exit status 1, or 130
+        when the origin was interrupted (^C), whichever rank mpiexec sees exit first."""
         with self.lock:
             if self.stopping:
                 return
             self.stopping = True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second ^C at the last rank must not cut this short
         if say:
             sys.stderr.write(say if say.endswith("\n") else say + "\n")
         sys.stdout.flush()
@@ -164,7 +168,7 @@ class _Guard:
         while not self._all_stopping() and time.monotonic() < deadline:
             self._poll()
             time.sleep(POLL / 10)
-        os._exit(status)
+        os._exit(INTERRUPTED if text.startswith("KeyboardInterrupt") or "stopped with KeyboardInterrupt" in text else 1)
 
     def _all_stopping(self) -> bool:
         return all(self.heard.get(r, (0, 0))[1] == FAILED for r in range(self.size) if r != self.rank)
@@ -176,7 +180,6 @@ class _Guard:
 
     def fail(self, exc: BaseException) -> None:
         """This rank's exception ends the job: its traceback (for a peer's failure or ^C, one line), then stop()."""
-        status = 1
         if isinstance(exc, PeerFailedError):  # not this rank's error: the line names the rank that failed
             deadline = time.monotonic() + 0.5  # heard through an optimizer's beacon first: the origin's notice
             while self.failure is None and time.monotonic() < deadline:  # is on its way
@@ -186,13 +189,13 @@ class _Guard:
             say = f"[rank {self.rank}] PeerFailedError: {exc}"
         elif isinstance(exc, KeyboardInterrupt):
             origin, step = self.rank, self.steps()
-            text = interrupted(exc, step)
-            say, status = f"[rank {self.rank}] {text}", INTERRUPTED
+            text = interrupted(exc)
+            say = f"[rank {self.rank}] {text}" + (f" (after {step} steps)" if step >= 0 else "")
         else:
-            origin, step, text = self.rank, self.steps(), f"{type(exc).__name__}: {exc}"
+            origin, step, text = self.rank, self.steps(), error_text(exc)
             lines = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip("\n")
             say = "".join(f"[rank {self.rank}] {line}\n" for line in lines.split("\n"))
-        self.stop(origin, text, step, say, status)
+        self.stop(origin, text, step, say)
 
     def _watch(self) -> None:
         while not self._done.wait(POLL):
@@ -329,11 +332,16 @@ def unregister(obj) -> None:
         _GUARD.open.pop(id(obj), None)
 
 
-def interrupted(exc: KeyboardInterrupt, step: int = -1) -> str:
+def error_text(exc: BaseException) -> str:
+    """What the other ranks are told of this rank's `exc`: 'OSError: disk gone', or for ^C where it was."""
+    return interrupted(exc) if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+
+
+def interrupted(exc: KeyboardInterrupt) -> str:
     """One line for ^C: the innermost place outside Python's own library where the rank was."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_STDLIB)]
     where = f" in {frames[-1].name} ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"KeyboardInterrupt: interrupted{f' at step {step}' if step >= 0 else ''}{where}"
+    return f"KeyboardInterrupt: interrupted{where}"
 
 
 def fail(exc: BaseException) -> bool:

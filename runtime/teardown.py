@@ -13,7 +13,7 @@ def fail(dopt, exc: BaseException) -> None:
     if dopt.failed is None:
         dopt.failed = exc
         # Not when every rank raised together (a disagreement) or heard of it already.
-        dopt.check.notify_failure(f"{type(exc).__name__}: {exc}")
+        dopt.check.notify_failure(failstop.error_text(exc))
         dopt.strategy.abort()
         dopt.model_buffers.abandon()
         dopt.check.stop_listening()  # now, not at close(): a job may return without closing

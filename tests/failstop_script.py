@@ -1,6 +1,7 @@
 """A user's own training script, launched as `mpiexec -n 4 python failstop_script.py MODE STRATEGY`, that goes
 wrong on one rank in the way MODE says (tests/test_failstop.py runs it; not a test module itself)."""
 
+import os
 import sys
 
 import torch
@@ -36,8 +37,8 @@ opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum
 steps = 9 if mode.startswith("uneven") and rank == 3 else 10 if mode.startswith("uneven") else 40
 steps = 10 ** 9 if mode == "interrupt" else steps  # until ^C
 for step in range(steps):
-    if mode == "interrupt" and step == 5 and rank == 0:
-        print("[rank 0] training", flush=True)
+    if mode == "interrupt" and step == 5:
+        print(f"[rank {rank}] training, pid {os.getpid()}", flush=True)
     if mode == "raise" and step == 20 and rank == 1:
         raise OSError("disk gone")
     if mode == "exit" and step == 5 and rank == 2:

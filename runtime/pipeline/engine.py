@@ -316,7 +316,7 @@ class Pipeline:
         if self.failed is None:
             self.failed = exc
             if self.check is not None:
-                self.check.notify_failure(f"{type(exc).__name__}: {exc}")
+                self.check.notify_failure(failstop.error_text(exc))
             if self.dopt is not None:
                 self.dopt.abort(exc)
             if self.link is not None:
