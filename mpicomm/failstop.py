@@ -59,6 +59,7 @@ GRACE = 10.0  # seconds a stopping rank waits for every other rank's notice
 EXIT_GRACE = 2.0
 FAILED, EXIT = 1, 2
 INTERRUPTED = 130  # a shell's status for a process ended by SIGINT (128 + 2)
+LATE_SIGINT = 0.2  # seconds: a rank that hears of another's ^C first waits this long for its own
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
 _HEADER = struct.Struct("<iiq")  # origin rank, kind, its step (-1: none)
 TEXT = 2048
@@ -68,6 +69,20 @@ _PACKAGES = tuple(os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + 
 
 class PeerFailedError(RuntimeError):
     """Another rank stopped (an error, or it exited); raised on the ranks that were waiting for it."""
+
+
+class PeerInterruptedError(PeerFailedError, KeyboardInterrupt):
+    """Another rank's ^C, heard here first: `except KeyboardInterrupt` catches it as it catches this rank's own."""
+
+
+def peer_failed(message: str, late: bool = True) -> PeerFailedError:
+    """The error for another rank's stop; for its ^C, made after a moment (`late`) in which this rank's own SIGINT,
+    which mpiexec sent every rank, comes first if it is on its way (its KeyboardInterrupt is raised from the sleep)."""
+    if "stopped with KeyboardInterrupt" not in message:
+        return PeerFailedError(message)
+    if late:
+        time.sleep(LATE_SIGINT)
+    return PeerInterruptedError(message)
 
 
 class _Guard:
@@ -145,7 +160,7 @@ class _Guard:
         if notice[1] == EXIT and (self.exiting or time.monotonic() - notice[4] < EXIT_GRACE):
             return  # what it sent before leaving is still arriving; past the grace, nobody will answer
         self.raised = True
-        raise PeerFailedError(describe(notice))
+        raise peer_failed(describe(notice))
 
     # -- stopping -----------------------------------------------------------------------------
     def stop(self, origin: int, text: str, step: int, say: str = "") -> None:
@@ -334,7 +349,11 @@ def unregister(obj) -> None:
 
 def error_text(exc: BaseException) -> str:
     """What the other ranks are told of this rank's `exc`: 'OSError: disk gone', or for ^C where it was."""
+    if isinstance(exc, PeerFailedError):  # passed on: the ranks that hear it name the first rank (StepCheck)
+        return f"PeerFailedError: {exc}"
     return interrupted(exc) if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+
+
 
 
 def interrupted(exc: KeyboardInterrupt) -> str:

@@ -14,6 +14,11 @@ from mpi4py import MPI
 
 # Sleeps this long or longer wait on an Event that nudge() sets; shorter ones are plain sleeps.
 NUDGE_FROM = 200e-6
+# An idle thread's wait on its condition is timed: a notify() that a KeyboardInterrupt cut short after it woke
+# the thread leaves that thread's wake-up lock queued, and the next notify() releases it instead of the thread's
+# new one (CPython's Condition; gh-92530 mended only the case where the lock is still released). Untimed, the
+# thread, and the training thread joining it in abort(), would wait for ever after a ^C that a loop caught.
+LOST_WAKEUP = 0.5
 DRIVE_ENV = "MPITRAIN_PROGRESS_DRIVE"  # "off": never drive (ProgressThread's drive), for before/after comparisons
 _RUNNING: "weakref.WeakSet[ProgressThread]" = weakref.WeakSet()  # started, neither stopped nor aborted
 
@@ -143,7 +148,7 @@ class ProgressThread:
         while True:
             with self._cv:
                 while not self._pending and not self._stop:
-                    self._cv.wait()
+                    self._cv.wait(LOST_WAKEUP)
                 if self._stop and not self._pending:
                     return
                 batch = list(self._pending)
@@ -211,7 +216,7 @@ class ProgressThread:
         """Finish what was submitted, then end the thread."""
         with self._cv:
             self._stop = True
-            self._cv.notify()
+            self._cv.notify_all()
         self._thread.join()
         _RUNNING.discard(self)
 
@@ -220,7 +225,7 @@ class ProgressThread:
         with self._cv:
             self._pending.clear()
             self._stop = True
-            self._cv.notify()
+            self._cv.notify_all()
         self._thread.join()
         _RUNNING.discard(self)
 

@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .agree import group_by_value
-from .failstop import PeerFailedError
+from .failstop import PeerFailedError, peer_failed
 from .requests import RequestLog, abandon, cancel_receives, drain_at_exit, join_late_at_exit
 from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
@@ -143,8 +143,9 @@ class StepCheck:
         self._join(rounds)
 
     # -- failures ---------------------------------------------------------------------
-    def interrupt(self) -> None:
-        """Raise PeerFailedError if another rank has sent its failure beacon (cheap: one MPI_Test)."""
+    def interrupt(self, late: bool = True) -> None:
+        """Raise PeerFailedError if another rank has sent its failure beacon (cheap: one MPI_Test); `late`: a
+        peer's ^C gives this rank's own a moment first (failstop.peer_failed), not on a failure path."""
         if self._beacon is None:
             return
         status = MPI.Status()
@@ -154,8 +155,8 @@ class StepCheck:
             self._join(int(self._beacon_in[:8].view(np.int64)[0]))
             text = bytes(self._beacon_in[8:status.Get_count(MPI.BYTE)]).decode(errors="replace")
             if text.startswith("PeerFailedError: "):  # it was passing another rank's failure on: name that one
-                raise PeerFailedError(text.removeprefix("PeerFailedError: "))
-            raise PeerFailedError(f"rank {status.Get_source()} stopped with {text}")
+                raise peer_failed(text.removeprefix("PeerFailedError: "), late)
+            raise peer_failed(f"rank {status.Get_source()} stopped with {text}", late)
 
     def _join(self, rounds: int) -> None:
         """Post rounds marked "stopped" until this rank has posted `rounds`: ranks waiting in them complete them."""
@@ -173,7 +174,7 @@ class StepCheck:
         if self.size == 1 or self.everyone_knows:
             return
         try:
-            self.interrupt()  # another rank's beacon came first: every rank hears that one and joins its rounds
+            self.interrupt(late=False)  # another rank's beacon came first: every rank hears that one, joins its rounds
         except PeerFailedError:
             return
         self.everyone_knows = True

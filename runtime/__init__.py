@@ -1,7 +1,7 @@
 """runtime: the training runtime on mpicomm: DistributedOptimizer, its strategies, checkpoints, tracing, models."""
 
 from mpicomm import failstop
-from mpicomm.failstop import PeerFailedError
+from mpicomm.failstop import PeerFailedError, PeerInterruptedError
 from mpicomm.stall import StallError, StallPolicy
 from mpicomm.validate import CollectiveMismatchError
 
@@ -19,7 +19,7 @@ failstop.install()
 __all__ = [
     "ALL_STRATEGIES", "AllreduceOptions", "CheckpointError", "CollectiveMismatchError", "CompressionState",
     "AUTO", "DEFAULT_FUSE_BYTES", "DistributedOptimizer", "GradBucket", "HybCommOptions", "NonFiniteGradientError",
-    "P3Options", "PeerFailedError", "SPARSE_STRATEGIES", "STRATEGIES", "StallError", "StallPolicy",
-    "StrategyOptions", "TopkOptions", "WfbpOptions", "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook",
-    "load_checkpoint", "save_checkpoint",
+    "P3Options", "PeerFailedError", "PeerInterruptedError", "SPARSE_STRATEGIES", "STRATEGIES", "StallError",
+    "StallPolicy", "StrategyOptions", "TopkOptions", "WfbpOptions", "allreduce_hook", "bf16_compress_hook",
+    "fp16_compress_hook", "load_checkpoint", "save_checkpoint",
 ]

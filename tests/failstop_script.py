@@ -1,6 +1,7 @@
 """A user's own training script, launched as `mpiexec -n 4 python failstop_script.py MODE STRATEGY`, that goes
 wrong on one rank in the way MODE says (tests/test_failstop.py runs it; not a test module itself)."""
 
+import io
 import os
 import sys
 
@@ -35,17 +36,31 @@ if mode == "before-wrap" and rank == 1:
 opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                            "nope" if mode == "unknown-strategy" and rank == 1 else strategy)
 steps = 9 if mode.startswith("uneven") and rank == 3 else 10 if mode.startswith("uneven") else 40
-steps = 10 ** 9 if mode == "interrupt" else steps  # until ^C
-for step in range(steps):
-    if mode == "interrupt" and step == 5:
-        print(f"[rank {rank}] training, pid {os.getpid()}", flush=True)
-    if mode == "raise" and step == 20 and rank == 1:
-        raise OSError("disk gone")
-    if mode == "exit" and step == 5 and rank == 2:
-        sys.exit(0)
-    opt.zero_grad()
-    F.cross_entropy(model(x[rank * 16:(rank + 1) * 16]), y[rank * 16:(rank + 1) * 16]).backward()
-    opt.step()
+steps = 10 ** 9 if mode.endswith("interrupt") else steps  # until ^C
+
+
+def train():
+    for step in range(steps):
+        if mode.endswith("interrupt") and step == 5:
+            print(f"[rank {rank}] training, pid {os.getpid()}", flush=True)
+        if mode == "raise" and step == 20 and rank == 1:
+            raise OSError("disk gone")
+        if mode == "exit" and step == 5 and rank == 2:
+            sys.exit(0)
+        opt.zero_grad()
+        F.cross_entropy(model(x[rank * 16:(rank + 1) * 16]), y[rank * 16:(rank + 1) * 16]).backward()
+        opt.step()
+
+
+if mode == "catch-interrupt":  # the README's loop that saves on ^C
+    try:
+        train()
+    except KeyboardInterrupt as exc:  # this rank's ^C, or another rank's heard first (PeerInterruptedError)
+        opt.abort(exc)  # nothing more is agreed: ranks may have stopped a step apart
+        torch.save(model.state_dict(), io.BytesIO())
+        print(f"[rank {rank}] caught ^C, saved", flush=True)
+else:
+    train()
 if mode == "uneven":  # the README's evaluation: a metric summed over ranks, agreed like a step
     print(f"[rank {rank}] sums {opt.sum_over_ranks([1.0, 2.0]).tolist()}", flush=True)
 elif mode == "uneven-allreduce":  # the user's own collective: only the stall limit can name the rank

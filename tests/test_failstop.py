@@ -102,6 +102,29 @@ def test_fail_stop_can_be_turned_off():
     assert proc.returncode != 0 and "PeerFailedError: rank 1" not in proc.stderr
 
 
+def interrupted(cmd, one_rank=False):
+    """2 ranks of `cmd` under mpiexec, SIGINT once they train (to mpiexec, or to rank 1 alone); (proc, out, err)."""
+    proc = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, *cmd], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                            start_new_session=True)
+    try:
+        # The job's first line comes after its collective start: every rank is in; the script's, from each rank
+        # (two ranks' lines may come as one).
+        first = proc.stdout.readline()
+        while cmd[0] != "-m" and not all(f"[rank {r}] training" in first for r in range(2)):
+            first += proc.stdout.readline()
+        time.sleep(1.0)
+        if one_rank:
+            os.kill(int(re.search(r"\[rank 1\] training, pid (\d+)", first).group(1)), signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=LIMIT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc, first + out, err
+
+
 @pytest.mark.parametrize("launch", ["script", "job", "one rank"])
 def test_ctrl_c_ends_every_rank_with_one_line_each_and_status_130(launch):
     """^C at mpiexec (which passes SIGINT to every rank): each rank says where it was in one line, no traceback
@@ -109,23 +132,9 @@ def test_ctrl_c_ends_every_rank_with_one_line_each_and_status_130(launch):
     and SIGINT to rank 1 alone: rank 0 names it and where it was."""
     cmd = ["-m", "jobs.train", "--data", "synthetic", "--epochs", "1000"] if launch == "job" else \
         [SCRIPT, "interrupt", "p3"]
-    proc = subprocess.Popen([mpiexec(), "-n", "2", sys.executable, *cmd], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                            start_new_session=True)
-    try:
-        # The job's first line comes after its collective start: every rank is in; the script's, from each rank.
-        first = [proc.stdout.readline() for _ in range(1 if launch == "job" else 2)]
-        time.sleep(1.0)
-        if launch == "one rank":
-            os.kill(int(next(line for line in first if line.startswith("[rank 1]")).split()[-1]), signal.SIGINT)
-        else:
-            proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=LIMIT)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    proc, out, err = interrupted(cmd, one_rank=launch == "one rank")
     said = [line for line in err.splitlines() if line.startswith("[rank")]
-    assert proc.returncode == 130, f"status {proc.returncode}\n{first}{out[-2000:]}\n{err[-3000:]}"
+    assert proc.returncode == 130, f"status {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     assert "Traceback" not in err, err[-3000:]
     for rank in range(2):  # a rank that hears of the other's ^C before its own comes names that rank
         mine = [line for line in said if line.startswith(f"[rank {rank}] ")]
@@ -134,3 +143,14 @@ def test_ctrl_c_ends_every_rank_with_one_line_each_and_status_130(launch):
         want = own if launch == "one rank" and rank == 1 else heard if launch == "one rank" else f"{own}|{heard}"
         assert len(mine) == 1 and re.match(rf"\[rank {rank}\] ({want})", mine[0]), \
             f"rank {rank} said {mine}:\n{err[-3000:]}"
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+def test_a_loop_that_catches_ctrl_c_saves_on_every_rank_and_ends_well(strategy):
+    """The README's loop that saves on ^C: each rank takes the interrupt at its own point (in the runtime's waits,
+    in the model, in torch's optimizer), or hears of the other's first (PeerInterruptedError, a
+    KeyboardInterrupt); opt.abort(exc) agrees nothing more, so the save and close() are this rank's own."""
+    proc, out, err = interrupted([SCRIPT, "catch-interrupt", strategy])
+    assert proc.returncode == 0, f"status {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
+    assert all(f"[rank {r}] caught ^C, saved" in out and f"[rank {r}] done" in out for r in range(2)), out + err
+    assert "Traceback" not in err and "Error" not in err.replace("RuntimeWarning", ""), err[-3000:]

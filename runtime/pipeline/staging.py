@@ -32,6 +32,7 @@ from collections import deque
 import torch
 from mpi4py import MPI
 
+from mpicomm.progress import LOST_WAKEUP
 from mpicomm.stall import wait_until
 
 from .transport import TAG_ACTIVATION, TAG_GRADIENT, PipelineShapeError, StageLink, _bytes, describe
@@ -167,7 +168,7 @@ class Poster:
             while True:
                 with self._cv:
                     while not self.queue and not self._stop:
-                        self._cv.wait()
+                        self._cv.wait(LOST_WAKEUP)  # timed: see mpicomm.progress.LOST_WAKEUP
                     if self._abort or not self.queue:
                         return
                     slot = self.queue[0]
@@ -193,7 +194,7 @@ class Poster:
         """End the thread: after posting what is queued, or at once (abort: the link cancels its requests)."""
         with self._cv:
             self._stop, self._abort = True, abort
-            self._cv.notify()
+            self._cv.notify_all()
         self._thread.join()
 
 
