@@ -354,8 +354,6 @@ def error_text(exc: BaseException) -> str:
     return interrupted(exc) if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
 
 
-
-
 def interrupted(exc: KeyboardInterrupt) -> str:
     """One line for ^C: the innermost place outside Python's own library where the rank was."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_STDLIB)]

@@ -52,8 +52,8 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
         if failstop.fail(sys.exc_info()[1]):  # does not return
             raise
         rank, exc = MPI.COMM_WORLD.Get_rank(), sys.exc_info()[1]
-        interrupt = isinstance(exc, KeyboardInterrupt)  # ^C: where, not a traceback a rank
-        lines = [failstop.interrupted(exc)] if interrupt else traceback.format_exc().rstrip("\n").split("\n")
+        interrupt = isinstance(exc, KeyboardInterrupt)  # ^C, here or heard of: where, not a traceback a rank
+        lines = [failstop.error_text(exc)] if interrupt else traceback.format_exc().rstrip("\n").split("\n")
         sys.stdout.flush()
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
         sys.stderr.flush()
