@@ -78,7 +78,7 @@ class PeerInterruptedError(PeerFailedError, KeyboardInterrupt):
 def peer_failed(message: str, late: bool = True) -> PeerFailedError:
     """The error for another rank's stop; for its ^C, made after a moment (`late`) in which this rank's own SIGINT,
     which mpiexec sent every rank, comes first if it is on its way (its KeyboardInterrupt is raised from the sleep)."""
-    if "stopped with KeyboardInterrupt" not in message:
+    if not _interrupt(message):
         return PeerFailedError(message)
     if late:
         time.sleep(LATE_SIGINT)
@@ -183,7 +183,7 @@ class _Guard:
         while not self._all_stopping() and time.monotonic() < deadline:
             self._poll()
             time.sleep(POLL / 10)
-        os._exit(INTERRUPTED if text.startswith("KeyboardInterrupt") or "stopped with KeyboardInterrupt" in text else 1)
+        os._exit(INTERRUPTED if _interrupt(text) else 1)
 
     def _all_stopping(self) -> bool:
         return all(self.heard.get(r, (0, 0))[1] == FAILED for r in range(self.size) if r != self.rank)
@@ -203,8 +203,7 @@ class _Guard:
             origin, _, step, text, _ = self.failure or (self.rank, FAILED, self.steps(), f"PeerFailedError: {exc}", 0)
             say = f"[rank {self.rank}] PeerFailedError: {exc}"
         elif isinstance(exc, KeyboardInterrupt):
-            origin, step = self.rank, self.steps()
-            text = interrupted(exc)
+            origin, step, text = self.rank, self.steps(), error_text(exc)
             say = f"[rank {self.rank}] {text}" + (f" (after {step} steps)" if step >= 0 else "")
         else:
             origin, step, text = self.rank, self.steps(), error_text(exc)
@@ -352,6 +351,11 @@ def error_text(exc: BaseException) -> str:
     if isinstance(exc, PeerFailedError):  # passed on: the ranks that hear it name the first rank (StepCheck)
         return f"PeerFailedError: {exc}"
     return interrupted(exc) if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+
+
+def _interrupt(text: str) -> bool:
+    """Whether a notice's or beacon's text is a ^C: this rank's own line (error_text), or another's heard."""
+    return text.startswith("KeyboardInterrupt") or "stopped with KeyboardInterrupt" in text
 
 
 def interrupted(exc: KeyboardInterrupt) -> str:

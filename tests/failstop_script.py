@@ -35,8 +35,8 @@ if mode == "before-wrap" and rank == 1:
     raise OSError("disk gone")
 opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
                            "nope" if mode == "unknown-strategy" and rank == 1 else strategy)
-steps = 9 if mode.startswith("uneven") and rank == 3 else 10 if mode.startswith("uneven") else 40
-steps = 10 ** 9 if mode.endswith("interrupt") else steps  # until ^C
+steps = 9 if mode.startswith("uneven") and rank == 3 else 10 if mode.startswith("uneven") else \
+    10 ** 9 if mode.endswith("interrupt") else 40  # interrupt: until ^C
 
 
 def train():
