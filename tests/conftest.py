@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from running_test import launcher_rank, pytest_runtest_logfinish, pytest_runtest_logstart  # noqa: F401 (hooks)
+import running_test
+from running_test import launcher_rank, pytest_runtest_logstart  # noqa: F401 (a hook)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,6 +89,30 @@ def pytest_configure(config):
     reporter._tw = create_terminal_writer(config, _quiet_report)
 
 
+# MPI runs: each leftover (below) still there after a test -> the first test after which it was there. The
+# report at the session's end names them: a collective abandoned on one rank alone, say, is otherwise anonymous.
+_FIRST_SEEN: dict[str, str] = {}
+
+
+def _leftovers() -> set[str]:
+    """What this rank's tests have left so far: running progress threads, posted requests and abandoned
+    collectives, by owner (a module's fixture may hold some between its tests; the report says which stayed)."""
+    from mpicomm import progress, requests
+
+    return ({f"progress thread {t.name}" for t in progress.running()} | set(requests.left_posted())
+            | {f"{owner} (abandoned)" for owner in requests.abandoned_by()})
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    running_test.pytest_runtest_logfinish(nodeid, location)
+    if "mpicomm.requests" in sys.modules and _world_size() > 1:
+        now = _leftovers()
+        for kind in set(_FIRST_SEEN) - now:
+            del _FIRST_SEEN[kind]
+        for kind in now:
+            _FIRST_SEEN.setdefault(kind, nodeid)
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Under mpiexec: requests, threads or collectives that tests left behind fail the run, named on stderr.
 
@@ -101,7 +126,9 @@ def pytest_sessionfinish(session, exitstatus):
 
     said = release_all()
     if said:
-        sys.stderr.write(f"{PREFIX} of the tests (rank {MPI.COMM_WORLD.Get_rank()}): " + "; ".join(said) + "\n")
+        since = "; ".join(f"{kind} since {nodeid}" for kind, nodeid in sorted(_FIRST_SEEN.items()))
+        sys.stderr.write(f"{PREFIX} of the tests (rank {MPI.COMM_WORLD.Get_rank()}): " + "; ".join(said)
+                         + (f" [there after a test: {since}]" if since else "") + "\n")
         sys.stderr.flush()
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

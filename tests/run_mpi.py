@@ -5,6 +5,8 @@ ends the job, and a crashed rank dumps its own (faulthandler's fatal-signal hand
 scroll far above the log's tail, which is all a CI summary keeps. So does the name of the test each rank was
 in: pytest -q prints none, so each rank writes it to a file in TRACE_ENV's folder (tests/running_test.py, a plugin
 that conftest.py loads), read here.
+Each rank's verdict (its FAILED lines and its count) is repeated too: a test that failed on one rank alone prints
+them among the other ranks' output, far above the tail.
 Usage: python tests/run_mpi.py COMMAND... (its exit status is the command's).
 """
 
@@ -82,6 +84,24 @@ def _trim(dump: list[str]) -> list[str]:
     return out
 
 
+# pytest's FAILED/ERROR lines and its count; conftest.py's leak report (mpicomm.shutdown.PREFIX, not imported: that
+# would start MPI here). A rank other than 0 writes its report only if it failed, each line after "[rank N] ".
+_OUTCOME = re.compile(r"^(FAILED|ERROR|INTERNALERROR) |^=*\s*\d+ (passed|failed|errors?|skipped|deselected)\b.* in "
+                      r"|^\[mpitrain\] left at exit")
+_OWN_PREFIX = re.compile(r"^\[rank \d+\] ")
+
+
+def outcomes(lines: list[str]) -> dict[int, list[str]]:
+    """Each rank's verdict lines: its FAILED and ERROR ones (pytest's short summary), what it left behind, its
+    closing count. A test that fails on one rank alone prints them far above the tail, among the other ranks'."""
+    found = {}
+    for rank, own in sorted(streams(lines).items()):
+        kept = [t for t in (_OWN_PREFIX.sub("", text.strip()) for text in own) if _OUTCOME.match(t)]
+        if kept:
+            found[rank] = kept[:20] + ([f"... {len(kept) - 20} more"] if len(kept) > 20 else [])
+    return found
+
+
 def in_progress(folder: str, now: float) -> list[str]:
     """Each rank's test at the end, from the files the ranks wrote ("start-time nodeid"; "-" after its last)."""
     out = []
@@ -109,6 +129,8 @@ def main(argv: list[str]) -> int:
             print(f"\n=== the MPI run failed (exit {p.returncode}); where each rank was when it hung or crashed "
                   f"({len(found)} dumped) ===")
             print("\n".join(in_progress(trace, time.time())))
+            for rank, kept in outcomes(lines).items():
+                print("\n".join(f"rank {rank}: {text}" for text in kept))
             for rank, dump in found.items():
                 print(f"--- rank {rank}")
                 print("\n".join(dump))

@@ -30,6 +30,13 @@ def test_one_rank_crashes():
     MPI.COMM_WORLD.Barrier()
 """
 
+ONE_FAILS = """
+from mpi4py import MPI
+
+def test_fails_on_rank_1_alone():
+    assert MPI.COMM_WORLD.Get_rank() != 1, "rank 1's own check"
+"""
+
 
 def _run(tmp_path, test_file: str, *pytest_args: str) -> str:
     """The output of tests/run_mpi.py running test_file on 2 ranks, with the plugin that names each rank's test."""
@@ -64,9 +71,31 @@ def test_a_crashed_rank_ends_with_its_stack_and_its_test(tmp_path):
     assert "Fatal Python error: Aborted" in rank1 and "line 7 in test_one_rank_crashes" in rank1, tail
 
 
+def test_a_test_failed_on_one_rank_ends_with_each_ranks_verdict(tmp_path):
+    (tmp_path / "test_one.py").write_text(ONE_FAILS)
+    tail = _run(tmp_path, "test_one.py")
+    assert "rank 0: between tests" in tail and "rank 1: between tests" in tail, tail
+    assert "rank 1: FAILED test_one.py::test_fails_on_rank_1_alone - AssertionError" in tail, tail
+    assert "rank 1: 1 failed in " in tail and "rank 0: 1 passed in " in tail, tail
+
+
 def test_a_run_that_passes_says_nothing_more(tmp_path):
     (tmp_path / "test_ok.py").write_text("def test_ok():\n    pass\n")
     cmd = [sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), mpiexec(), "-prepend-rank", "-n", "2",
            sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_ok.py"]
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "1 passed" in out.stdout and "=== the MPI run" not in out.stdout, out.stdout
+
+
+def test_verdicts_include_a_quiet_ranks_report_and_what_it_left_behind():
+    # As the suite's conftest.py writes them: ranks other than 0 report only on failure, after "[rank N] ".
+    from run_mpi import outcomes
+
+    lines = ["[0] 616 passed, 50 skipped in 125.89s (0:02:05)\n",
+             "[1] [mpitrain] left at exit of the tests (rank 1): progress thread p3 still running (stopped)\n",
+             "[2] [rank 2] FAILED tests/test_x_mpi.py::test_y - AssertionError: z\n",
+             "[2] [rank 2] 1 failed, 615 passed in 126.00s\n", "[3] ....\n"]
+    assert outcomes(lines) == {
+        0: ["616 passed, 50 skipped in 125.89s (0:02:05)"],
+        1: ["[mpitrain] left at exit of the tests (rank 1): progress thread p3 still running (stopped)"],
+        2: ["FAILED tests/test_x_mpi.py::test_y - AssertionError: z", "1 failed, 615 passed in 126.00s"]}
