@@ -146,11 +146,12 @@ def test_ctrl_c_ends_every_rank_with_one_line_each_and_status_130(launch):
             f"rank {rank} said {mine}:\n{err[-3000:]}"
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3"])
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "pipeline"])
 def test_a_loop_that_catches_ctrl_c_saves_on_every_rank_and_ends_well(strategy):
     """The README's loop that saves on ^C: each rank takes the interrupt at its own point (in the runtime's waits,
     in the model, in torch's optimizer), or hears of the other's first (PeerInterruptedError, a
-    KeyboardInterrupt); opt.abort(exc) agrees nothing more, so the save and close() are this rank's own."""
+    KeyboardInterrupt); opt.abort(exc) agrees nothing more, so the save and close() are this rank's own. The
+    same with a 2-stage pipeline (spectrain) and pipe.abort(exc)."""
     proc, out, err = interrupted([SCRIPT, "catch-interrupt", strategy])
     assert proc.returncode == 0, f"status {proc.returncode}\n{out[-2000:]}\n{err[-3000:]}"
     assert all(f"[rank {r}] caught ^C, saved" in out and f"[rank {r}] done" in out for r in range(2)), out + err

@@ -9,11 +9,11 @@ from torch import nn
 from mpicomm import Topology, failstop
 from mpicomm.agree import check_same_structure
 from mpicomm.stall import StallPolicy
-from mpicomm.step_check import BARRIER, CLOSE, EXCHANGE, GATHER, StepCheck, digest
+from mpicomm.step_check import BARRIER, EXCHANGE, GATHER, StepCheck, digest
 
-from . import emulation, model_state, partition, schedule
+from . import emulation, model_state, partition, schedule, teardown
 from .checks import PipelineError, check_arguments, check_same_values, describe_layers, split_batch
-from .divergence import DIVERGE_FACTOR, LossWatch, heard
+from .divergence import DIVERGE_FACTOR, LossWatch
 from .host_times import OpTimes
 from .placement import PipelineLayout
 from .stage_optimizer import stage_optimizer
@@ -134,7 +134,7 @@ class Pipeline:
                                                    f"{world.Get_rank()}") if self.last else None
             self.check = StepCheck(world, 0, self.policy)
         except BaseException:
-            self._release()
+            teardown.release(self)
             raise
         self._settings = digest("\n".join(settings))
         self._next = self._base = 0  # next micro-batch id; first one since the pipeline was last empty
@@ -311,19 +311,12 @@ class Pipeline:
             raise RuntimeError(f"this Pipeline stopped after an error: {self.failed}")
 
     def _fail(self, exc: BaseException) -> BaseException:
-        """Stop this pipeline (the other ranks hear of it); the exception to raise (another rank's divergence: ours)."""
-        exc = heard(exc)
-        if self.failed is None:
-            self.failed = exc
-            if self.check is not None:
-                self.check.notify_failure(failstop.error_text(exc))
-            if self.dopt is not None:
-                self.dopt.abort(exc)
-            if self.link is not None:
-                self.link.cancel()
-            if self.check is not None:
-                self.check.stop_listening()  # now: a failed pipeline may never be closed
-        return exc
+        return teardown.fail(self, exc)
+
+    def abort(self, exc: BaseException) -> None:
+        """This rank stops with `exc` (a caught ^C, say): the other ranks raise PeerFailedError in their waits,
+        nothing more is agreed, and state_dict() stays this rank's own to save. Then closed."""
+        teardown.abort(self, exc)
 
     def send_times(self, clear: bool = False) -> dict[str, list[float]]:
         """Host seconds of each of this stage's sends since the last clear, by direction ("act", "grad"): the
@@ -360,39 +353,11 @@ class Pipeline:
 
     def close(self) -> None:
         """Drain, agree that every rank got here after as many steps, release everything (collective)."""
-        if self._closed:
-            return
-        try:
-            if self.failed is None:
-                self.drain()
-                if self.link is not None:
-                    self.link.flush_sends()
-                self._round(CLOSE)
-                self.check.finish()
-        except BaseException as exc:
-            raise self._fail(exc)
-        finally:
-            self._closed = True
-            self._release()
-
-    def _release(self) -> None:
-        failstop.unregister(self)
-        if self.link is not None:
-            self.link.close() if self.failed is None else self.link.cancel()
-        if self.dopt is not None and self.failed is None:
-            self.dopt.close()
-        if self.check is not None and self.failed is None:
-            self.check.free()
-        if self.layout is not None and self.failed is None:
-            self.layout.free()
-        if self._own_topology and self.failed is None:
-            self.topology.free()
+        teardown.close(self)
 
     def __enter__(self) -> "Pipeline":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None and self.failed is None:
-            self._fail(exc)
-        self.close()
+        self.abort(exc) if exc is not None else self.close()
 
