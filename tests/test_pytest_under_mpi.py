@@ -24,14 +24,20 @@ def test_mpi_gpu():
 """
 
 
-def test_the_old_gpu_command_runs_no_serial_test_on_every_rank_and_names_the_right_commands(tmp_path):
-    (tmp_path / "test_both.py").write_text(TESTS)
+def _under_mpi(tmp_path, name: str, text: str, markexpr: str, launch=()) -> subprocess.CompletedProcess:
+    """pytest on 2 ranks (`launch` before mpiexec), running the test file `text` with this project's conftest and
+    markers."""
+    (tmp_path / name).write_text(text)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    # The command README and setup.cfg used to give, with this project's conftest and markers.
-    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-m", "gpu", "-q",
-           "-p", "no:cacheprovider", "-p", "conftest", "-c", os.path.join(ROOT, "setup.cfg"), "--rootdir",
-           str(tmp_path), str(tmp_path / "test_both.py")]
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    cmd = [*launch, mpiexec(), *(["-prepend-rank"] if launch else []), "-n", "2", sys.executable, "-m", "mpi4py",
+           "-m", "pytest", "-m", markexpr, "-q", "-p", "no:cacheprovider", "-p", "conftest", "-c",
+           os.path.join(ROOT, "setup.cfg"), "--rootdir", str(tmp_path), str(tmp_path / name)]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+
+
+def test_the_old_gpu_command_runs_no_serial_test_on_every_rank_and_names_the_right_commands(tmp_path):
+    # The command README and setup.cfg used to give.
+    out = _under_mpi(tmp_path, "test_both.py", TESTS, "gpu")
     text = out.stdout + out.stderr
     assert not list(tmp_path.glob("ran-*")), f"the serial test ran on {len(list(tmp_path.glob('ran-*')))} ranks"
     assert out.returncode != 0, text
@@ -69,13 +75,8 @@ def test_clean_again():
 
 
 def test_a_collective_left_on_one_rank_fails_the_run_naming_the_test_it_came_from(tmp_path):
-    (tmp_path / "test_leaks.py").write_text(LEAKS)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
-    cmd = [sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), "timeout", "120", mpiexec(), "-prepend-rank",
-           "-n", "2", sys.executable, "-m", "mpi4py", "-m", "pytest", "-m", "mpi", "-q", "-p", "no:cacheprovider",
-           "-p", "conftest", "-c", os.path.join(ROOT, "setup.cfg"), "--rootdir", str(tmp_path),
-           str(tmp_path / "test_leaks.py")]
-    out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=150)
+    out = _under_mpi(tmp_path, "test_leaks.py", LEAKS, "mpi",
+                     launch=[sys.executable, os.path.join(ROOT, "tests", "run_mpi.py"), "timeout", "120"])
     assert out.returncode not in (0, 124), out.stdout[-3000:]
     tail = out.stdout[out.stdout.index("=== the MPI run failed"):]
     # run_mpi.py's tail keeps rank 1's report, which names the leftover and the test after which it was there.
