@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, exit_in_process
 from mpicomm.launch import mpiexec
 
 QUICK = ["--model", "mlp", "--data", "synthetic", "--synthetic-samples", "512", "--batch-size", "32",
@@ -165,23 +166,27 @@ def test_a_diverging_run_says_so_on_every_rank_and_exits_3():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine where torch sees no CUDA device")
 @pytest.mark.parametrize("job,args", [
-    ("jobs.train", ["--parallel", "pipeline", "--device", "cuda"]),
+    ("jobs.train", ["--parallel", "pipeline", "--device", "cuda"]),  # as a user runs it; the others in-process
     ("jobs.bench.pipeline_worker", ["--model", "mlp", "--device", "cuda"]),
     ("jobs.bench.pipeline", ["--local", "--models", "mlp", "--device", "cuda"]),
 ])
-def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(job, args):
-    proc = subprocess.run([sys.executable, "-m", job, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    assert re.match(r"error: --device: cuda asked, but torch \S+ sees no CUDA device", proc.stderr), proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(job, args, capsys):
+    if job == "jobs.train":
+        proc = subprocess.run([sys.executable, "-m", job, *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60)
+        code, err = proc.returncode, proc.stderr
+    else:
+        code, _, err = exit_in_process(importlib.import_module(job).parse_args, args, capsys)
+    assert code == 2, err
+    assert re.match(r"error: --device: cuda asked, but torch \S+ sees no CUDA device", err), err
+    assert len(err.strip().splitlines()) == 1, err
 
 
-def test_device_cuda_leaves_torch_1f1b_out_of_the_benchmark_or_refuses_it():
+def test_device_cuda_leaves_torch_1f1b_out_of_the_benchmark_or_refuses_it(capsys):
     from jobs.bench import pipeline_worker as worker
 
-    proc = subprocess.run([sys.executable, "-m", "jobs.bench.pipeline_worker", "--model", "mlp", "--device", "cuda",
-                           "--contenders", "flush,torch-1f1b"], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: --contenders: torch-1f1b sends CPU tensors"), \
-        proc.stderr
+    code, _, err = exit_in_process(worker.parse_args, ["--model", "mlp", "--device", "cuda", "--contenders",
+                                                       "flush,torch-1f1b"], capsys)
+    assert code == 2 and err.startswith("error: --contenders: torch-1f1b sends CPU tensors"), err
     args = worker.parse_args(["--model", "mlp"])
     assert "torch-1f1b" in args.contenders and args.device == "cpu"
