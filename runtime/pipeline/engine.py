@@ -359,5 +359,8 @@ class Pipeline:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        self.abort(exc) if exc is not None else self.close()
+        if exc is not None:
+            self.abort(exc)
+        else:
+            self.close()
 
