@@ -18,18 +18,19 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
 x, y = torch.randn(64, 20), torch.randint(0, 4, (64,))
 
-if "pipeline" in (mode, strategy):  # "pipeline": one stage fails; "catch-interrupt pipeline": the loop below's
+if "pipeline" in (mode, strategy):  # "pipeline": stage 1 fails; "catch-interrupt pipeline": the loop below's
     from runtime.pipeline import Pipeline
 
+    fails = mode == "pipeline"
+    balance, pipe_mode, steps = ([2, 1, 1, 1], "flush", 40) if fails else ([3, 2], "spectrain", 10 ** 9)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
     pipe = Pipeline(model, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), loss_fn=F.cross_entropy,
-                    balance=[2, 1, 1, 1] if mode == "pipeline" else [3, 2], microbatches=4,
-                    mode="flush" if mode == "pipeline" else "spectrain")
+                    balance=balance, microbatches=4, mode=pipe_mode)
     try:
-        for step in range(40 if mode == "pipeline" else 10 ** 9):
-            if step == 20 and rank == 1 and mode == "pipeline":
+        for step in range(steps):
+            if fails and step == 20 and rank == 1:
                 raise OSError("disk gone")
-            if step == 5 and mode == "catch-interrupt":
+            if not fails and step == 5:
                 print(f"[rank {rank}] training, pid {os.getpid()}", flush=True)
             pipe.train_step(x, y)
     except KeyboardInterrupt as exc:  # as the loop below, with the pipeline's abort
