@@ -3,6 +3,7 @@ strategy frees its communicators, so that the next optimizer on the same ranks t
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from conftest import assert_everywhere, queued
+from runtime import HybCommOptions
 from dp_helpers import Branchy, batches, close, local, max_diff, sgd, wrap
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -85,3 +87,34 @@ def test_the_next_optimizer_trains_as_a_fresh_one(world, strategy, kw):
     got = trained(world, strategy, X, Y, **kw)
     same = all(torch.equal(a, b) for a, b in zip(got, want))
     assert_everywhere(world, same, f"{strategy}: {max_diff(got, want):.3g} from the run before the cancelled close")
+
+
+def test_a_layer_the_census_starts_as_close_aborts_is_cancelled(world, monkeypatch):
+    """hybcomm: a layer that waited for the census is started on the progress thread; if close() aborts that thread
+    between the layer's allgathervs being posted and their task being handed over, the task is refused, and its
+    collectives must be cancelled there, not left posted (a fresh-clone CI run found one SFB layer's two at exit on
+    one rank). Here the progress thread pauses at that point while the training thread closes."""
+    from mpicomm import requests
+    from runtime.hybrid import factors
+
+    r, paused = world.Get_rank(), threading.Event()
+    start = factors.FactorExchange.start
+
+    def slow_start(self, *args):
+        handles = start(self, *args)
+        if threading.current_thread() is not threading.main_thread():
+            paused.set()
+            time.sleep(0.5)  # posted, not yet submitted: close() stops the progress thread meanwhile
+        return handles
+    monkeypatch.setattr(factors.FactorExchange, "start", slow_start)
+    torch.manual_seed(3)
+    wide = nn.Sequential(nn.Linear(100, 150), nn.ReLU(), nn.Linear(150, 100))
+    dopt = wrap(sgd(wide), wide, HybCommOptions(force="sfb"))
+    x = torch.randn(8, 100)
+    time.sleep(0.1 * r)  # rank 0's layers are ready before the last rank's census: they wait for it
+    wide(x).square().mean().backward()  # no step
+    dopt.close()
+    world.Barrier()
+    left = {**requests.left_posted(), **{o: "abandoned" for o in requests.abandoned_by()}}
+    hit = world.allreduce(int(paused.is_set()))
+    assert_everywhere(world, hit > 0 and not left, f"{hit} rank(s) paused; left on this rank: {left}")

@@ -296,7 +296,13 @@ class HybCommSync(Strategy):
                     tl.end(token)
             task = HandleTask(self.ring.allreduce(bucket, tag=3 * k), averaged)
             self.traffic["ps"] += bucket.numel()
-        self.futures[k] = self.progress.submit(task)
+        try:
+            self.futures[k] = self.progress.submit(task)
+        except BaseException:
+            # On the progress thread (a layer the census started), abort() on the training thread may have stopped
+            # it between the posting and here: the refused task is in no future that abort() cancels.
+            task.cancel()
+            raise
 
     def _replan(self) -> None:
         """The plan for this step's census: the most rows any rank has per layer, layers used twice to PS."""
