@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 
 import pytest
 import torch
@@ -97,7 +98,11 @@ def test_a_layer_the_census_starts_as_close_aborts_is_cancelled(world, monkeypat
     from mpicomm import requests
     from runtime.hybrid import factors
 
-    r, paused = world.Get_rank(), threading.Event()
+    def held():  # requests this rank holds posted or abandoned, by owner (earlier tests' may be completing meanwhile)
+        return Counter({owner: sum(n) for owner, n in requests.left_posted().items()}) \
+            + Counter(f"{owner} (abandoned)" for owner in requests.abandoned_by())
+
+    before, r, paused = held(), world.Get_rank(), threading.Event()
     start = factors.FactorExchange.start
 
     def slow_start(self, *args):
@@ -115,6 +120,6 @@ def test_a_layer_the_census_starts_as_close_aborts_is_cancelled(world, monkeypat
     wide(x).square().mean().backward()  # no step
     dopt.close()
     world.Barrier()
-    left = {**requests.left_posted(), **{o: "abandoned" for o in requests.abandoned_by()}}
+    left = held() - before  # what this test added
     hit = world.allreduce(int(paused.is_set()))
     assert_everywhere(world, hit > 0 and not left, f"{hit} rank(s) paused; left on this rank: {left}")
