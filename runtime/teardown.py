@@ -14,6 +14,7 @@ def fail(dopt, exc: BaseException) -> None:
         dopt.failed = exc
         # Not when every rank raised together (a disagreement) or heard of it already.
         dopt.check.notify_failure(failstop.error_text(exc))
+        _quiet(dopt)
         dopt.strategy.abort()
         dopt.model_buffers.abandon()
         dopt.check.stop_listening()  # now, not at close(): a job may return without closing
@@ -36,8 +37,9 @@ def close(dopt) -> None:
     try:
         stepping.settle(dopt)  # a deferred step's agreement first: rounds complete in order
         dopt.check.run(CLOSE, dopt.steps, 0, describe=lambda: [])
-        if dopt._open:
-            dopt.strategy.abort()  # a backward without step() on every rank: nothing to finish
+        if dopt._open:  # a backward without step() on every rank: nothing to finish
+            _quiet(dopt)
+            dopt.strategy.abort()
         else:
             dopt._flush()
     except BaseException as exc:
@@ -45,6 +47,13 @@ def close(dopt) -> None:
         release(dopt)
         raise
     release(dopt)
+
+
+def _quiet(dopt) -> None:
+    """Before the strategy aborts: the staging thread (compute off the host) hands it nothing more, and is out of
+    any hand-over, so that what it started is in what the abort cancels."""
+    if dopt.staging is not None:
+        dopt.staging.stop()
 
 
 def release(dopt) -> None:

@@ -12,7 +12,9 @@ import torch
 import torch.nn as nn
 
 from conftest import assert_everywhere, queued
-from runtime import HybCommOptions
+from mpicomm import requests
+from mpicomm.progress import HandlesTask, HandleTask, ProgressThread
+from runtime import DistributedOptimizer, HybCommOptions, WfbpOptions
 from dp_helpers import Branchy, batches, close, local, max_diff, sgd, wrap
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -90,17 +92,25 @@ def test_the_next_optimizer_trains_as_a_fresh_one(world, strategy, kw):
     assert_everywhere(world, same, f"{strategy}: {max_diff(got, want):.3g} from the run before the cancelled close")
 
 
+def held() -> Counter:
+    """Requests this rank holds posted or abandoned, by owner."""
+    return Counter({owner: sum(n) for owner, n in requests.left_posted().items()}) \
+        + Counter(f"{owner} (abandoned)" for owner in requests.abandoned_by())
+
+
+def added_since(before: Counter) -> Counter:
+    """What is held now that was not before; abandoned collectives finished first, as at exit (one that every rank
+    posted completes), and earlier tests' may complete meanwhile."""
+    requests.finish_abandoned(2.0)
+    return held() - before
+
+
 def test_a_layer_the_census_starts_as_close_aborts_is_cancelled(world, monkeypatch):
     """hybcomm: a layer that waited for the census is started on the progress thread; if close() aborts that thread
     between the layer's allgathervs being posted and their task being handed over, the task is refused, and its
     collectives must be cancelled there, not left posted (a fresh-clone CI run found one SFB layer's two at exit on
     one rank). Here the progress thread pauses at that point while the training thread closes."""
-    from mpicomm import requests
     from runtime.hybrid import factors
-
-    def held():  # requests this rank holds posted or abandoned, by owner (earlier tests' may be completing meanwhile)
-        return Counter({owner: sum(n) for owner, n in requests.left_posted().items()}) \
-            + Counter(f"{owner} (abandoned)" for owner in requests.abandoned_by())
 
     before, r, paused = held(), world.Get_rank(), threading.Event()
     start = factors.FactorExchange.start
@@ -120,7 +130,53 @@ def test_a_layer_the_census_starts_as_close_aborts_is_cancelled(world, monkeypat
     wide(x).square().mean().backward()  # no step
     dopt.close()
     world.Barrier()
-    requests.finish_abandoned(2.0)  # as at exit: a collective every rank posted (the census) completes
-    left = held() - before  # what this test added
+    left = added_since(before)
+    hit = world.allreduce(int(paused.is_set()))
+    assert_everywhere(world, hit > 0 and not left, f"{hit} rank(s) paused; left on this rank: {left}")
+
+
+@pytest.mark.parametrize("strategy", ["wfbp", "hybcomm"])  # p3 posts from its progress thread alone
+def test_a_gradient_the_staging_thread_delivers_as_close_aborts_is_cancelled(world, monkeypatch, strategy):
+    """Compute off the host (emulated here, a GPU alike): gradients reach the strategy from the staging thread. If
+    close() after a backward without step() aborts the strategy while that thread hands a gradient over, what the
+    hand-over posted must still be cancelled. Here the staging thread pauses just before its task is submitted."""
+    from runtime.emulate import emulate, emulate_optimizer, emulated_loss
+    from runtime.hybrid.census import CensusTask
+    from runtime.emulate.accelerator import deactivate
+    from runtime.workloads.models import build_model, model_input
+
+    paused, submit = threading.Event(), ProgressThread.submit
+
+    def slow_submit(self, task):
+        posted = isinstance(task, (HandleTask, HandlesTask)) or getattr(task, "task", None) is not None
+        if threading.current_thread().name == "mpitrain-staging" and posted and not paused.is_set():
+            paused.set()
+            time.sleep(0.5)  # its collectives posted: close() aborts the strategy meanwhile
+        future = submit(self, task)
+        if isinstance(task, CensusTask):  # hybcomm: once the census is in, the staging thread starts the layers
+            future.wait_done(10)
+        return future
+    deactivate()
+    before = held()
+    try:
+        torch.manual_seed(0)
+        model = build_model("mlp")
+        (x,), y = model_input("mlp", 16)
+        emulate(model, "v100", (x,))
+        opt = emulate_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+        how = WfbpOptions(fuse_bytes=1 << 16) if strategy == "wfbp" else HybCommOptions(force="sfb")
+        dopt = DistributedOptimizer(opt, model, how)
+        for _ in range(2):
+            dopt.zero_grad()
+            emulated_loss(model(x), y).backward()
+            dopt.step()
+        monkeypatch.setattr(ProgressThread, "submit", slow_submit)
+        dopt.zero_grad()
+        emulated_loss(model(x), y).backward()  # no step
+        dopt.close()
+    finally:
+        deactivate()
+    world.Barrier()
+    left = added_since(before)
     hit = world.allreduce(int(paused.is_set()))
     assert_everywhere(world, hit > 0 and not left, f"{hit} rank(s) paused; left on this rank: {left}")

@@ -24,6 +24,7 @@ class Delivery:
         self.arrive, self.deliver, self.interrupt, self.timeline = arrive, deliver, interrupt, timeline
         self.setup = setup
         self.error: BaseException | None = None
+        self._stopped = False  # stop(): what is queued is skipped
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
         self._idle = threading.Condition()
@@ -50,7 +51,7 @@ class Delivery:
                 self.arrive(i, copy)
                 if self.timeline:
                     self.timeline.instant(f"on host #{i}", "staging", track="staging")
-                if self.error is None:
+                if self.error is None and not self._stopped:
                     self.deliver(i)
             except BaseException as exc:  # raised on the main thread by drain()
                 self.error = self.error or exc
@@ -67,6 +68,14 @@ class Delivery:
                     self.interrupt()  # another rank failed: stop waiting
         if self.error is not None:
             raise self.error
+
+    def stop(self) -> None:
+        """Hand nothing more over, and return once a hand-over under way is done: a strategy about to abort then
+        finds everything this thread started (what it posted after the abort would be in nothing the abort
+        cancels). From the thread itself (a delivery failed): the flag alone."""
+        self._stopped = True
+        if threading.current_thread() is not self._thread:
+            self.close()
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -117,5 +117,9 @@ class EmulatedStaging:
         """The modelled time of copying these (buffer, start, stop) ranges, one copy each."""
         return sum(self.acc.model.copy_s((z - a) * self._width[b]) for b, a, z in ranges)
 
+    def stop(self) -> None:
+        """Before the strategy aborts: no more gradients handed over (Delivery.stop)."""
+        self.delivery.stop()
+
     def close(self) -> None:
         self.delivery.close()

@@ -238,6 +238,11 @@ class GradientStaging:
         # The update (or the next forward pass) queues behind the copies; the CPU does not wait.
         torch.cuda.current_stream(self.device).wait_event(self.returned)
 
+    def stop(self) -> None:
+        """Before the strategy aborts: no more gradients handed over (Delivery.stop)."""
+        if self.cuda:
+            self.delivery.stop()
+
     def close(self) -> None:
         if self.cuda:
             self.delivery.close()
