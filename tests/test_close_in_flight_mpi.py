@@ -141,8 +141,8 @@ def test_a_gradient_the_staging_thread_delivers_as_close_aborts_is_cancelled(wor
     close() after a backward without step() aborts the strategy while that thread hands a gradient over, what the
     hand-over posted must still be cancelled. Here the staging thread pauses just before its task is submitted."""
     from runtime.emulate import emulate, emulate_optimizer, emulated_loss
-    from runtime.hybrid.census import CensusTask
     from runtime.emulate.accelerator import deactivate
+    from runtime.hybrid.census import CensusTask
     from runtime.workloads.models import build_model, model_input
 
     paused, submit = threading.Event(), ProgressThread.submit
