@@ -54,7 +54,8 @@ class Task:
 
     A task may also define `idle_sleep()`: the longest the thread may sleep
     between polls while nothing completes (seconds; 0: do not sleep, only yield
-    the core); the thread's own max_sleep applies otherwise.
+    the core); the thread's own max_sleep applies otherwise, and `cancel()`:
+    drop what it started (its owner's error path; submit() to a stopped thread).
     """
 
     def poll(self) -> bool:  # pragma: no cover - interface
@@ -130,12 +131,20 @@ class ProgressThread:
         _RUNNING.add(self)
 
     def submit(self, task: Task) -> Future:
+        """Queue `task` for polling. Refused once the thread is stopping: a task that has started collectives (a
+        HandleTask made them) is then cancelled here, since no future holds it for its owner's abort to find (an
+        abort on another thread may come between a task's making and its submission)."""
         fut = Future(task)
         with self._cv:
-            if self._stop:
-                raise RuntimeError("progress thread already stopped")
-            self._pending.append(fut)
-            self._cv.notify()
+            refused = self._stop
+            if not refused:
+                self._pending.append(fut)
+                self._cv.notify()
+        if refused:
+            cancel = getattr(task, "cancel", None)
+            if cancel is not None:
+                cancel()
+            raise RuntimeError("progress thread already stopped")
         return fut
 
     def _run(self) -> None:

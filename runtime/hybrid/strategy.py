@@ -296,13 +296,7 @@ class HybCommSync(Strategy):
                     tl.end(token)
             task = HandleTask(self.ring.allreduce(bucket, tag=3 * k), averaged)
             self.traffic["ps"] += bucket.numel()
-        try:
-            self.futures[k] = self.progress.submit(task)
-        except BaseException:
-            # On the progress thread (a layer the census started), abort() on the training thread may have stopped
-            # it between the posting and here: the refused task is in no future that abort() cancels.
-            task.cancel()
-            raise
+        self.futures[k] = self.progress.submit(task)  # refused after an abort: submit() cancels it
 
     def _replan(self) -> None:
         """The plan for this step's census: the most rows any rank has per layer, layers used twice to PS."""
