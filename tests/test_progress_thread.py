@@ -190,29 +190,18 @@ def test_abort_drops_pending_tasks_and_returns_without_waiting_for_them():
         stuck.release.set()  # lets a broken abort() that waits for it end
 
 
-class Cancellable(Countdown):
-    """A Countdown that counts its cancel() calls."""
-
-    def __init__(self, n=None):
-        super().__init__(n)
-        self.cancels = 0
-
-    def cancel(self) -> None:
-        self.cancels += 1
-
-
 @pytest.mark.parametrize("end", ["stop", "abort"])
 def test_submit_after_the_end_raises_and_cancels_the_task(end):
-    """A task refused is in no future: what it started is cancelled here (an abort on another thread may have come
+    """A refused task is in no future: what it started is cancelled here (an abort on another thread may have come
     between its making and its submission), once; a task without cancel() is refused alike."""
     thread = ProgressThread("test-end")
     getattr(thread, end)()
-    task = Cancellable(1)
-    with pytest.raises(RuntimeError, match="already stopped"):
-        thread.submit(task)
-    assert task.cancels == 1 and task.polls == 0
-    with pytest.raises(RuntimeError, match="already stopped"):
-        thread.submit(Countdown(1))
+    task, cancels = Countdown(1), []
+    task.cancel = lambda: cancels.append(1)
+    for t in (task, Countdown(1)):
+        with pytest.raises(RuntimeError, match="already stopped"):
+            thread.submit(t)
+    assert cancels == [1] and task.polls == 0
 
 
 def test_the_idle_thread_blocks_without_polling_or_sleeping(monkeypatch):
