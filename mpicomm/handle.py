@@ -108,7 +108,9 @@ class Handle:
             self._log.cancel()
         if type(self._reqs) is list:  # left: collectives (fingerprints, MPI's own), which MPI cannot cancel
             for r in self._reqs:
-                abandon(r, f"{self.name} (cancelled)")
+                # Nothing to keep here: mpi4py holds a fingerprint Iallgather's arrays itself, and MPI's own calls
+                # were abandoned with their buffers as the algorithm closed (mpicomm.native.Sequencer.wait).
+                abandon(r, f"{self.name} (cancelled)", keep=())
         self._done, self._error, self._reqs = True, CancelledError(f"{self.name} was cancelled"), []
 
     def then(self, fn: Callable) -> "Then":

@@ -214,22 +214,23 @@ def lean_allreduce(ring, buf, out, op: str, tag) -> Handle | None:
             return [seq.comm.Iallreduce([a, mtype], [o, mtype], mop)]
     result = buf if out is None else out
     if not ring.validate:
-        return Handle("allreduce", seq.wait(seq.post(post), result))
+        return Handle("allreduce", seq.wait(seq.post(post), result, keep=(a, o)))
     mine = np.array((_ALLREDUCE, _CODE_BY_DTYPE[a.dtype], OP_CODES[op], 0, tag, a.size, 0, 0), dtype=np.int64)
     table = np.empty((ring.size, mine.size), dtype=np.int64)
     # This rank is below the crossover, so "every rank sent my fingerprint" is below()'s verdict.
     expect = mine.tobytes() * ring.size
-    entry = seq.add(ring.comm, mine, table, lambda t: post() if t.tobytes() == expect else None)
+    entry = seq.add(ring.comm, mine, table, lambda t: post() if t.tobytes() == expect else None, keep=(a, o))
     return Handle("allreduce", seq.settled(entry, result))
 
 
 class Pending(Step):
     """A validated collective whose fingerprints are in flight; settled in start order by its Sequencer."""
 
-    __slots__ = ("seq", "req", "table", "decide", "reqs", "settled", "abandoned")
+    __slots__ = ("seq", "req", "table", "decide", "keep", "reqs", "settled", "abandoned")
 
-    def __init__(self, seq: "Sequencer", req, table, decide):
+    def __init__(self, seq: "Sequencer", req, table, decide, keep: tuple):
         self.seq, self.req, self.table, self.decide = seq, req, table, decide
+        self.keep = keep  # the fingerprints' arrays and the native call's buffers, for requests.abandon
         self.reqs, self.settled, self.abandoned = None, False, False
 
     def poll(self, block: bool) -> bool:
@@ -261,10 +262,11 @@ class Sequencer:
         self.posted += 1
         return native()
 
-    def add(self, comm: MPI.Comm, mine: np.ndarray, table: np.ndarray, decide) -> Pending:
-        """Start a validated collective: gather fingerprints into `table`; decide(table) -> requests or None."""
+    def add(self, comm: MPI.Comm, mine: np.ndarray, table: np.ndarray, decide, keep: tuple) -> Pending:
+        """Start a validated collective: gather fingerprints into `table`; decide(table) -> requests or None.
+        keep: what the native call decide() may post reads and writes (its buffers), for an abandoned one."""
         with self._lock:  # the queue's order is the order the fingerprints were posted
-            entry = Pending(self, comm.Iallgather(mine, table), table, decide)
+            entry = Pending(self, comm.Iallgather(mine, table), table, decide, (mine, table, *keep))
             self._queue.append(entry)
         return entry
 
@@ -288,19 +290,19 @@ class Sequencer:
                     head.settled = True  # after reqs: a handle on another thread reads it without the lock
                 self.posted += head.reqs is not None
                 if head.abandoned:
-                    _orphan(head.reqs)
+                    _orphan(head.reqs, head.keep)
         finally:
             self._lock.release()
         return entry.settled
 
-    def agree(self, comm: MPI.Comm, mine: np.ndarray, kind: str, limit: int, native):
+    def agree(self, comm: MPI.Comm, mine: np.ndarray, kind: str, limit: int, native, keep: tuple):
         """Generator step: exchange fingerprints on `comm`; (table, native()'s requests or None).
 
         native() runs, in start order, when every rank named the same
         collective below `limit` bytes.
         """
         table = np.empty((comm.Get_size(), mine.size), dtype=np.int64)
-        entry = self.add(comm, mine, table, lambda t: native() if below(t, kind, limit) else None)
+        entry = self.add(comm, mine, table, lambda t: native() if below(t, kind, limit) else None, keep)
         try:
             yield entry
         except GeneratorExit:  # cancelled: other ranks may still post the native call
@@ -308,12 +310,13 @@ class Sequencer:
             raise
         return table, entry.reqs
 
-    def wait(self, reqs: list, result=None):
-        """Generator step: the native call's requests, then `result`; cancelled, it completes in the background."""
+    def wait(self, reqs: list, result=None, *, keep: tuple):
+        """Generator step: the native call's requests, then `result`; cancelled, it completes in the background,
+        `keep` (its buffers) held until then."""
         try:
             yield reqs
         except GeneratorExit:
-            self.abandon(None, reqs)
+            self.abandon(None, reqs, keep)
             raise
         return result
 
@@ -328,27 +331,27 @@ class Sequencer:
         if reqs is None:  # this rank was below the crossover: only a disagreement stops the native call
             V.check("allreduce", entry.table)
             raise AssertionError("agreed fingerprints but no latency path")  # pragma: no cover
-        return (yield from self.wait(reqs, result))
+        return (yield from self.wait(reqs, result, keep=entry.keep))
 
-    def abandon(self, entry: Pending | None, reqs=None) -> None:
+    def abandon(self, entry: Pending | None, reqs=None, keep: tuple = ()) -> None:
         """A handle was cancelled: its native call is still posted when settled, and completed in the background."""
         with self._lock:
             if entry is not None:
                 entry.abandoned = True
                 if entry.settled:
-                    _orphan(entry.reqs)
-            _orphan(reqs)
+                    _orphan(entry.reqs, entry.keep)
+            _orphan(reqs, keep)
 
     def free(self) -> None:
         with self._lock:  # collectives started, never settled (their handles were dropped): fingerprints only
             for entry in self._queue:
-                abandon(entry.req, "ring latency path: fingerprints")
+                abandon(entry.req, "ring latency path: fingerprints", keep=entry.keep)
             self._queue.clear()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
 
-def _orphan(reqs) -> None:
+def _orphan(reqs, keep: tuple) -> None:
     """MPI cannot withdraw a native collective that other ranks may have posted: it completes in the background."""
     for r in reqs or ():
-        abandon(r, "ring latency path")
+        abandon(r, "ring latency path", keep=keep)

@@ -9,7 +9,7 @@ import weakref
 from mpi4py import MPI
 
 _ACTIVE: set = set()  # logs holding requests that may still be in flight
-_ABANDONED: list = []  # (owner, request): collectives an error path dropped, completed later (see abandon)
+_ABANDONED: list = []  # [owner, request, buffers]: collectives an error path dropped, completed later (abandon)
 _DRAINED: dict = {}  # id -> a communicator whose leftover messages are received at exit (see drain_at_exit)
 _LATE: weakref.WeakSet = weakref.WeakSet()  # owners whose join_late() runs at exit (see join_late_at_exit)
 _FREED: list = []  # requests an error path freed while MPI may still use their buffers: kept to the end (cancel)
@@ -57,19 +57,30 @@ def cancel_receives(requests: list, grace: float = 1.0, statuses: list | None = 
     return [r for r, _ in pending]
 
 
-def abandon(request, owner: str) -> None:
+def abandon(request, owner: str, keep: tuple) -> None:
     """Error path for a non-blocking collective: MPI can neither cancel nor free one, so it is kept to be completed.
 
     A collective that every rank posted completes once MPI progresses, but its
     request must still be completed (tested) to be released: otherwise it is
     still posted at MPI_Finalize. Those abandoned earlier are tested here
     again, and mpicomm.shutdown waits a moment for the rest before MPI_Finalize.
+
+    keep: the arrays MPI still reads or writes for it (or objects holding them), held here until it completes.
+    The request does not hold them: mpi4py keeps no reference to the buffers of Iallreduce, Ireduce,
+    Ireduce_scatter(_block), Iscan, Iexscan or Iallgatherv (tests/test_abandoned_mpi.py), so an owner
+    that went away with its buffers would leave MPI writing into freed memory when the other ranks
+    post theirs: a corrupted heap, and a crash later in whatever runs then.
     """
     if not request:
         return
     with _LOCK:
-        _ABANDONED[:] = [(o, r) for o, r in _ABANDONED if r is not request and not r.Test()]
-        _ABANDONED.append((owner, request))
+        for entry in _ABANDONED:
+            if entry[1] is request:  # abandoned twice (a handle and its algorithm): the buffers of both stay
+                entry[2] += tuple(keep)
+                break
+        else:
+            _ABANDONED.append([owner, request, tuple(keep)])
+        _ABANDONED[:] = [e for e in _ABANDONED if not e[1].Test()]
 
 
 def join_late_at_exit(owner) -> None:
@@ -96,7 +107,7 @@ def abandoned_by() -> list[str]:
     """The owner of each abandoned collective not seen complete yet (not tested here: a caller's look changes
     nothing)."""
     with _LOCK:
-        return [o for o, r in _ABANDONED if r]
+        return [o for o, r, _ in _ABANDONED if r]
 
 
 def finish_abandoned(grace: float) -> list[str]:
@@ -104,9 +115,9 @@ def finish_abandoned(grace: float) -> list[str]:
     deadline = time.monotonic() + grace
     while True:
         with _LOCK:
-            _ABANDONED[:] = [(o, r) for o, r in _ABANDONED if not r.Test()]
+            _ABANDONED[:] = [e for e in _ABANDONED if not e[1].Test()]
             if not _ABANDONED or time.monotonic() >= deadline:
-                return [o for o, _ in _ABANDONED]
+                return [o for o, _, _ in _ABANDONED]
         time.sleep(1e-3)
 
 

@@ -145,14 +145,14 @@ class Ring:
     _wrap = staticmethod(wrap)  # (Buffer, None) or (None, error): the error is shared before it is raised
 
     def _agree(self, kind, problem, *, ref=None, op="sum", root=0, tag=0, count=None, extra=0,
-               native=None, explicit=False):
+               native=None, explicit=False, keep: tuple = ()):
         """Generator step shared by all collectives: every rank fails together or proceeds together.
 
         The rank with a local problem raises it; the others raise
         CollectiveMismatchError naming that rank, instead of waiting for it.
         native(): posts the latency path's MPI call (kinds that have one); it
         runs when the collective is below the crossover, and the step then
-        returns its requests (None: take the ring).
+        returns its requests (None: take the ring). keep: its buffers, for abandon.
         """
         count = (ref.count if ref else 0) if count is None else count
         limit = self.latency_bytes.get(kind, 0) if native is not None and self.size > 1 else 0
@@ -168,7 +168,7 @@ class Ring:
                              tag=tag, count=count, extra=extra, error=problem is not None)
         reqs = None
         if limit:
-            table, reqs = yield from self.native.agree(self.comm, mine, kind, limit, native)
+            table, reqs = yield from self.native.agree(self.comm, mine, kind, limit, native, keep)
         else:
             table = yield from V.exchange(self.comm, mine)
         if problem:
@@ -184,9 +184,9 @@ class Ring:
         explicit = tag is not None
         tag, problem = self._tag(tag, problem)
         reqs = yield from self._agree("allreduce", problem, ref=src, op=op, tag=tag, explicit=explicit,
-                                      native=lambda: N.iallreduce(self.native.comm, src, dst, op))
+                                      native=lambda: N.iallreduce(self.native.comm, src, dst, op), keep=(src, dst))
         if reqs is not None:
-            yield from self.native.wait(reqs)
+            yield from self.native.wait(reqs, keep=(src, dst))
             return dst.obj
         if dst is not src:
             dst.copy_from(src)
@@ -211,9 +211,10 @@ class Ring:
         # In place, MPI would leave block r at the start of buf: it goes through scratch instead.
         target = [dst]
         reqs = yield from self._agree("reduce_scatter", problem, ref=src, op=op, tag=tag, explicit=explicit,
-                                      native=lambda: N.ireduce_scatter(self.native.comm, src, target, counts, op))
+                                      native=lambda: N.ireduce_scatter(self.native.comm, src, target, counts, op),
+                                      keep=(src, target))
         if reqs is not None:
-            yield from self.native.wait(reqs)
+            yield from self.native.wait(reqs, keep=(src, target))
             if dst is not None:
                 return dst.obj
             src.copy_from(target[0], lo)
@@ -260,9 +261,9 @@ class Ring:
         reqs = yield from self._agree(kind, problem, ref=ref, tag=tag, count=total,
                                       extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()),
                                       native=(lambda: N.iallgather(self.native.comm, src, target, total))
-                                      if kind == "allgather" else None, explicit=explicit)
+                                      if kind == "allgather" else None, explicit=explicit, keep=(src, target))
         if reqs is not None:
-            yield from self.native.wait(reqs)
+            yield from self.native.wait(reqs, keep=(src, target))
             return target[0].obj
         if dst is None:
             dst = src.scratch(total)
@@ -287,12 +288,12 @@ class Ring:
         b, problem = self._wrap(buf, "buf")
         if problem is None and not (isinstance(root, int) and 0 <= root < self.size):
             problem = ValueError(f"root {root!r} outside [0, {self.size})")
-        explicit = tag is not None
-        tag, problem = self._tag(tag, problem)
-        reqs = yield from self._agree("broadcast", problem, ref=b, root=root if problem is None else -1, tag=tag,
+        explicit, (tag, problem) = tag is not None, self._tag(tag, problem)
+        root_or_bad = root if problem is None else -1
+        reqs = yield from self._agree("broadcast", problem, ref=b, root=root_or_bad, tag=tag, keep=(b,),
                                       explicit=explicit, native=lambda: [self.native.comm.Ibcast(N.raw(b), root)])
         if reqs is not None:
-            yield from self.native.wait(reqs)
+            yield from self.native.wait(reqs, keep=(b,))
             return b.obj
         if self.size == 1 or b.count == 0:
             return b.obj

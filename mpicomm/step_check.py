@@ -83,7 +83,6 @@ class StepCheck:
         self.posted = 0  # rounds this rank posted, joined ones included
         self.figure = 0  # the largest `figure` of the last round finished, over ranks
         self._late = 0  # the most rounds a beacon asked for that came as this rank stopped listening
-        self._joined: list = []  # the buffers of rounds joined after a failure, alive until MPI is done
         self._beacon_in = np.zeros(TEXT, dtype=np.uint8)
         self._beacon_log = RequestLog("step agreement: failure beacon")
         self._beacon = self._beacon_log.irecv(self.comm, [self._beacon_in, MPI.BYTE], MPI.ANY_SOURCE, _TAG_BEACON) \
@@ -111,7 +110,7 @@ class StepCheck:
         self._arrival_log.cancel()
         self._arrived = []
         if self._request is not None:
-            abandon(self._request, "step agreement: a round")
+            abandon(self._request, "step agreement: a round", keep=(self._vec, self._out))
             self._request = None
 
     def _take_beacon(self, grace: float = 1.0) -> None:
@@ -164,8 +163,8 @@ class StepCheck:
             vec = np.zeros_like(self._vec)
             vec[_STOPPED] = self.rank + 1
             out = np.empty_like(vec)
-            self._joined.append((vec, out))
-            abandon(self.comm.Iallreduce(vec, out, op=MPI.MAX), "step agreement: a round joined after a failure")
+            abandon(self.comm.Iallreduce(vec, out, op=MPI.MAX), "step agreement: a round joined after a failure",
+                    keep=(vec, out))  # held there, not here: this object may go before the other ranks join
             self.posted += 1
 
     def notify_failure(self, text: str, grace: float = 1.0) -> None:

@@ -37,7 +37,7 @@ def sum_over_ranks(dopt, values):
             wait_until(request.Test, what="sum_over_ranks", policy=dopt.policy, who=f"rank {dopt.rank}: ",
                        interrupt=dopt.check.interrupt)
         except BaseException:
-            abandon(request, "sum_over_ranks")
+            abandon(request, "sum_over_ranks", keep=(mine, total))
             raise
     if tensor is not None:
         return torch.from_numpy(total).to(tensor.device)

@@ -228,9 +228,13 @@ class BufferSync:
         """
         values = np.concatenate([b.detach().reshape(-1).double().cpu().numpy() for b in changed])
         req = self.comm.Iallreduce(MPI.IN_PLACE, values)
-        wait_until(req.Test, what="averaging changed module buffers", policy=self.policy,
-                   who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
-                   interrupt=self.interrupt)
+        try:
+            wait_until(req.Test, what="averaging changed module buffers", policy=self.policy,
+                       who=f"rank {self.comm.Get_rank()}: ", report=lambda: "a native MPI allreduce of the buffers",
+                       interrupt=self.interrupt)
+        except BaseException:
+            abandon(req, "module buffers: changed ones", keep=(values,))  # MPI writes `values` once all ranks post
+            raise
         self.collectives += 1
         values *= 1.0 / self.size
         with torch.no_grad():
@@ -252,6 +256,6 @@ class BufferSync:
 
     def abandon(self) -> None:
         """Error path: a collective cannot be cancelled; it is completed in the background (mpicomm.requests)."""
-        abandon(self._request, "module buffers")
+        abandon(self._request, "module buffers", keep=(self.staging,))
         self._request = None
         self._carried = self.handed = False  # the carrier aborts its own exchange

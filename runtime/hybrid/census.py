@@ -60,7 +60,7 @@ class Census:
 
     def cancel(self) -> None:
         """Error path: MPI cannot cancel a collective request; it is completed in the background (mpicomm.requests)."""
-        abandon(self.request, "hybcomm census")
+        abandon(self.request, "hybcomm census", keep=(self.mine, self.table))
         self.request, self.complete = None, False
 
     def free(self) -> None:
