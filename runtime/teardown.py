@@ -38,6 +38,12 @@ def close(dopt) -> None:
         stepping.settle(dopt)  # a deferred step's agreement first: rounds complete in order
         dopt.check.run(CLOSE, dopt.steps, 0, describe=lambda: [])
         if dopt._open:  # a backward without step() on every rank: nothing to finish
+            if dopt.staging is not None:
+                # Compute off the host: each rank's gradients, and the collectives they start (hybcomm's census
+                # at the first), reach the strategy only from the staging thread. Stopped at once, it would have
+                # posted them on the ranks whose copies had landed and not on the others: a collective that never
+                # completes. Every rank ran this backward, so every rank hands all of it over first.
+                dopt.staging.drain()
             _quiet(dopt)
             dopt.strategy.abort()
         else:

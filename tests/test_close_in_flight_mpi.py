@@ -139,7 +139,8 @@ def test_a_layer_the_census_starts_as_close_aborts_is_cancelled(world, monkeypat
 def test_a_gradient_the_staging_thread_delivers_as_close_aborts_is_cancelled(world, monkeypatch, strategy):
     """Compute off the host (emulated here, a GPU alike): gradients reach the strategy from the staging thread. If
     close() after a backward without step() aborts the strategy while that thread hands a gradient over, what the
-    hand-over posted must still be cancelled. Here the staging thread pauses just before its task is submitted."""
+    hand-over posted must still be cancelled; and hybcomm's census, posted at the first gradient, must be posted on
+    every rank or none (close() drains the thread first). Here the staging thread pauses just before its submit."""
     from runtime.emulate import emulate, emulate_optimizer, emulated_loss
     from runtime.emulate.accelerator import deactivate
     from runtime.hybrid.census import CensusTask
