@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -78,8 +79,14 @@ _quiet_report = None
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    """Under mpiexec only rank 0 reports; another rank's report is shown only if it failed."""
+    """Under mpiexec only rank 0 reports; another rank's report is shown only if it failed. Each rank has its
+    own root for pytest's temporary directories: ranks sharing one removed each other's old ones at once
+    (PytestWarning "(rm_rf) error removing ...: Directory not empty", 2 of 3 runs)."""
     global _quiet_report
+    if _world_size() > 1 and config.option.basetemp is None and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
+        root = os.path.join(tempfile.gettempdir(), f"pytest-mpi-rank{launcher_rank()}")
+        os.makedirs(root, mode=0o700, exist_ok=True)
+        os.environ["PYTEST_DEBUG_TEMPROOT"] = root  # pytest's documented variable, read at the first tmp_path
     reporter = config.pluginmanager.getplugin("terminalreporter")
     if launcher_rank() == "0" or reporter is None:
         return
