@@ -81,7 +81,7 @@ _quiet_report = None
 def pytest_configure(config):
     """Under mpiexec only rank 0 reports; another rank's report is shown only if it failed. Each rank has its
     own root for pytest's temporary directories: ranks sharing one removed each other's old ones at once
-    (PytestWarning "(rm_rf) error removing ...: Directory not empty", 2 of 3 runs)."""
+    (PytestWarning "(rm_rf) error removing ...: Directory not empty", 2 of 4 runs)."""
     global _quiet_report
     if _world_size() > 1 and config.option.basetemp is None and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
         root = os.path.join(tempfile.gettempdir(), f"pytest-mpi-rank{launcher_rank()}")
