@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import sys
 import tempfile
 
@@ -84,9 +85,12 @@ def pytest_configure(config):
     (PytestWarning "(rm_rf) error removing ...: Directory not empty", 2 of 4 runs)."""
     global _quiet_report
     if _world_size() > 1 and config.option.basetemp is None and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
-        root = os.path.join(tempfile.gettempdir(), f"pytest-mpi-rank{launcher_rank()}")
+        # The user's id in the name: a second user's run on the same machine cannot use a root of ours (0700).
+        root = os.path.join(tempfile.gettempdir(), f"pytest-mpi-{os.getuid()}-rank{launcher_rank()}")
         os.makedirs(root, mode=0o700, exist_ok=True)
-        os.environ["PYTEST_DEBUG_TEMPROOT"] = root  # pytest's documented variable, read at the first tmp_path
+        st = os.lstat(root)
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():  # else pytest's shared default, as before
+            os.environ["PYTEST_DEBUG_TEMPROOT"] = root  # pytest's documented variable, read at the first tmp_path
     reporter = config.pluginmanager.getplugin("terminalreporter")
     if launcher_rank() == "0" or reporter is None:
         return

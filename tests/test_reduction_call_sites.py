@@ -26,7 +26,7 @@ AUDITED = {
     "mpicomm/native.py": 5,         # the Ring's Buffers; Sequencer.wait/_orphan abandon with `keep`
     "mpicomm/step_check.py": 2,     # StepCheck's round arrays; _join and stop_listening abandon them
     "runtime/metrics.py": 1,        # locals held across the wait; abandoned with keep=(mine, total)
-    "runtime/model_buffers.py": 2,  # the staging array; abandoned with it
+    "runtime/model_buffers.py": 2,  # the staging array and _promote's values; each abandoned with its own
 }
 
 
