@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
+import sys
 
-try:  # torch is a dependency, but the MPI layer must stay importable without it.
-    import torch
-except ImportError:  # pragma: no cover - exercised only on torch-less installs
-    torch = None
+import numpy as np
 
 # Every supported dtype gets a small stable code so ranks can compare dtypes in
 # an integer fingerprint. Transport is always MPI.BYTE: the reductions run
@@ -36,6 +33,9 @@ def _dtype_name(obj) -> str:
 
 
 def is_torch(obj) -> bool:
+    # Not imported here: a tensor cannot exist before its caller has imported torch, and the MPI layer's
+    # torch-free users (topology, the emulated cluster's tools, bench collectives) then skip its ~1 CPU-s import.
+    torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
@@ -77,7 +77,7 @@ class Buffer:
             self.flat = obj.detach().reshape(-1)
             self.itemsize = self.flat.element_size()
             # A uint8 view shares storage and works for bfloat16, which numpy lacks.
-            self._bytes = self.flat.view(torch.uint8).numpy()
+            self._bytes = self.flat.view(sys.modules["torch"].uint8).numpy()
         else:
             self.flat = obj.reshape(-1)
             self.itemsize = obj.itemsize
@@ -100,7 +100,7 @@ class Buffer:
     def scratch(self, count: int) -> "Buffer":
         """A new uninitialized buffer of `count` elements of the same kind and dtype."""
         if self._torch:
-            return Buffer(torch.empty(count, dtype=self.flat.dtype))
+            return Buffer(self.flat.new_empty(count))
         return Buffer(np.empty(count, dtype=self.flat.dtype))
 
     def copy_from(self, other: "Buffer", start: int = 0) -> None:
@@ -130,9 +130,17 @@ def allreduce_operands(buf, out, op: str):
     return src, dst, problem
 
 
+def typed_like(raw: np.ndarray, like):
+    """The bytes `raw` as `like`'s kind (numpy array or torch tensor) and dtype, no copy."""
+    if is_torch(like):
+        return sys.modules["torch"].from_numpy(raw).view(like.dtype)
+    return raw.view(like.dtype)
+
+
 def reduce_into(op: str, dst, a, b) -> None:
     """dst = a (op) b elementwise; arguments are same-length element views (dst may alias a)."""
     if is_torch(dst):
+        torch = sys.modules["torch"]
         fn = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
     else:
         fn = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}[op]

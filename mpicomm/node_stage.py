@@ -27,10 +27,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
-from .buffers import Buffer, is_torch, offsets, reduce_into
+from .buffers import Buffer, offsets, reduce_into, typed_like
 from .node_window import NOTICE
 from .quiesce import quiesce
 from .requests import cancel_receives
@@ -202,10 +201,7 @@ class NodeStage:
         return a, offs[m] + min(lo + per, counts[m])
 
     def _typed(self, q: int, at: int, n: int, data: Buffer):
-        raw = self.segments[q][at: at + n * data.itemsize]
-        if is_torch(data.flat):
-            return torch.from_numpy(raw).view(data.flat.dtype)
-        return raw.view(data.flat.dtype)
+        return typed_like(self.segments[q][at: at + n * data.itemsize], data.flat)
 
     def free(self, clean: bool = True) -> None:
         """Collective over the node's ranks on the clean path (Win_free waits for them all); not `clean` (a peer may

@@ -21,9 +21,13 @@ orders the copies against the notices (MPI's unified memory model).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 from mpi4py import MPI
+
+if TYPE_CHECKING:  # imported where the window is built: node_stage's NOTICE must not cost torch's import
+    import torch
 
 __all__ = ["NOTICE", "NodeWindow", "pushed_to_node"]
 
@@ -60,6 +64,8 @@ class NodeWindow:
             self.free(clean=False)
             raise RuntimeError(f"rank {rank}: no MPI-3 shared window for p3's node part "
                                f"({problem or 'another rank could not allocate one'})")
+        import torch
+
         self.win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for the whole run: Win_sync needs one
         self.mine: dict[int, np.ndarray] = {}  # slice -> this rank's staging bytes
         self.peers: dict[int, dict[int, torch.Tensor]] = {}  # peer -> slice -> its staged slice, typed

@@ -72,6 +72,27 @@ def test_jobs_import_without_starting_mpi():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
+def test_the_mpi_layer_and_its_torch_free_tools_run_without_importing_torch(tmp_path):
+    """torch's import costs each process ~1 CPU-s: `mpicomm` (numpy buffers), `mpitrain topology`, the emulated
+    cluster's link tools and `bench collectives` run whole without it; a tensor still goes through (test_buffers)."""
+    code = textwrap.dedent(f"""
+        import runpy, sys
+        import mpicomm, mpicomm.collectives, mpicomm.emulation.probe, mpicomm.emulation.pingpong, jobs.cluster
+        for argv in (["jobs.topology", "--json", {str(tmp_path / "t.json")!r}],
+                     ["jobs.bench.collectives", "--sizes", "4K", "--iters", "1", "--rounds", "1",
+                      "--json", {str(tmp_path / "c.json")!r}]):
+            sys.argv = argv
+            try:
+                runpy.run_module(argv[0], run_name="__main__")
+            except SystemExit as exc:
+                assert not exc.code, (argv, exc.code)
+        assert "torch" not in sys.modules, "torch was imported"
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "t.json").exists() and (tmp_path / "c.json").exists()
+
+
 def test_bench_collectives_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "res" / "c.json"
     cross = tmp_path / "cross.json"
