@@ -36,6 +36,7 @@ from .node_stage import NodeStage
 from .single_copy import single_copy
 from .requests import RequestLog, drain_at_exit
 from .ring import DEFAULT_CHUNK_BYTES, IN_PLACE, Ring
+from .ring_steps import ring_steps
 from .topology import Topology
 
 __all__ = ["Collectives"]
@@ -203,7 +204,8 @@ class Collectives:
         elif name == "rabenseifner":
             yield from halving_allreduce(ring.comm, dst, op, tag, log, ring.chunk_bytes)
         else:
-            yield from ring._ring(dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag, log)
+            yield from ring_steps(ring, dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag,
+                                  log)
         return dst.obj
 
     def _stage(self) -> NodeStage | None:

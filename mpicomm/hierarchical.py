@@ -23,6 +23,7 @@ from .halving import halving_allreduce
 from .handle import Step
 from .requests import RequestLog
 from .ring import Ring
+from .ring_steps import ring_steps
 from .scratch import SCRATCH
 
 __all__ = ["LANES", "PIECE_BYTES", "contiguous", "hierarchical_allgather", "hierarchical_allreduce",
@@ -59,7 +60,7 @@ def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: 
     if call is not None:
         yield from stage.reduce_scatter(call, data, counts, op, tag, log)
     else:
-        yield from node._ring(data, counts, range(0, L - 1), op, tag, log)  # block lr of the node's sum
+        yield from ring_steps(node, data, counts, range(0, L - 1), op, tag, log)  # block lr of the node's sum
     yield REDUCED
     block = Buffer(data.elements(lo, lo + counts[lr]), checked=True)
     if across == "doubling":
@@ -67,13 +68,13 @@ def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: 
     elif across == "rabenseifner":
         yield from halving_allreduce(cross.comm, block, op, tag, log, cross.chunk_bytes)
     else:
-        yield from cross._ring(block, block_counts(block.count, cross.size), range(0, 2 * cross.size - 2), op,
+        yield from ring_steps(cross, block, block_counts(block.count, cross.size), range(0, 2 * cross.size - 2), op,
                                tag, log)
     if call is not None:
         yield from stage.allgather(call, data, counts, tag, log)
         yield from stage.close(call, tag, log)
     else:
-        yield from node._ring(data, counts, range(L - 1, 2 * L - 2), None, tag, log)
+        yield from ring_steps(node, data, counts, range(L - 1, 2 * L - 2), None, tag, log)
 
 
 def pipelined(lanes: list[tuple[Ring, Ring]], data: Buffer, op: str, tag: int, log: RequestLog, across: str,
@@ -157,7 +158,7 @@ def node_steps(node: Ring, stage, data: Buffer, counts: list[int], op, tag: int,
         chunk = Buffer(data.elements(offs[m * L], offs[(m + 1) * L]), checked=True)
         part = counts[m * L:(m + 1) * L]
         if call is None:
-            yield from node._ring(chunk, part, range(0, L - 1) if op else range(L - 1, 2 * L - 2), op, tag, log)
+            yield from ring_steps(node, chunk, part, range(0, L - 1) if op else range(L - 1, 2 * L - 2), op, tag, log)
         elif op:
             yield from stage.reduce_scatter(call, chunk, part, op, tag, log)
         else:
@@ -183,7 +184,7 @@ def hierarchical_reduce_scatter(node: Ring, cross: Ring, data: Buffer, counts: l
     at = offsets(mine)
     for m in range(N):
         gathered.bytes(at[m], at[m] + mine[m])[...] = data.bytes(offs[m * L + l], offs[m * L + l + 1])
-    yield from cross._ring(gathered, mine, range(0, N - 1), op, tag, log)
+    yield from ring_steps(cross, gathered, mine, range(0, N - 1), op, tag, log)
     r = n * L + l
     data.bytes(offs[r], offs[r + 1])[...] = gathered.bytes(at[n], at[n] + mine[n])
     SCRATCH.give(gathered)
@@ -200,7 +201,7 @@ def hierarchical_allgather(node: Ring, cross: Ring, data: Buffer, counts: list[i
     at = offsets(mine)
     r = n * L + l
     gathered.bytes(at[n], at[n] + mine[n])[...] = data.bytes(offs[r], offs[r + 1])
-    yield from cross._ring(gathered, mine, range(N - 1, 2 * N - 2), None, tag, log)
+    yield from ring_steps(cross, gathered, mine, range(N - 1, 2 * N - 2), None, tag, log)
     for m in range(N):
         data.bytes(offs[m * L + l], offs[m * L + l + 1])[...] = gathered.bytes(at[m], at[m] + mine[m])
     SCRATCH.give(gathered)

@@ -18,11 +18,11 @@ from mpi4py import MPI
 from . import native as N
 from . import validate as V
 from .buffers import (OP_CODES, Buffer, BufferError, allreduce_operands, block_counts, check_op, chunk_ranges,
-                      offsets, reduce_into, wrap)
+                      offsets, wrap)
 from .handle import Handle
 from .quiesce import quiesce
 from .requests import RequestLog, drain_at_exit
-from .scratch import SCRATCH
+from .ring_steps import ring_steps
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
@@ -183,15 +183,16 @@ class Ring:
         src, dst, problem = allreduce_operands(buf, out, op)
         explicit = tag is not None
         tag, problem = self._tag(tag, problem)
+        keep = (src, dst)  # the latency path's buffers: held until its requests end, or abandoned with them
         reqs = yield from self._agree("allreduce", problem, ref=src, op=op, tag=tag, explicit=explicit,
-                                      native=lambda: N.iallreduce(self.native.comm, src, dst, op), keep=(src, dst))
+                                      native=lambda: N.iallreduce(self.native.comm, src, dst, op), keep=keep)
         if reqs is not None:
-            yield from self.native.wait(reqs, keep=(src, dst))
+            yield from self.native.wait(reqs, keep=keep)
             return dst.obj
         if dst is not src:
             dst.copy_from(src)
         counts = block_counts(dst.count, self.size)
-        yield from self._ring(dst, counts, range(0, 2 * self.size - 2), op, tag, log)
+        yield from ring_steps(self, dst, counts, range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj
 
     def _reduce_scatter(self, buf, out, op, tag, log):
@@ -210,21 +211,22 @@ class Ring:
         tag, problem = self._tag(tag, problem)
         # In place, MPI would leave block r at the start of buf: it goes through scratch instead.
         target = [dst]
+        keep = (src, target)
         reqs = yield from self._agree("reduce_scatter", problem, ref=src, op=op, tag=tag, explicit=explicit,
                                       native=lambda: N.ireduce_scatter(self.native.comm, src, target, counts, op),
-                                      keep=(src, target))
+                                      keep=keep)
         if reqs is not None:
-            yield from self.native.wait(reqs, keep=(src, target))
+            yield from self.native.wait(reqs, keep=keep)
             if dst is not None:
                 return dst.obj
             src.copy_from(target[0], lo)
             return src.elements(lo, hi)
         if dst is None:
-            yield from self._ring(src, counts, range(0, self.size - 1), op, tag, log)
+            yield from ring_steps(self, src, counts, range(0, self.size - 1), op, tag, log)
             return src.elements(lo, hi)
         if self.size == 1:
             dst.copy_from(src)
-        yield from self._ring(src, counts, range(0, self.size - 1), op, tag, log, out=dst)
+        yield from ring_steps(self, src, counts, range(0, self.size - 1), op, tag, log, out=dst)
         return dst.obj
 
     def _allgather(self, buf, out, counts, tag, kind, log):
@@ -258,19 +260,20 @@ class Ring:
             problem = BufferError(f"out has {dst.count} x {dst.dtype}, needs {total} x {(src or dst).dtype}")
         ref = src or dst
         target = [dst]  # the latency path allocates out when none was given
+        keep = (src, target)
         reqs = yield from self._agree(kind, problem, ref=ref, tag=tag, count=total,
                                       extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()),
                                       native=(lambda: N.iallgather(self.native.comm, src, target, total))
-                                      if kind == "allgather" else None, explicit=explicit, keep=(src, target))
+                                      if kind == "allgather" else None, explicit=explicit, keep=keep)
         if reqs is not None:
-            yield from self.native.wait(reqs, keep=(src, target))
+            yield from self.native.wait(reqs, keep=keep)
             return target[0].obj
         if dst is None:
             dst = src.scratch(total)
         offs = offsets(counts)
         if src is not None:
             dst.copy_from(src, offs[self.rank])
-        yield from self._ring(dst, counts, range(self.size - 1, 2 * self.size - 2), None, tag, log)
+        yield from ring_steps(self, dst, counts, range(self.size - 1, 2 * self.size - 2), None, tag, log)
         return dst.obj
 
     def _exchange_counts(self, local: int, problem):
@@ -314,87 +317,3 @@ class Ring:
 
     def _chunk_elems(self, b: Buffer) -> int:
         return max(1, self.chunk_bytes // b.itemsize)
-
-    def _ring(self, data: Buffer, counts, steps: range, op, tag, log, out: Buffer | None = None):
-        """Run ring steps `steps` over `data` split into blocks `counts`.
-
-        Steps 0..P-2 reduce (block r ends fully reduced on rank r), steps
-        P-1..2P-3 gather (block r travels round). At step t a rank sends block
-        (r-t-1) mod P right and receives block (r-t-2) mod P from the left, the
-        block it forwards at step t+1; each chunk is forwarded the moment it
-        is reduced, so the ring is pipelined at chunk granularity.
-
-        With `out` (reduce-scatter only) `data` is never written: partial sums
-        live in rotating scratch blocks and the last step writes into `out`.
-        """
-        P, r = self.size, self.rank
-        if P == 1 or not steps:
-            return
-        offs = offsets(counts)
-        per = self._chunk_elems(data)
-        reduce_phase = P - 1
-        last = steps[-1]
-        nscratch = 3 if out is not None else 2
-        # Only the blocks some reducing step uses: a 2-rank ring reduces once, and these are large (1/P of the data).
-        used = {t % nscratch for t in steps if t < reduce_phase}
-        scratch = [SCRATCH.take(data, max(counts)) if k in used else None for k in range(nscratch)] if used else []
-        busy = [[] for _ in scratch]  # sends still reading each scratch block
-
-        def block(t):
-            return (r - t - 2) % P
-
-        def post_recvs(t):
-            """Receives of step t: into scratch while reducing, straight into data while gathering."""
-            blk = block(t)
-            a0 = offs[blk]
-            if t < reduce_phase:
-                target, base = scratch[t % nscratch], 0
-            else:
-                target, base = data, a0
-            return [(log.irecv(self.comm, [target.bytes(base + a - a0, base + z - a0), MPI.BYTE], self.left, tag), a, z)
-                    for a, z in chunk_ranges(a0, a0 + counts[blk], per)]
-
-        sends = []
-        first = steps[0]
-        src_blk = (r - first - 1) % P
-        for a, z in chunk_ranges(offs[src_blk], offs[src_blk] + counts[src_blk], per):
-            sends.append(log.isend(self.comm, [data.bytes(a, z), MPI.BYTE], self.right, tag))
-        pending = post_recvs(first)
-        for t in steps:
-            upcoming = None
-            if t < last:
-                k = (t + 1) % nscratch if scratch else 0
-                if scratch and busy[k]:
-                    # That scratch block was forwarded a whole step ago: normally already complete.
-                    yield busy[k]
-                    busy[k] = []
-                upcoming = post_recvs(t + 1)
-            blk = block(t)
-            a0 = offs[blk]
-            for req, a, z in pending:
-                yield [req]
-                if t < reduce_phase:
-                    k = t % nscratch
-                    got = scratch[k].elements(a - a0, z - a0)
-                    if out is None:
-                        acc = data
-                        reduce_into(op, data.elements(a, z), data.elements(a, z), got)
-                    elif t == last:
-                        acc = None
-                        reduce_into(op, out.elements(a - a0, z - a0), data.elements(a, z), got)
-                    else:
-                        acc = scratch[k]
-                        reduce_into(op, got, data.elements(a, z), got)
-                    if t < last:
-                        src = data.bytes(a, z) if acc is data else acc.bytes(a - a0, z - a0)
-                        req_s = log.isend(self.comm, [src, MPI.BYTE], self.right, tag)
-                        sends.append(req_s)
-                        if acc is not data:
-                            busy[k].append(req_s)
-                elif t < last:
-                    sends.append(log.isend(self.comm, [data.bytes(a, z), MPI.BYTE], self.right, tag))
-            pending = upcoming
-        yield sends
-        SCRATCH.give(*scratch)  # only here: a cancelled ring may still have a receive posted into them
-
-
