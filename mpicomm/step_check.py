@@ -234,6 +234,11 @@ class StepCheck:
         self._request = self.comm.Iallreduce(vec, self._out, op=MPI.MAX)
 
     @property
+    def round_elements(self) -> int:
+        """int64 elements of one round's vectors (its header and the nbits of usage): what MPI reads and writes."""
+        return self._vec.size
+
+    @property
     def pending(self) -> bool:
         return self._round is not None
 

@@ -14,7 +14,7 @@ from conftest import assert_everywhere
 from mpicomm import Ring
 from mpicomm.failstop import PeerFailedError
 from mpicomm.requests import abandon, finish_abandoned
-from mpicomm.step_check import _HEAD, StepCheck
+from mpicomm.step_check import StepCheck
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(60)]
 
@@ -52,6 +52,7 @@ def test_a_failed_rank_s_joined_round_writes_into_its_own_memory_after_its_step_
     nbits = 5  # a small round: freed, its arrays would be the next ones numpy hands out
     r = world.Get_rank()
     check, sync = StepCheck(world, nbits=nbits), world.Dup()
+    elements = check.round_elements
     decoys, heard, never = [], True, []
     try:
         if r == 0:
@@ -59,7 +60,7 @@ def test_a_failed_rank_s_joined_round_writes_into_its_own_memory_after_its_step_
             check.stop_listening()
             del check
             gc.collect()
-            decoys = [np.full(_HEAD + nbits, -7, dtype=np.int64) for _ in range(64)]
+            decoys = [np.full(elements, -7, dtype=np.int64) for _ in range(64)]
             sync.Barrier()
         else:
             sync.Barrier()
