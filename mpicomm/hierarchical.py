@@ -69,7 +69,7 @@ def hierarchical_allreduce(node: Ring, cross: Ring, data: Buffer, op: str, tag: 
         yield from halving_allreduce(cross.comm, block, op, tag, log, cross.chunk_bytes)
     else:
         yield from ring_steps(cross, block, block_counts(block.count, cross.size), range(0, 2 * cross.size - 2), op,
-                               tag, log)
+                              tag, log)
     if call is not None:
         yield from stage.allgather(call, data, counts, tag, log)
         yield from stage.close(call, tag, log)
