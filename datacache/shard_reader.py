@@ -7,7 +7,6 @@ import os
 import threading
 import zlib
 
-import h5py
 import numpy as np
 
 from .shard_format import ShardError, _SMALL, _crcs, _load_manifest, manifest_path
@@ -92,6 +91,8 @@ class ShardReader:
         try:
             # Shards are immutable once committed: HDF5's file lock (which fails on some network
             # filesystems) buys nothing.
+            import h5py  # here: a job that never opens a shard (synthetic data) skips its ~0.1 s import per rank
+
             h5 = h5py.File(self.path, "r", locking=False)
             ds = h5["samples"]
         except PermissionError:

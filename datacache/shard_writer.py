@@ -9,7 +9,6 @@ import os
 import time
 import zlib
 
-import h5py
 import numpy as np
 
 from .shard_format import FORMAT_VERSION, _SMALL, _crcs, _fsync_dir, _temp_name, _write_error, manifest_path
@@ -53,6 +52,8 @@ class ShardWriter:
             # os.open first: its errors carry errno (h5py's often do not), and O_EXCL guards the name.
             self._fd = os.open(self.tmp_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             # The temp file is private to this writer: HDF5's own file lock would only add failure modes.
+            import h5py  # here, as in shard_reader: only a job that writes a shard pays its import
+
             self._file = f = h5py.File(self.tmp_path, "w", locking=False)
             shape = self.sample_shape
             self._samples = f.create_dataset("samples", shape=(0, *shape), maxshape=(None, *shape), chunks=(n, *shape),

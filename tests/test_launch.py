@@ -93,6 +93,12 @@ def test_the_mpi_layer_and_its_torch_free_tools_run_without_importing_torch(tmp_
     assert (tmp_path / "t.json").exists() and (tmp_path / "c.json").exists()
 
 
+def test_h5py_is_imported_only_by_a_job_that_opens_a_shard():
+    """Every rank of `mpitrain train` imports datacache (the corpus's errors); h5py (~0.1 s) waits for a shard."""
+    code = "import sys, datacache, runtime, jobs.train\nassert 'h5py' not in sys.modules, 'h5py was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
 def test_bench_collectives_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "res" / "c.json"
     cross = tmp_path / "cross.json"
