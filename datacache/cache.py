@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from .partition import epoch_batches, partition, steps_per_epoch
 from . import repair
@@ -150,7 +149,7 @@ class SampleCache:
         seed = self.seed if shuffle_seed is None else shuffle_seed
         plan = epoch_batches(len(self.ids), self.steps(batch_size), epoch, seed, self.rank)
         produce = self._warm_batches(plan) if self.reader is not None else self._cold_batches(plan)
-        return _Prefetcher(produce, max(1, prefetch), self.stats)
+        return _Prefetcher(_tensors(produce), max(1, prefetch), self.stats)
 
     def _warm_batches(self, plan):
         for positions in plan:
@@ -165,7 +164,7 @@ class SampleCache:
                 self._invalidate(str(exc))
                 yield self._decode(positions)
                 continue
-            yield torch.from_numpy(x), torch.from_numpy(self._labels[sp])
+            yield x, self._labels[sp]
         self.check_disk()  # still in the read-ahead thread: the consumer trains on the last batches meanwhile
 
     def check_disk(self) -> None:
@@ -231,8 +230,8 @@ class SampleCache:
         if xs:
             self._sample_shape = xs[0].shape
         # A batch whose samples were all skipped is still (0, *sample shape), as a warm one would be.
-        x = torch.from_numpy(np.stack(xs)) if xs else torch.empty((0, *self._sample_shape))
-        return x, torch.tensor(ys, dtype=torch.int64)
+        x = np.stack(xs) if xs else np.empty((0, *self._sample_shape), dtype=np.float32)
+        return x, np.asarray(ys, dtype=np.int64)
 
     def _cold_batches(self, plan):
         """First epoch: serve from the source while writing the shard; commit only if every sample was seen."""
@@ -379,6 +378,14 @@ class _Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _tensors(batches):
+    """(inputs, labels) numpy batches as torch tensors sharing their memory. Only here: warming a shard (`mpitrain
+    cache warm`) decodes and writes numpy arrays, and skips torch's import (~1.3 s a process)."""
+    import torch  # on the caller's thread: the generator's body runs on the read-ahead thread
+
+    return ((torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches)
 
 
 def _remove(path: str) -> None:

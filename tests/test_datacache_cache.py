@@ -44,6 +44,15 @@ def test_cold_then_warm_serve_fresh_preprocessing_byte_for_byte(source, tmp_path
     assert again.state == "warm" and sorted(served_digests(epoch(again, 2))) == want
 
 
+def test_batches_are_tensors_cold_and_warm(source, tmp_path):
+    """The cache holds numpy arrays (warming a shard imports no torch); training gets tensors, float32 and int64."""
+    c = cache(source, tmp_path)
+    for e in range(2):  # cold (decoded from the source), then warm (read back)
+        for x, y in epoch(c, e):
+            assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), (type(x), type(y))
+            assert (x.dtype, y.dtype) == (torch.float32, torch.int64) and len(x) == len(y) > 0
+
+
 def test_shard_level_when_memory_is_small(source, tmp_path):
     cache(source, tmp_path).warm()
     c = cache(source, tmp_path, memory_bytes=20 * 64 * 4)  # 20 samples of 8x8 float32

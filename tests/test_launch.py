@@ -74,13 +74,19 @@ def test_jobs_import_without_starting_mpi():
 
 def test_the_mpi_layer_and_its_torch_free_tools_run_without_importing_torch(tmp_path):
     """torch's import costs each process ~1 CPU-s: `mpicomm` (numpy buffers), `mpitrain topology`, the emulated
-    cluster's link tools and `bench collectives` run whole without it; a tensor still goes through (test_buffers)."""
+    cluster's link tools, `bench collectives` and `mpitrain cache` run whole without it; a tensor still goes through
+    (test_buffers), and the cache's training batches are tensors (test_datacache_cache)."""
+    from datacache_helpers import make_png_dataset
+
+    source, cache = make_png_dataset(tmp_path / "png", n=20), str(tmp_path / "cache")
     code = textwrap.dedent(f"""
         import runpy, sys
         import mpicomm, mpicomm.collectives, mpicomm.emulation.probe, mpicomm.emulation.pingpong, jobs.cluster
         for argv in (["jobs.topology", "--json", {str(tmp_path / "t.json")!r}],
                      ["jobs.bench.collectives", "--sizes", "4K", "--iters", "1", "--rounds", "1",
-                      "--json", {str(tmp_path / "c.json")!r}]):
+                      "--json", {str(tmp_path / "c.json")!r}],
+                     ["jobs.cache", "warm", "--source", {source!r}, "--cache-dir", {cache!r}],
+                     ["jobs.cache", "verify", "--cache-dir", {cache!r}]):
             sys.argv = argv
             try:
                 runpy.run_module(argv[0], run_name="__main__")
@@ -91,6 +97,7 @@ def test_the_mpi_layer_and_its_torch_free_tools_run_without_importing_torch(tmp_
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "t.json").exists() and (tmp_path / "c.json").exists()
+    assert "cold -> warm" in proc.stdout and len(list((tmp_path / "cache").glob("*.h5"))) == 1, proc.stdout
 
 
 def test_h5py_is_imported_only_by_a_job_that_opens_a_shard():
