@@ -204,8 +204,8 @@ class Collectives:
         elif name == "rabenseifner":
             yield from halving_allreduce(ring.comm, dst, op, tag, log, ring.chunk_bytes)
         else:
-            yield from ring_steps(ring, dst, block_counts(dst.count, self.size), range(0, 2 * self.size - 2), op, tag,
-                                  log)
+            blocks = block_counts(dst.count, self.size)
+            yield from ring_steps(ring, dst, blocks, range(0, 2 * self.size - 2), op, tag, log)
         return dst.obj
 
     def _stage(self) -> NodeStage | None:
