@@ -15,3 +15,8 @@ def __getattr__(name: str):
 
         return getattr(dataset, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    # dir() and completion list the lazy names too (PEP 562), without loading them.
+    return sorted(set(globals()) | set(__all__))

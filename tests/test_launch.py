@@ -92,6 +92,8 @@ def test_the_mpi_layer_and_its_torch_free_tools_run_without_importing_torch(tmp_
                 runpy.run_module(argv[0], run_name="__main__")
             except SystemExit as exc:
                 assert not exc.code, (argv, exc.code)
+        import datacache
+        assert set(datacache.__all__) <= set(dir(datacache)), "dir() misses the lazy names"
         assert "torch" not in sys.modules, "torch was imported"
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
