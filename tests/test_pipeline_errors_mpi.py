@@ -100,3 +100,39 @@ def test_ranks_stepping_a_different_number_of_times(world):
             pipe.train_step(*parts[0])
         pipe.close()
     raised_everywhere(world, run, "CollectiveMismatchError", "ranks are at different points")
+
+
+def test_evaluate_with_another_batch_size_on_one_rank_is_named(world):
+    """Each stage sizes its receives from its own batch_size: agreed first, or one rank's receive would be
+    truncated and its neighbour would wait."""
+    needs_four(world)
+    pipe = make()
+    (x, y), = data(1, 8)[0]
+    pipe.train_step(x, y)
+    size = 4 if world.Get_rank() == 1 else 8
+    raised_everywhere(world, lambda: pipe.evaluate(x, y, batch_size=size), "CollectiveMismatchError",
+                      "rank 1: batch_size=4", "rank 0, 2, 3: batch_size=8")
+
+
+@pytest.mark.parametrize("mode", ["flush", "vanilla"])  # vanilla: evaluate() drains the backward passes owed
+def test_a_rank_still_training_while_the_others_evaluate_is_named(world, mode):
+    needs_four(world)
+    pipe = make(mode=mode)
+    steps = data(2, 8)
+    pipe.train_step(*steps[0][0])
+
+    def run():
+        if world.Get_rank() == 2:
+            pipe.train_step(*steps[1][0])
+        else:
+            pipe.evaluate(*steps[1][0], batch_size=4)
+    raised_everywhere(world, run, "CollectiveMismatchError", "ranks are at different points",
+                      r"evaluate\(\) after 1 steps", "rank 2: step #2")
+
+
+def test_evaluate_refuses_a_batch_size_below_one_on_every_rank(world):
+    needs_four(world)
+    pipe = make()
+    (x, y), = data(1, 8)[0]
+    pipe.train_step(x, y)
+    raised_everywhere(world, lambda: pipe.evaluate(x, y, batch_size=0), "batch_size must be a whole number >= 1")

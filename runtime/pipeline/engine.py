@@ -9,7 +9,7 @@ from torch import nn
 from mpicomm import Topology, failstop
 from mpicomm.agree import check_same_structure
 from mpicomm.stall import StallPolicy
-from mpicomm.step_check import BARRIER, EXCHANGE, GATHER, StepCheck, digest
+from mpicomm.step_check import BARRIER, EVALUATE, EXCHANGE, GATHER, StepCheck, digest
 
 from . import emulation, model_state, partition, schedule, teardown
 from .checks import PipelineError, check_arguments, check_same_values, describe_layers, split_batch
@@ -260,9 +260,23 @@ class Pipeline:
 
     # -- evaluation ---------------------------------------------------------------------------
     def evaluate(self, inputs=None, targets=None, batch_size: int = 256) -> dict:
-        """Loss and accuracy (argmax over the last dimension) of the current weights, on every rank of this pipeline."""
+        """Loss and accuracy (argmax over the last dimension) of the current weights, on every rank of this pipeline.
+
+        Collective: every rank of the pipeline's world calls it, with the same batch_size (agreed first)."""
         from .evaluation import evaluate
 
+        self._usable()
+        try:
+            # Agreed before the drain's and the batches' messages: each stage sizes its receives from its own
+            # batch_size (ranks that differ: a truncated receive on one rank, a wait on its neighbour), and a rank
+            # still training is named rather than waited for. A bad value is refused after the round, which every
+            # rank then has left: none raises while another still waits in its last step.
+            self._round(EVALUATE, f"batch_size={batch_size!r}")
+            self.check.finish()
+            if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"evaluate(): batch_size must be a whole number >= 1, got {batch_size!r}")
+        except BaseException as exc:
+            raise self._fail(exc)
         self.drain()
         try:
             return evaluate(self, inputs, targets, batch_size)
@@ -293,10 +307,14 @@ class Pipeline:
             raise self._fail(exc)
 
     # -- agreement, failure, end --------------------------------------------------------------
-    def _round(self, action: int) -> None:
+    def _round(self, action: int, setting: str = "") -> None:
+        """Start the agreement round of `action`; `setting` ("name=value"), this call's own, must match too."""
         if self.check.pending:
             self.check.finish()
-        self.check.start(action, self.steps, self._settings)
+        if setting:
+            self.check.start(action, self.steps, digest(setting), describe=lambda: [setting])
+        else:
+            self.check.start(action, self.steps, self._settings)
 
     def _interrupt(self) -> None:
         """Called in every wait: another rank's failure, or an agreement round showing ranks out of step."""
