@@ -178,8 +178,8 @@ class Collectives:
 
     def allgatherv(self, buf, out=None, *, counts=None, tag: int | None = None) -> Handle:
         """As Ring.allgatherv; with `out` and `counts` on two levels, by the hierarchy (without either, as the
-        Ring does, the flat one: every rank must then pass neither)."""
-        if out is None or counts is None or not self.blocks_hierarchical:
+        Ring does, the flat one: every rank must then leave one out too)."""
+        if not self.blocks_hierarchical:
             return self.flat.allgatherv(buf, out, counts=counts, tag=tag)
         log = RequestLog("allgatherv")
         return Handle("allgatherv", self._allgatherv(buf, out, counts, tag, log), log)
@@ -246,7 +246,15 @@ class Collectives:
 
     def _allgatherv(self, buf, out, counts, tag, log):
         ring = self.flat
-        dst, problem = ring._wrap(out, "out")
+        explicit = tag is not None
+        tag, problem = ring._tag(tag, None)  # first, one tag on either path: every rank's allocator stays in step
+        if out is None or counts is None:
+            # The flat ring's, on its own communicator: agreed here first, so that a rank that passed both (the
+            # hierarchy, on this one) is named instead of waited for. An automatic tag is the ring's own to take.
+            yield from self._agree("allgatherv", None, "sum", 0, "ring", problem)
+            return (yield from ring._allgather(buf, out, counts, tag if explicit else None, "allgatherv", log))
+        dst, wrapped = ring._wrap(out, "out")
+        problem = problem or wrapped
         counts = [int(c) for c in counts]
         if problem is None and (len(counts) != self.size or min(counts) < 0 or sum(counts) != dst.count):
             problem = ValueError(f"counts must list {self.size} non-negative lengths summing to out's "
@@ -257,7 +265,6 @@ class Collectives:
             if src is not None and (src.count != counts[self.rank] or src.dtype != dst.dtype):
                 problem = BufferError(f"counts[{self.rank}]={counts[self.rank]} x {dst.dtype}, but buf has "
                                       f"{src.count} x {src.dtype}")
-        tag, problem = ring._tag(tag, problem)
         yield from self._agree("allgatherv", dst, "sum", tag, "hierarchical", problem,
                                extra=zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes()))
         if src is not None:
@@ -280,6 +287,12 @@ class Collectives:
             raise type(problem)(f"{kind}: {problem}")
         if V.agreed(table):
             return
+        paths = table[:, _ROOT]
+        if kind == "allgatherv" and not table[:, -1].any() and (paths != paths[0]).any():  # the arguments chose
+            shown = ", ".join(f"rank {r}: {'out and counts' if c == _CODES['hierarchical'] else 'not both'}"
+                              for r, c in enumerate(paths))
+            raise V.CollectiveMismatchError(f"allgatherv: every rank passes out and counts, or every rank leaves "
+                                            f"one out ({shown})")
         others = table.copy()
         others[:, _ROOT] = table[0, _ROOT]
         V.check(kind, others)  # what else differs (a length, say) is named first: it is why the choice differs

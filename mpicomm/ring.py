@@ -277,15 +277,17 @@ class Ring:
         return dst.obj
 
     def _exchange_counts(self, local: int, problem):
-        """Generator step: every rank's block length (-1 flags a rank with a local problem)."""
-        table = np.empty(self.size, dtype=np.int64)
-        yield [self.comm.Iallgather(np.array([local], dtype=np.int64), table)]
-        bad = np.flatnonzero(table < 0).tolist()
+        """Generator step: every rank's block length (-1 flags a rank with a local problem), in a fingerprint's
+        row: a rank given counts sends its fingerprint in the same collective, and is named (V.COUNTS)."""
+        table = yield from V.exchange(self.comm, V.fingerprint(V.COUNTS, count=local))
+        V.check_kinds(table)
+        lengths = table[:, V.FIELDS.index("count")]
+        bad = np.flatnonzero(lengths < 0).tolist()
         if problem:
             raise type(problem)(f"allgatherv: {problem}")
         if bad:
             raise V.CollectiveMismatchError(f"allgatherv: rank(s) {bad} passed an invalid argument")
-        return table.tolist()
+        return lengths.tolist()
 
     def _broadcast(self, buf, root, tag, log):
         b, problem = self._wrap(buf, "buf")

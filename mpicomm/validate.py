@@ -9,7 +9,10 @@ from mpi4py import MPI
 
 from .buffers import DTYPE_CODES, OP_CODES
 
-KINDS = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "allgatherv": 4, "broadcast": 5}
+# COUNTS: allgatherv's exchange of block lengths, where its caller gave none; a row of its own kind, in the same
+# collective as a validated call's fingerprints, so that ranks that differ on passing counts are told apart.
+COUNTS = "allgatherv, no counts"
+KINDS = {"allreduce": 1, "reduce_scatter": 2, "allgather": 3, "allgatherv": 4, "broadcast": 5, COUNTS: 6}
 FIELDS = ("kind", "dtype", "op", "root", "tag", "count", "extra", "error")
 MUST_MATCH = ("kind", "dtype", "op", "root", "tag", "count", "extra")
 _NAMES = {
@@ -67,10 +70,20 @@ def check(name: str, table: np.ndarray) -> None:
     errors = np.flatnonzero(table[:, FIELDS.index("error")])
     if errors.size:
         raise CollectiveMismatchError(f"{name}: rank(s) {errors.tolist()} passed an invalid argument")
+    check_kinds(table)
     for field in MUST_MATCH:
         column = table[:, FIELDS.index(field)]
         if np.any(column != column[0]):
-            if field == "kind":
-                raise CollectiveMismatchError(f"ranks called different collectives ({_describe(field, column)})")
             what = {"count": "length", "extra": "block lengths"}.get(field, field)
             raise CollectiveMismatchError(f"{name}: ranks disagree on {what} ({_describe(field, column)})")
+
+
+def check_kinds(table: np.ndarray) -> None:
+    """Raise the same CollectiveMismatchError on every rank if the rows are of different kinds."""
+    column = table[:, 0]
+    if not np.any(column != column[0]):
+        return
+    if set(column.tolist()) == {KINDS["allgatherv"], KINDS[COUNTS]}:
+        raise CollectiveMismatchError("allgatherv: every rank passes counts or none does "
+                                      f"({_describe('kind', column)})")
+    raise CollectiveMismatchError(f"ranks called different collectives ({_describe('kind', column)})")

@@ -250,3 +250,19 @@ def test_reduce_scatter_lengths_that_differ_fail_together(world):
             coll.reduce_scatter(np.ones(n, np.float32)).wait()
         with pytest.raises((CollectiveMismatchError, ValueError), match=r"counts|rank\(s\) \[0\] passed an invalid"):
             coll.allgatherv(IN_PLACE, np.ones(8, np.float32), counts=[2, 2, 2, 2 + (world.Get_rank() == 0)]).wait()
+
+
+def test_allgatherv_with_out_and_counts_on_some_ranks_only_fails_together(world):
+    """Both given: the hierarchy, on the Collectives' communicator; otherwise the flat ring, on its own. Agreed on
+    the first before either, or the two sides would wait on different communicators."""
+    if world.Get_size() != 4:
+        pytest.skip("needs 4 ranks")
+    r = world.Get_rank()
+    with Topology(world, ranks_per_node=2) as topo, Collectives(topo, validate=True) as coll:
+        x = np.full(2, r, np.float32)
+        out = np.empty(8, np.float32)
+        with pytest.raises(CollectiveMismatchError, match=r"every rank passes out and counts, or every rank leaves "
+                                                          r"one out \(rank 0: out and counts, rank 1: not both"):
+            coll.allgatherv(x, out, counts=[2] * 4 if r in (0, 2) else None).wait()
+        got = coll.allgatherv(x).wait()  # every rank leaves both out: the flat ring, still usable
+        assert_everywhere(world, np.array_equal(got, np.repeat(np.arange(4, dtype=np.float32), 2)), f"{got}")

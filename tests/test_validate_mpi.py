@@ -78,6 +78,17 @@ def test_allgatherv_counts_disagree(world, ring):
         ring.allgatherv(x, counts=counts).wait()
 
 
+def test_allgatherv_counts_given_on_some_ranks_only(world, ring):
+    """A rank given counts sends its fingerprint while the others exchange lengths: one collective, named."""
+    P, r = world.Get_size(), world.Get_rank()
+    x = np.full(3, r, np.float32)
+    with pytest.raises(CollectiveMismatchError, match=r"every rank passes counts or none does \(rank 0: "
+                                                      r"allgatherv, rank 1: allgatherv, no counts"):
+        ring.allgatherv(x, counts=[3] * P if r == 0 else None).wait()
+    out = ring.allgatherv(x).wait()  # the ring is still usable, lengths exchanged
+    assert np.array_equal(out, np.repeat(np.arange(P, dtype=np.float32), 3))
+
+
 def test_wrong_out_size_reported_everywhere(world, ring):
     r = world.Get_rank()
     out = np.empty(65 if r == 1 else 64, np.float32)
