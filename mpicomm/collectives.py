@@ -1,19 +1,18 @@
-"""Topology-aware allreduce behind the Ring's Handles: flat ring, recursive doubling or hierarchical, chosen per call.
+"""Topology-aware allreduce behind the Ring's Handles: flat ring, doubling or hierarchical, chosen per call."""
 
-    coll = Collectives(Topology())                    # algorithm="auto": by size, nodes and ranks per node
-    coll.allreduce(grad, tag=b).wait()                # non-blocking like Ring.allreduce; tags as the Ring's
-    coll.algorithm_for(grad.nbytes)                   # "ring" | "doubling" | "rabenseifner" | "hierarchical"
-
-On nodes of several ranks placed node by node, an in-place reduce-scatter and an
-in-place allgatherv (PTO's pair) take the hierarchy too, keeping the flat ring's
-blocks (block r on world rank r); otherwise they, allgather and broadcast are
-the flat Ring's (`coll.flat`).
-Every rank must be built with the same algorithm settings (checked at once,
-on every rank). With validation, each allreduce first exchanges a
-fingerprint that includes the algorithm the rank picked, so ranks that would
-take different paths (different lengths, say) fail together instead of
-hanging on each other's messages.
-"""
+#     coll = Collectives(Topology())                    # algorithm="auto": by size, nodes and ranks per node
+#     coll.allreduce(grad, tag=b).wait()                # non-blocking like Ring.allreduce; tags as the Ring's
+#     coll.algorithm_for(grad.nbytes)                   # "ring" | "doubling" | "rabenseifner" | "hierarchical"
+#
+# On nodes of several ranks placed node by node, an in-place reduce-scatter and an
+# in-place allgatherv (PTO's pair) take the hierarchy too, keeping the flat ring's
+# blocks (block r on world rank r); otherwise they, allgather and broadcast are
+# the flat Ring's (`coll.flat`).
+# Every rank must be built with the same algorithm settings (checked at once,
+# on every rank). With validation, each allreduce first exchanges a
+# fingerprint that includes the algorithm the rank picked, so ranks that would
+# take different paths (different lengths, say) fail together instead of
+# hanging on each other's messages.
 
 from __future__ import annotations
 

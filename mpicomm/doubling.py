@@ -1,22 +1,21 @@
-"""Recursive doubling allreduce on Isend/Irecv: log2 P steps, for large P; the fold of a P not a power of two.
+"""Recursive doubling allreduce on Isend/Irecv: log2 P steps, for large P; the fold of a P not a power of two."""
 
-A ring allreduce takes 2(P-1) steps, each a message of S/P: at 1,024 ranks a
-1 MiB bucket is 2,046 sequential latencies. Recursive doubling exchanges the
-whole buffer with rank r XOR 2^k at step k: log2(P) latencies and log2(P)·S
-bytes, so it wins while the message is small against P (jobs.bench.collectives
-measures the crossover). P not a power of two: the first 2·(P - 2^m) ranks
-fold in pairs first (the even rank hands its data to the odd one and sits the
-exchange out) and receive the result at the end, two more steps.
-
-    P = 6 (2^m = 4, 2 folded pairs; exchange ranks 1:0 3:1 4:2 5:3)
-      fold     0 -> 1   2 -> 3
-      step 1   1 <-> 3   4 <-> 5       (exchange ranks 0 <-> 1, 2 <-> 3)
-      step 2   1 <-> 4   3 <-> 5       (exchange ranks 0 <-> 2, 1 <-> 3)
-      unfold   1 -> 0   3 -> 2
-
-Every pair reduces lower rank's operand first, so both partners compute the
-same bits and every rank ends with the identical result.
-"""
+# A ring allreduce takes 2(P-1) steps, each a message of S/P: at 1,024 ranks a
+# 1 MiB bucket is 2,046 sequential latencies. Recursive doubling exchanges the
+# whole buffer with rank r XOR 2^k at step k: log2(P) latencies and log2(P)·S
+# bytes, so it wins while the message is small against P (jobs.bench.collectives
+# measures the crossover). P not a power of two: the first 2·(P - 2^m) ranks
+# fold in pairs first (the even rank hands its data to the odd one and sits the
+# exchange out) and receive the result at the end, two more steps.
+#
+#     P = 6 (2^m = 4, 2 folded pairs; exchange ranks 1:0 3:1 4:2 5:3)
+#       fold     0 -> 1   2 -> 3
+#       step 1   1 <-> 3   4 <-> 5       (exchange ranks 0 <-> 1, 2 <-> 3)
+#       step 2   1 <-> 4   3 <-> 5       (exchange ranks 0 <-> 2, 1 <-> 3)
+#       unfold   1 -> 0   3 -> 2
+#
+# Every pair reduces lower rank's operand first, so both partners compute the
+# same bits and every rank ends with the identical result.
 
 from __future__ import annotations
 

@@ -1,36 +1,35 @@
-"""Fail-stop for a whole job: one rank's uncaught exception or early exit stops every rank, each saying why.
+"""Fail-stop for a whole job: one rank's uncaught exception or early exit stops every rank, each saying why."""
 
-Installed by `import runtime` (install() here). A plain `mpiexec -n 4 python
-train.py` otherwise hangs when one rank fails: the others wait for it in their
-next collective, and its own interpreter blocks in MPI_Finalize at exit, so
-mpiexec never sees it die (`python -m mpi4py` aborts instead, as Horovod and
-torch's elastic agent tear a job down).
-
-Every rank keeps a receive posted on COMM_WORLD from each other rank for notices
-(tag TAG_UB, which no collective of this library uses). A rank that stops sends every other rank
-a notice (the failing rank, its error, its step):
-
-- an uncaught exception (sys.excepthook), or run_main's: the traceback, then
-  FAILED notices;
-- the interpreter's exit (atexit, before mpi4py's MPI_Finalize): an EXIT
-  notice, then a wait until every other rank has exited too, so that no rank
-  sits in MPI_Finalize while the others still need it.
-
-Every wait of the runtime (mpicomm.stall.wait_until) calls check(), which
-raises PeerFailedError once a notice has arrived: a FAILED one at once, an EXIT
-one once the wait has gone on EXIT_GRACE seconds after it (the rank is gone:
-what it took part in has arrived by then, what it never joins never will). A rank blocked
-where nothing polls (a user's own collective, comm.Dup() at wrap) is stopped by
-the watcher thread PICKUP seconds later, if its main thread did not take the
-notice up (and, for an EXIT notice, only while it is inside this library).
-A stopping rank waits up to GRACE seconds for every other rank's FAILED notice, so
-that each prints its line before the first exit makes mpiexec end the job,
-then leaves with os._exit(1): no MPI_Finalize that could block. A
-KeyboardInterrupt (^C, which mpiexec passes to every rank) prints one line a
-rank, where it was, not a traceback a rank, and every rank leaves with 130.
-
-Opt out: MPITRAIN_FAILSTOP=0 before importing runtime, or disable().
-"""
+# Installed by `import runtime` (install() here). A plain `mpiexec -n 4 python
+# train.py` otherwise hangs when one rank fails: the others wait for it in their
+# next collective, and its own interpreter blocks in MPI_Finalize at exit, so
+# mpiexec never sees it die (`python -m mpi4py` aborts instead, as Horovod and
+# torch's elastic agent tear a job down).
+#
+# Every rank keeps a receive posted on COMM_WORLD from each other rank for notices
+# (tag TAG_UB, which no collective of this library uses). A rank that stops sends every other rank
+# a notice (the failing rank, its error, its step):
+#
+# - an uncaught exception (sys.excepthook), or run_main's: the traceback, then
+#   FAILED notices;
+# - the interpreter's exit (atexit, before mpi4py's MPI_Finalize): an EXIT
+#   notice, then a wait until every other rank has exited too, so that no rank
+#   sits in MPI_Finalize while the others still need it.
+#
+# Every wait of the runtime (mpicomm.stall.wait_until) calls check(), which
+# raises PeerFailedError once a notice has arrived: a FAILED one at once, an EXIT
+# one once the wait has gone on EXIT_GRACE seconds after it (the rank is gone:
+# what it took part in has arrived by then, what it never joins never will). A rank blocked
+# where nothing polls (a user's own collective, comm.Dup() at wrap) is stopped by
+# the watcher thread PICKUP seconds later, if its main thread did not take the
+# notice up (and, for an EXIT notice, only while it is inside this library).
+# A stopping rank waits up to GRACE seconds for every other rank's FAILED notice, so
+# that each prints its line before the first exit makes mpiexec end the job,
+# then leaves with os._exit(1): no MPI_Finalize that could block. A
+# KeyboardInterrupt (^C, which mpiexec passes to every rank) prints one line a
+# rank, where it was, not a traceback a rank, and every rank leaves with 130.
+#
+# Opt out: MPITRAIN_FAILSTOP=0 before importing runtime, or disable().
 
 from __future__ import annotations
 

@@ -1,29 +1,28 @@
-"""Rabenseifner's allreduce (recursive halving, then doubling), pipelined in chunks as the ring is.
+"""Rabenseifner's allreduce (recursive halving, then doubling), pipelined in chunks as the ring is."""
 
-2·log2(P) steps, as few as recursive doubling's twice, moving 2(P-1)/P of the
-buffer as a ring does: the algorithm for messages too large for doubling and
-too small for a ring's 2(P-1) latencies. At halving step d a rank keeps the
-half of what it holds on its side of bit d, sends the other half to the
-partner across that bit and reduces the partner's half of its own half into
-it; after log2 P steps it holds block r of block_counts(n, P) reduced, and the
-doubling gathers the blocks back in the reverse order. P not a power of two:
-the same fold as doubling_allreduce.
-
-    P = 4, blocks 0-3      halving        d=2: 0<->2 1<->3 (keep 0-1 / 2-3)   d=1: 0<->1 2<->3 (keep one)
-                           doubling       d=1: 0<->1 2<->3 (hold two)         d=2: 0<->2 1<->3 (hold all)
-
-Sent whole, each step waits for its last byte and its sum before the next
-can start, and the link idles between steps: 1.2-1.3x the line-rate bound at
-8-32 MiB on 4 hosts against the ring's 1.1x (benchmarks/claims.md, thirteenth
-and fourteenth passes). So every step moves chunks, in the order the receiver
-needs them next: a rank reduces each chunk as it lands and sends it on at
-once when its next step gives it away, while the rest of the step still
-arrives. Halving step d's receive order puts first the half that the receiver
-gives away at d/2, in the order its partner there wants it; a doubling step
-sends what the rank held before (ready) and then what it received at the
-previous step, in the order it arrived. Both ends derive the same chunks from
-the same ranges, so MPI's in-order matching pairs them.
-"""
+# 2·log2(P) steps, as few as recursive doubling's twice, moving 2(P-1)/P of the
+# buffer as a ring does: the algorithm for messages too large for doubling and
+# too small for a ring's 2(P-1) latencies. At halving step d a rank keeps the
+# half of what it holds on its side of bit d, sends the other half to the
+# partner across that bit and reduces the partner's half of its own half into
+# it; after log2 P steps it holds block r of block_counts(n, P) reduced, and the
+# doubling gathers the blocks back in the reverse order. P not a power of two:
+# the same fold as doubling_allreduce.
+#
+#     P = 4, blocks 0-3      halving        d=2: 0<->2 1<->3 (keep 0-1 / 2-3)   d=1: 0<->1 2<->3 (keep one)
+#                            doubling       d=1: 0<->1 2<->3 (hold two)         d=2: 0<->2 1<->3 (hold all)
+#
+# Sent whole, each step waits for its last byte and its sum before the next
+# can start, and the link idles between steps: 1.2-1.3x the line-rate bound at
+# 8-32 MiB on 4 hosts against the ring's 1.1x (benchmarks/claims.md, thirteenth
+# and fourteenth passes). So every step moves chunks, in the order the receiver
+# needs them next: a rank reduces each chunk as it lands and sends it on at
+# once when its next step gives it away, while the rest of the step still
+# arrives. Halving step d's receive order puts first the half that the receiver
+# gives away at d/2, in the order its partner there wants it; a doubling step
+# sends what the rank held before (ready) and then what it received at the
+# previous step, in the order it arrived. Both ends derive the same chunks from
+# the same ranges, so MPI's in-order matching pairs them.
 
 from __future__ import annotations
 

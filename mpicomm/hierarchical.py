@@ -1,17 +1,16 @@
-"""Hierarchical allreduce: reduce-scatter inside the node, allreduce of each 1/L block across nodes, allgather inside.
+"""Hierarchical allreduce: reduce-scatter in the node, allreduce of each 1/L block across nodes, allgather inside."""
 
-    node 0: ranks 0 1      node 1: ranks 2 3        (N = 2 nodes, L = 2 ranks each)
-    1. node reduce-scatter    rank 0 holds block 0 of its node's sum, rank 1 block 1 (same on node 1)
-    2. cross allreduce        ranks 0 <-> 2 reduce block 0, ranks 1 <-> 3 block 1: L rings at once,
-                              each over 1/L of the data, so a node's link carries 2(N-1)/N of it once
-    3. node allgather         every rank of a node gathers the L reduced blocks
-
-A flat ring over P = N·L ranks sends 2(P-1)/P of the data over each node's
-link and takes 2(P-1) steps; here the link sees 2(N-1)/N in 2(N-1) cross
-steps (or 2·log2 N with Rabenseifner's, log2 N with recursive doubling, for
-smaller blocks), and the
-2(L-1) node steps run over shared memory.
-"""
+#     node 0: ranks 0 1      node 1: ranks 2 3        (N = 2 nodes, L = 2 ranks each)
+#     1. node reduce-scatter    rank 0 holds block 0 of its node's sum, rank 1 block 1 (same on node 1)
+#     2. cross allreduce        ranks 0 <-> 2 reduce block 0, ranks 1 <-> 3 block 1: L rings at once,
+#                               each over 1/L of the data, so a node's link carries 2(N-1)/N of it once
+#     3. node allgather         every rank of a node gathers the L reduced blocks
+#
+# A flat ring over P = N·L ranks sends 2(P-1)/P of the data over each node's
+# link and takes 2(P-1) steps; here the link sees 2(N-1)/N in 2(N-1) cross
+# steps (or 2·log2 N with Rabenseifner's, log2 N with recursive doubling, for
+# smaller blocks), and the
+# 2(L-1) node steps run over shared memory.
 
 from __future__ import annotations
 

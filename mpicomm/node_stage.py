@@ -1,26 +1,25 @@
-"""The hierarchy's node phases through an MPI-3 shared window: blocks copied and summed where they lie, never sent.
+"""The hierarchy's node phases through an MPI-3 shared window: blocks copied and summed where they lie, never sent."""
 
-    rank l of a node of L ranks; round i of the node reduce-scatter, in half i % 2 of its slot:
-    1. the round's part of every block m != l into region m of that half      (its own segment)
-    2. Win_sync; a header to each node peer (its slot), and wait for theirs
-    3. Win_sync; add region l of each peer's half into its own block l, in the node ring's order (the same bits)
-    a round of the allgather: its block's part into its half, headers, each peer's part copied out
-    at the end: a zero-byte "done" to each peer and from each: no peer reads its slot any more
-
-Halves alternate round by round, so a peer's header of round i+1 says it has
-read round i's half: a rank writes that half again at round i+2 without any
-other message. A rank takes a free slot of its own segment when an allreduce's
-node phase starts; the slot is free again once every peer's done notice of
-that allreduce has come (tested when a later one looks for a slot, so no call
-waits for them). Allreduces in flight at once, started in any order, never
-wait on each other: where all SLOTS are held, a rank's header says MESSAGES
-and its parts go as messages after the headers (as the node ring sends them).
-
-Why: without a single-copy path (MPICH's CMA, off where Yama's ptrace_scope is
-not 0, as on Ubuntu), a large shared-memory message moves a cell per progress
-call, and a progress thread that sleeps between polls stretched wfbp's steps
-1.6x at 4 hosts x 2 (benchmarks/topology.md). A header needs one progress call.
-"""
+#     rank l of a node of L ranks; round i of the node reduce-scatter, in half i % 2 of its slot:
+#     1. the round's part of every block m != l into region m of that half      (its own segment)
+#     2. Win_sync; a header to each node peer (its slot), and wait for theirs
+#     3. Win_sync; add region l of each peer's half into its own block l, in the node ring's order (the same bits)
+#     a round of the allgather: its block's part into its half, headers, each peer's part copied out
+#     at the end: a zero-byte "done" to each peer and from each: no peer reads its slot any more
+#
+# Halves alternate round by round, so a peer's header of round i+1 says it has
+# read round i's half: a rank writes that half again at round i+2 without any
+# other message. A rank takes a free slot of its own segment when an allreduce's
+# node phase starts; the slot is free again once every peer's done notice of
+# that allreduce has come (tested when a later one looks for a slot, so no call
+# waits for them). Allreduces in flight at once, started in any order, never
+# wait on each other: where all SLOTS are held, a rank's header says MESSAGES
+# and its parts go as messages after the headers (as the node ring sends them).
+#
+# Why: without a single-copy path (MPICH's CMA, off where Yama's ptrace_scope is
+# not 0, as on Ubuntu), a large shared-memory message moves a cell per progress
+# call, and a progress thread that sleeps between polls stretched wfbp's steps
+# 1.6x at 4 hosts x 2 (benchmarks/topology.md). A header needs one progress call.
 
 from __future__ import annotations
 

@@ -1,23 +1,22 @@
-"""P3's pushes and results inside a node through one MPI-3 shared window: a slice is copied, never sent.
+"""P3's pushes and results inside a node through one MPI-3 shared window: a slice is copied, never sent."""
 
-Each rank's segment of its node's window holds, in slice order, the slices it
-pushes to its node's aggregators (every slice of which it is not the
-aggregator). Every rank of the node computes every segment's layout from the
-plan, so nothing but zero-byte notices travels as messages:
-
-    pusher q                               aggregator a (same node)
-    put(s): its slice -> q's segment       ...
-    notice (0 bytes, push tag) ----------> sums q's segment in place (source view)
-                                           writes the average into q's segment
-    get(s): q's segment -> its slice <---- notice (0 bytes, result tag)
-
-Why: without a single-copy path (MPICH's CMA, off where Yama's ptrace_scope
-is not 0, as on Ubuntu), a large shared-memory message moves a cell per
-progress call and its rank's network module is polled only when shared memory
-made no progress, so polls that sleep between them stalled p3's exchange
-(4.4-26 s a step against 1.4 s at 4 hosts x 2; benchmarks/topology.md). Win_sync
-orders the copies against the notices (MPI's unified memory model).
-"""
+# Each rank's segment of its node's window holds, in slice order, the slices it
+# pushes to its node's aggregators (every slice of which it is not the
+# aggregator). Every rank of the node computes every segment's layout from the
+# plan, so nothing but zero-byte notices travels as messages:
+#
+#     pusher q                               aggregator a (same node)
+#     put(s): its slice -> q's segment       ...
+#     notice (0 bytes, push tag) ----------> sums q's segment in place (source view)
+#                                            writes the average into q's segment
+#     get(s): q's segment -> its slice <---- notice (0 bytes, result tag)
+#
+# Why: without a single-copy path (MPICH's CMA, off where Yama's ptrace_scope
+# is not 0, as on Ubuntu), a large shared-memory message moves a cell per
+# progress call and its rank's network module is polled only when shared memory
+# made no progress, so polls that sleep between them stalled p3's exchange
+# (4.4-26 s a step against 1.4 s at 4 hosts x 2; benchmarks/topology.md). Win_sync
+# orders the copies against the notices (MPI's unified memory model).
 
 from __future__ import annotations
 

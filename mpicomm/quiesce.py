@@ -1,18 +1,17 @@
-"""Before a communicator is freed: receive and drop what peers sent on it that nothing will receive.
+"""Before a communicator is freed: receive and drop what peers sent on it that nothing will receive."""
 
-Calls cancelled on every rank, each at its own point (strategy.abort() before a
-clean close), leave messages behind: a ring chunk or a header sent to a peer
-that had already cancelled its receive. Freed with such a message queued, a
-communicator hands it to the next one MPI builds on the same context, whose
-call with that tag would receive it as its own.
-
-    every rank: an end marker (the top tag, no bytes) to every other rank of each communicator
-    then: receive whatever comes, from anyone, until every peer's marker is in
-
-MPI keeps one sender's messages on one communicator in order, so once a
-peer's marker is in, nothing of that peer is left behind. No call of this
-library sends the top tag (mpicomm.tags.end_tag).
-"""
+# Calls cancelled on every rank, each at its own point (strategy.abort() before a
+# clean close), leave messages behind: a ring chunk or a header sent to a peer
+# that had already cancelled its receive. Freed with such a message queued, a
+# communicator hands it to the next one MPI builds on the same context, whose
+# call with that tag would receive it as its own.
+#
+#     every rank: an end marker (the top tag, no bytes) to every other rank of each communicator
+#     then: receive whatever comes, from anyone, until every peer's marker is in
+#
+# MPI keeps one sender's messages on one communicator in order, so once a
+# peer's marker is in, nothing of that peer is left behind. No call of this
+# library sends the top tag (mpicomm.tags.end_tag).
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Ring collectives on Isend/Irecv: reduce-scatter, allgather(v), allreduce and pipelined broadcast.
+"""Ring collectives on Isend/Irecv: reduce-scatter, allgather(v), allreduce and pipelined broadcast."""
 
-Every call returns a Handle at once; data moves as the handle is tested or
-waited on, so several collectives (on distinct tags) can be in flight while
-the caller computes. Arrays and tensors are shipped as bytes through zero-copy
-views; each ring segment is cut into chunks so that reducing one chunk
-overlaps receiving the next. Messages below a crossover size take MPI's own
-non-blocking collective instead (mpicomm.native).
-"""
+# Every call returns a Handle at once; data moves as the handle is tested or
+# waited on, so several collectives (on distinct tags) can be in flight while
+# the caller computes. Arrays and tensors are shipped as bytes through zero-copy
+# views; each ring segment is cut into chunks so that reducing one chunk
+# overlaps receiving the next. Messages below a crossover size take MPI's own
+# non-blocking collective instead (mpicomm.native).
 
 from __future__ import annotations
 

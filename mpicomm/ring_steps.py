@@ -1,18 +1,17 @@
-"""The ring's pipelined steps over one Ring's communicator: reduce-scatter steps, then allgather steps.
+"""The ring's pipelined steps over one Ring's communicator: reduce-scatter steps, then allgather steps."""
 
-At step t rank r sends block (r-t-1) mod P to its right and receives block
-(r-t-2) mod P from its left, the block it forwards at step t+1. P = 3:
-
-    step  rank 0        rank 1        rank 2
-    t=0   2 ->  <- 1    0 ->  <- 2    1 ->  <- 0     reduce: what arrives is added to this rank's block
-    t=1   1+ -> <- 0+   2+ -> <- 1+   0+ -> <- 2+    (+ a partial sum); block r is now whole on rank r
-    t=2   0* -> <- 2*   1* -> <- 0*   2* -> <- 1*    gather: what arrives is final (*)
-    t=3   2* -> <- 1*   0* -> <- 2*   1* -> <- 0*
-
-Steps 0..P-2 are a reduce-scatter, P-1..2P-3 an allgather, both an
-allreduce. Each block moves in chunks, and a chunk is forwarded the moment it
-is reduced, so reducing one chunk overlaps receiving the next.
-"""
+# At step t rank r sends block (r-t-1) mod P to its right and receives block
+# (r-t-2) mod P from its left, the block it forwards at step t+1. P = 3:
+#
+#     step  rank 0        rank 1        rank 2
+#     t=0   2 ->  <- 1    0 ->  <- 2    1 ->  <- 0     reduce: what arrives is added to this rank's block
+#     t=1   1+ -> <- 0+   2+ -> <- 1+   0+ -> <- 2+    (+ a partial sum); block r is now whole on rank r
+#     t=2   0* -> <- 2*   1* -> <- 0*   2* -> <- 1*    gather: what arrives is final (*)
+#     t=3   2* -> <- 1*   0* -> <- 2*   1* -> <- 0*
+#
+# Steps 0..P-2 are a reduce-scatter, P-1..2P-3 an allgather, both an
+# allreduce. Each block moves in chunks, and a chunk is forwarded the moment it
+# is reduced, so reducing one chunk overlaps receiving the next.
 
 from __future__ import annotations
 

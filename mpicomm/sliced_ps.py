@@ -1,37 +1,36 @@
-"""P3's exchange: flat gradient buffers cut into slices, each owned by one rank, pushed and pulled by priority.
+"""P3's exchange: flat gradient buffers cut into slices, each owned by one rank, pushed and pulled by priority."""
 
-Every rank is both a worker and the parameter server of 1/P of the slices
-(round-robin), so every link carries traffic both ways. Slices are cut from
-flat buffers (one per dtype) without regard to tensor boundaries, so small
-tensors share a slice instead of paying a message each. A slice's priority
-is that of its most urgent tensor (its layer's place in the forward pass):
-the first layer's slices go first, and a slice that becomes ready later but
-ranks higher overtakes queued ones. At most `credit` outgoing messages are in
-flight, so the queue, not MPI, decides the order. All MPI calls happen on the
-progress thread; the backward hooks only enqueue. While `holding` (set by the
-owner) nothing new is sent: what is in flight drains, so that small collectives
-of the owner's cross the link behind it alone. Buffers, byte views and
-receive scratch are built once: a step allocates nothing but a few lists.
-A poll is one Testsome over every request of the step. The progress thread
-polls every `relaxed_sleep` (a fraction of a slice's time on the wire) unless
-the training thread waits for a layer's last few slices: then it is nudged
-awake and polls every `urgent_sleep`.
-
-On nodes of several ranks (`nodes`, node_aggregation), each slice is first
-summed inside its node by one of the node's ranks, only that rank exchanges
-it with the owner's node, and it shares the average inside the node: a slice
-crosses a node's link once each way, as a ring's bytes do, not once per rank.
-Pushes to the node's own aggregator are paced (`local_rate`, one at a time):
-MPICH polls its network module only when its shared-memory one made no
-progress in that call, so a rank pushing half its gradients to its neighbour
-at once would starve its node's traffic across the link meanwhile. With
-`node_window`, those pushes and results go through one MPI-3 shared window
-per node instead (mpicomm.node_window): zero-byte notices, nothing to pace.
-
-    slice s, nodes [0 1] [2 3]: aggregator local rank s % 2, owner node (s // 2) % 2
-    s = 3: 0 -> 1 and 2 -> 3 (node pushes), 1 -> 3 (cross push); 3 averages all four;
-           3 -> 1 (cross result), 1 -> 0 and 3 -> 2 (node results)
-"""
+# Every rank is both a worker and the parameter server of 1/P of the slices
+# (round-robin), so every link carries traffic both ways. Slices are cut from
+# flat buffers (one per dtype) without regard to tensor boundaries, so small
+# tensors share a slice instead of paying a message each. A slice's priority
+# is that of its most urgent tensor (its layer's place in the forward pass):
+# the first layer's slices go first, and a slice that becomes ready later but
+# ranks higher overtakes queued ones. At most `credit` outgoing messages are in
+# flight, so the queue, not MPI, decides the order. All MPI calls happen on the
+# progress thread; the backward hooks only enqueue. While `holding` (set by the
+# owner) nothing new is sent: what is in flight drains, so that small collectives
+# of the owner's cross the link behind it alone. Buffers, byte views and
+# receive scratch are built once: a step allocates nothing but a few lists.
+# A poll is one Testsome over every request of the step. The progress thread
+# polls every `relaxed_sleep` (a fraction of a slice's time on the wire) unless
+# the training thread waits for a layer's last few slices: then it is nudged
+# awake and polls every `urgent_sleep`.
+#
+# On nodes of several ranks (`nodes`, node_aggregation), each slice is first
+# summed inside its node by one of the node's ranks, only that rank exchanges
+# it with the owner's node, and it shares the average inside the node: a slice
+# crosses a node's link once each way, as a ring's bytes do, not once per rank.
+# Pushes to the node's own aggregator are paced (`local_rate`, one at a time):
+# MPICH polls its network module only when its shared-memory one made no
+# progress in that call, so a rank pushing half its gradients to its neighbour
+# at once would starve its node's traffic across the link meanwhile. With
+# `node_window`, those pushes and results go through one MPI-3 shared window
+# per node instead (mpicomm.node_window): zero-byte notices, nothing to pace.
+#
+#     slice s, nodes [0 1] [2 3]: aggregator local rank s % 2, owner node (s // 2) % 2
+#     s = 3: 0 -> 1 and 2 -> 3 (node pushes), 1 -> 3 (cross push); 3 averages all four;
+#            3 -> 1 (cross result), 1 -> 0 and 3 -> 2 (node results)
 
 from __future__ import annotations
 

@@ -1,34 +1,33 @@
-"""Top-k sparse allreduce: flat allgather of (index, value) pairs, or MSTopK's hierarchical four steps.
+"""Top-k sparse allreduce: flat allgather of (index, value) pairs, or MSTopK's hierarchical four steps."""
 
-Both return the dense sum over ranks of what each selection kept. The
-selection itself is a callable from the caller (`select(x) -> (values,
-indices)`), so error feedback and the choice of top-k operator stay in the
-training runtime; this module only moves and sums.
-
-Flat: every rank selects from its whole vector and the (index, value) lists
-go round the world ring. Hierarchical (for slow links between nodes):
-  1. reduce-scatter the dense vector inside the node: local rank j holds
-     shard j of the node's sum;
-  2. select from that shard;
-  3. allgather the selections among the ranks holding shard j on every node
-     (the cross communicator);
-  4. allgather those (index, value) pairs inside the node; every rank sums
-     all of them, in the same order.
-Only step 3 crosses nodes, carrying k/L entries per rank instead of flat's k
-per rank through every ring hop.
-
-Staged (a GPU model; `staged=True`, or any x off the CPU): x and out live on
-the device and MPI works on host memory. The selection runs on the device
-and only its packed (index, value) pairs cross to the host (one copy into a
-pinned buffer that grows to the largest k seen); the exchange runs on the
-host as above, and one copy takes every rank's pairs back to the device,
-where they are summed into `out`. The hierarchical exchange must first bring
-the dense x to the host for the node reduce-scatter (MPI here is not
-CUDA-aware) and takes its shard back for the selection. With `parts` (a
-model's layers, each sparsified on its own) every part is selected on the
-device first and all their pairs cross in that one copy: one wait for the
-device per call, not one per layer.
-"""
+# Both return the dense sum over ranks of what each selection kept. The
+# selection itself is a callable from the caller (`select(x) -> (values,
+# indices)`), so error feedback and the choice of top-k operator stay in the
+# training runtime; this module only moves and sums.
+#
+# Flat: every rank selects from its whole vector and the (index, value) lists
+# go round the world ring. Hierarchical (for slow links between nodes):
+#   1. reduce-scatter the dense vector inside the node: local rank j holds
+#      shard j of the node's sum;
+#   2. select from that shard;
+#   3. allgather the selections among the ranks holding shard j on every node
+#      (the cross communicator);
+#   4. allgather those (index, value) pairs inside the node; every rank sums
+#      all of them, in the same order.
+# Only step 3 crosses nodes, carrying k/L entries per rank instead of flat's k
+# per rank through every ring hop.
+#
+# Staged (a GPU model; `staged=True`, or any x off the CPU): x and out live on
+# the device and MPI works on host memory. The selection runs on the device
+# and only its packed (index, value) pairs cross to the host (one copy into a
+# pinned buffer that grows to the largest k seen); the exchange runs on the
+# host as above, and one copy takes every rank's pairs back to the device,
+# where they are summed into `out`. The hierarchical exchange must first bring
+# the dense x to the host for the node reduce-scatter (MPI here is not
+# CUDA-aware) and takes its shard back for the selection. With `parts` (a
+# model's layers, each sparsified on its own) every part is selected on the
+# device first and all their pairs cross in that one copy: one wait for the
+# device per call, not one per layer.
 
 from __future__ import annotations
 

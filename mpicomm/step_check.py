@@ -1,31 +1,30 @@
-"""Per-step agreement across ranks, and an abort beacon that reaches every rank in any wait.
+"""Per-step agreement across ranks, and an abort beacon that reaches every rank in any wait."""
 
-At each synchronisation point (a training step, a close) every rank
-contributes its action, step number, a digest of the settings that must
-match (hyper-parameters), whether it found a problem (a NaN gradient) and a
-flag per parameter it used. The common path is one small native
-non-blocking allreduce (MAX over each value and its negation gives min and
-max, MAX over the 0/1 flags their OR): as cheap as MPI makes agreement. Only when
-ranks differ, or one reports a problem, do they gather their descriptions to
-raise the same error naming ranks and values on every rank. Each rank also
-tells rank 0 it has arrived, so that rank 0's stall report can name, like
-Horovod's coordinator, exactly the ranks that have not.
-
-A rank that fails sends every other rank a beacon with its error; each rank
-keeps a receive for it posted, and every wait of the runtime tests it
-(`interrupt`), so the others stop within a poll wherever they wait.
-
-No round may stay posted for ever: MPI cannot cancel a collective, and one
-still posted at MPI_Finalize is a leak. So a failing rank joins the round
-after the last one it posted (others may have completed that one and be
-waiting in the next), marked "stopped", and its beacon says how many rounds
-it posted: a rank hearing it joins up to that count. Every rank then
-completes the same rounds, in the background (mpicomm.requests.abandon)
-once it has stopped. Two ranks failing at once, each before the other's
-beacon came, may ask for different counts: at exit every failed agreement
-reads the beacons that came after it stopped listening and joins up to
-the highest count (join_late), so every rank ends at the same one.
-"""
+# At each synchronisation point (a training step, a close) every rank
+# contributes its action, step number, a digest of the settings that must
+# match (hyper-parameters), whether it found a problem (a NaN gradient) and a
+# flag per parameter it used. The common path is one small native
+# non-blocking allreduce (MAX over each value and its negation gives min and
+# max, MAX over the 0/1 flags their OR): as cheap as MPI makes agreement. Only when
+# ranks differ, or one reports a problem, do they gather their descriptions to
+# raise the same error naming ranks and values on every rank. Each rank also
+# tells rank 0 it has arrived, so that rank 0's stall report can name, like
+# Horovod's coordinator, exactly the ranks that have not.
+#
+# A rank that fails sends every other rank a beacon with its error; each rank
+# keeps a receive for it posted, and every wait of the runtime tests it
+# (`interrupt`), so the others stop within a poll wherever they wait.
+#
+# No round may stay posted for ever: MPI cannot cancel a collective, and one
+# still posted at MPI_Finalize is a leak. So a failing rank joins the round
+# after the last one it posted (others may have completed that one and be
+# waiting in the next), marked "stopped", and its beacon says how many rounds
+# it posted: a rank hearing it joins up to that count. Every rank then
+# completes the same rounds, in the background (mpicomm.requests.abandon)
+# once it has stopped. Two ranks failing at once, each before the other's
+# beacon came, may ask for different counts: at exit every failed agreement
+# reads the beacons that came after it stopped listening and joins up to
+# the highest count (join_late), so every rank ends at the same one.
 
 from __future__ import annotations
 

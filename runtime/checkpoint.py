@@ -1,11 +1,10 @@
-"""Checkpoints of a data-parallel run: one file written by rank 0, read by rank 0, decided for every rank together.
+"""Checkpoints of a data-parallel run: one file written by rank 0, read by rank 0, decided for every rank together."""
 
-Only rank 0 needs the file (node-local checkpoint directories work): when
-resuming, rank 0 reads it and every rank learns from rank 0 whether there is
-one, and receives the state. The file holds the model, the optimizer's
-unsharded state, the strategy's state (the sparse strategies' step counter,
-and each rank's residuals and velocity) and whatever the caller adds.
-"""
+# Only rank 0 needs the file (node-local checkpoint directories work): when
+# resuming, rank 0 reads it and every rank learns from rank 0 whether there is
+# one, and receives the state. The file holds the model, the optimizer's
+# unsharded state, the strategy's state (the sparse strategies' step counter,
+# and each rank's residuals and velocity) and whatever the caller adds.
 
 from __future__ import annotations
 

@@ -1,18 +1,17 @@
-"""Communication hooks, as DDP's register_comm_hook: a plain function and a small state object per bucket.
+"""Communication hooks, as DDP's register_comm_hook: a plain function and a small state object per bucket."""
 
-    def hook(state, bucket) -> handle      # mpicomm Handle (or handle.then(...))
-
-`bucket.buffer()` is the bucket's flat gradient; `bucket.allreduce(t)` sums
-t over ranks on the strategy's ring, non-blocking, and returns a handle. The
-hook's handle must complete with the bucket's averaged gradient (the buffer
-itself, or a tensor of its size the strategy copies back). The bucketed
-strategies call it: `allreduce` (a bucket per dtype) and `wfbp` (its
-buckets as each one's turn comes, `in_flight` at once in bucket order: on
-the thread that readied it if its turn has come, else on the progress
-thread).
-
-    dopt.register_comm_hook(CompressionState(), fp16_compress_hook)
-"""
+#     def hook(state, bucket) -> handle      # mpicomm Handle (or handle.then(...))
+#
+# `bucket.buffer()` is the bucket's flat gradient; `bucket.allreduce(t)` sums
+# t over ranks on the strategy's ring, non-blocking, and returns a handle. The
+# hook's handle must complete with the bucket's averaged gradient (the buffer
+# itself, or a tensor of its size the strategy copies back). The bucketed
+# strategies call it: `allreduce` (a bucket per dtype) and `wfbp` (its
+# buckets as each one's turn comes, `in_flight` at once in bucket order: on
+# the thread that readied it if its turn has come, else on the progress
+# thread).
+#
+#     dopt.register_comm_hook(CompressionState(), fp16_compress_hook)
 
 from __future__ import annotations
 

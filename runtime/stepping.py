@@ -1,25 +1,24 @@
-"""One step of a DistributedOptimizer: the ranks' agreement, the gradients handed over, the update now or owed.
+"""One step of a DistributedOptimizer: the ranks' agreement, the gradients handed over, the update now or owed."""
 
-A deferred strategy (p3) returns from step() with the agreement still in
-flight: it sends every gradient whichever were used and updates each layer
-only at its next forward, so what the agreement says (which parameters any
-rank used, or the error every rank raises) is needed only then. `settle`
-finishes it there, or wherever the parameters, the module buffers or the
-agreement's communicator are touched first; a zero_grad() before it zeroes
-once it is in. Behind p3's bulk traffic the agreement's few bytes wait for
-what is queued on the link ahead of them (benchmarks/claims.md, fifteenth
-and sixteenth passes); the training loop's own work now runs in that time.
-The module buffers' average is still posted only after the agreement, on
-every rank alike (error paths rely on that), unless the strategy carries
-them in its own exchange (p3: runtime.model_buffers).
-
-Where this rank used every parameter and found no problem (and the buffers,
-if any, are carried), the agreement cannot change what is owed (it ORs the
-ranks' flags): every update is owed at once (`_owed_early`), the next forward
-runs without waiting for the agreement, and its gates and hooks finish it only
-if it is in already (settle's wait=False). The next step() finishes it in any
-case, so a disagreement still raises on every rank, before another round.
-"""
+# A deferred strategy (p3) returns from step() with the agreement still in
+# flight: it sends every gradient whichever were used and updates each layer
+# only at its next forward, so what the agreement says (which parameters any
+# rank used, or the error every rank raises) is needed only then. `settle`
+# finishes it there, or wherever the parameters, the module buffers or the
+# agreement's communicator are touched first; a zero_grad() before it zeroes
+# once it is in. Behind p3's bulk traffic the agreement's few bytes wait for
+# what is queued on the link ahead of them (benchmarks/claims.md, fifteenth
+# and sixteenth passes); the training loop's own work now runs in that time.
+# The module buffers' average is still posted only after the agreement, on
+# every rank alike (error paths rely on that), unless the strategy carries
+# them in its own exchange (p3: runtime.model_buffers).
+#
+# Where this rank used every parameter and found no problem (and the buffers,
+# if any, are carried), the agreement cannot change what is owed (it ORs the
+# ranks' flags): every update is owed at once (`_owed_early`), the next forward
+# runs without waiting for the agreement, and its gates and hooks finish it only
+# if it is in already (settle's wait=False). The next step() finishes it in any
+# case, so a disagreement still raises on every rank, before another round.
 
 from __future__ import annotations
 

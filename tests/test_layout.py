@@ -128,6 +128,18 @@ def test_every_package_says_what_lives_there():
             assert doc and "\n" not in doc.strip(), f"{name}/__init__.py: a one-line docstring, please"
 
 
+def test_every_library_module_has_a_one_line_docstring():
+    """A summary line each; the why goes in comments or the main class's docstring (jobs/ keep theirs: CLI help)."""
+    wrong = []
+    for name, path in sorted(modules().items()):
+        if name.split(".")[0] != "jobs":
+            with open(path) as f:
+                doc = ast.get_docstring(ast.parse(f.read()))
+            if not doc or "\n" in doc.strip():
+                wrong.append(name)
+    assert wrong == [], f"{len(wrong)} modules without a one-line docstring: {', '.join(wrong)}"
+
+
 def test_jobs_root_holds_entry_points_and_sub_packages():
     """A module at jobs/'s top is something a user runs (a `__main__` block, or the command itself)."""
     top = os.path.join(ROOT, "jobs")

@@ -1,10 +1,9 @@
-"""MPI ping-pong over each link of the emulated cluster: rank i and rank i+1 (one rank per host).
+"""MPI ping-pong over each link of the emulated cluster: rank i and rank i+1 (one rank per host)."""
 
-    python -m jobs.cluster run -- python -m mpicomm.emulation.pingpong --size 8M --reps 5
-
-Rank 0 prints one JSON line: [{"src": i, "dst": j, "bytes": S, "rtt_s": ..., "bps": ...}, ...],
-bps being the one-way rate 2*S*reps*8/elapsed.
-"""
+#     python -m jobs.cluster run -- python -m mpicomm.emulation.pingpong --size 8M --reps 5
+#
+# Rank 0 prints one JSON line: [{"src": i, "dst": j, "bytes": S, "rtt_s": ..., "bps": ...}, ...],
+# bps being the one-way rate 2*S*reps*8/elapsed.
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""TCP stream probe between two emulated hosts: `serve` counts what arrives, `send` pushes for N seconds.
+"""TCP stream probe between two emulated hosts: `serve` counts what arrives, `send` pushes for N seconds."""
 
-    python -m mpicomm.emulation.probe serve --bind ADDR --port P
-    python -m mpicomm.emulation.probe send --to ADDR --port P --seconds S
-
-`serve` accepts one connection, prints {"bytes": B, "seconds": T, "bps": ...}
-as JSON on stdout, measured from the first byte to the end of the stream,
-and exits. It gives up after --wait seconds without a connection.
-"""
+#     python -m mpicomm.emulation.probe serve --bind ADDR --port P
+#     python -m mpicomm.emulation.probe send --to ADDR --port P --seconds S
+#
+# `serve` accepts one connection, prints {"bytes": B, "seconds": T, "bps": ...}
+# as JSON on stdout, measured from the first byte to the end of the stream,
+# and exits. It gives up after --wait seconds without a connection.
 
 from __future__ import annotations
 

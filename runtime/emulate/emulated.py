@@ -1,5 +1,6 @@
-"""emulate(): a model whose units wait their modelled time instead of computing, with outputs and gradients of the
-true shapes; emulated_loss() and emulate_optimizer() for the rest of a step."""
+"""emulate(): a model's units wait their modelled time instead of computing, with true-shaped outputs and gradients."""
+
+# emulated_loss() and emulate_optimizer() for the rest of a step.
 
 from __future__ import annotations
 

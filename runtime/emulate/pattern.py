@@ -1,5 +1,6 @@
-"""Emulated gradients' fixed values: a cache-resident block of Gaussian values times a scale per row, so that landing
-a large gradient writes host memory without reading a second copy as large, and no copy of it is kept."""
+"""Emulated gradients' fixed values: a cache-resident block of Gaussian values times a scale per row."""
+
+# So that landing a large gradient writes host memory without reading a second copy as large, and no copy of it is kept.
 
 from __future__ import annotations
 

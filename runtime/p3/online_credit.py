@@ -1,23 +1,22 @@
-"""p3's credit chosen online: a few credits tried in turn over the first steps, the fastest kept (credit="online").
+"""p3's credit chosen online: a few credits tried in turn over the first steps, the fastest kept (credit="online")."""
 
-No fixed credit serves every model and link (benchmarks/topology.md, "p3's credit at 128 x 8"): a
-communication-bound model wants enough slices in flight to keep the link busy, a compute-bound one wants
-few, so that the next forward's first slices are not queued behind them. ByteScheduler tunes its credit
-from the measured training speed, and Horovod's autotune its knobs; this is the same idea, kept simple and
-deterministic so that every rank takes the same decision without a message of its own:
-
-    step:    0 1 2 | 3 4 5 | 6 7 8 | 9 10 11 | 12 13 14 | 15 ... 23 | 24 25 26 | 27    | 28 ...
-    credit:  start | start | 2     | 4       | 8        | 8 4 2     | start    | start | the fastest
-             warm-up  trial blocks, HOLD steps each (start 16 here), reversed the second time
-                                                                               ^ the decision is not yet
-                                                                                 in on every rank
-
-The figure of step k is the time from step k-1's step() to step k's on the slowest rank, agreed in the
-step's own agreement round (mpicomm.step_check, MAX over ranks), so every rank sees the same figures.
-An interval counts for a candidate when both of its steps ran with it (a step's exchange lasts into the
-next forward): HOLD - 1 intervals a block. The fastest median wins; a candidate must beat the one
-before it in the order by more than TIE to replace it, so noise keeps the start credit.
-"""
+# No fixed credit serves every model and link (benchmarks/topology.md, "p3's credit at 128 x 8"): a
+# communication-bound model wants enough slices in flight to keep the link busy, a compute-bound one wants
+# few, so that the next forward's first slices are not queued behind them. ByteScheduler tunes its credit
+# from the measured training speed, and Horovod's autotune its knobs; this is the same idea, kept simple and
+# deterministic so that every rank takes the same decision without a message of its own:
+#
+#     step:    0 1 2 | 3 4 5 | 6 7 8 | 9 10 11 | 12 13 14 | 15 ... 23 | 24 25 26 | 27    | 28 ...
+#     credit:  start | start | 2     | 4       | 8        | 8 4 2     | start    | start | the fastest
+#              warm-up  trial blocks, HOLD steps each (start 16 here), reversed the second time
+#                                                                                ^ the decision is not yet
+#                                                                                  in on every rank
+#
+# The figure of step k is the time from step k-1's step() to step k's on the slowest rank, agreed in the
+# step's own agreement round (mpicomm.step_check, MAX over ranks), so every rank sees the same figures.
+# An interval counts for a candidate when both of its steps ran with it (a step's exchange lasts into the
+# next forward): HOLD - 1 intervals a block. The fastest median wins; a candidate must beat the one
+# before it in the order by more than TIE to replace it, so noise keeps the start credit.
 
 from __future__ import annotations
 

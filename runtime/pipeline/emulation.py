@@ -1,13 +1,12 @@
-"""Emulated compute in a pipeline: each stage's layers wait a modelled GPU's time (runtime.emulate), traced at its input.
+"""Emulated pipeline compute: each stage's layers wait a modelled GPU's time (runtime.emulate), traced at its input."""
 
-A stage is emulated on its own, as the GPU holding it would run it: its
-example input is what reaches it (the micro-batch on the first stage, the
-previous stage's output activation elsewhere), found by tracing the layers
-one after another on the meta device (partition.layer_traces). Its outputs
-are tensors of the true shapes that hold no memory (every stride 0): the
-stage links copy what they send into contiguous buffers, so the true bytes
-cross every boundary.
-"""
+# A stage is emulated on its own, as the GPU holding it would run it: its
+# example input is what reaches it (the micro-batch on the first stage, the
+# previous stage's output activation elsewhere), found by tracing the layers
+# one after another on the meta device (partition.layer_traces). Its outputs
+# are tensors of the true shapes that hold no memory (every stride 0): the
+# stage links copy what they send into contiguous buffers, so the true bytes
+# cross every boundary.
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
-"""Cutting a sequential model into stages: by an explicit balance, or by measured layer times (PipeDream's partitioner).
+"""Cutting a sequential model into stages: by explicit balance, or by measured layer times (PipeDream's partitioner)."""
 
-The automatic plan times each layer's forward + backward on a sample
-micro-batch and notes its output size, then chooses the contiguous split
-into N stages that minimises the slowest stage, a stage costing its layers'
-compute plus sending its output activation forward and receiving its
-gradient back at the link bandwidth (PipeDream, Narayanan et al. 2019,
-section 3.1, without replication). Dynamic programming over (layers, stages):
-O(N L^2) for L layers.
-"""
+# The automatic plan times each layer's forward + backward on a sample
+# micro-batch and notes its output size, then chooses the contiguous split
+# into N stages that minimises the slowest stage, a stage costing its layers'
+# compute plus sending its output activation forward and receiving its
+# gradient back at the link bandwidth (PipeDream, Narayanan et al. 2019,
+# section 3.1, without replication). Dynamic programming over (layers, stages):
+# O(N L^2) for L layers.
 
 from __future__ import annotations
 

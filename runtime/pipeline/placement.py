@@ -1,12 +1,11 @@
-"""Which rank runs which stage of which replica, and the communicators between them.
+"""Which rank runs which stage of which replica, and the communicators between them."""
 
-World = stages x replicas. Ranks are taken in node order (the topology's
-nodes, then local rank). "within-node" fills a node with consecutive stages
-of one pipeline, so activations cross fast intra-node links and the
-replicas' gradient averaging crosses nodes; "across-nodes" puts a stage's
-replicas side by side, so each pipeline spans the nodes and the gradient
-averaging stays inside a node. With one rank per node both are the same.
-"""
+# World = stages x replicas. Ranks are taken in node order (the topology's
+# nodes, then local rank). "within-node" fills a node with consecutive stages
+# of one pipeline, so activations cross fast intra-node links and the
+# replicas' gradient averaging crosses nodes; "across-nodes" puts a stage's
+# replicas side by side, so each pipeline spans the nodes and the gradient
+# averaging stays inside a node. With one rank per node both are the same.
 
 from __future__ import annotations
 

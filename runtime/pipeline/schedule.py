@@ -1,22 +1,21 @@
-"""The one-forward-one-backward (1F1B) order of each stage's work, across steps or drained every step.
+"""The one-forward-one-backward (1F1B) order of each stage's work, across steps or drained every step."""
 
-Stage k of N first runs N - k - 1 forwards (warm-up), then alternates one
-forward and one backward (steady state), so it never holds more than N - k
-micro-batches in flight; at a flush it runs the backwards still owed
-(drain). Four stages, eight micro-batches, forward and backward one tick
-each, drained at the end (`diagram(4, 8)`; digits: micro-batch, F/B above):
-
-    stage 0 | F0 F1 F2 F3 .. .. .. B0 F4 B1 F5 B2 F6 B3 F7 B4 .. B5 .. B6 .. B7
-    stage 1 | .. F0 F1 F2 .. .. B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .. B6 .. B7 ..
-    stage 2 | .. .. F0 F1 .. B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .. B7 .. ..
-    stage 3 | .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. ..
-
-Asynchronous modes never drain between steps: step t's forwards are
-micro-batches tM .. tM+M-1 on every stage, each followed by the backward of
-the micro-batch N - k - 1 places earlier, so the steady state carries over
-from one step to the next (PipeDream). `flush` drains every step
-(PipeDream-Flush, GPipe's synchronous semantics with 1F1B's memory).
-"""
+# Stage k of N first runs N - k - 1 forwards (warm-up), then alternates one
+# forward and one backward (steady state), so it never holds more than N - k
+# micro-batches in flight; at a flush it runs the backwards still owed
+# (drain). Four stages, eight micro-batches, forward and backward one tick
+# each, drained at the end (`diagram(4, 8)`; digits: micro-batch, F/B above):
+#
+#     stage 0 | F0 F1 F2 F3 .. .. .. B0 F4 B1 F5 B2 F6 B3 F7 B4 .. B5 .. B6 .. B7
+#     stage 1 | .. F0 F1 F2 .. .. B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .. B6 .. B7 ..
+#     stage 2 | .. .. F0 F1 .. B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .. B7 .. ..
+#     stage 3 | .. .. .. F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .. .. ..
+#
+# Asynchronous modes never drain between steps: step t's forwards are
+# micro-batches tM .. tM+M-1 on every stage, each followed by the backward of
+# the micro-batch N - k - 1 places earlier, so the steady state carries over
+# from one step to the next (PipeDream). `flush` drains every step
+# (PipeDream-Flush, GPipe's synchronous semantics with 1F1B's memory).
 
 from __future__ import annotations
 
@@ -84,7 +83,7 @@ def ticks(stages: int, microbatches: int) -> list[dict[tuple[str, int], int]]:
 
 
 def diagram(stages: int, microbatches: int) -> str:
-    """ASCII picture of a drained step (the one in this module's docstring)."""
+    """ASCII picture of a drained step (the one in this module's opening comment)."""
     done = ticks(stages, microbatches)
     width = max(max(d.values()) for d in done) + 1
     rows = []

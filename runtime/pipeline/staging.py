@@ -1,28 +1,27 @@
-"""Stage links for stages on a GPU: boundary tensors cross MPI through preallocated pinned host buffers, copied on side streams.
+"""Stage links on a GPU: boundary tensors cross MPI via preallocated pinned host buffers, copied on side streams."""
 
-Sending: an event is recorded on the compute stream after the tensor was
-produced, the device-to-host copy into a free host buffer is enqueued on the
-outbound side stream behind that event, and the Isend is posted once the
-copy's own event has completed (polled in every wait of the link, never a
-device-wide synchronize). Receiving: the Irecv lands in a host buffer of a
-ring; the host-to-device copy into the matching device buffer is enqueued
-non_blocking on the inbound side stream, behind an event marking that the
-stage's compute is done with that device buffer's previous micro-batch, and
-the compute stream (not the host) waits for the copy's event before using it.
-
-Neither waits on the host for a copy at a step's end: a thread of the link
-(Poster) sleeps on each outbound copy's event in turn and posts its Isend as
-soon as it completes, so a neighbour gets it even while this rank's caller
-blocks elsewhere (a barrier, a collective), and the host may run ahead of
-the device by more than a step. Without MPI_THREAD_MULTIPLE the Isends are
-posted by the link's polls instead, and the last copy of a step is waited
-for at its end. Every event the host (or that thread) synchronizes on is a
-blocking one: the waiting thread sleeps instead of spinning a core.
-
-The same bookkeeping runs on the CPU with separate host buffers and
-synchronous copies (every event complete at once), so CPU tests cover it:
-Pipeline(staging=True) or MPITRAIN_STAGING=force.
-"""
+# Sending: an event is recorded on the compute stream after the tensor was
+# produced, the device-to-host copy into a free host buffer is enqueued on the
+# outbound side stream behind that event, and the Isend is posted once the
+# copy's own event has completed (polled in every wait of the link, never a
+# device-wide synchronize). Receiving: the Irecv lands in a host buffer of a
+# ring; the host-to-device copy into the matching device buffer is enqueued
+# non_blocking on the inbound side stream, behind an event marking that the
+# stage's compute is done with that device buffer's previous micro-batch, and
+# the compute stream (not the host) waits for the copy's event before using it.
+#
+# Neither waits on the host for a copy at a step's end: a thread of the link
+# (Poster) sleeps on each outbound copy's event in turn and posts its Isend as
+# soon as it completes, so a neighbour gets it even while this rank's caller
+# blocks elsewhere (a barrier, a collective), and the host may run ahead of
+# the device by more than a step. Without MPI_THREAD_MULTIPLE the Isends are
+# posted by the link's polls instead, and the last copy of a step is waited
+# for at its end. Every event the host (or that thread) synchronizes on is a
+# blocking one: the waiting thread sleeps instead of spinning a core.
+#
+# The same bookkeeping runs on the CPU with separate host buffers and
+# synchronous copies (every event complete at once), so CPU tests cover it:
+# Pipeline(staging=True) or MPITRAIN_STAGING=force.
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
-"""Where a stage's parameters live: each storage holding parameters seen whole, saved tensors found by storage.
+"""Where a stage's parameters live: each storage holding parameters seen whole, saved tensors found by storage."""
 
-A parameter usually has a storage of its own, but not always: on CUDA,
-nn.LSTM's flatten_parameters() re-points its weights into one cuDNN buffer
-(each weight a view at its own offset), and cuDNN's forward then saves the
-whole buffer besides the weights. A tensor autograd saves is found by its
-storage; a weight version (a stash, a prediction) is a copy of the whole
-storage, so that a saved tensor's (size, stride, offset) reads the same
-elements in the copy as in the live storage, whichever parameter or span of
-parameters it covers.
-"""
+# A parameter usually has a storage of its own, but not always: on CUDA,
+# nn.LSTM's flatten_parameters() re-points its weights into one cuDNN buffer
+# (each weight a view at its own offset), and cuDNN's forward then saves the
+# whole buffer besides the weights. A tensor autograd saves is found by its
+# storage; a weight version (a stash, a prediction) is a copy of the whole
+# storage, so that a saved tensor's (size, stride, offset) reads the same
+# elements in the copy as in the live storage, whichever parameter or span of
+# parameters it covers.
 
 from __future__ import annotations
 

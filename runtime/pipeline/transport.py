@@ -1,16 +1,15 @@
-"""Stage-to-stage transport: activations to the next stage, their gradients back, as Isend/Irecv on preallocated buffers.
+"""Stage-to-stage transport: activations to the next stage, gradients back, as Isend/Irecv on preallocated buffers."""
 
-Each boundary carries one tensor of a shape and dtype agreed once at start
-(`agree_boundaries`), so messages are raw bytes with no header. Receives are
-posted ahead, into a ring of buffers as deep as the micro-batches the stage
-holds in flight, so data lands while the stage computes; sends leave at once
-and are completed lazily. Messages between two ranks with one tag arrive in
-the order sent (MPI's non-overtaking rule), which is the schedule's order,
-so a tag per direction is all the matching needed.
-
-This link sends and receives CPU tensors in place. Stages on a GPU use
-runtime.pipeline.staging.StagedLink, which crosses through host buffers.
-"""
+# Each boundary carries one tensor of a shape and dtype agreed once at start
+# (`agree_boundaries`), so messages are raw bytes with no header. Receives are
+# posted ahead, into a ring of buffers as deep as the micro-batches the stage
+# holds in flight, so data lands while the stage computes; sends leave at once
+# and are completed lazily. Messages between two ranks with one tag arrive in
+# the order sent (MPI's non-overtaking rule), which is the schedule's order,
+# so a tag per direction is all the matching needed.
+#
+# This link sends and receives CPU tensors in place. Stages on a GPU use
+# runtime.pipeline.staging.StagedLink, which crosses through host buffers.
 
 from __future__ import annotations
 

@@ -1,52 +1,51 @@
-"""Which weights a stage's forward and backward compute with: live (vanilla), stashed (PipeDream), predicted (SpecTrain).
+"""Which weights a stage's forward and backward use: live (vanilla), stashed (PipeDream), predicted (SpecTrain)."""
 
-What each mode does, for a step of M micro-batches at the optimizer's
-learning rate lr (the rate chosen for the whole batch, as with one process):
-
-- flush: per micro-batch, forward and backward with the live weights, the
-  gradient of loss/M accumulated; per step, the pipeline drained and one
-  update at lr with the batch's mean gradient (equal to one process);
-- vanilla, stash, spectrain: per micro-batch, one update as soon as its
-  backward is done, at lr/M (the micro-batch's share of the batch); per step,
-  M such updates and no drain. lr/M is the linear scaling rule (Goyal et al.
-  2017): M updates of lr/M move the weights as far per step as one of lr, and
-  momentum is left per update (its horizon 1/(1 - momentum) updates is then
-  M times shorter in steps, the same in samples, as for SGD on micro-batches).
-  At lr itself each step made M full-rate updates with up to N - k - 1 of
-  staleness, and momentum SGD that flush trains at did not converge.
-
-The rate the engine applies is group["lr"] / M, set only for the optimizer's
-step (group["lr"] stays what the caller set: schedules keep working).
-
-A stage's optimizer updates its parameters in place after every backward,
-while up to N - k micro-batches are between their forward and backward. A
-backward computes with the tensors its forward saved; autograd saves
-parameters by reference, so left alone it would see the updated values (and
-refuse them: the in-place update bumps their version counter). A
-saved-tensors hook decides instead, per mode, what a saved parameter (or a
-view of one, such as the transposed weight a Linear layer saves) is at
-backward time:
-
-- vanilla: the live parameter, whatever updates happened since the forward;
-- stash: a copy taken at the forward (PipeDream's weight stashing: one copy
-  of each saved parameter per micro-batch in flight, in a reused pool);
-- spectrain: no copy is kept. The forward computes with weights predicted
-  s_f updates ahead, Ŵ = W - s·η·v (v: SGD's momentum buffer, η = lr/M the
-  rate each update really applies, so that s updates of the momentum
-  optimizer would move W by about s·η·v), and the backward with weights
-  predicted s_b updates ahead of the live ones;
-- spectrain-once: the forward's prediction (s = N - k - 1) is kept, as a
-  stash, and reused by the backward.
-
-Gradients always land on the parameters themselves (autograd's leaves), so
-the optimizer and the data-parallel strategies see nothing unusual. Every
-copy (stash pool, spectrain's buffers) is of a whole storage holding
-parameters (runtime.pipeline.storages: one per parameter, or one for all the
-weights of an LSTM that cuDNN flattened into one buffer), on the stage's
-device: a GPU stage keeps its weight versions on the GPU. A prediction is
-written and undone parameter by parameter, so it never touches elements of
-a storage that are no parameter's.
-"""
+# What each mode does, for a step of M micro-batches at the optimizer's
+# learning rate lr (the rate chosen for the whole batch, as with one process):
+#
+# - flush: per micro-batch, forward and backward with the live weights, the
+#   gradient of loss/M accumulated; per step, the pipeline drained and one
+#   update at lr with the batch's mean gradient (equal to one process);
+# - vanilla, stash, spectrain: per micro-batch, one update as soon as its
+#   backward is done, at lr/M (the micro-batch's share of the batch); per step,
+#   M such updates and no drain. lr/M is the linear scaling rule (Goyal et al.
+#   2017): M updates of lr/M move the weights as far per step as one of lr, and
+#   momentum is left per update (its horizon 1/(1 - momentum) updates is then
+#   M times shorter in steps, the same in samples, as for SGD on micro-batches).
+#   At lr itself each step made M full-rate updates with up to N - k - 1 of
+#   staleness, and momentum SGD that flush trains at did not converge.
+#
+# The rate the engine applies is group["lr"] / M, set only for the optimizer's
+# step (group["lr"] stays what the caller set: schedules keep working).
+#
+# A stage's optimizer updates its parameters in place after every backward,
+# while up to N - k micro-batches are between their forward and backward. A
+# backward computes with the tensors its forward saved; autograd saves
+# parameters by reference, so left alone it would see the updated values (and
+# refuse them: the in-place update bumps their version counter). A
+# saved-tensors hook decides instead, per mode, what a saved parameter (or a
+# view of one, such as the transposed weight a Linear layer saves) is at
+# backward time:
+#
+# - vanilla: the live parameter, whatever updates happened since the forward;
+# - stash: a copy taken at the forward (PipeDream's weight stashing: one copy
+#   of each saved parameter per micro-batch in flight, in a reused pool);
+# - spectrain: no copy is kept. The forward computes with weights predicted
+#   s_f updates ahead, Ŵ = W - s·η·v (v: SGD's momentum buffer, η = lr/M the
+#   rate each update really applies, so that s updates of the momentum
+#   optimizer would move W by about s·η·v), and the backward with weights
+#   predicted s_b updates ahead of the live ones;
+# - spectrain-once: the forward's prediction (s = N - k - 1) is kept, as a
+#   stash, and reused by the backward.
+#
+# Gradients always land on the parameters themselves (autograd's leaves), so
+# the optimizer and the data-parallel strategies see nothing unusual. Every
+# copy (stash pool, spectrain's buffers) is of a whole storage holding
+# parameters (runtime.pipeline.storages: one per parameter, or one for all the
+# weights of an LSTM that cuDNN flattened into one buffer), on the stage's
+# device: a GPU stage keeps its weight versions on the GPU. A prediction is
+# written and undone parameter by parameter, so it never touches elements of
+# a storage that are no parameter's.
 
 from __future__ import annotations
 

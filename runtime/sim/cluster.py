@@ -1,12 +1,11 @@
-"""The simulated cluster: nodes, ranks per node, links, cores; and one representative host's resources.
+"""The simulated cluster: nodes, ranks per node, links, cores; and one representative host's resources."""
 
-Data-parallel training is symmetric: every host runs the same schedule on the
-same bytes at the same time, so one host stands for all of them. Its links
-carry its share of each collective (a ring crosses a host's network link once
-per step, whatever the ranks per node), its cores carry its ranks' compute and
-message copies. Only the pipeline, whose stages differ, simulates several
-(one per stage; runtime.sim.pipeline).
-"""
+# Data-parallel training is symmetric: every host runs the same schedule on the
+# same bytes at the same time, so one host stands for all of them. Its links
+# carry its share of each collective (a ring crosses a host's network link once
+# per step, whatever the ranks per node), its cores carry its ranks' compute and
+# message copies. Only the pipeline, whose stages differ, simulates several
+# (one per stage; runtime.sim.pipeline).
 
 from __future__ import annotations
 

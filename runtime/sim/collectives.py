@@ -1,32 +1,31 @@
-"""What each exchange of the toolkit moves over one host's links, as simulated transfers, and a FIFO stream.
+"""What each exchange of the toolkit moves over one host's links, as simulated transfers, and a FIFO stream."""
 
-Byte counts follow the algorithms in mpicomm, for P ranks on N nodes of L
-ranks each, world ranks placed node by node (a ring then crosses each host's
-link once per step, and its other L - 1 hops stay in shared memory):
-  ring allreduce         2(P-1) steps of B/P per rank
-  doubling allreduce     log2 P steps (two more when P is no power of two) of B per rank; a step
-                         whose partner is 2^k >= L ranks away crosses the link for all L ranks
-  rabenseifner allreduce 2·log2 P steps (halving, then doubling), 2(P-1)/P·B per rank
-  hierarchical allreduce 2(L-1) node steps of B/L (shared memory), then L cross-node allreduces of
-                         B/L at once (ring, doubling or rabenseifner): the link carries 2(N-1)/N·B
-                         (ring, rabenseifner)
-The allreduce's algorithm is the runtime's own choice (mpicomm.algorithms.Chooser, "auto" unless
-the schedule names one), told this cluster's latency and rates.
-  ring reduce-scatter,   P-1 steps of B/P per rank (allgather: of the rank's part)
-  p3 slice of s bytes    a push to its owner and the owner's pull back: 2 messages;
-                         of a host's L ranks' slices, (P-L)/P of the bytes cross the link; with
-                         node-local aggregation 4 messages, 2(N-1)/N·s on the link, 2(L-1)·s in the node
-  flat top-k             an allgather of each rank's k (index, value) pairs (8 bytes each for fp32)
-  hierarchical top-k     node reduce-scatter (shared memory), an allgather of k/L pairs per
-                         rank across nodes (L of them in parallel), a node allgather
-  small collectives      the step's agreement (recursive doubling of a few bytes) and the module
-                         buffers' allreduce (Rabenseifner's): each step that crosses the link
-                         waits for the transfers already on it, first in, first out
-Each step or message also pays the cluster's latency. Where mpicomm hands a
-collective to MPI's own (mpicomm.native: PTO's and the sparse exchanges'
-rings, below the crossover) the latency is paid ceil(log2 P) times per phase
-(recursive doubling, Rabenseifner) and the bytes are the ring's.
-"""
+# Byte counts follow the algorithms in mpicomm, for P ranks on N nodes of L
+# ranks each, world ranks placed node by node (a ring then crosses each host's
+# link once per step, and its other L - 1 hops stay in shared memory):
+#   ring allreduce         2(P-1) steps of B/P per rank
+#   doubling allreduce     log2 P steps (two more when P is no power of two) of B per rank; a step
+#                          whose partner is 2^k >= L ranks away crosses the link for all L ranks
+#   rabenseifner allreduce 2·log2 P steps (halving, then doubling), 2(P-1)/P·B per rank
+#   hierarchical allreduce 2(L-1) node steps of B/L (shared memory), then L cross-node allreduces of
+#                          B/L at once (ring, doubling or rabenseifner): the link carries 2(N-1)/N·B
+#                          (ring, rabenseifner)
+# The allreduce's algorithm is the runtime's own choice (mpicomm.algorithms.Chooser, "auto" unless
+# the schedule names one), told this cluster's latency and rates.
+#   ring reduce-scatter,   P-1 steps of B/P per rank (allgather: of the rank's part)
+#   p3 slice of s bytes    a push to its owner and the owner's pull back: 2 messages;
+#                          of a host's L ranks' slices, (P-L)/P of the bytes cross the link; with
+#                          node-local aggregation 4 messages, 2(N-1)/N·s on the link, 2(L-1)·s in the node
+#   flat top-k             an allgather of each rank's k (index, value) pairs (8 bytes each for fp32)
+#   hierarchical top-k     node reduce-scatter (shared memory), an allgather of k/L pairs per
+#                          rank across nodes (L of them in parallel), a node allgather
+#   small collectives      the step's agreement (recursive doubling of a few bytes) and the module
+#                          buffers' allreduce (Rabenseifner's): each step that crosses the link
+#                          waits for the transfers already on it, first in, first out
+# Each step or message also pays the cluster's latency. Where mpicomm hands a
+# collective to MPI's own (mpicomm.native: PTO's and the sparse exchanges'
+# rings, below the crossover) the latency is paid ceil(log2 P) times per phase
+# (recursive doubling, Rabenseifner) and the bytes are the ring's.
 
 from __future__ import annotations
 

@@ -1,26 +1,25 @@
-"""The simulator's clock: processes that wait on events, and fluid activities sharing links and cores.
+"""The simulator's clock: processes that wait on events, and fluid activities sharing links and cores."""
 
-Why our own loop and not SimPy: what we simulate is fluid. A message is not a
-job that holds a link for a fixed time: every message in flight on a link
-gets its fair share of it (TCP between concurrent connections), so every
-start or end of a message changes the rate, and so the end time, of every
-other one on the same link. SimPy models resources as slots that a process
-holds; rates that change under running activities would mean interrupting and
-rescheduling each of them by hand at every event. Here that is the loop
-itself: between two events every activity's rate is constant, the next event
-is the earliest timer or the earliest activity to finish at its rate, and
-rates are shared again after it (max-min fairness by progressive filling).
-Processes are generators in SimPy's style: they yield an Event (or a list of
-them, all awaited) and resume when it has fired.
-
-CPU contention is a second, coarser stage: an activity may also load a core
-pool (compute by its progress, messages by the CPU time a byte costs); where
-the pool is over-subscribed every activity on it is slowed in proportion
-(processor sharing between runnable threads), after the links have been
-shared. Compute thus slows down while messages are being copied, and
-messages slow down when the cores are all busy, which is what the emulated
-cluster shows on a machine with fewer cores than ranks.
-"""
+# Why our own loop and not SimPy: what we simulate is fluid. A message is not a
+# job that holds a link for a fixed time: every message in flight on a link
+# gets its fair share of it (TCP between concurrent connections), so every
+# start or end of a message changes the rate, and so the end time, of every
+# other one on the same link. SimPy models resources as slots that a process
+# holds; rates that change under running activities would mean interrupting and
+# rescheduling each of them by hand at every event. Here that is the loop
+# itself: between two events every activity's rate is constant, the next event
+# is the earliest timer or the earliest activity to finish at its rate, and
+# rates are shared again after it (max-min fairness by progressive filling).
+# Processes are generators in SimPy's style: they yield an Event (or a list of
+# them, all awaited) and resume when it has fired.
+#
+# CPU contention is a second, coarser stage: an activity may also load a core
+# pool (compute by its progress, messages by the CPU time a byte costs); where
+# the pool is over-subscribed every activity on it is slowed in proportion
+# (processor sharing between runnable threads), after the links have been
+# shared. Compute thus slows down while messages are being copied, and
+# messages slow down when the cores are all busy, which is what the emulated
+# cluster shows on a machine with fewer cores than ranks.
 
 from __future__ import annotations
 

@@ -1,39 +1,38 @@
-"""P3's flat exchange rank by rank: each slice's pushes converge on its owner, one credit covers pushes and results.
+"""P3's flat exchange rank by rank: each slice's pushes converge on its owner, one credit covers pushes and results."""
 
-The representative host stands for every node's compute (data parallelism is
-symmetric), but a flat p3 exchange is not symmetric from moment to moment.
-Slice s is owned by rank s % P: its link takes the other P - 1 ranks' pushes
-of s, then carries the average back to each of them. The symmetric model
-(collectives.slice_round_trip) spreads every slice over every host's link.
-That holds while the ranks' windows cover all owners, as they do in the
-middle of a backward. It does not at the step's edges, when every rank wants
-the same few slices at once (the first layers', which the next forward waits
-for): only their owners' links carry them, and a slice's round trip takes at
-least 2(P - 1)·s over its owner's rate however idle the other links are.
-
-So here every rank is simulated, as mpicomm.sliced_ps runs it:
-  - a heap of outgoing messages per rank, ordered (priority, slice, push before
-    result, peer), at most `credit` of them in flight (pushes and results
-    alike: runtime's credit counts outgoing messages);
-  - the owner averages once its own gradient and every push are in, then
-    queues one result per peer; a rank holds the average once its result is
-    in, the owner once its last result send has gone;
-  - each message pays the latency and half a poll, then moves over its
-    sender's node link out and its receiver's in (shared memory inside a
-    node), max-min fair with everything else on them, its copies on both
-    nodes' cores.
-Node 0 is the run's own host, so the step's small collectives queue behind
-this exchange's bytes on its link as before. The other nodes' cores carry
-only their messages: used where compute is on the device (device "gpu").
-A slice counts as back when every rank holds its average: the slowest rank's
-step is what a run measures.
-
-    4 ranks, credit 2, slices 0 and 1 ready at once (owners 0 and 1):
-      rank 1: push s0 -> 0   push s1 (its own: no message)    results s1 -> 0, 2, 3 (as credit frees)
-      rank 2: push s0 -> 0   push s1 -> 1
-      rank 0: (own s0)       push s1 -> 1    results s0 -> 1, 2, 3 (as credit frees)
-      link into rank 0 carries 3 pushes of s0, link out of rank 1 three results of s1
-"""
+# The representative host stands for every node's compute (data parallelism is
+# symmetric), but a flat p3 exchange is not symmetric from moment to moment.
+# Slice s is owned by rank s % P: its link takes the other P - 1 ranks' pushes
+# of s, then carries the average back to each of them. The symmetric model
+# (collectives.slice_round_trip) spreads every slice over every host's link.
+# That holds while the ranks' windows cover all owners, as they do in the
+# middle of a backward. It does not at the step's edges, when every rank wants
+# the same few slices at once (the first layers', which the next forward waits
+# for): only their owners' links carry them, and a slice's round trip takes at
+# least 2(P - 1)·s over its owner's rate however idle the other links are.
+#
+# So here every rank is simulated, as mpicomm.sliced_ps runs it:
+#   - a heap of outgoing messages per rank, ordered (priority, slice, push before
+#     result, peer), at most `credit` of them in flight (pushes and results
+#     alike: runtime's credit counts outgoing messages);
+#   - the owner averages once its own gradient and every push are in, then
+#     queues one result per peer; a rank holds the average once its result is
+#     in, the owner once its last result send has gone;
+#   - each message pays the latency and half a poll, then moves over its
+#     sender's node link out and its receiver's in (shared memory inside a
+#     node), max-min fair with everything else on them, its copies on both
+#     nodes' cores.
+# Node 0 is the run's own host, so the step's small collectives queue behind
+# this exchange's bytes on its link as before. The other nodes' cores carry
+# only their messages: used where compute is on the device (device "gpu").
+# A slice counts as back when every rank holds its average: the slowest rank's
+# step is what a run measures.
+#
+#     4 ranks, credit 2, slices 0 and 1 ready at once (owners 0 and 1):
+#       rank 1: push s0 -> 0   push s1 (its own: no message)    results s1 -> 0, 2, 3 (as credit frees)
+#       rank 2: push s0 -> 0   push s1 -> 1
+#       rank 0: (own s0)       push s1 -> 1    results s0 -> 1, 2, 3 (as credit frees)
+#       link into rank 0 carries 3 pushes of s0, link out of rank 1 three results of s1
 
 from __future__ import annotations
 

@@ -1,24 +1,23 @@
-"""The pipeline as an event schedule: stages on their own hosts running runtime.pipeline's 1F1B order.
+"""The pipeline as an event schedule: stages on their own hosts running runtime.pipeline's 1F1B order."""
 
-Stages are not alike, so each gets a host of its own (a Host per stage, one
-engine): stage k runs the ops of runtime.pipeline.schedule in order; a
-forward waits for the previous stage's activation, a backward for the next
-stage's gradient, and each result is sent on (non-blocking, once its host has
-copied it out and posted it: a measured run's send times, drawn, where given)
-over the two hosts' links, queued behind what its host sent before (its interface's
-queue is first in, first out) and, after an idle moment, partly passed at
-once by the link's token bucket (Cluster.burst, an emulated link's); a stage
-waiting for one sees it at its next poll (noticed: mpicomm.stall's). The
-split is runtime.pipeline.partition's (PipeDream's dynamic programme over the
-profile's layers). "flush" drains every step
-(PipeDream-Flush) and accumulates its micro-batches' gradients; the
-asynchronous modes (vanilla, stash, spectrain) never drain, so step t's
-forwards follow straight on from step t-1's, and update after each
-micro-batch, with the passes of their weight versions. With
-more ranks than stages each stage is data-parallel over its replicas: an
-allreduce of the stage's gradients among them before each update (flush:
-after its step; the asynchronous modes: after every micro-batch).
-"""
+# Stages are not alike, so each gets a host of its own (a Host per stage, one
+# engine): stage k runs the ops of runtime.pipeline.schedule in order; a
+# forward waits for the previous stage's activation, a backward for the next
+# stage's gradient, and each result is sent on (non-blocking, once its host has
+# copied it out and posted it: a measured run's send times, drawn, where given)
+# over the two hosts' links, queued behind what its host sent before (its interface's
+# queue is first in, first out) and, after an idle moment, partly passed at
+# once by the link's token bucket (Cluster.burst, an emulated link's); a stage
+# waiting for one sees it at its next poll (noticed: mpicomm.stall's). The
+# split is runtime.pipeline.partition's (PipeDream's dynamic programme over the
+# profile's layers). "flush" drains every step
+# (PipeDream-Flush) and accumulates its micro-batches' gradients; the
+# asynchronous modes (vanilla, stash, spectrain) never drain, so step t's
+# forwards follow straight on from step t-1's, and update after each
+# micro-batch, with the passes of their weight versions. With
+# more ranks than stages each stage is data-parallel over its replicas: an
+# allreduce of the stage's gradients among them before each update (flush:
+# after its step; the asynchronous modes: after every micro-batch).
 
 from __future__ import annotations
 
