@@ -101,18 +101,25 @@ def test_modelled_times_are_waited_and_accounted():
     inputs, _ = model_input("mlp", 8)
     cm = RooflineModel(device("v100"))
     n = len(trace(model, inputs).calls)
-    times = [(0.002, 0.004)] * n
-    emulate(model, cm, inputs, times=times)
+    # A backward of 0.2 s: longer than a loaded host's first backward (tens of ms here), so one that waited for
+    # its time would have to sleep, and the counters below would see it.
+    fwd, bwd = 0.002, 0.04
+    emulate(model, cm, inputs, times=[(fwd, bwd)] * n)
     acc = accelerator.active()
     t = time.perf_counter()
-    emulated_loss(model(*inputs)).backward()
-    returned = time.perf_counter() - t
-    acc.clock.sync()  # what a GPU's host does to see the backward end: the backward returned before it ended
-    elapsed = time.perf_counter() - t
+    loss = emulated_loss(model(*inputs))
+    clock = acc.clock
+    wakes, waited, forward_end = clock.wakes, clock.waited, clock.deadline
+    loss.backward()
+    # As a GPU's host, it launched the backward and did not wait for it: its time is queued after the forward's
+    # on the stream, and the host slept for none of it (the clock's counters say so, not the wall clock).
+    assert (clock.wakes, clock.waited) == (wakes, waited)
     # The first unit (a Flatten of the data) has nothing to differentiate: no backward runs, as on a GPU.
-    assert acc.seconds["layers"] == pytest.approx(0.002 * n + 0.004 * (n - 1))
-    assert elapsed >= 0.002 * n + 0.004 * (n - 1)  # a wait never ends before its deadline
-    assert returned < elapsed
+    assert clock.deadline == pytest.approx(forward_end + bwd * (n - 1))
+    clock.sync()  # what a GPU's host does to see the backward end
+    elapsed = time.perf_counter() - t
+    assert acc.seconds["layers"] == pytest.approx(fwd * n + bwd * (n - 1))
+    assert elapsed >= fwd * n + bwd * (n - 1)  # a wait never ends before its deadline
 
 
 def test_the_clock_never_ends_work_early_and_counts_it():
@@ -130,10 +137,11 @@ def test_work_after_another_streams_starts_when_that_ends_and_the_host_does_not_
     clock = Clock()
     t = time.perf_counter()
     clock.after(t + 0.02)
-    assert time.perf_counter() - t < 0.005
+    assert (clock.wakes, clock.waited) == (0, 0.0)  # the host did not sleep for the other stream
     clock.run(0.001, wait=False)
+    assert (clock.wakes, clock.waited) == (0, 0.0)
     assert clock.deadline == pytest.approx(t + 0.021)
-    assert clock.idle >= 0.0
+    assert clock.idle == 0.0  # the stream's first work: no earlier work of its own that the device idled after
     clock.run(0.001, wait=False)  # consumed: the next work follows the last, not the other stream
     assert clock.deadline == pytest.approx(t + 0.022)
     clock.after(clock.deadline + 0.01)
