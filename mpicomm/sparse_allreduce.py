@@ -173,7 +173,11 @@ class SparseAllreduce:
             return out
         if not self._add:
             out.zero_()
-        self.applied = scatter_add(out, gathered, blocks, dtype)
+        if out.device.type == "cpu":
+            applied = self._buffer("applied", self.pairs, torch.int64)
+        else:
+            applied = self._stage("applied", self.pairs, torch.int64, out.device)
+        self.applied = scatter_add(out, gathered, blocks, dtype, applied)
         return out
 
     def _pack(self, name: str, values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -26,21 +26,30 @@ def unpack(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return packed[k * width:].view(dtype), packed[:k * width].view(INDEX_DTYPES[width])
 
 
-def scatter_add(out: torch.Tensor, gathered: torch.Tensor, blocks: list[int], dtype: torch.dtype) -> torch.Tensor:
+def scatter_add(out: torch.Tensor, gathered: torch.Tensor, blocks: list[int], dtype: torch.dtype,
+                applied: torch.Tensor | None = None) -> torch.Tensor:
     """Add the packed (index, value) blocks, of these byte sizes, into the dense `out`; returns their indices.
 
     The blocks are summed in rank order, the same on every rank, so every
     rank ends with bit-identical sums. Within a block the indices are
     distinct (one selection's positions), so index_add_ adds each value once,
     as index_put_(accumulate=True) would, without the sort that the latter
-    makes on a GPU to order repeated indices.
+    makes on a GPU to order repeated indices. The indices are returned as
+    int64 (what index_fill_ takes) in `applied` where given: a kept buffer of
+    every block's pairs on out's device, so that no call allocates them.
     """
-    start, touched = 0, []
+    n = sum(blocks) // (2 * dtype.itemsize)
+    if applied is None:
+        applied = torch.empty(n, dtype=torch.int64, device=out.device)
+    elif applied.numel() != n or applied.dtype != torch.int64 or applied.device != out.device:
+        raise ValueError(f"applied must be {n} x int64 on {out.device}, got {applied.numel()} x {applied.dtype} "
+                         f"on {applied.device}")
+    start = at = 0
     for size in blocks:
         if size:
             vals, idx = unpack(gathered[start:start + size], dtype)
-            idx = idx.long()
-            out.index_add_(0, idx, vals)
-            touched.append(idx)
+            out.index_add_(0, idx, vals)  # int32 indices as they came: no int64 copy of each block
+            applied[at:at + idx.numel()].copy_(idx)
+            at += idx.numel()
         start += size
-    return torch.cat(touched) if touched else torch.empty(0, dtype=torch.int64, device=out.device)
+    return applied

@@ -61,6 +61,25 @@ def test_density_one_equals_dense_allreduce(world, hierarchical):
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
+def test_applied_is_every_ranks_positions_in_a_buffer_kept_across_calls(world, hierarchical):
+    """`applied` (the positions momentum masking forgets) as int64, every position a pair was added at; a second
+    call of the same size writes the same buffer (no allocation a step)."""
+    P = world.Get_size()
+    with Topology(world, ranks_per_node=2 if P % 2 == 0 else 1) as topo:
+        op = SparseAllreduce(topo, hierarchical=hierarchical)
+        ok, ptrs = True, []
+        for step in range(2):
+            x = sparse_ints(world.Get_rank() + 10 * step)
+            got = op(x, topk_select(0.005)).clone()
+            ok = ok and op.applied.dtype == torch.int64 and op.applied.numel() == op.pairs > 0
+            got[op.applied] = 0  # the result is nonzero only where some rank's pair was added
+            ok = ok and not got.any()
+            ptrs.append(op.applied.data_ptr())
+        op.free()
+        assert_everywhere(world, ok and ptrs[0] == ptrs[1], f"applied {op.applied[:8]}, buffers {ptrs}")
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
 def test_add_sums_into_what_out_holds(world, hierarchical):
     """add=True (an emulated device zeroes the result in modelled time): the sum lands on out's values."""
     P = world.Get_size()

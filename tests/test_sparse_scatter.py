@@ -32,3 +32,15 @@ def test_scatter_add_equals_accumulating_index_put_bit_for_bit(dtype):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert not torch.equal(got, start)  # something was added
     assert applied.numel() == 4 * k
+
+
+def test_the_indices_go_into_the_kept_buffer_given_as_int64():
+    n = 100
+    out = torch.zeros(n)
+    idx = torch.tensor([5, 1, 9], dtype=torch.int32)
+    block = pack(torch.tensor([1.0, 2.0, 3.0]), idx)
+    kept = torch.full((6,), -1, dtype=torch.int64)
+    got = scatter_add(out, torch.cat([block, block]), [block.numel()] * 2, torch.float32, kept)
+    assert got is kept and kept.tolist() == [5, 1, 9, 5, 1, 9] and out[[5, 1, 9]].tolist() == [2.0, 4.0, 6.0]
+    with pytest.raises(ValueError, match="applied must be 3 x int64"):
+        scatter_add(out, block, [block.numel()], torch.float32, torch.empty(4, dtype=torch.int64))
