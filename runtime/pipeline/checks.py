@@ -81,7 +81,9 @@ def split_batch(batch, what: str, stage: int, microbatches: int, device) -> list
     if batch.shape[0] % microbatches:
         raise ValueError(f"{what}: a batch of {batch.shape[0]} does not split into {microbatches} "
                          "equal micro-batches")
-    batch = batch.to(device, non_blocking=True)  # one copy per step; none on the CPU
+    # One copy a step (none on the CPU); asynchronous only from pinned memory, where it can be: from pageable
+    # memory CUDA copies synchronously whatever is asked, and asking would only say otherwise.
+    batch = batch.to(device, non_blocking=batch.device.type == "cpu" and batch.is_pinned())
     return list(batch.split(batch.shape[0] // microbatches))
 
 
