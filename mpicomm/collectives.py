@@ -35,6 +35,7 @@ from .node_stage import NodeStage
 from .single_copy import single_copy
 from .requests import RequestLog, drain_at_exit
 from .ring import DEFAULT_CHUNK_BYTES, IN_PLACE, Ring
+from .scratch import SCRATCH
 from .ring_steps import ring_steps
 from .topology import Topology
 
@@ -235,12 +236,13 @@ class Collectives:
         lo = sum(counts[:self.rank])
         work = src
         if dst is not None:  # out of place leaves buf as it was: the partial sums go to a copy
-            work = src.scratch(src.count)
+            work = SCRATCH.take(src, src.count)
             work.copy_from(src)
         yield from hierarchical_reduce_scatter(self.node, self.cross, work, counts, op, tag, log, self._stage())
         if dst is None:
             return src.elements(lo, lo + counts[self.rank])
         dst.bytes()[...] = work.bytes(lo, lo + counts[self.rank])
+        SCRATCH.give(work)  # only once done: a cancelled exchange may still have a receive posted into it
         return dst.obj
 
     def _allgatherv(self, buf, out, counts, tag, log):

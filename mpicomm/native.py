@@ -14,6 +14,7 @@ from . import validate as V
 from .buffers import DTYPE_CODES, OP_CODES, Buffer, is_torch
 from .handle import Handle, Step
 from .requests import abandon
+from .scratch import SCRATCH
 from .tags import TagError, check_tag
 from .validate import FIELDS, CollectiveMismatchError, agreed
 
@@ -149,9 +150,10 @@ def iallreduce(comm: MPI.Comm, src: Buffer, dst: Buffer, op: str) -> list:
 
 
 def ireduce_scatter(comm: MPI.Comm, src: Buffer, target: list, counts: list, op: str) -> list:
-    """Block r into target[0]: a scratch buffer is put there when it is None."""
+    """Block r into target[0]: a scratch buffer is put there when it is None (SCRATCH's: its caller gives it back
+    once the request has completed and the block is copied out)."""
     if target[0] is None:
-        target[0] = src.scratch(counts[comm.Get_rank()])
+        target[0] = SCRATCH.take(src, counts[comm.Get_rank()])
     return [comm.Ireduce_scatter(typed(src), typed(target[0]), counts, MPI_OPS[op])]
 
 

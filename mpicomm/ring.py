@@ -22,6 +22,7 @@ from .handle import Handle
 from .quiesce import quiesce
 from .requests import RequestLog, drain_at_exit
 from .ring_steps import ring_steps
+from .scratch import SCRATCH
 from .tags import TagAllocator, TagError, check_tag
 
 IN_PLACE = MPI.IN_PLACE
@@ -219,6 +220,7 @@ class Ring:
             if dst is not None:
                 return dst.obj
             src.copy_from(target[0], lo)
+            SCRATCH.give(target[0])  # only here: an abandoned request may still write into it
             return src.elements(lo, hi)
         if dst is None:
             yield from ring_steps(self, src, counts, range(0, self.size - 1), op, tag, log)

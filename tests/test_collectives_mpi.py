@@ -93,6 +93,39 @@ def test_a_repeated_allreduce_reuses_its_scratch(layout, algorithm):
                           f"{algorithm} on {topo}: equal {same}, {SCRATCH.allocated - before} scratch buffers allocated")
 
 
+def test_a_repeated_reduce_scatter_reuses_its_scratch(layout):
+    """PTO's step: in place (MPI's own below the crossover on one level, whose block r goes through scratch) and
+    out of place (the hierarchy's partial sums, on a copy): after the first call of a size, none allocates a
+    buffer of the data's size (numpy reports its arrays to tracemalloc)."""
+    import tracemalloc
+
+    comm, topo = layout
+    P, r = comm.Get_size(), comm.Get_rank()
+    with Collectives(topo, chunk_bytes=64 << 10) as coll:
+        x = data(300_007, np.float32, r)
+        counts = block_counts(x.size, P)
+        ref = np.empty(counts[r], np.float32)
+        comm.Reduce_scatter(x, ref, counts)
+        coll.reduce_scatter(x.copy()).wait()
+        coll.reduce_scatter(x, np.empty_like(ref)).wait()
+        same, peaks = True, []
+        tracemalloc.start()
+        try:
+            for _ in range(3):
+                y, out = x.copy(), np.empty_like(ref)
+                tracemalloc.reset_peak()
+                base = tracemalloc.get_traced_memory()[0]
+                same &= np.array_equal(coll.reduce_scatter(y).wait(), ref)
+                coll.reduce_scatter(x, out).wait()
+                peaks.append(tracemalloc.get_traced_memory()[1] - base)
+                same &= np.array_equal(out, ref)
+        finally:
+            tracemalloc.stop()
+        # The smallest buffer either path would allocate is block r (1/P of the data): bookkeeping is far below.
+        assert_everywhere(comm, same and max(peaks) < ref.nbytes // 2,
+                          f"on {topo}: equal {same}, peak bytes allocated per step {peaks} (block {ref.nbytes})")
+
+
 def test_buckets_in_flight_started_in_any_order(layout):
     """wfbp's use: explicit tags, several allreduces in flight, started in a different order on each rank."""
     comm, topo = layout

@@ -92,6 +92,33 @@ def test_reduce_scatter_takes_only_the_scratch_blocks_its_steps_use(sub):
     assert_everywhere(comm, taken == min(3, P - 1), f"{P} ranks took {taken} scratch blocks")
 
 
+def test_in_place_reduce_scatter_on_mpis_own_path_reuses_its_scratch(world):
+    """Below the crossover an in-place reduce-scatter is MPI's, its block r received into scratch and copied into
+    buf: after the first call of a size none allocates it again (numpy reports its arrays to tracemalloc)."""
+    import tracemalloc
+
+    P, r = world.Get_size(), world.Get_rank()
+    with Ring(world) as ring:  # the default crossovers: 300 K elements take MPI_Ireduce_scatter
+        x = data(300_007, np.float32, r)
+        counts = block_counts(x.size, P)
+        ref = np.empty(counts[r], np.float32)
+        world.Reduce_scatter(x, ref, counts)
+        ring.reduce_scatter(x.copy()).wait()
+        same, peaks = True, []
+        tracemalloc.start()
+        try:
+            for _ in range(3):
+                y = x.copy()
+                tracemalloc.reset_peak()
+                base = tracemalloc.get_traced_memory()[0]
+                same &= np.array_equal(ring.reduce_scatter(y).wait(), ref)
+                peaks.append(tracemalloc.get_traced_memory()[1] - base)
+        finally:
+            tracemalloc.stop()
+    assert_everywhere(world, same and max(peaks) < ref.nbytes // 2,
+                      f"equal {same}, peak bytes allocated per call {peaks} (block {ref.nbytes})")
+
+
 def test_allgather_and_allgatherv_match_native(sub):
     comm, ring = sub
     P, r = comm.Get_size(), comm.Get_rank()
