@@ -37,6 +37,8 @@ class _Pack:
         self.views = [work[a:z].view(b.shape) for b, a, z in zip(sent, bounds[:-1], bounds[1:])]
         self.flags = [work[self.nvalues + k] for k in range(len(watched))]
         self.snapshots = [b.detach().clone() for b in watched]
+        # Where each watched buffer differs from its snapshot: kept, so that no step allocates a compare's result.
+        self.masks = [torch.empty(b.shape, dtype=torch.bool, device=b.device) for b in watched]
         if self.cuda:
             self.copied = torch.cuda.Event(blocking=True)  # the host waits on it: no spinning
             self.returned = torch.cuda.Event(blocking=True)  # the last average unpacked: the next pack waits for it
@@ -49,8 +51,8 @@ class _Pack:
             stream.wait_event(self.returned)
         if self.sent:
             torch._foreach_copy_(self.views, [b.detach() for b in self.sent])
-        for flag, b, snap in zip(self.flags, self.watched, self.snapshots):
-            flag.copy_(torch.ne(b.detach(), snap).any())
+        for flag, b, snap, mask in zip(self.flags, self.watched, self.snapshots, self.masks):
+            flag.copy_(torch.ne(b.detach(), snap, out=mask).any())
         if not self.cuda:
             return 0
         self.host.copy_(self.work, non_blocking=True)
