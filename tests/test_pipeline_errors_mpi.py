@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from conftest import assert_everywhere
 from test_agreement_mpi import raised_everywhere
 from test_pipeline_mpi import build, data, sgd
 from runtime.pipeline import Pipeline
@@ -136,3 +137,25 @@ def test_evaluate_refuses_a_batch_size_below_one_on_every_rank(world):
     (x, y), = data(1, 8)[0]
     pipe.train_step(x, y)
     raised_everywhere(world, lambda: pipe.evaluate(x, y, batch_size=0), "batch_size must be a whole number >= 1")
+
+
+def test_a_stage_failing_inside_evaluate_stops_the_others_in_their_waits(world):
+    """The last stage's loss refuses the targets: it raises there, and the other stages, waiting for the scores'
+    broadcast or a batch, raise its error in place (not ended later by fail-stop's watcher)."""
+    needs_four(world)
+    pipe = make()
+    (x, y), = data(1, 8)[0]
+    pipe.train_step(x, y)
+    raised_everywhere(world, lambda: pipe.evaluate(x, y[:4], batch_size=8), "Expected input batch_size \\(8\\) "
+                      "to match target batch_size \\(4\\)")
+
+
+def test_evaluate_without_inputs_on_the_first_stage_stops_every_stage(world):
+    needs_four(world)
+    pipe = make()
+    (x, y), = data(1, 8)[0]
+    pipe.train_step(x, y)
+    # The others raise their own "no inputs to count", or stage 0's error where its notice came first.
+    message = raised_everywhere(world, lambda: pipe.evaluate(None, y, batch_size=8), "evaluate\\(\\): ",
+                                "first stage")
+    assert_everywhere(world, world.Get_rank() != 0 or "inputs must be a tensor" in message, message)
