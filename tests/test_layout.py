@@ -154,6 +154,23 @@ def test_jobs_root_holds_entry_points_and_sub_packages():
             assert '__name__ == "__main__"' in fh.read(), f"jobs/{f} is not an entry point: move it into a room"
 
 
+def test_every_mpi_test_lives_in_a_file_named_for_it():
+    """`-m mpi` skips importing the other test files (conftest's pytest_ignore_collect): a test marked mpi anywhere
+    else would silently never run under mpiexec."""
+    import re
+
+    from conftest import MPI_FILES
+
+    tests = os.path.join(ROOT, "tests")
+    stray = []
+    for name in sorted(os.listdir(tests)):
+        if name.startswith("test_") and name.endswith(".py") and not name.endswith(MPI_FILES):
+            with open(os.path.join(tests, name)) as f:
+                if re.search(r"\bpytest\.mark\.mpi\b|pytestmark\b.*\bmpi\b", f.read()):
+                    stray.append(name)
+    assert stray == [], f"tests marked mpi outside a *{MPI_FILES} file: {stray}"
+
+
 def test_every_mpi_test_file_runs_on_two_nodes_and_the_override_is_exercised():
     """`make test-mpi-hosts` runs the whole MPI suite on 2 fake hosts (real node groups), so every file that reads
     the node layout sees two nodes; `make test-mpi-emulated` runs NODE_TESTS under the ranks_per_node override,

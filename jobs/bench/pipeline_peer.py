@@ -17,7 +17,7 @@ from jobs.common.inputs import InputError, JobParser, at_least, comma_list, laun
 
 SCHEDULES = ("1f1b", "gpipe")
 # Layers of each model flattened for the pipeline (see model_layers): mlp's net on its default
-# hidden=256; vgg19's 37 feature layers and 6 classifier layers. tests/test_pipeline_peer.py checks them.
+# hidden=256; vgg19's 37 feature layers and 6 classifier layers. tests/test_pipeline_peer_mpi.py checks them.
 LAYERS = {"mlp": 4, "vgg19": 43}
 
 
