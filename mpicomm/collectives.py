@@ -44,6 +44,7 @@ __all__ = ["Collectives"]
 _CODES = {name: i + 1 for i, name in enumerate(ALGORITHMS)}
 _NAMES = {code: name for name, code in _CODES.items()}
 _ROOT = V.FIELDS.index("root")  # where a fingerprint carries the algorithm (unused by these kinds otherwise)
+_ERROR = V.FIELDS.index("error")
 
 
 class Collectives:
@@ -289,7 +290,7 @@ class Collectives:
         if V.agreed(table):
             return
         paths = table[:, _ROOT]
-        if kind == "allgatherv" and not table[:, -1].any() and (paths != paths[0]).any():  # the arguments chose
+        if kind == "allgatherv" and not table[:, _ERROR].any() and (paths != paths[0]).any():  # the arguments chose
             shown = ", ".join(f"rank {r}: {'out and counts' if c == _CODES['hierarchical'] else 'not both'}"
                               for r, c in enumerate(paths))
             raise V.CollectiveMismatchError(f"allgatherv: every rank passes out and counts, or every rank leaves "
