@@ -255,8 +255,9 @@ class TransformerNMT(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         t = tgt_in.shape[1]
-        # Causal mask: decoder position i may attend to positions <= i only.
-        causal = torch.triu(torch.full((t, t), float("-inf")), diagonal=1)
+        # Causal mask: decoder position i may attend to positions <= i only; made where the tokens are, so that
+        # attention never meets a host mask beside device tensors (torch drops it for tgt_is_causal only on some paths).
+        causal = nn.Transformer.generate_square_subsequent_mask(t, device=tgt_in.device)
         h = self.transformer(self._embed(self.src_embed, src), self._embed(self.tgt_embed, tgt_in),
                              tgt_mask=causal, tgt_is_causal=True)
         return self.out(h)
