@@ -3,15 +3,18 @@
     mpiexec -n 4 mpitrain cache warm --source /data/fmnist-png --cache-dir /tmp/mpitrain-cache
     mpitrain cache info   --cache-dir /tmp/mpitrain-cache
     mpitrain cache verify --cache-dir /tmp/mpitrain-cache [--remove-bad]
-    mpitrain cache clear  --cache-dir /tmp/mpitrain-cache
+    mpitrain cache clear  --cache-dir /tmp/mpitrain-cache [--wait 60]
     mpitrain cache export --out /data/fmnist-png          # Fashion-MNIST as 70,000 PNG files
 
 warm builds, on every rank, the shard of the part that rank will train on
-(run it with the same number of ranks as the training job; the
-cache directory should be node-local). The preprocessing is the
-Fashion-MNIST preset unless --mode/--resize/--crop/--mean/--std/--dtype say
-otherwise; its hash names the shards, so a changed pipeline builds new ones.
-Errors print one line and exit 2.
+(run it with the same number of ranks as the training job, from the same
+source: the source's fingerprint, the rank count and the partition seed name
+the shards; the cache directory should be node-local). The preprocessing is
+the Fashion-MNIST preset unless --mode/--resize/--crop/--mean/--std/--dtype
+say otherwise; its hash names the shards too, so a changed pipeline builds new
+ones. `mpitrain train` reads shards of the preset and seed 0 only: the other
+settings serve a job of your own (datacache.SampleCache with that pipeline).
+Errors print one line and exit 2 (under mpiexec, on every rank together).
 """
 
 from __future__ import annotations
@@ -34,13 +37,17 @@ def parse_args(argv=None):
     warm.add_argument("--source", required=True, help="image folder, labels.csv folder or Fashion-MNIST IDX dir")
     warm.add_argument("--split", choices=("train", "test"), default="train", help="for IDX sources: train or test")
     add_pipeline_args(warm)
-    warm.add_argument("--seed", type=int, default=0, help="partition seed (jobs.train always uses 0)")
-    warm.add_argument("--on-error", choices=("skip", "fail"), default="skip")
+    warm.add_argument("--seed", type=int, default=0,
+                      help="partition seed, your SampleCache's (default 0: the one mpitrain train uses)")
+    warm.add_argument("--on-error", choices=("skip", "fail"), default="skip",
+                      help="an unreadable sample: skip it (default) or stop every rank")
     info = sub.add_parser("info", help="list the shards, their size and what they hold")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     verify = sub.add_parser("verify", help="check every sample's checksum")
     verify.add_argument("--remove-bad", action="store_true", help="delete shards that fail")
     clear = sub.add_parser("clear", help="remove every shard")
+    clear.add_argument("--wait", type=float, default=60.0,
+                       help="seconds to wait for a shard that a writer holds before leaving it (default 60)")
     for q in (info, verify, clear):
         q.add_argument("--cache-dir", required=True)
     export = sub.add_parser("export", help="write Fashion-MNIST (IDX) as 70,000 PNG files + labels.csv")
@@ -54,8 +61,10 @@ def check_args(args) -> None:
         return
     if args.cmd != "warm":
         existing_dir(args, "cache_dir")
+        if args.cmd == "clear":
+            at_least(args, 0, "wait")
         return
-    at_least(args, 0, "memory_mb", "seed")
+    at_least(args, 0, "seed")
     at_least(args, 1, "resize", "crop")
     existing_dir(args, "source")
     output_dir(args, "cache_dir")
@@ -67,15 +76,14 @@ def check_args(args) -> None:
 
 
 def add_pipeline_args(p) -> None:
-    """The cache directory and the preprocessing (jobs.train and jobs.bench.cache take the same)."""
+    """The cache directory and the preprocessing (datacache.Pipeline's arguments; unset: the preset)."""
     p.add_argument("--cache-dir", required=True)
-    p.add_argument("--mode", choices=("L", "RGB"), help="default: the Fashion-MNIST preset")
-    p.add_argument("--resize", type=int)
-    p.add_argument("--crop", type=int)
-    p.add_argument("--mean", type=float, nargs="+")
-    p.add_argument("--std", type=float, nargs="+")
-    p.add_argument("--dtype", choices=("float32", "float16", "uint8"))
-    p.add_argument("--memory-mb", type=int, default=256, help="in-memory level per rank (default 256)")
+    p.add_argument("--mode", choices=("L", "RGB"), help="default: the Fashion-MNIST preset (and the rest with it)")
+    p.add_argument("--resize", type=int, help="shorter side to this many pixels")
+    p.add_argument("--crop", type=int, help="centre crop to this square")
+    p.add_argument("--mean", type=float, nargs="+", help="per channel, after scaling to [0, 1]")
+    p.add_argument("--std", type=float, nargs="+", help="per channel")
+    p.add_argument("--dtype", choices=("float32", "float16", "uint8"), help="what the shard stores")
 
 
 PIPELINE_OPTIONS = ("mode", "resize", "crop", "mean", "std", "dtype")
@@ -96,20 +104,47 @@ def warm(args) -> int:
     from mpi4py import MPI
 
     from datacache import SampleCache
-    from datacache.sources import open_source
+    from datacache.sources import UnreadableSample, open_source
+    from mpicomm.agree import fail_together
 
     comm = MPI.COMM_WORLD
-    source = open_source(args.source, args.split)
-    cache = SampleCache(source, pipeline_from(args), args.cache_dir, comm.Get_rank(), comm.Get_size(),
-                        memory_bytes=0, on_error=args.on_error, seed=args.seed)
-    was = cache.state
-    cache.warm()
-    states = comm.allgather((cache.rank, was, cache.state, len(cache.ids), len(cache.stats.skipped), cache.path))
-    cache.close()
+    cache, problem = None, None
+    try:
+        source = open_source(args.source, args.split)
+        cache = SampleCache(source, pipeline_from(args), args.cache_dir, comm.Get_rank(), comm.Get_size(),
+                            memory_bytes=0, on_error=args.on_error, seed=args.seed)
+        was = cache.state
+        cache.warm()
+    except (ValueError, OSError, UnreadableSample) as exc:  # a rank's own data or disk: said by every rank
+        problem = str(exc)
+    try:
+        # A rank that returned alone would leave the others in the allgather below for good.
+        fail_together(comm, problem, WarmError)
+        states = comm.allgather((cache.rank, was, cache.state, len(cache.ids), len(cache.stats.skipped),
+                                 cache.path, cache.disabled))
+    finally:
+        if cache is not None:
+            cache.close()
     if comm.Get_rank() == 0:
-        for rank, before, after, n, skipped, path in states:
-            print(f"rank {rank}: {n} samples, {before} -> {after}, {skipped} skipped: {path}")
+        for rank, before, after, n, skipped, path, disabled in states:
+            print(f"rank {rank}: {n} samples, {before} -> {after}{_why_not(after, n, skipped, disabled)}, "
+                  f"{skipped} skipped: {path}")
     return 0 if all(s[2] == "warm" for s in states) else 1
+
+
+def _why_not(state: str, samples: int, skipped: int, disabled: str | None) -> str:
+    """Why a rank's shard is not warm after warm(), as the line about it says."""
+    if state == "warm":
+        return ""
+    if disabled:
+        return f" ({disabled})"
+    if not samples:
+        return " (no sample of its own: more ranks than samples)"
+    return " (every sample skipped)" if skipped == samples else ""
+
+
+class WarmError(ValueError):
+    """A rank could not build its shard; raised on every rank, naming each rank's reason."""
 
 
 def info(args) -> int:
@@ -139,11 +174,11 @@ def verify(args) -> int:
     bad = 0
     for path in shards(args.cache_dir):
         try:
-            with open(path + ".json") as f:
-                meta = json.load(f)["meta"]
-            reader = ShardReader(path, meta)
-            broken = reader.verify()
-            reader.close()
+            reader = ShardReader(path)  # its own errors name the shard or manifest and what is wrong
+            try:
+                broken = reader.verify()
+            finally:
+                reader.close()
             problem = f"{len(broken)} corrupt sample(s) at positions {broken[:5]}" if broken else None
         except (OSError, ValueError, KeyError, ShardError) as exc:
             problem = str(exc)
@@ -151,25 +186,46 @@ def verify(args) -> int:
         if problem:
             bad += 1
             if args.remove_bad:
-                for p in (path, path + ".json"):
-                    if os.path.exists(p):
-                        os.remove(p)
+                print(f"  {_remove_locked(path)}")
     return 1 if bad else 0
+
+
+def _remove_locked(path: str) -> str:
+    """Remove a shard and its manifest under its lock, never from under a writer between its renames."""
+    from datacache.shard import shard_lock
+
+    try:
+        with shard_lock(path, blocking=False):
+            for p in (path, path + ".json"):
+                if os.path.exists(p):
+                    os.remove(p)
+        return "removed"
+    except TimeoutError as exc:
+        return f"not removed: a writer holds it ({exc})"
 
 
 def clear(args) -> int:
     from datacache.shard import shard_lock
 
-    removed = 0
+    removed, busy = 0, []
     for path in shards(args.cache_dir):
-        with shard_lock(path, blocking=True, timeout=60):  # never pull a shard from under its writer
+        try:
+            lock = _take_lock(path, args.wait)  # never pulled from under its writer
+        except TimeoutError as exc:
+            busy.append(f"{os.path.basename(path)} ({exc})")
+            continue
+        try:
             for p in (path, path + ".json"):
                 if os.path.exists(p):
                     os.remove(p)
                     removed += 1
-    # Temp files of writers that were killed (".<shard>.tmp.<pid>.<hex>"); a live writer holds its lock.
+        finally:
+            lock.__exit__(None, None, None)
+    # Temp files of writers that were killed: ".<shard>.tmp.<pid>.<hex>" and the manifest's
+    # ".<shard>.json.tmp.<pid>.<hex>", both under the shard's lock; a live writer holds it.
     for tmp in glob.glob(os.path.join(args.cache_dir, ".*.tmp.*")):
-        shard = os.path.join(args.cache_dir, os.path.basename(tmp)[1:].split(".tmp.")[0])
+        name = os.path.basename(tmp)[1:].split(".tmp.")[0]
+        shard = os.path.join(args.cache_dir, name[:-len(".json")] if name.endswith(".json") else name)
         try:
             with shard_lock(shard, blocking=False):
                 os.remove(tmp)
@@ -177,7 +233,27 @@ def clear(args) -> int:
         except (TimeoutError, FileNotFoundError):
             pass
     print(f"removed {removed} file(s) from {args.cache_dir}")
+    if busy:
+        print(f"error: {len(busy)} shard(s) left, their writers still at work: {'; '.join(busy)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _take_lock(path: str, seconds: float):
+    """The shard's lock, entered: at once, or after up to `seconds` for a writer that holds it (said first)."""
+    from datacache.shard import shard_lock
+
+    lock = shard_lock(path, blocking=False)
+    try:
+        lock.__enter__()
+        return lock
+    except TimeoutError:
+        if not seconds:
+            raise
+        print(f"waiting up to {seconds:g} s for the writer of {os.path.basename(path)}", flush=True)
+    lock = shard_lock(path, timeout=seconds)
+    lock.__enter__()
+    return lock
 
 
 def main(argv=None, args=None) -> int:
@@ -190,6 +266,12 @@ def main(argv=None, args=None) -> int:
         return 0
     try:
         return {"warm": warm, "info": info, "verify": verify, "clear": clear}[args.cmd](args)
+    except WarmError as exc:  # every rank has it, naming every rank's reason: said once
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_rank() == 0:
+            print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

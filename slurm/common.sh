@@ -38,5 +38,5 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 # Parallel file systems (Lustre, GPFS, NFS) often refuse HDF5's file locks.
 export HDF5_USE_FILE_LOCKING=FALSE
 
-echo "# job ${SLURM_JOB_ID:-?} ($SLURM_JOB_NAME): ${SLURM_NTASKS:-?} tasks on ${SLURM_JOB_NUM_NODES:-?} node(s)" \
+echo "# job ${SLURM_JOB_ID:-?} (${SLURM_JOB_NAME:-?}): ${SLURM_NTASKS:-?} tasks on ${SLURM_JOB_NUM_NODES:-?} node(s)" \
      "${SLURM_JOB_NODELIST:-?}, launcher: ${launcher[*]}"
