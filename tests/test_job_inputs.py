@@ -58,6 +58,9 @@ CASES = [
     ("train-epochs-zero", "jobs.train", [*TRAIN, "--epochs", "0"], "--epochs"),
     ("train-lr-negative", "jobs.train", [*TRAIN, "--lr", "-0.1"], "--lr"),
     ("train-momentum-negative", "jobs.train", [*TRAIN, "--momentum", "-1"], "--momentum"),
+    # `value < minimum` is False for NaN: at_least let NaN through, and inf too where a finite value is needed.
+    ("train-lr-nan", "jobs.train", [*TRAIN, "--lr", "nan"], "--lr"),
+    ("train-momentum-inf", "jobs.train", [*TRAIN, "--momentum", "inf"], "--momentum"),
     ("train-seed-negative", "jobs.train", [*TRAIN, "--seed", "-1"], "--seed"),
     ("train-model-unknown", "jobs.train", [*TRAIN, "--model", "alexnet"], "--model"),
     ("train-22k-classes-on-fashion-mnist", "jobs.train", [*TRAIN, "--model", "vgg19-22k", "--data", "fashion-mnist"],
