@@ -143,6 +143,10 @@ CASES = [
     ("pto-plot-under-a-file", "jobs.bench.pto", [*PTO, "--plot", "{file}/p.png"], "--plot"),
     ("soak-steps-zero", "jobs.soak", [*SOAK, "--steps", "0"], "--steps"),
     ("soak-settle-beyond-steps", "jobs.soak", [*SOAK, "--settle", "20"], "--settle"),
+    # The verdict compares the baseline with a later sample: none at all was a StopIteration on every rank, one
+    # a growth of 0 and "ok".
+    ("soak-mpiexec-no-sample", "jobs.soak", ["--steps", "5", "--every", "10", "--settle", "0"], "--every", "mpiexec"),
+    ("soak-one-sample-after-settle", "jobs.soak", ["--steps", "20", "--every", "30", "--settle", "5"], "--every"),
     ("soak-strategy-unknown", "jobs.soak", [*SOAK, "--strategy", "nope"], "--strategy"),
     ("soak-mpiexec-json-is-a-directory", "jobs.soak", [*SOAK, "--json", "{dir}"], "--json", "mpiexec"),
     ("overhead-model-unknown", "jobs.bench.overhead", [*OVERHEAD, "--models", "mlp,alexnet"], "--models"),
