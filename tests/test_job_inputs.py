@@ -390,7 +390,11 @@ def test_bench_scaling_takes_a_bandwidth_and_rank_counts():
     ("train", [*TRAIN, "--strategy", "hybcomm", "--link-bandwidth", "fast"], "--link-bandwidth: cannot parse"),
     ("bench.scaling", ["--models", "mlp", "--ranks", "1,2,128"], "--ranks: 128 ranks need more than 64 hosts"),
     ("bench.strategies", ["--congestion-control", "Cubic!"], "--congestion-control: congestion control must be a"),
-], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts", "bench-congestion-control-not-a-name"])
+    # Below the MTU the link got max(1500, burst) while `up` reported the bucket asked (bench links refuses it too);
+    # refused before any namespace is made, so no root is needed to check it.
+    ("cluster", ["up", "--burst", "10"], "--burst: 10: a bucket is a whole number of bytes >= the MTU (1500)"),
+], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts", "bench-congestion-control-not-a-name",
+        "cluster-up-burst-below-the-mtu"])
 def test_checks_that_need_mpicomm(capsys, job, args, message):
     """In this process, which has imported mpicomm (torch) already: a job pays that only when the option is given."""
     import importlib
