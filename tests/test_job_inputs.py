@@ -152,6 +152,9 @@ CASES = [
     ("overhead-model-unknown", "jobs.bench.overhead", [*OVERHEAD, "--models", "mlp,alexnet"], "--models"),
     ("overhead-strategy-unknown", "jobs.bench.overhead", [*OVERHEAD, "--strategies", "ddp"], "--strategies"),
     ("overhead-rounds-zero", "jobs.bench.overhead", [*OVERHEAD, "--rounds", "0"], "--rounds"),
+    # --steps 0 times no step: the plot asked for was dropped without a word.
+    ("overhead-steps-zero-with-plot", "jobs.bench.overhead", [*OVERHEAD, "--steps", "0", "--plot", "{out}/p.png"],
+     "--plot"),
     ("overhead-mpiexec-plot-under-a-file", "jobs.bench.overhead", [*OVERHEAD, "--plot", "{file}/p.png"], "--plot",
      "mpiexec"),
     ("pipeline-defaults-model-too-slow", "jobs.bench.pipeline_defaults", ["--models", "mlp,vgg19"], "--models"),
