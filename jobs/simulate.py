@@ -15,11 +15,12 @@ rank, kept in ~/.cache/mpitrain/profiles) runs through runtime.sim for every
 strategy, node count and bandwidth: a table of samples/s, the speed-up over
 the fewest nodes and the scaling efficiency, JSON rows and a PNG with a
 panel per bandwidth (samples/s against nodes, one line per strategy, linear
-scaling dashed, the compute named in the title). A pipeline that does not fit a node count is skipped with a
-line on stderr (and none fitting at all is an error). --compute-speedup N makes
-compute N times as fast as profiled (a GPU from a CPU profile; --compute-scale, which
---validate, train and the benchmarks take, makes emulated compute N times *slower*,
-so projection refuses it); --latency, --oversubscription and --intra-bandwidth describe the
+scaling dashed, the compute named in the title). A pipeline that does not
+fit a node count is skipped with a line on stderr (none fitting at all is an
+error). --compute-speedup N makes compute N times as fast as profiled (a GPU
+from a CPU profile; --compute-scale, which --validate, train and the
+benchmarks take, makes emulated compute N times *slower*, so projection
+refuses it); --latency, --oversubscription and --intra-bandwidth describe the
 network; --calibration (a JSON of jobs.sim.worker transport, as --validate
 writes) adds the measured per-connection rate and CPU cost per byte, which
 by default are not limits (RDMA-class networks). --compute emulated:DEVICE
