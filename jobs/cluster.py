@@ -21,6 +21,9 @@ from jobs.common.inputs import (InputError, JobParser, at_least, between, conges
                                 runnable)
 
 
+MTU = 1500  # the hosts' veths'; tbf stalls on a smaller bucket, so netns.tbf_args raises one to it
+
+
 def parse_args(argv):
     p = JobParser(prog="python -m jobs.cluster", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
@@ -31,7 +34,8 @@ def parse_args(argv):
     up.add_argument("--ranks-per-host", type=int, default=1, help="MPI ranks per host for `run` (default 1)")
     up.add_argument("--netmod", choices=("ucx", "ofi"), help="MPICH network module (default: MPICH's choice)")
     up.add_argument("--burst", type=int, metavar="BYTES",
-                    help="the links' token bucket (default ~2 ms of traffic, at least 72 KiB: a whole GSO packet)")
+                    help="the links' token bucket, >= the MTU (1500) (default ~2 ms of traffic, at least 72 KiB: "
+                         "a whole GSO packet)")
     up.add_argument("--congestion-control", metavar="NAME",
                     help="the hosts' TCP congestion control, cubic say (default: this machine's)")
     up.add_argument("--verify", action="store_true", help="measure every link after bringing it up")
@@ -64,7 +68,9 @@ def check_args(args) -> None:
         raise InputError("exec HOST", f"must be >= 0, got {args.host}")
     if args.action != "up":
         return
-    at_least(args, 1, "ranks_per_host", "burst")
+    at_least(args, 1, "ranks_per_host")
+    if args.burst is not None and args.burst < MTU:  # the link would get max(MTU, burst), not what `up` reports
+        raise InputError("--burst", f"{args.burst}: a bucket is a whole number of bytes >= the MTU ({MTU})")
     # Last: the cluster's own limits, from mpicomm (which imports torch and starts MPI).
     from mpicomm.emulation import EmulationError, parse_bandwidth
     from mpicomm.emulation.netns import MAX_HOSTS

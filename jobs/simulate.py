@@ -15,9 +15,12 @@ rank, kept in ~/.cache/mpitrain/profiles) runs through runtime.sim for every
 strategy, node count and bandwidth: a table of samples/s, the speed-up over
 the fewest nodes and the scaling efficiency, JSON rows and a PNG with a
 panel per bandwidth (samples/s against nodes, one line per strategy, linear
-scaling dashed). A pipeline that does not fit a node count is skipped with a
-line on stderr. --compute-scale N makes compute N times as fast (a GPU from a CPU
-profile); --latency, --oversubscription and --intra-bandwidth describe the
+scaling dashed, the compute named in the title). A pipeline that does not
+fit a node count is skipped with a line on stderr (none fitting at all is an
+error). --compute-speedup N makes compute N times as fast as profiled (a GPU
+from a CPU profile; --compute-scale, which --validate, train and the
+benchmarks take, makes emulated compute N times *slower*, so projection
+refuses it); --latency, --oversubscription and --intra-bandwidth describe the
 network; --calibration (a JSON of jobs.sim.worker transport, as --validate
 writes) adds the measured per-connection rate and CPU cost per byte, which
 by default are not limits (RDMA-class networks). --compute emulated:DEVICE
@@ -38,8 +41,8 @@ import sys
 import time
 
 from jobs.common.choices import MODELS
-from jobs.common.inputs import (InputError, JobParser, at_least, bench_outputs, comma_list, int_list, link_rate, one_of,
-                                parse)
+from jobs.common.inputs import (InputError, JobParser, at_least, bench_outputs, comma_list, fraction, int_list,
+                                link_rate, one_of, parse, positive_finite)
 from jobs.sim.profiles import take_profile
 
 DEFAULT_STRATEGIES = "allreduce,wfbp,ddp,p3,hybcomm,topk,hier-topk,allreduce+pto,pipeline-flush,pipeline-spectrain"
@@ -61,7 +64,10 @@ def parse_args(argv=None):
     p.add_argument("--send-buffer", type=float, default=0.0, metavar="BYTES",
                    help="bytes a connection takes before a send completes: an eager transport's socket buffer "
                         "(flat p3, simulated rank by rank up to 32 ranks; default 0: rendezvous)")
-    p.add_argument("--compute-scale", type=float, default=1.0, help="compute this many times as fast as profiled")
+    p.add_argument("--compute-speedup", type=float, default=1.0, metavar="N",
+                   help="compute N times as fast as profiled (default 1)")
+    # Taken only to refuse it with a pointer: elsewhere it means N times *slower* (jobs.common.compute).
+    p.add_argument("--compute-scale", type=float, help=argparse.SUPPRESS)
     p.add_argument("--cores-per-host", type=float, help="default: two per rank")
     p.add_argument("--calibration", metavar="JSON", help="transport costs measured by jobs.sim.validate")
     p.add_argument("--batch-size", type=int, help="of a profile taken here or modelled (default 16; modelled: the "
@@ -109,10 +115,14 @@ def check_args(args) -> None:
     args.nodes = int_list("--nodes", args.nodes, 1)
     args.bandwidth = [link_rate("--bandwidth", b) for b in comma_list("--bandwidth", args.bandwidth)]
     args.intra_bandwidth = link_rate("--intra-bandwidth", args.intra_bandwidth)
+    if args.compute_scale is not None:
+        raise InputError("--compute-scale", "projection takes --compute-speedup N (compute N times as fast as "
+                                            "profiled); --compute-scale N is emulated compute N times slower "
+                                            "(--validate, train, the benchmarks)")
     at_least(args, 1, "ranks_per_node", "oversubscription", "batch_size", "ranks")
     at_least(args, 0, "latency", "send_buffer")
-    if not args.compute_scale > 0:
-        raise InputError("--compute-scale", f"must be positive, got {args.compute_scale}")
+    positive_finite(args, "compute_speedup", "cores_per_host")
+    fraction(args, "density")
     if args.take_profile and not args.out:
         raise InputError("--out", "--take-profile writes the profile to --out PATH")
     for opt in ("profile", "calibration"):
@@ -140,6 +150,25 @@ def modelled(args):
     return modelled_profile(build_model(args.model), args.compute.removeprefix("emulated:"), inputs, args.model)
 
 
+def describe_compute(args, profile) -> dict:
+    """The compute every row, the table's header and the figure name: a device model's or a measured profile's,
+    and the speed-up applied to it (a projection's figures are only as good as the compute it assumed)."""
+    if args.compute != "real":
+        from runtime.emulate import compute_model
+
+        spec = args.compute.removeprefix("emulated:")
+        cm = compute_model(spec)
+        d = dict(compute="emulated", compute_spec=spec, compute_device=cm.device_name, compute_profile=None)
+        label = f"emulated compute: {cm.label}"
+    else:
+        d = dict(compute="measured", compute_spec=None, compute_device=profile.device,
+                 compute_profile=args.profile or "taken here")
+        label = f"measured profile: {profile.device}, {profile.machine or 'machine unknown'}"
+    if args.compute_speedup != 1:
+        label += f", compute x{args.compute_speedup:g} as fast"
+    return dict(d, compute_speedup=args.compute_speedup, compute_label=label)
+
+
 def cluster_for(args, nodes: int, bandwidth: float, profile, cal: dict):
     """The projected cluster; `cal`: the calibration's transport figures ({} without --calibration)."""
     from runtime.sim import Cluster
@@ -153,8 +182,9 @@ def cluster_for(args, nodes: int, bandwidth: float, profile, cal: dict):
                    device="gpu" if profile.device == "cuda" else "cpu")
 
 
-def project(args, profile) -> list[dict]:
-    """Every strategy x bandwidth x node count: one row each."""
+def project(args, profile, compute: dict) -> tuple[list[dict], list[str]]:
+    """(rows, skipped): every strategy x bandwidth x node count that fits, one row each with the compute's fields;
+    a line for each that does not."""
     import json
 
     from runtime.sim import simulate
@@ -163,7 +193,7 @@ def project(args, profile) -> list[dict]:
     if args.calibration:
         with open(args.calibration) as f:
             cal = json.load(f)["transport"]
-    rows = []
+    rows, skipped = [], []
     for bw in args.bandwidth:
         for nodes in args.nodes:
             cluster = cluster_for(args, nodes, bw, profile, cal)
@@ -173,19 +203,20 @@ def project(args, profile) -> list[dict]:
                 try:
                     r = simulate(profile, cluster, s, **opts)
                 except ValueError as exc:  # a pipeline that does not fit this many ranks
-                    print(f"# {s} skipped on {nodes} node(s): {exc}", file=sys.stderr)
+                    skipped.append(f"{s} skipped on {nodes} node(s): {exc}")
                     continue
                 rows.append(dict(model=profile.model, strategy=s, bandwidth_bps=bw, nodes=nodes,
                                  ranks_per_node=args.ranks_per_node, ranks=cluster.ranks, t_iter_s=r.t_iter_s,
                                  samples_per_s=r.samples_per_s, sim_seconds=time.perf_counter() - t,
-                                 events=r.events, **{k: v for k, v in r.details.items() if k in ("p3", "plan")}))
+                                 events=r.events, **compute,
+                                 **{k: v for k, v in r.details.items() if k in ("p3", "plan")}))
     base = {}
     for r in rows:  # speed-up and efficiency against the same strategy on the fewest nodes
         key = (r["strategy"], r["bandwidth_bps"])
         b = base.setdefault(key, r)
         r["speedup"] = r["samples_per_s"] / b["samples_per_s"]
         r["efficiency"] = r["speedup"] / (r["ranks"] / b["ranks"])
-    return rows
+    return rows, skipped
 
 
 def markdown(rows) -> str:
@@ -197,13 +228,19 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path: str) -> None:
+def plot(rows, path: str, compute_label: str) -> None:
+    from jobs.common.report import save_figure
+
+    save_figure(figure(rows, compute_label), path)
+
+
+def figure(rows, compute_label: str):
+    """A panel per bandwidth: samples/s against nodes, one line per strategy, linear scaling dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from jobs.common.report import save_figure
+    from matplotlib.ticker import FixedLocator, NullLocator, ScalarFormatter
 
     bws = sorted({r["bandwidth_bps"] for r in rows})
     fig, axes = plt.subplots(1, len(bws), figsize=(5 * len(bws), 4), squeeze=False)
@@ -217,8 +254,13 @@ def plot(rows, path: str) -> None:
         xs = sorted({r["nodes"] for r in mine})
         ax.plot(xs, [best["samples_per_s"] * n / first["nodes"] for n in xs], "k--", lw=0.8, label="linear")
         ax.set(xscale="log", yscale="log", xlabel="nodes", ylabel="samples/s", title=f"{mine[0]['model']}, {bw / 1e9:g} Gbit/s")
+        # The node counts themselves as ticks: a log axis would label 2 as "2x10^0" and the rest not at all.
+        ax.xaxis.set_major_locator(FixedLocator(xs))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.legend(fontsize=7)
-    save_figure(fig, path)
+    fig.suptitle(compute_label, fontsize=9)
+    return fig
 
 
 def main(argv=None) -> int:
@@ -243,22 +285,30 @@ def main(argv=None) -> int:
     try:
         profile = modelled(args) if args.compute != "real" else \
             Profile.load(args.profile or default_profile(args.model, args.batch_size))
-        if args.compute_scale != 1:
-            profile = profile.scaled(args.compute_scale)
+        if args.compute_speedup != 1:
+            profile = profile.scaled(args.compute_speedup)
     except ProfileError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    compute = describe_compute(args, profile)
     t = time.perf_counter()
-    rows = project(args, profile)
+    rows, skipped = project(args, profile, compute)
     took = time.perf_counter() - t
+    if not rows:  # every row skipped: no table, speed-up or figure to make; one line, the first reason
+        print(f"error: --strategies: no strategy fits these --nodes/--ranks-per-node ({skipped[0]})",
+              file=sys.stderr)
+        return 2
+    for line in skipped:
+        print(f"# {line}", file=sys.stderr)
     print(f"profile: {profile.model}, batch {profile.batch_size}, {profile.device}, step {profile.compute_s:.4f} s "
-          f"(x{args.compute_scale:g}); {profile.machine}")
+          f"(x{args.compute_speedup:g} as fast); {profile.machine}\n{compute['compute_label']}")
     print(markdown(rows))
     print(f"\n{len(rows)} simulations in {took:.2f} s (slowest {max(r['sim_seconds'] for r in rows):.3f} s)")
     if args.json:
-        write_json(args.json, run_metadata("jobs.simulate", argv, seconds=took, profile=profile.to_json()), rows)
+        write_json(args.json, run_metadata("jobs.simulate", argv, seconds=took, profile=profile.to_json(), **compute),
+                   rows)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, compute["compute_label"])
     return 0
 
 

@@ -9,13 +9,16 @@ failure beacon). Prints a table of samples (the largest value over ranks),
 and the verdict: RSS growth from the first sample after --settle steps to the
 last, against --max-growth; threads and requests must not grow at all, and
 after close() no request may be left. Exit 1 when a bound is exceeded.
-Writes JSON and a PNG.
+Rank 0 prints each sample as it is taken (and the step every 10 s between
+samples). --json writes the samples as rows, --plot (by default the JSON
+path with .png) their RSS; without either, nothing is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from jobs.common.choices import STRATEGIES
 from jobs.common.inputs import InputError, JobParser, at_least, output_file, parse, positive
@@ -42,9 +45,19 @@ def check_args(args) -> None:
     if not 0 <= args.settle < args.steps:
         raise InputError("--settle", f"must be in [0, --steps), got {args.settle}")
     positive(args, "max_growth")
+    after = [s for s in sample_steps(args) if s >= args.settle]
+    if len(after) < 2:  # growth needs a baseline and a later sample; with one it is 0 and "ok" says nothing
+        raise InputError("--every", f"{len(after)} sample(s) from step --settle {args.settle} to --steps "
+                                    f"{args.steps} every {args.every}: the verdict needs at least two (lower --every "
+                                    f"or raise --steps)")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
     output_file(args, "json", "plot")
+
+
+def sample_steps(args) -> list[int]:
+    """The steps after which main samples: every --every, and --settle (the baseline) if it is a step."""
+    return sorted(set(range(args.every, args.steps + 1, args.every)) | ({args.settle} if args.settle else set()))
 
 
 def rss_bytes() -> int:
@@ -79,16 +92,26 @@ def main(argv=None, args=None) -> int:
     loss = loss_fn("mlp")
     dopt = DistributedOptimizer(opt, model, args.strategy)
     samples = []
+    sampled = set(sample_steps(args))
+    said = time.monotonic()
     for step in range(1, args.steps + 1):
         i = (step % 8) * args.batch_size
         dopt.zero_grad()
         loss(model(x[0][i:i + args.batch_size]), y[i:i + args.batch_size]).backward()
         dopt.step()
-        if step % args.every == 0 or step == args.settle:
+        if step in sampled:
             dopt.synchronize()
             mine = np.array([rss_bytes(), threads(), live_requests()], dtype=np.int64)
             comm.Allreduce(MPI.IN_PLACE, mine, op=MPI.MAX)
             samples.append(dict(step=step, rss_mb=mine[0] / 2**20, threads=int(mine[1]), requests=int(mine[2])))
+            if rank == 0:
+                s = samples[-1]
+                print(f"# step {step}/{args.steps}: RSS {s['rss_mb']:.1f} MB, {s['threads']} threads, "
+                      f"{s['requests']} requests in flight", flush=True)
+                said = time.monotonic()
+        elif rank == 0 and time.monotonic() - said > 10:  # a long --every: still a sign of life
+            print(f"# step {step}/{args.steps}", flush=True)
+            said = time.monotonic()
     dopt.close()
     left = np.array([live_requests()], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, left, op=MPI.MAX)

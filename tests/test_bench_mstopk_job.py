@@ -60,3 +60,24 @@ def test_bench_mstopk_on_cuda(tmp_path):
     for r in doc["rows"]:
         assert r["exactly_k"] and r["mass_ratio"] >= 0.99 and 0 < r["min_s"] <= r["median_s"] <= r["max_s"]
     assert (tmp_path / "mstopk-cuda.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cpu_calls_are_interleaved_round_by_round():
+    """Every implementation's repeat r before any one's repeat r+1 (the order rotating), not each one's repeats back
+    to back: a slow moment of the machine then weighs on all alike."""
+    from jobs.bench.mstopk import time_interleaved
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name) or (name,)) for name in ("a", "b", "c")}
+    timed = time_interleaved(fns, 3)
+    assert calls == ["a", "b", "c"] + ["a", "b", "c"] + ["b", "c", "a"] + ["c", "a", "b"]  # warm-ups, 3 rounds
+    assert {name: t[3] for name, t in timed.items()} == {"a": ("a",), "b": ("b",), "c": ("c",)}
+    assert all(0 <= t[1] <= t[0] <= t[2] for t in timed.values())
+
+
+def test_the_plot_option_is_plot_as_in_every_job_and_png_still_works(tmp_path):
+    from jobs.bench.mstopk import parse_args
+
+    assert parse_args(["--plot", str(tmp_path / "a.png")]).plot == str(tmp_path / "a.png")
+    assert parse_args(["--png", str(tmp_path / "b.png")]).plot == str(tmp_path / "b.png")
+    assert parse_args(["--json", str(tmp_path / "m.json")]).plot == str(tmp_path / "m.png")

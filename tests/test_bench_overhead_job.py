@@ -24,4 +24,19 @@ def test_rows_for_every_configuration_and_the_agreement_round(tmp_path):
     agreement = [r for r in rows if r["strategy"] == "step agreement"]
     assert len(agreement) == 1 and agreement[0]["agreement_s"] > 0 and agreement[0]["native_allreduce_s"] > 0
     assert "step agreement:" in proc.stdout and "| mlp | p3 | 2 |" in proc.stdout
+    # Progress: each round's step times as it ends, before the table.
+    rounds = [line for line in proc.stdout.splitlines() if line.startswith("# mlp, round ")]
+    assert [line.split(":")[0] for line in rounds] == ["# mlp, round 1/2", "# mlp, round 2/2"]
+    assert all(" ms" in line and "p3 " in line for line in rounds)
+    assert proc.stdout.index("# mlp, round 2/2") < proc.stdout.index("| model |")
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_figure_says_how_many_ranks_it_timed():
+    """Its title said "one rank" under mpiexec -n 4 as well."""
+    from jobs.bench.overhead import figure
+
+    rows = [dict(model="mlp", strategy=s, ranks=4, rounds=1, wrap_s=0.01, step_s=0.002, overhead_s=0.0)
+            for s in ("plain", "p3")]
+    title = figure(rows).axes[0].get_title()
+    assert "4 ranks" in title and "one rank" not in title and "real compute" in title

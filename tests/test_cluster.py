@@ -58,7 +58,7 @@ def test_bandwidth_strings():
     (["up", "--hosts", "0"], "--hosts: must be between 1 and 64"),
     (["up", "--hosts", "65"], "--hosts: must be between 1 and 64"),
     (["up", "--bandwidth", "fast"], "cannot parse bandwidth"),
-    (["up", "--burst", "0"], "--burst: must be >= 1"),
+    (["up", "--burst", "0"], "--burst: 0: a bucket is a whole number of bytes >= the MTU (1500)"),
     (["up", "--congestion-control", "bbr;reboot"], "--congestion-control: congestion control must be a kernel"),
     (["up", "--hosts", "2", "--congestion-control", "nosuchcc"], "'nosuchcc' cannot be set in the emulated hosts"),
     (["down"], "no emulated cluster is up"),

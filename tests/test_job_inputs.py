@@ -58,6 +58,9 @@ CASES = [
     ("train-epochs-zero", "jobs.train", [*TRAIN, "--epochs", "0"], "--epochs"),
     ("train-lr-negative", "jobs.train", [*TRAIN, "--lr", "-0.1"], "--lr"),
     ("train-momentum-negative", "jobs.train", [*TRAIN, "--momentum", "-1"], "--momentum"),
+    # `value < minimum` is False for NaN: at_least let NaN through, and inf too where a finite value is needed.
+    ("train-lr-nan", "jobs.train", [*TRAIN, "--lr", "nan"], "--lr"),
+    ("train-momentum-inf", "jobs.train", [*TRAIN, "--momentum", "inf"], "--momentum"),
     ("train-seed-negative", "jobs.train", [*TRAIN, "--seed", "-1"], "--seed"),
     ("train-model-unknown", "jobs.train", [*TRAIN, "--model", "alexnet"], "--model"),
     ("train-22k-classes-on-fashion-mnist", "jobs.train", [*TRAIN, "--model", "vgg19-22k", "--data", "fashion-mnist"],
@@ -140,11 +143,18 @@ CASES = [
     ("pto-plot-under-a-file", "jobs.bench.pto", [*PTO, "--plot", "{file}/p.png"], "--plot"),
     ("soak-steps-zero", "jobs.soak", [*SOAK, "--steps", "0"], "--steps"),
     ("soak-settle-beyond-steps", "jobs.soak", [*SOAK, "--settle", "20"], "--settle"),
+    # The verdict compares the baseline with a later sample: none at all was a StopIteration on every rank, one
+    # a growth of 0 and "ok".
+    ("soak-mpiexec-no-sample", "jobs.soak", ["--steps", "5", "--every", "10", "--settle", "0"], "--every", "mpiexec"),
+    ("soak-one-sample-after-settle", "jobs.soak", ["--steps", "20", "--every", "30", "--settle", "5"], "--every"),
     ("soak-strategy-unknown", "jobs.soak", [*SOAK, "--strategy", "nope"], "--strategy"),
     ("soak-mpiexec-json-is-a-directory", "jobs.soak", [*SOAK, "--json", "{dir}"], "--json", "mpiexec"),
     ("overhead-model-unknown", "jobs.bench.overhead", [*OVERHEAD, "--models", "mlp,alexnet"], "--models"),
     ("overhead-strategy-unknown", "jobs.bench.overhead", [*OVERHEAD, "--strategies", "ddp"], "--strategies"),
     ("overhead-rounds-zero", "jobs.bench.overhead", [*OVERHEAD, "--rounds", "0"], "--rounds"),
+    # --steps 0 times no step: the plot asked for was dropped without a word.
+    ("overhead-steps-zero-with-plot", "jobs.bench.overhead", [*OVERHEAD, "--steps", "0", "--plot", "{out}/p.png"],
+     "--plot"),
     ("overhead-mpiexec-plot-under-a-file", "jobs.bench.overhead", [*OVERHEAD, "--plot", "{file}/p.png"], "--plot",
      "mpiexec"),
     ("pipeline-defaults-model-too-slow", "jobs.bench.pipeline_defaults", ["--models", "mlp,vgg19"], "--models"),
@@ -383,7 +393,11 @@ def test_bench_scaling_takes_a_bandwidth_and_rank_counts():
     ("train", [*TRAIN, "--strategy", "hybcomm", "--link-bandwidth", "fast"], "--link-bandwidth: cannot parse"),
     ("bench.scaling", ["--models", "mlp", "--ranks", "1,2,128"], "--ranks: 128 ranks need more than 64 hosts"),
     ("bench.strategies", ["--congestion-control", "Cubic!"], "--congestion-control: congestion control must be a"),
-], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts", "bench-congestion-control-not-a-name"])
+    # Below the MTU the link got max(1500, burst) while `up` reported the bucket asked (bench links refuses it too);
+    # refused before any namespace is made, so no root is needed to check it.
+    ("cluster", ["up", "--burst", "10"], "--burst: 10: a bucket is a whole number of bytes >= the MTU (1500)"),
+], ids=["train-link-bandwidth-unparseable", "scaling-ranks-beyond-the-hosts", "bench-congestion-control-not-a-name",
+        "cluster-up-burst-below-the-mtu"])
 def test_checks_that_need_mpicomm(capsys, job, args, message):
     """In this process, which has imported mpicomm (torch) already: a job pays that only when the option is given."""
     import importlib

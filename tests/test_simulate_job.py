@@ -159,6 +159,58 @@ def test_bad_arguments_are_refused_with_a_reason(args, message, capsys):
     assert code == 2 and message in err, err[-2000:]
 
 
+EMULATED = ["--model", "mlp", "--compute", "emulated:h100"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args,message", [
+    # Projection's N times *faster*: --compute-scale (N times slower in train, --validate, the benchmarks) refused.
+    (["--compute-scale", "10"], "--compute-scale: projection takes --compute-speedup N"),
+    (["--compute-speedup", "0"], "--compute-speedup: must be a finite number > 0"),
+    (["--compute-speedup", "inf"], "--compute-speedup: must be a finite number > 0"),
+    (["--strategies", "pipeline-flush", "--nodes", "1", "--ranks-per-node", "1"],
+     "--strategies: no strategy fits these --nodes/--ranks-per-node (pipeline-flush skipped on 1 node(s)"),
+    (["--cores-per-host", "-1"], "--cores-per-host: must be a finite number > 0, got -1.0"),
+    (["--latency", "nan"], "--latency: must be a finite number >= 0, got nan"),
+    (["--oversubscription", "inf"], "--oversubscription: must be a finite number >= 1, got inf"),
+    (["--strategies", "topk", "--density", "-1"], "--density: must be in (0, 1], got -1.0"),
+    (["--strategies", "topk", "--density", "5"], "--density: must be in (0, 1], got 5.0"),
+], ids=["compute-scale", "speedup-zero", "speedup-inf", "no-strategy-fits", "cores-negative", "latency-nan",
+        "oversubscription-inf", "density-negative", "density-above-1"])
+def test_projection_refuses_what_it_cannot_project_in_one_line(args, message, capsys):
+    from jobs.simulate import main
+
+    code, out, err = exit_in_process(main, [*EMULATED, "--nodes", "1,2", "--ranks-per-node", "2", *args], capsys)
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err[-2000:]
+    assert "| mlp |" not in out
+
+
+@pytest.mark.timeout(120)
+def test_compute_speedup_makes_compute_faster_and_every_row_and_the_figure_say_whose(tmp_path, capsys):
+    from jobs.simulate import figure, main
+
+    docs = {}
+    for speedup in ("1", "10"):
+        out = tmp_path / f"x{speedup}.json"
+        code, stdout, err = exit_in_process(main, [*EMULATED, "--nodes", "1,2,4", "--ranks-per-node", "1",
+                                                   "--bandwidth", "100gbit", "--strategies", "allreduce",
+                                                   "--compute-speedup", speedup, "--json", str(out)], capsys)
+        assert code == 0, err[-2000:]
+        docs[speedup] = json.loads(out.read_text())
+    one = {r["nodes"]: r["t_iter_s"] for r in docs["1"]["rows"]}
+    ten = {r["nodes"]: r["t_iter_s"] for r in docs["10"]["rows"]}
+    assert all(ten[n] < one[n] for n in one)  # faster, not slower
+    assert docs["10"]["meta"]["profile"]["step_s"] == pytest.approx(docs["1"]["meta"]["profile"]["step_s"] / 10)
+    for r in docs["10"]["rows"] + [docs["10"]["meta"]]:
+        assert (r["compute"], r["compute_spec"], r["compute_device"], r["compute_speedup"]) == \
+            ("emulated", "h100", "h100", 10.0)
+        assert r["compute_label"].startswith("emulated compute: h100 (") and "compute x10 as fast" in r["compute_label"]
+    fig = figure(docs["10"]["rows"], docs["10"]["meta"]["compute_label"])
+    fig.canvas.draw()
+    assert fig._suptitle.get_text() == docs["10"]["meta"]["compute_label"]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["1", "2", "4"]  # not 10^0-style labels
+
+
 def test_bad_arguments_are_refused_from_the_command_line():
     proc = run("--model", "mlp", "--nodes", "0")
     assert proc.returncode == 2 and "--nodes" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr[-2000:]

@@ -11,11 +11,13 @@ exactly_k and mass_ratio (captured sum of squares over the exact top-k's). torch
 timed as the reference selection, runtime.sparse.mstopk.exact_topk: |x|, topk unsorted,
 gather of the signed values, i.e. the same output as MSTopK.
 
-On CPU: MSTopK's NumPy search, sampled and plain bisection, one thread. With
---device cuda: MSTopK on a CUDA tensor (its DeviceMSTopK), each call timed by a
-pair of CUDA events and a synchronize, the implementations' calls interleaved
-(repeat r of every one before repeat r+1 of any) so that clocks and
-neighbours weigh on all alike; the JSON names the GPU, its driver and torch.
+On CPU: MSTopK's NumPy search, sampled and plain bisection, one thread, each
+call timed by perf_counter. With --device cuda: MSTopK on a CUDA tensor (its
+DeviceMSTopK), each call timed by a pair of CUDA events and a synchronize; the
+JSON names the GPU, its driver and torch. On both, the implementations' calls
+are interleaved (repeat r of every one before repeat r+1 of any; on CPU the
+order rotating each round) so that clocks and neighbours weigh on all alike.
+--plot (or --png) draws the bars.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, help="MSTopK probes (default: MSTopK's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
-    p.add_argument("--png", metavar="PATH", help="bar plot (default: the JSON path with .png)")
+    p.add_argument("--plot", "--png", dest="plot", metavar="PNG",
+                   help="bar plot (default: the JSON path with .png; --png: the same, its older name)")
     return parse(p, argv, check_args)
 
 
@@ -63,9 +66,9 @@ def check_args(args) -> None:
     at_least(args, 1, "repeats", "iters")
     args.repeats = args.repeats or (21 if args.device == "cuda" else 5)
     at_least(args, 0, "seed")
-    if args.png is None and args.json:
-        args.png = os.path.splitext(args.json)[0] + ".png"
-    output_file(args, "json", "png")
+    if args.plot is None and args.json:
+        args.plot = os.path.splitext(args.json)[0] + ".png"
+    output_file(args, "json", "plot")
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -80,15 +83,19 @@ def summary(times: list[float]) -> tuple[float, float, float]:
     return median, times[0], times[-1]
 
 
-def time_calls(fn, repeats: int) -> tuple[float, float, float, tuple]:
-    """(median s, min s, max s, last result) over `repeats` calls after one untimed warm-up call."""
-    out = fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t0)
-    return (*summary(times), out)
+def time_interleaved(fns: dict, repeats: int) -> dict:
+    """{name: (median s, min s, max s, last result)}: perf_counter timings, one untimed warm-up call each, then
+    round by round a call of every one, the order rotating, so that a slow moment of the machine (a neighbour, the
+    clock) falls on every implementation alike rather than on whichever ran its repeats then."""
+    names = list(fns)
+    outs = {name: fns[name]() for name in names}
+    times: dict = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            outs[name] = fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (*summary(times[name]), outs[name]) for name in names}
 
 
 def time_cuda_interleaved(fns: dict, repeats: int, torch) -> dict:
@@ -180,8 +187,8 @@ def main(argv=None) -> int:
                "mstopk-bisection": MSTopK(args.iters, sampled=False, seed=args.seed)}
         where = f"one thread, torch {torch.__version__}, MSTopK iters {args.iters}"
     rows = []
-    print(f"# {where}, data {args.data}, {args.repeats} timed calls per row after a warm-up"
-          + (", interleaved, CUDA events" if cuda else ""))
+    print(f"# {where}, data {args.data}, {args.repeats} timed calls per row after a warm-up, interleaved"
+          + (", CUDA events" if cuda else ", perf_counter"))
     print(format_table([]), flush=True)
     for d in args.sizes:
         gen = torch.Generator(device=args.device).manual_seed(args.seed)
@@ -195,7 +202,7 @@ def main(argv=None) -> int:
             if cuda:
                 timed = time_cuda_interleaved(fns, args.repeats, torch)
             else:
-                timed = {impl: time_calls(fn, args.repeats) for impl, fn in fns.items()}
+                timed = time_interleaved(fns, args.repeats)
             case = []
             for impl in impls:
                 median, best, worst, (values, indices) = timed[impl]
@@ -217,15 +224,15 @@ def main(argv=None) -> int:
     if cuda:
         extra.update(cuda_metadata(torch), timing="cuda events, interleaved", passes=ops["mstopk"].device_op.passes)
     else:
-        extra.update(threads=1, iters=args.iters)
+        extra.update(threads=1, iters=args.iters, timing="perf_counter, interleaved round by round")
     meta = run_metadata("jobs.bench.mstopk", argv, **extra)
     if args.json:
         write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
-    if args.png:
+    if args.plot:
         title = (f"top-k of |x| on {meta['device']}" if cuda else "top-k of |x|, one thread") + \
             f", {args.data} data\n(labels: speedup vs torch.topk)"
-        write_together(None, "--png", args.png,
-                       lambda: (plot(rows, args.png, title, impls), print(f"wrote {args.png}")))
+        write_together(None, "--plot", args.plot,
+                       lambda: (plot(rows, args.plot, title, impls), print(f"wrote {args.plot}")))
     return 0
 
 

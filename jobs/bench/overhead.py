@@ -11,7 +11,8 @@ round builds each configuration afresh, in a rotating order, and times
 configuration's median step, the wrap (construction) time, and the overhead
 against plain torch. With more than one rank it also times the per-step
 agreement round (mpicomm.step_check) against a native Allreduce of the same
-vector. Writes JSON rows and a PNG.
+vector. Rank 0 prints each round's step times as it ends. Writes JSON rows and
+a PNG (real compute, one thread per rank; --steps 0 times no step, so draws none).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import statistics
 import time
 
 from jobs.common.choices import MODELS
-from jobs.common.inputs import JobParser, at_least, comma_list, output_file, parse
+from jobs.common.inputs import InputError, JobParser, at_least, comma_list, output_file, parse
 from jobs.common.outputs import write_results
 from jobs.common.report import run_metadata, save_figure
 
@@ -49,7 +50,10 @@ def check_args(args) -> None:
     args.configs = ["plain"] + comma_list("--strategies", args.strategies, CONFIGS[1:])
     at_least(args, 1, "batch_size", "rounds")
     at_least(args, 0, "steps", "warmup")
-    if args.plot is None and args.json:
+    if not args.steps and args.plot is not None:  # it used to be dropped silently
+        raise InputError("--plot", "--steps 0 times the wrap only: no step times to draw (drop --plot, or give "
+                                   "--steps)")
+    if args.plot is None and args.json and args.steps:
         args.plot = os.path.splitext(args.json)[0] + ".png"
     output_file(args, "json", "plot")
 
@@ -130,6 +134,10 @@ def main(argv=None, args=None) -> int:
             order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
             for config in order:
                 samples[config].append(measure(args, model_name, config, comm))
+            last = {c: samples[c][-1] for c in args.configs}  # (wrap s, step s)
+            say(f"# {model_name}, round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{c} {last[c][1] * 1e3:.1f} ms" if args.steps else f"{c} wrap {last[c][0]:.3f} s"
+                for c in args.configs), flush=True)
         plain = statistics.median(s for _, s in samples["plain"])
         for config in args.configs:
             wrap = statistics.median(w for w, _ in samples[config])
@@ -146,13 +154,16 @@ def main(argv=None, args=None) -> int:
                          native_allreduce_s=native))
         say(f"step agreement: {ours * 1e6:.0f} us per round (a native Allreduce of the same vector: "
             f"{native * 1e6:.0f} us)")
-    if not args.steps:
-        args.plot = None  # nothing timed to draw
     write_results(comm, args, run_metadata("jobs.bench.overhead", argv), rows, lambda path: plot(rows, path), say)
     return 0
 
 
 def plot(rows, path):
+    save_figure(figure(rows), path)
+
+
+def figure(rows):
+    """A panel per model: each configuration's step time, titled with the ranks it ran on and the compute."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -163,9 +174,11 @@ def plot(rows, path):
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model]
         ax.bar([r["strategy"] for r in mine], [r["step_s"] * 1e3 for r in mine])
-        ax.set_title(f"{model}: step time, one rank")
+        ranks = mine[0]["ranks"]
+        ax.set_title(f"{model}: step time, {ranks} rank{'s' * (ranks > 1)}\n(real compute, CPU, one thread each)",
+                     fontsize=9)
         ax.set_ylabel("ms")
-    save_figure(fig, path)
+    return fig
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -50,7 +51,12 @@ def _values(args, names):
 
 
 def at_least(args, minimum: float, *names: str) -> None:
+    """Counts, rates, seconds: a finite number >= minimum. `value < minimum` alone lets NaN through (every
+    comparison with NaN is False), and no caller has a use for inf (--lr inf, --latency inf: a run that cannot end
+    or ends in NaN)."""
     for opt, value in _values(args, names):
+        if not math.isfinite(value):
+            raise InputError(opt, f"must be a finite number >= {minimum:g}, got {value}")
         if value < minimum:
             raise InputError(opt, f"must be >= {minimum:g}, got {value}")
 
@@ -81,6 +87,13 @@ def positive(args, *names: str) -> None:
     for opt, value in _values(args, names):
         if not value > 0:
             raise InputError(opt, f"must be > 0, got {value}")
+
+
+def positive_finite(args, *names: str) -> None:
+    """Sizes and factors that are a finite number > 0 (positive() allows inf: a --timeout of no limit)."""
+    for opt, value in _values(args, names):
+        if not (value > 0 and math.isfinite(value)):
+            raise InputError(opt, f"must be a finite number > 0, got {value}")
 
 
 def fraction(args, *names: str) -> None:
