@@ -18,6 +18,7 @@ class Prefetcher:
         self._q: queue.Queue = queue.Queue(maxsize=depth)
         self._stats = stats
         self._stop = threading.Event()
+        self._ended: BaseException | None = None  # StopIteration or the producer's error, once taken: raised again
         self._thread = threading.Thread(target=self._run, args=(produce,), name="datacache-prefetch", daemon=True)
         self._thread.start()
 
@@ -45,6 +46,8 @@ class Prefetcher:
         return self
 
     def __next__(self):
+        if self._ended is not None:  # the queue stays empty from now on: get() would block forever
+            raise self._ended
         t0 = time.perf_counter()
         try:
             item = self._q.get_nowait()  # ready: no data wait (taking the GIL back is CPU sharing, not data)
@@ -54,8 +57,10 @@ class Prefetcher:
             self._stats.wait_s += time.perf_counter() - t1
         self._stats.fetch_s += time.perf_counter() - t0
         if item is self._END:
-            raise StopIteration
+            self._ended = StopIteration()
+            raise self._ended
         if isinstance(item, BaseException):
+            self._ended = item
             raise item
         return item
 
