@@ -67,9 +67,7 @@ class SampleCache:
         self._shard_pos: np.ndarray | None = None  # this rank's position -> shard position (-1: skipped)
         self.path = None
         self.disabled = None
-        self._sink = None  # the shard being written during a cold epoch (opened on its first sample)
-        self._writing = False  # this epoch writes the shard (lock held)
-        self._lock = None
+        self._epoch = None  # closes the latest epoch's read-ahead: starting another abandons it if unfinished
         self._sample_shape: tuple = (0,)  # known once a sample decodes
         self._identity = None  # the shard's files as opened (repair.identity)
         if cache_dir is not None:
@@ -146,8 +144,18 @@ class SampleCache:
         """
         seed = self.seed if shuffle_seed is None else shuffle_seed
         plan = epoch_batches(len(self.ids), self.steps(batch_size), epoch, seed, self.rank)
+        self._end_epoch()
         produce = self._warm_batches(plan) if self.reader is not None else self._cold_batches(plan)
-        return Prefetcher(as_tensors(produce), max(1, prefetch), self.stats)
+        batches = Prefetcher(as_tensors(produce), max(1, prefetch), self.stats)
+        self._epoch = batches.closer
+        return batches
+
+    def _end_epoch(self) -> None:
+        """Abandon the previous epoch if unfinished: its thread ends and a shard it was writing is dropped (no
+        partial shard is committed), and its lock is released before this epoch claims it."""
+        closer, self._epoch = self._epoch, None
+        if closer is not None:
+            closer()
 
     def _warm_batches(self, plan):
         for positions in plan:
@@ -232,78 +240,57 @@ class SampleCache:
         return x, np.asarray(ys, dtype=np.int64)
 
     def _cold_batches(self, plan):
-        """First epoch: serve from the source while writing the shard; commit only if every sample was seen."""
-        self._writing = self._claim()
+        """First epoch: serve from the source while writing the shard; commit only if every sample was seen.
+        The writer and the lock belong to this epoch alone: an epoch left unfinished drops only its own file."""
+        build = self._claim()
         done = False
         try:
             for positions in plan:
-                yield self._decode(positions, self._append if self._writing else None)
+                yield self._decode(positions, build.append if build is not None else None)
             done = True
+        except GeneratorExit:
+            if build is not None and build.writer is not None:
+                self._event("an epoch was left before its end: the shard it was writing is dropped")
+            raise
         finally:
-            if not done:  # abandoned or failed epoch: no partial shard
-                self._stop_writing()
-        if self._sink is not None:
-            self._finish(self._sink)
-        else:
-            self._stop_writing()  # nothing was decoded (every sample unreadable)
+            if build is not None and not done:  # abandoned or failed epoch: no partial shard
+                build.abort()
+        if build is not None:
+            self._finish(build)
 
-    def _claim(self) -> bool:
-        """Whether this rank may write its shard this epoch: the directory works and no other job holds the lock."""
+    def _claim(self) -> "_Build | None":
+        """This epoch's shard build if this rank may write it: the directory works and no other job holds the lock."""
         if self.disabled:
-            return False
+            return None
+        lock = shard_lock(self.path, blocking=False)
         try:
-            self._lock = shard_lock(self.path, blocking=False)
-            self._lock.__enter__()
+            lock.__enter__()
         except TimeoutError:
-            self._lock = None
             self._event("another job is writing this shard: serving from the source this epoch")
-            return False
+            return None
         except OSError as exc:
-            self._lock = None
             self.disabled = f"cannot lock {self.path}: {exc}"
             self._event(f"cache disabled ({self.disabled}): reading the source every epoch")
-            return False
-        return True
+            return None
+        return _Build(self, lock)
 
-    def _append(self, i: int, y: int, x: np.ndarray) -> None:
-        """Write one sample; a full or failing disk stops the writing, never the epoch."""
-        if not self._writing:
+    def _finish(self, build: "_Build") -> None:
+        if build.writer is None:  # nothing was decoded (every sample unreadable), or the writing stopped
+            build.abort()
             return
         try:
-            if self._sink is None:  # opened on the first sample that decodes: its shape and dtype are the shard's
-                self._sink = ShardWriter(self.path, x.shape, x.dtype, self.meta).__enter__()
-            self._sink.append(i, y, x)
+            build.writer.commit()
         except OSError as exc:
-            self._stop_writing()
-            self.disabled = str(exc)
-            self._event(f"cannot write the cache ({exc}): serving from the source")
-
-    def _stop_writing(self) -> None:
-        if self._sink is not None:
-            self._sink.abort()
-        self._sink, self._writing = None, False
-        self._unlock()
-
-    def _finish(self, writer) -> None:
-        try:
-            writer.commit()
-        except OSError as exc:
-            writer.abort()
             self._event(f"cannot write the cache ({exc}): serving from the source")
             self.disabled = str(exc)
         finally:
-            self._sink, self._writing = None, False
-            self._unlock()
+            build.abort()  # after a commit: only releases the lock
         if not self.disabled:
             self._open()
 
-    def _unlock(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.__exit__(None, None, None)
-
     def warm(self) -> None:
         """Build the shard now (no training): one pass over the source in position order."""
+        self._end_epoch()
         if self.reader is not None or self.disabled:
             return
         for _ in self._cold_batches([np.arange(len(self.ids))]):
@@ -311,9 +298,38 @@ class SampleCache:
 
     def close(self) -> None:
         """The end of the run: a shard damaged in its last epoch is repaired now (see check_disk)."""
+        self._end_epoch()
         self.check_disk()
         if self.reader is not None:
             self.reader.close()
+
+
+class _Build:
+    """One epoch's writing of the shard: the lock held, and the writer, opened on the first sample that decodes
+    (its shape and dtype are the shard's). A full or failing disk stops the writing, never the epoch."""
+
+    def __init__(self, cache: SampleCache, lock):
+        self.cache, self.lock, self.writer = cache, lock, None
+
+    def append(self, i: int, y: int, x: np.ndarray) -> None:
+        if self.lock is None:  # stopped
+            return
+        try:
+            if self.writer is None:
+                self.writer = ShardWriter(self.cache.path, x.shape, x.dtype, self.cache.meta).__enter__()
+            self.writer.append(i, y, x)
+        except OSError as exc:
+            self.abort()
+            self.cache.disabled = str(exc)
+            self.cache._event(f"cannot write the cache ({exc}): serving from the source")
+
+    def abort(self) -> None:
+        """Drop the file unless committed (ShardWriter.abort), and release the lock; safe to call again."""
+        if self.writer is not None:
+            self.writer.abort()
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 def _remove(path: str) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from datacache import Pipeline, SampleCache
 from datacache.cache import CacheStats
 from datacache.prefetch import Prefetcher
+from datacache.shard import ShardReader
 from datacache.sources import LabelsCsvSource
-from datacache_helpers import make_png_dataset
+from datacache_helpers import fresh_digests, make_png_dataset, served_digests
 
 PIPE = Pipeline(mode="L", mean=(0.5,), std=(0.25,))
 
@@ -50,3 +53,39 @@ def test_next_after_the_producers_error_raises_that_error_again():
     for _ in range(3):
         with pytest.raises(ValueError, match="sample 7 is bad"):
             next(it)
+
+
+# ----------------------------------------------------------------------------- epochs left unfinished
+
+def prefetch_threads() -> int:
+    return sum(t.name == "datacache-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.timeout(60)
+def test_an_epoch_left_without_close_leaves_no_partial_shard_and_no_thread(source, tmp_path):
+    """`for ...: break` drops the first epoch half-written: the next epoch builds the shard from scratch."""
+    c = cache(source, tmp_path)
+    want = fresh_digests(source, PIPE)
+    for x, y in c.batches(0, 2):
+        break
+    for e in (1, 2):  # built anew, then served from it
+        assert sorted(served_digests(list(c.batches(e, 2)))) == want, f"epoch {e}"
+    shard = ShardReader(c.path, c.meta)
+    assert len(shard) == len(source) and sorted(shard.ids.tolist()) == list(range(len(source)))
+    assert shard.verify() == [] and c.stats.from_memory == len(source)
+    c.close()  # joins the last epoch's thread: none may be left reading ahead
+    assert prefetch_threads() == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_second_epoch_abandons_the_first_one_still_open(source, tmp_path):
+    c = cache(source, tmp_path)
+    first = c.batches(0, 2)
+    next(first)
+    second = c.batches(1, 2)  # the first is abandoned: its shard is not written, its thread ends
+    assert prefetch_threads() == 1
+    assert sorted(served_digests(list(second))) == fresh_digests(source, PIPE) and c.state == "warm"
+    with pytest.raises(RuntimeError, match="started another epoch"):
+        next(first)  # never a silent short epoch, never a hang
+    assert len(ShardReader(c.path, c.meta)) == len(source)
+    assert any("left before its end" in e for e in c.stats.events), c.stats.events
