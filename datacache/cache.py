@@ -93,15 +93,16 @@ class SampleCache:
         self.stats.events.append(text)
         self.log(f"[datacache rank {self.rank}] {text}")
 
-    def _open(self) -> None:
-        """Use the shard if it is complete and ours; remove it (to rebuild) if it is anything else."""
+    def _open(self, locked: bool = False) -> None:
+        """Use the shard if it is complete and ours; remove it (to rebuild) if it is anything else.
+        locked: this cache holds the shard's lock (about to write it), so removes without taking it."""
         try:
             self._identity = repair.identity(self.path)  # before reading: a change while reading is seen later
             reader = ShardReader(self.path, self.meta)
         except ShardError as exc:
             if exc.reason != "missing":
                 self._event(f"shard not used ({exc.reason}: {exc}); rebuilding from the source")
-                self._remove()
+                self._remove(locked)
             return
         try:
             where = {int(i): p for p, i in enumerate(reader.ids)}
@@ -112,17 +113,20 @@ class SampleCache:
             self.memory = reader.read(np.arange(fit)) if fit else None  # checksums verified on the way in
         except ShardError as exc:
             self.reader = reader
-            self._invalidate(f"{exc.reason}: {exc}")
+            self._invalidate(f"{exc.reason}: {exc}", locked)
 
-    def _invalidate(self, why: str) -> None:
+    def _invalidate(self, why: str, locked: bool = False) -> None:
         self._event(f"shard invalid ({why}); serving from the source and rebuilding")
         if self.reader is not None:
             self.reader.close()
         self.reader, self.memory, self._labels, self._shard_pos = None, None, None, None
-        self._remove()
+        self._remove(locked)
 
-    def _remove(self) -> None:
+    def _remove(self, locked: bool = False) -> None:
         """Delete our shard, but only under its lock: "incomplete" may be another job between its renames."""
+        if locked:
+            _remove(self.path)
+            return
         try:
             with shard_lock(self.path, blocking=False):
                 _remove(self.path)
@@ -145,6 +149,8 @@ class SampleCache:
         seed = self.seed if shuffle_seed is None else shuffle_seed
         plan = epoch_batches(len(self.ids), self.steps(batch_size), epoch, seed, self.rank)
         self._end_epoch()
+        if self.reader is None and not self.disabled:
+            self._open()  # another job sharing the directory may have built the shard since: use it
         produce = self._warm_batches(plan) if self.reader is not None else self._cold_batches(plan)
         batches = Prefetcher(as_tensors(produce), max(1, prefetch), self.stats)
         self._epoch = batches.closer
@@ -239,10 +245,18 @@ class SampleCache:
         x = np.stack(xs) if xs else np.empty((0, *self._sample_shape), dtype=np.float32)
         return x, np.asarray(ys, dtype=np.int64)
 
-    def _cold_batches(self, plan):
+    def _cold_batches(self, plan, serve: bool = True):
         """First epoch: serve from the source while writing the shard; commit only if every sample was seen.
-        The writer and the lock belong to this epoch alone: an epoch left unfinished drops only its own file."""
+        The writer and the lock belong to this epoch alone: an epoch left unfinished drops only its own file.
+        serve=False (warm()): a shard found complete once the lock is ours is not read through."""
         build = self._claim()
+        if build is not None:
+            self._open(locked=True)  # the lock's previous holder may have committed the shard: never rebuild it
+            if self.reader is not None:
+                build.abort()  # releases the lock: nothing to write
+                if serve:
+                    yield from self._warm_batches(plan)
+                return
         done = False
         try:
             for positions in plan:
@@ -293,7 +307,7 @@ class SampleCache:
         self._end_epoch()
         if self.reader is not None or self.disabled:
             return
-        for _ in self._cold_batches([np.arange(len(self.ids))]):
+        for _ in self._cold_batches([np.arange(len(self.ids))], serve=False):
             pass
 
     def close(self) -> None:

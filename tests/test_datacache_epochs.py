@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -89,3 +90,30 @@ def test_a_second_epoch_abandons_the_first_one_still_open(source, tmp_path):
         next(first)  # never a silent short epoch, never a hang
     assert len(ShardReader(c.path, c.meta)) == len(source)
     assert any("left before its end" in e for e in c.stats.events), c.stats.events
+
+
+# ----------------------------------------------------------------------------- two jobs sharing the directory
+
+@pytest.mark.timeout(60)
+def test_a_cache_uses_the_shard_another_job_built_meanwhile(source, tmp_path):
+    """Both start cold on one directory; once A's shard is complete, B serves from it and never rebuilds it."""
+    a, b = cache(source, tmp_path), cache(source, tmp_path)
+    assert a.state == b.state == "cold"
+    want = fresh_digests(source, PIPE)
+    assert sorted(served_digests(list(a.batches(0, 8)))) == want and a.state == "warm"
+    inode = os.stat(a.path).st_ino
+    assert sorted(served_digests(list(b.batches(0, 8)))) == want
+    assert (b.stats.from_source, b.stats.from_memory, b.state) == (0, len(source), "warm")
+    assert os.stat(a.path).st_ino == inode  # the same file: not decoded and written again
+
+
+@pytest.mark.timeout(60)
+def test_warming_after_another_job_committed_the_shard_does_not_rebuild_it(source, tmp_path):
+    """B takes the lock after A released it: the manifest is read again under the lock, and A's shard is used."""
+    a, b = cache(source, tmp_path), cache(source, tmp_path)
+    a.warm()
+    inode = os.stat(a.path).st_ino
+    b.warm()
+    assert (b.state, b.stats.from_source, os.stat(a.path).st_ino) == ("warm", 0, inode)
+    assert sorted(served_digests(list(b.batches(0, 8)))) == fresh_digests(source, PIPE)
+    assert b.stats.from_source == 0
