@@ -9,7 +9,7 @@ import numpy as np
 
 from .partition import epoch_batches, partition, steps_per_epoch
 from . import repair
-from .pipeline import FORMAT_VERSION as PIPELINE_FORMAT
+from .pipeline import FORMAT_VERSION as PIPELINE_FORMAT, check_shape
 from .prefetch import Prefetcher, as_tensors
 from .shard import ShardError, ShardReader, ShardWriter, check_writable, shard_lock
 from .sources import Source, UnreadableSample
@@ -68,7 +68,7 @@ class SampleCache:
         self.path = None
         self.disabled = None
         self._epoch = None  # closes the latest epoch's read-ahead: starting another abandons it if unfinished
-        self._sample_shape: tuple = (0,)  # known once a sample decodes
+        self._shape: tuple | None = None  # every sample's: the shard's, else the first decoded sample's
         self._identity = None  # the shard's files as opened (repair.identity)
         if cache_dir is not None:
             name = f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}-s{seed}.h5"
@@ -89,6 +89,10 @@ class SampleCache:
         """"warm" (served from shard and memory), "cold" (next epoch builds the shard) or "disabled"."""
         return "warm" if self.reader is not None else ("disabled" if self.disabled else "cold")
 
+    @property
+    def _sample_shape(self) -> tuple:
+        return (0,) if self._shape is None else self._shape
+
     def _event(self, text: str) -> None:
         self.stats.events.append(text)
         self.log(f"[datacache rank {self.rank}] {text}")
@@ -108,7 +112,7 @@ class SampleCache:
             where = {int(i): p for p, i in enumerate(reader.ids)}
             self._shard_pos = np.array([where.get(int(i), -1) for i in self.ids], dtype=np.int64)
             # Read here, inside the fall-back: a label that fails its checksum rebuilds the shard before it is served.
-            self.reader, self._labels = reader, reader.labels
+            self.reader, self._labels, self._shape = reader, reader.labels, reader.sample_shape
             fit = min(len(reader), self.memory_bytes // max(1, reader.sample_bytes))
             self.memory = reader.read(np.arange(fit)) if fit else None  # checksums verified on the way in
         except ShardError as exc:
@@ -227,6 +231,7 @@ class SampleCache:
             i = int(self.ids[p])
             try:
                 x = self.pipeline.apply(self.source.raw(i), self.source.name(i))
+                check_shape(x, self._shape, self.source.name(i))
             except UnreadableSample as exc:
                 if self.on_error == "fail":
                     raise
@@ -234,13 +239,13 @@ class SampleCache:
                 self._event(f"skipping unreadable sample: {exc}")
                 continue
             y = self.source.label(i)
+            if self._shape is None:
+                self._shape = x.shape
             if sink is not None:
                 sink(i, y, x)
             xs.append(x)
             ys.append(y)
         self.stats.from_source += len(xs)
-        if xs:
-            self._sample_shape = xs[0].shape
         # A batch whose samples were all skipped is still (0, *sample shape), as a warm one would be.
         x = np.stack(xs) if xs else np.empty((0, *self._sample_shape), dtype=np.float32)
         return x, np.asarray(ys, dtype=np.int64)

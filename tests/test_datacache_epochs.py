@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ from datacache import Pipeline, SampleCache
 from datacache.cache import CacheStats
 from datacache.prefetch import Prefetcher
 from datacache.shard import ShardReader
-from datacache.sources import LabelsCsvSource
+from datacache.sources import LabelsCsvSource, UnreadableSample
 from datacache_helpers import fresh_digests, make_png_dataset, served_digests
 
 PIPE = Pipeline(mode="L", mean=(0.5,), std=(0.25,))
@@ -117,3 +118,47 @@ def test_warming_after_another_job_committed_the_shard_does_not_rebuild_it(sourc
     assert (b.state, b.stats.from_source, os.stat(a.path).st_ino) == ("warm", 0, inode)
     assert sorted(served_digests(list(b.batches(0, 8)))) == fresh_digests(source, PIPE)
     assert b.stats.from_source == 0
+
+
+# ----------------------------------------------------------------------------- an image of another size
+
+def with_an_odd_image(tmp_path) -> tuple[LabelsCsvSource, str]:
+    """30 images of 8x8 and one of 10x10 (listed 13th): without resize or crop it preprocesses to another shape."""
+    from PIL import Image
+
+    root = make_png_dataset(tmp_path / "src", n=30)
+    Image.new("L", (10, 10), 128).save(os.path.join(root, "odd.png"))
+    rows = open(os.path.join(root, "labels.csv")).read().splitlines()
+    rows.insert(13, "odd.png,3")
+    open(os.path.join(root, "labels.csv"), "w").write("\n".join(rows) + "\n")
+    src = LabelsCsvSource(root)
+    return src, os.path.join(root, "odd.png")
+
+
+def test_an_image_of_another_size_is_skipped_by_name(tmp_path):
+    src, odd = with_an_odd_image(tmp_path)
+    events = []
+    c = cache(src, tmp_path, log=events.append)
+    assert len(served_digests(list(c.batches(0, 7)))) == 30 and c.stats.skipped == [odd]
+    assert any(odd in e and "(1, 10, 10)" in e and "(1, 8, 8)" in e and "--crop" in e for e in events), events
+    assert c.state == "warm" and len(ShardReader(c.path, c.meta)) == 30
+    assert len(served_digests(list(c.batches(1, 7)))) == 30  # still skipped, from the shard
+
+
+def test_an_image_of_another_size_stops_a_fail_policy_job_naming_it(tmp_path):
+    src, odd = with_an_odd_image(tmp_path)
+    with pytest.raises(UnreadableSample, match=rf"^{re.escape(odd)}: preprocessed to shape \(1, 10, 10\), but the "
+                                               rf"other samples are \(1, 8, 8\).*--crop") as err:
+        cache(src, tmp_path, on_error="fail")
+    assert err.value.where == odd and not [p for p in os.listdir(tmp_path / "cache") if p.endswith(".h5")]
+
+
+def test_the_dataloader_path_skips_an_image_of_another_size_too(tmp_path):
+    """Samples the shard lacks are decoded again in DataLoader batches: the odd one is dropped there as well."""
+    from datacache import CachedDataset
+
+    src, odd = with_an_odd_image(tmp_path)
+    c = cache(src, tmp_path)
+    c.warm()
+    assert c.stats.skipped == [odd]
+    assert sum(len(y) for _, y in CachedDataset(c).loader(7, epoch=1)) == 30
