@@ -344,8 +344,9 @@ class _Build:
 
     def abort(self) -> None:
         """Drop the file unless committed (ShardWriter.abort), and release the lock; safe to call again."""
-        if self.writer is not None:
-            self.writer.abort()
+        writer, self.writer = self.writer, None  # stopped writing: nothing left to commit
+        if writer is not None:
+            writer.abort()
         lock, self.lock = self.lock, None
         if lock is not None:
             lock.__exit__(None, None, None)
