@@ -9,7 +9,7 @@ import numpy as np
 
 from .partition import epoch_batches, partition, steps_per_epoch
 from . import repair
-from .pipeline import FORMAT_VERSION as PIPELINE_FORMAT
+from .pipeline import FORMAT_VERSION as PIPELINE_FORMAT, check_shape
 from .prefetch import Prefetcher, as_tensors
 from .shard import ShardError, ShardReader, ShardWriter, check_writable, shard_lock
 from .sources import Source, UnreadableSample
@@ -67,10 +67,8 @@ class SampleCache:
         self._shard_pos: np.ndarray | None = None  # this rank's position -> shard position (-1: skipped)
         self.path = None
         self.disabled = None
-        self._sink = None  # the shard being written during a cold epoch (opened on its first sample)
-        self._writing = False  # this epoch writes the shard (lock held)
-        self._lock = None
-        self._sample_shape: tuple = (0,)  # known once a sample decodes
+        self._epoch = None  # closes the latest epoch's read-ahead: starting another abandons it if unfinished
+        self._shape: tuple | None = None  # every sample's: the shard's, else the first decoded sample's
         self._identity = None  # the shard's files as opened (repair.identity)
         if cache_dir is not None:
             name = f"{pipeline.hash}-{self.meta['source'][:12]}-r{rank}of{ranks}-s{seed}.h5"
@@ -91,40 +89,48 @@ class SampleCache:
         """"warm" (served from shard and memory), "cold" (next epoch builds the shard) or "disabled"."""
         return "warm" if self.reader is not None else ("disabled" if self.disabled else "cold")
 
+    @property
+    def _sample_shape(self) -> tuple:
+        return (0,) if self._shape is None else self._shape
+
     def _event(self, text: str) -> None:
         self.stats.events.append(text)
         self.log(f"[datacache rank {self.rank}] {text}")
 
-    def _open(self) -> None:
-        """Use the shard if it is complete and ours; remove it (to rebuild) if it is anything else."""
+    def _open(self, locked: bool = False) -> None:
+        """Use the shard if it is complete and ours; remove it (to rebuild) if it is anything else.
+        locked: this cache holds the shard's lock (about to write it), so removes without taking it."""
         try:
             self._identity = repair.identity(self.path)  # before reading: a change while reading is seen later
             reader = ShardReader(self.path, self.meta)
         except ShardError as exc:
             if exc.reason != "missing":
                 self._event(f"shard not used ({exc.reason}: {exc}); rebuilding from the source")
-                self._remove()
+                self._remove(locked)
             return
         try:
             where = {int(i): p for p, i in enumerate(reader.ids)}
             self._shard_pos = np.array([where.get(int(i), -1) for i in self.ids], dtype=np.int64)
             # Read here, inside the fall-back: a label that fails its checksum rebuilds the shard before it is served.
-            self.reader, self._labels = reader, reader.labels
+            self.reader, self._labels, self._shape = reader, reader.labels, reader.sample_shape
             fit = min(len(reader), self.memory_bytes // max(1, reader.sample_bytes))
             self.memory = reader.read(np.arange(fit)) if fit else None  # checksums verified on the way in
         except ShardError as exc:
             self.reader = reader
-            self._invalidate(f"{exc.reason}: {exc}")
+            self._invalidate(f"{exc.reason}: {exc}", locked)
 
-    def _invalidate(self, why: str) -> None:
+    def _invalidate(self, why: str, locked: bool = False) -> None:
         self._event(f"shard invalid ({why}); serving from the source and rebuilding")
         if self.reader is not None:
             self.reader.close()
         self.reader, self.memory, self._labels, self._shard_pos = None, None, None, None
-        self._remove()
+        self._remove(locked)
 
-    def _remove(self) -> None:
+    def _remove(self, locked: bool = False) -> None:
         """Delete our shard, but only under its lock: "incomplete" may be another job between its renames."""
+        if locked:
+            _remove(self.path)
+            return
         try:
             with shard_lock(self.path, blocking=False):
                 _remove(self.path)
@@ -146,8 +152,20 @@ class SampleCache:
         """
         seed = self.seed if shuffle_seed is None else shuffle_seed
         plan = epoch_batches(len(self.ids), self.steps(batch_size), epoch, seed, self.rank)
+        self._end_epoch()
+        if self.reader is None and not self.disabled:
+            self._open()  # another job sharing the directory may have built the shard since: use it
         produce = self._warm_batches(plan) if self.reader is not None else self._cold_batches(plan)
-        return Prefetcher(as_tensors(produce), max(1, prefetch), self.stats)
+        batches = Prefetcher(as_tensors(produce), max(1, prefetch), self.stats)
+        self._epoch = batches.closer
+        return batches
+
+    def _end_epoch(self) -> None:
+        """Abandon the previous epoch if unfinished: its thread ends and a shard it was writing is dropped (no
+        partial shard is committed), and its lock is released before this epoch claims it."""
+        closer, self._epoch = self._epoch, None
+        if closer is not None:
+            closer()
 
     def _warm_batches(self, plan):
         for positions in plan:
@@ -213,6 +231,7 @@ class SampleCache:
             i = int(self.ids[p])
             try:
                 x = self.pipeline.apply(self.source.raw(i), self.source.name(i))
+                check_shape(x, self._shape, self.source.name(i))
             except UnreadableSample as exc:
                 if self.on_error == "fail":
                     raise
@@ -220,100 +239,117 @@ class SampleCache:
                 self._event(f"skipping unreadable sample: {exc}")
                 continue
             y = self.source.label(i)
+            if self._shape is None:
+                self._shape = x.shape
             if sink is not None:
                 sink(i, y, x)
             xs.append(x)
             ys.append(y)
         self.stats.from_source += len(xs)
-        if xs:
-            self._sample_shape = xs[0].shape
         # A batch whose samples were all skipped is still (0, *sample shape), as a warm one would be.
         x = np.stack(xs) if xs else np.empty((0, *self._sample_shape), dtype=np.float32)
         return x, np.asarray(ys, dtype=np.int64)
 
-    def _cold_batches(self, plan):
-        """First epoch: serve from the source while writing the shard; commit only if every sample was seen."""
-        self._writing = self._claim()
+    def _cold_batches(self, plan, serve: bool = True):
+        """First epoch: serve from the source while writing the shard; commit only if every sample was seen.
+        The writer and the lock belong to this epoch alone: an epoch left unfinished drops only its own file.
+        serve=False (warm()): a shard found complete once the lock is ours is not read through."""
+        build = self._claim()
+        if build is not None:
+            self._open(locked=True)  # the lock's previous holder may have committed the shard: never rebuild it
+            if self.reader is not None:
+                build.abort()  # releases the lock: nothing to write
+                if serve:
+                    yield from self._warm_batches(plan)
+                return
         done = False
         try:
             for positions in plan:
-                yield self._decode(positions, self._append if self._writing else None)
+                yield self._decode(positions, build.append if build is not None else None)
             done = True
+        except GeneratorExit:
+            if build is not None and build.writer is not None:
+                self._event("an epoch was left before its end: the shard it was writing is dropped")
+            raise
         finally:
-            if not done:  # abandoned or failed epoch: no partial shard
-                self._stop_writing()
-        if self._sink is not None:
-            self._finish(self._sink)
-        else:
-            self._stop_writing()  # nothing was decoded (every sample unreadable)
+            if build is not None and not done:  # abandoned or failed epoch: no partial shard
+                build.abort()
+        if build is not None:
+            self._finish(build)
 
-    def _claim(self) -> bool:
-        """Whether this rank may write its shard this epoch: the directory works and no other job holds the lock."""
+    def _claim(self) -> "_Build | None":
+        """This epoch's shard build if this rank may write it: the directory works and no other job holds the lock."""
         if self.disabled:
-            return False
+            return None
+        lock = shard_lock(self.path, blocking=False)
         try:
-            self._lock = shard_lock(self.path, blocking=False)
-            self._lock.__enter__()
+            lock.__enter__()
         except TimeoutError:
-            self._lock = None
             self._event("another job is writing this shard: serving from the source this epoch")
-            return False
+            return None
         except OSError as exc:
-            self._lock = None
             self.disabled = f"cannot lock {self.path}: {exc}"
             self._event(f"cache disabled ({self.disabled}): reading the source every epoch")
-            return False
-        return True
+            return None
+        return _Build(self, lock)
 
-    def _append(self, i: int, y: int, x: np.ndarray) -> None:
-        """Write one sample; a full or failing disk stops the writing, never the epoch."""
-        if not self._writing:
+    def _finish(self, build: "_Build") -> None:
+        if build.writer is None:  # nothing was decoded (every sample unreadable), or the writing stopped
+            build.abort()
             return
         try:
-            if self._sink is None:  # opened on the first sample that decodes: its shape and dtype are the shard's
-                self._sink = ShardWriter(self.path, x.shape, x.dtype, self.meta).__enter__()
-            self._sink.append(i, y, x)
+            build.writer.commit()
         except OSError as exc:
-            self._stop_writing()
-            self.disabled = str(exc)
-            self._event(f"cannot write the cache ({exc}): serving from the source")
-
-    def _stop_writing(self) -> None:
-        if self._sink is not None:
-            self._sink.abort()
-        self._sink, self._writing = None, False
-        self._unlock()
-
-    def _finish(self, writer) -> None:
-        try:
-            writer.commit()
-        except OSError as exc:
-            writer.abort()
             self._event(f"cannot write the cache ({exc}): serving from the source")
             self.disabled = str(exc)
         finally:
-            self._sink, self._writing = None, False
-            self._unlock()
+            build.abort()  # after a commit: only releases the lock
         if not self.disabled:
             self._open()
 
-    def _unlock(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.__exit__(None, None, None)
-
     def warm(self) -> None:
         """Build the shard now (no training): one pass over the source in position order."""
+        self._end_epoch()
         if self.reader is not None or self.disabled:
             return
-        for _ in self._cold_batches([np.arange(len(self.ids))]):
+        for _ in self._cold_batches([np.arange(len(self.ids))], serve=False):
             pass
 
     def close(self) -> None:
         """The end of the run: a shard damaged in its last epoch is repaired now (see check_disk)."""
+        self._end_epoch()
         self.check_disk()
         if self.reader is not None:
             self.reader.close()
+
+
+class _Build:
+    """One epoch's writing of the shard: the lock held, and the writer, opened on the first sample that decodes
+    (its shape and dtype are the shard's). A full or failing disk stops the writing, never the epoch."""
+
+    def __init__(self, cache: SampleCache, lock):
+        self.cache, self.lock, self.writer = cache, lock, None
+
+    def append(self, i: int, y: int, x: np.ndarray) -> None:
+        if self.lock is None:  # stopped
+            return
+        try:
+            if self.writer is None:
+                self.writer = ShardWriter(self.cache.path, x.shape, x.dtype, self.cache.meta).__enter__()
+            self.writer.append(i, y, x)
+        except OSError as exc:
+            self.abort()
+            self.cache.disabled = str(exc)
+            self.cache._event(f"cannot write the cache ({exc}): serving from the source")
+
+    def abort(self) -> None:
+        """Drop the file unless committed (ShardWriter.abort), and release the lock; safe to call again."""
+        writer, self.writer = self.writer, None  # stopped writing: nothing left to commit
+        if writer is not None:
+            writer.abort()
+        lock, self.lock = self.lock, None
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
 
 def _remove(path: str) -> None:

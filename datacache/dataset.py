@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, default_collate, get_
 
 from .cache import SampleCache
 from .partition import epoch_batches, steps_per_epoch
+from .pipeline import check_shape
 from .shard import ShardError
 from .sources import UnreadableSample
 
@@ -180,7 +181,9 @@ class CachedDataset(Dataset):
         """(preprocessed sample, label) from the source; None if it cannot be read and the policy skips it."""
         i = int(self.ids[p])
         try:
-            return self.pipeline.apply(self.source.raw(i), self.source.name(i)), self.source.label(i)
+            x = self.pipeline.apply(self.source.raw(i), self.source.name(i))
+            check_shape(x, self._shape if self._shape != (0,) else None, self.source.name(i))  # (0,): unknown
+            return x, self.source.label(i)
         except UnreadableSample:
             if self.on_error == "fail":
                 raise

@@ -173,3 +173,13 @@ class Pipeline:
     def output_shape(self, first_raw) -> tuple[int, ...]:
         """The shape apply() gives for this sample (fixed for all samples when resize is a pair or crop is set)."""
         return tuple(self.apply(first_raw, "first sample").shape)
+
+
+def check_shape(x: np.ndarray, expected, name: str) -> None:
+    """A preprocessed sample must have the other samples' shape (`expected`, None while unknown): they share one
+    shard and one batch array. Another shape is this image's problem, so it is an UnreadableSample naming it
+    (skipped under on_error="skip"), not an error of the whole shard."""
+    if expected is not None and x.shape != tuple(expected):
+        raise UnreadableSample(name, f"preprocessed to shape {x.shape}, but the other samples are {tuple(expected)} "
+                                     f"(an image of another size): give the pipeline one output size, a crop "
+                                     f"(--crop N, with --resize N if images may be smaller) or resize=(h, w)")

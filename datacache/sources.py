@@ -144,9 +144,10 @@ class ImageFolderSource(_FileSource):
 
 
 class LabelsCsvSource(_FileSource):
-    """A directory of images plus labels.csv (`filename,label`); rows keep csv order, unlisted images count in `unlabelled`."""
+    """A directory of images plus labels.csv (`filename,label[,split]`); rows keep csv order, unlisted images count
+    in `unlabelled`. With a split column (as `mpitrain cache export` writes) only the rows of `split` are samples."""
 
-    def __init__(self, root: str, csv_path: str | None = None):
+    def __init__(self, root: str, csv_path: str | None = None, split: str | None = None):
         super().__init__(root)
         self.csv_path = os.path.abspath(csv_path or os.path.join(self.root, "labels.csv"))
         if not os.path.isfile(self.csv_path):
@@ -157,18 +158,20 @@ class LabelsCsvSource(_FileSource):
             rel_dir = os.path.relpath(dirpath, self.root)
             for n in names:
                 present.add(os.path.normpath(os.path.join(rel_dir, n)).replace(os.sep, "/"))
-        seen, missing = {}, []
+        seen, missing, splits = {}, [], {}
         with open(self.csv_path, newline="", encoding="utf-8-sig") as f:  # -sig: spreadsheets prepend a BOM
             reader = csv.reader(f)
             header = [h.strip() for h in next(reader, [])]
-            if header != ["filename", "label"]:
-                raise ValueError(f"{self.csv_path}: header must be 'filename,label', found {','.join(header)!r}")
+            if header not in (["filename", "label"], ["filename", "label", "split"]):
+                raise ValueError(f"{self.csv_path}: header must be 'filename,label' or 'filename,label,split', "
+                                 f"found {','.join(header)!r}")
             for row in reader:
                 line = reader.line_num
                 if not row or all(not c.strip() for c in row):
                     continue
-                if len(row) != 2:
-                    raise ValueError(f"{self.csv_path} line {line}: expected 2 columns 'filename,label', got {row}")
+                if len(row) != len(header):
+                    raise ValueError(f"{self.csv_path} line {line}: expected {len(header)} columns "
+                                     f"{','.join(header)!r}, got {row}")
                 rel, text = os.path.normpath(row[0].strip()).replace(os.sep, "/"), row[1].strip()
                 try:
                     label = int(text)
@@ -179,10 +182,21 @@ class LabelsCsvSource(_FileSource):
                 if rel in seen:
                     raise ValueError(f"{self.csv_path} line {line}: {rel} is listed again (first at line {seen[rel]})")
                 seen[rel] = line
+                if len(row) == 3:  # another split's rows are neither samples nor unlabelled images
+                    part = row[2].strip()
+                    splits[part] = splits.get(part, 0) + 1
+                    if part != split:
+                        continue
                 if rel not in present:
                     missing.append(rel)
                 self._files.append(rel)
                 self._labels.append(label)
+        # A split column means the rows belong to different uses (train, test): never mix them silently.
+        self.split = split if len(header) == 3 else None
+        if len(header) == 3 and split not in splits:
+            have = ", ".join(f"{k!r} ({v} rows)" for k, v in sorted(splits.items())) or "none"
+            raise ValueError(f"{self.csv_path}: no rows of split {split!r} in its split column (splits: {have}); "
+                             f"pass one of them as the split")
         if missing:
             shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
             raise ValueError(f"{self.csv_path}: {len(missing)} listed file(s) do not exist under {self.root}: {shown}")
@@ -190,7 +204,8 @@ class LabelsCsvSource(_FileSource):
         self._require_samples(f"rows in {self.csv_path}")
 
     def describe(self) -> str:
-        return (f"LabelsCsvSource {self.root}: {len(self)} samples, {len(set(self._labels))} distinct labels"
+        part = "" if self.split is None else f" split {self.split!r}"
+        return (f"LabelsCsvSource {self.root}{part}: {len(self)} samples, {len(set(self._labels))} distinct labels"
                 f" ({self.unlabelled} images without a label)")
 
 
@@ -258,12 +273,13 @@ class IdxSource(Source):
 
 
 def open_source(path: str, split: str = "train") -> Source:
-    """Pick the source for a directory by its layout; `split` only matters for IDX directories."""
+    """Pick the source for a directory by its layout; `split` picks IDX files, or a labels.csv's rows by its split
+    column (an export holds train and test); a labels.csv without that column has no splits: all its rows."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"dataset path {path} does not exist")
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "labels.csv")):
-            return LabelsCsvSource(path)
+            return LabelsCsvSource(path, split=split)
         if glob.glob(os.path.join(glob.escape(path), "*-idx3-ubyte*")):
             return IdxSource.fashion_mnist(split, root=path)
         with os.scandir(path) as it:
@@ -271,6 +287,6 @@ def open_source(path: str, split: str = "train") -> Source:
         if has_subdirs:
             return ImageFolderSource(path)
     raise ValueError(f"{path}: not a recognised dataset layout; expected a directory holding either "
-                     f"labels.csv (filename,label) next to the images, or IDX files "
+                     f"labels.csv (filename,label[,split]) next to the images, or IDX files "
                      f"(train-/t10k-images-idx3-ubyte[.gz] with labels-idx1-ubyte), or one subdirectory "
                      f"per class with the images inside (root/<class>/<image>)")

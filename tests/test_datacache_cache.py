@@ -278,7 +278,7 @@ def test_full_or_read_only_file_system_serves_from_the_source(tmp_path):
 
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare(1) to mount a private tmpfs")
-    src = make_png_dataset(tmp_path / "src", n=120, size=28)
+    src = make_png_dataset(tmp_path / "src", n=300, size=28)  # its first 128-sample chunk overflows
     full, ro = tmp_path / "full", tmp_path / "ro"
     full.mkdir()
     ro.mkdir()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from datacache.export import export_idx_to_png
+from datacache.export import export_fashion_mnist, export_idx_to_png
 from datacache.idx import FASHION_ROOT
 from datacache.pipeline import Pipeline
 from datacache.sources import IdxSource, ImageFolderSource, LabelsCsvSource, UnreadableSample, open_source
@@ -289,7 +289,7 @@ def test_export_roundtrip(tmp_path):
     assert sorted(os.listdir(out)) == sorted(["labels.csv"] + [f"train-{i:05d}.png" for i in range(4)]
                                              + [f"test-{i:05d}.png" for i in range(2)])
     src = open_source(str(out))
-    assert isinstance(src, LabelsCsvSource) and len(src) == 6 and src.unlabelled == 0
+    assert isinstance(src, LabelsCsvSource) and len(src) == 4 and src.unlabelled == 0
     back = {os.path.basename(src.name(i)): i for i in range(len(src))}
     for i in range(4):
         k = back[f"train-{i:05d}.png"]
@@ -298,6 +298,42 @@ def test_export_roundtrip(tmp_path):
         assert decoded.dtype == np.uint8 and decoded.shape == (28, 28)
         np.testing.assert_array_equal(decoded, images[i])
         np.testing.assert_array_equal(Pipeline(dtype="uint8").apply(src.raw(k))[0], images[i])
+
+
+def test_an_export_trains_on_its_train_split_only(tmp_path):
+    """train and test share the export's directory and labels.csv; open_source gives the split asked for."""
+    train_images, train_labels = write_idx_pair(tmp_path, n=10, prefix="train")
+    write_idx_pair(tmp_path, n=5, prefix="t10k")
+    out = str(tmp_path / "png")
+    assert export_fashion_mnist(out, root=str(tmp_path), progress=False) == 15
+    for split, n in (("train", 10), ("test", 5)):
+        src = open_source(out, split)
+        names = [os.path.basename(src.name(i)) for i in range(len(src))]
+        assert isinstance(src, LabelsCsvSource) and names == [f"{split}-{i:05d}.png" for i in range(n)], names
+        assert src.unlabelled == 0 and f"split '{split}'" in src.describe()
+    src = open_source(out, "train")
+    assert src.labels().tolist() == train_labels.tolist()
+    np.testing.assert_array_equal(Pipeline(dtype="uint8").apply(src.raw(3))[0], train_images[3])
+    assert open_source(out, "test").fingerprint() != src.fingerprint()  # their caches never mix either
+    with pytest.raises(ValueError, match=r"labels.csv: no rows of split 'val'.*'test' \(5 rows\), 'train' \(10"):
+        open_source(out, "val")
+    with pytest.raises(ValueError, match="no rows of split None"):
+        LabelsCsvSource(out)  # a split column and no split asked for: never all rows at once
+
+
+def test_an_export_before_the_split_column_is_merged_with_its_splits(tmp_path):
+    """An older export's labels.csv (filename,label) gets its split from the names; other rows are refused."""
+    write_idx_pair(tmp_path, n=3, prefix="t10k")
+    out = tmp_path / "png"
+    make_csv_dir(out, [("train-00000.png", 1), ("train-00001.png", 2)],
+                 images=("train-00000.png", "train-00001.png"))
+    assert export_idx_to_png(IdxSource.fashion_mnist("test", root=str(tmp_path)), str(out), "test", False) == 3
+    assert len(open_source(str(out), "train")) == 2 and len(open_source(str(out), "test")) == 3
+    mine = tmp_path / "mine"
+    make_csv_dir(mine, [("x.png", 0)])
+    with pytest.raises(ValueError, match=r"files without a split that no export wrote \(e.g. x.png\)"):
+        export_idx_to_png(IdxSource.fashion_mnist("test", root=str(tmp_path)), str(mine), "test", False)
+    assert len(open_source(str(mine), "test")) == 1  # a labels.csv without splits: all its rows, as before
 
 
 def test_pipeline_output_is_an_owned_writable_array(tmp_path):
