@@ -143,8 +143,25 @@ class StepCheck:
 
     # -- failures ---------------------------------------------------------------------
     def interrupt(self, late: bool = True) -> None:
-        """Raise PeerFailedError if another rank has sent its failure beacon (cheap: one MPI_Test); `late`: a
-        peer's ^C gives this rank's own a moment first (failstop.peer_failed), not on a failure path."""
+        """What every wait of the runtime calls between polls: raise PeerFailedError if another rank has sent its
+        failure beacon (cheap: one MPI_Test), or, when a round left in flight (start() without finish()) has
+        completed with the ranks at different points or settings, that round's error on every rank (finish()).
+        Without the second, a rank past its step() (p3's agreement stays in flight) waiting for what a rank that
+        is not in this step would send (p3's pushes of a rank that closed early) heard of it only at the stall
+        limit. `late`: a peer's ^C gives this rank's own a moment first (failstop.peer_failed)."""
+        self._heard(late)
+        if self._round is not None and self._request is not None and self._request.Test() and self._disagree():
+            self.finish()  # raises: the ranks that differ wait here or in their own finish(), all in _explain
+
+    def _disagree(self) -> bool:
+        """Whether the completed round's reduced values mean an error: ranks apart, settings apart, a problem
+        reported, or a stopped rank's join."""
+        out = self._out
+        return bool((out[0:6:2] != -out[1:6:2]).any() or out[6] or out[_STOPPED])
+
+    def _heard(self, late: bool = True) -> None:
+        """Raise PeerFailedError if another rank has sent its failure beacon; not a round's error (see interrupt:
+        the round's own waits call this one)."""
         if self._beacon is None:
             return
         status = MPI.Status()
@@ -173,7 +190,7 @@ class StepCheck:
         if self.size == 1 or self.everyone_knows:
             return
         try:
-            self.interrupt(late=False)  # another rank's beacon came first: every rank hears that one, joins its rounds
+            self._heard(late=False)  # another rank's beacon came first: every rank hears that one, joins its rounds
         except PeerFailedError:
             return
         self.everyone_knows = True
@@ -256,7 +273,7 @@ class StepCheck:
                 self.broken = True
                 raise
         self._round = None
-        self.interrupt()  # a round can complete with a rank that has given up meanwhile
+        self._heard()  # a round can complete with a rank that has given up meanwhile
         out = self._out
         self.figure = int(out[_FIGURE])
         if out[_STOPPED]:
@@ -280,10 +297,10 @@ class StepCheck:
             return f"rank(s) {late} have not reached this point (step #{step + 1}); the others wait for them"
         try:
             wait_until(request.Test, what=f"agreement on step #{step + 1}", report=missing, policy=policy,
-                       who=f"rank {self.rank}: ", interrupt=self.interrupt, spin=self.spin)
+                       who=f"rank {self.rank}: ", interrupt=self._heard, spin=self.spin)
             # Sent before each rank's allreduce began: delivered by now, or nearly.
             wait_until(lambda: MPI.Request.Testall(arrived), what="arrivals", policy=policy,
-                       who=f"rank {self.rank}: ", interrupt=self.interrupt, spin=self.spin)
+                       who=f"rank {self.rank}: ", interrupt=self._heard, spin=self.spin)
             log.release()
         except (StallError, PeerFailedError):
             log.cancel()
@@ -294,7 +311,7 @@ class StepCheck:
         self.broken = True
         deadline = time.monotonic() + grace
         while self._beacon is not None and time.monotonic() < deadline:
-            self.interrupt()  # raises PeerFailedError with the beacon's text
+            self._heard()  # raises PeerFailedError with the beacon's text
             time.sleep(1e-3)
         self.everyone_knows = True
         raise PeerFailedError(f"rank {rank} stopped with an error (its failure beacon did not arrive)")

@@ -47,6 +47,8 @@ opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum
                            "nope" if mode == "unknown-strategy" and rank == 1 else strategy)
 steps = 9 if mode.startswith("uneven") and rank == 3 else 10 if mode.startswith("uneven") else \
     10 ** 9 if mode.endswith("interrupt") else 40  # interrupt: until ^C
+if mode in ("uneven-on", "close-early"):  # the others train on past rank 3's last step (p3: their next forward
+    steps = 9 if rank == 3 else 12       # waits for the step's slices, which need rank 3's pushes)
 
 
 def train():
@@ -71,7 +73,7 @@ if mode == "catch-interrupt":  # the README's loop that saves on ^C
         print(f"[rank {rank}] caught ^C, saved", flush=True)
 else:
     train()
-if mode == "uneven":  # the README's evaluation: a metric summed over ranks, agreed like a step
+if mode in ("uneven", "uneven-on"):  # the README's evaluation: a metric summed over ranks, agreed like a step
     print(f"[rank {rank}] sums {opt.sum_over_ranks([1.0, 2.0]).tolist()}", flush=True)
 elif mode == "uneven-allreduce":  # the user's own collective: only the stall limit can name the rank
     MPI.COMM_WORLD.Allreduce(MPI.IN_PLACE, torch.zeros(2).numpy())

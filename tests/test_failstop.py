@@ -70,6 +70,16 @@ def test_a_rank_with_a_step_fewer_is_named_with_the_step_it_stopped_at():
                          "step #10")
 
 
+@pytest.mark.parametrize("mode, says", [
+    ("uneven-on", "rank 0, 1, 2: step #10; rank 3: sum_over_ranks() after 9 steps"),
+    ("close-early", "rank 0, 1, 2: step #10; rank 3: close() after 9 steps")])
+def test_under_p3_ranks_training_on_past_a_rank_that_stopped_stepping_hear_of_it_at_once(mode, says):
+    """p3's step() leaves its agreement in flight and the next forward waits for the step's slices, which need
+    rank 3's pushes: the agreement, completed meanwhile with rank 3's other round, names both on every rank at
+    once; before, ranks 0-2 waited until the stall limit (600 s by default)."""
+    assert_everyone_says(run(mode, "p3"), 0, "CollectiveMismatchError", says)
+
+
 def test_a_rank_with_a_step_fewer_in_a_users_own_collective_is_found_by_the_stall_limit():
     proc = run("uneven-allreduce", "allreduce", env={"MPITRAIN_STALL_TIMEOUT": "6", "MPITRAIN_STALL_WARNING": "3"})
     assert_everyone_says(proc, 0, "StallError", "rank(s) [3] have not reached this point (step #10)")
