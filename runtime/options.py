@@ -215,8 +215,9 @@ class HybCommOptions(StrategyOptions):
     ready); bandwidth: a node's link in bit/s (None: $MPITRAIN_LINK_BANDWIDTH
     or 10 Gbit/s); intra_bandwidth: between ranks of one node; gflops: one
     rank's GEMM rate for the factor products (None: measured when wrapping,
-    the slowest rank's). fuse_bytes (wfbp), slice_size and credit (p3) go to
-    the dense path.
+    the slowest rank's). fuse_bytes (wfbp: bytes, a fixed 1 MiB by default;
+    wfbp's "auto" is not taken here), slice_size and credit (p3, "auto" as
+    P3Options') go to the dense path.
     """
 
     dense: str = "wfbp"
