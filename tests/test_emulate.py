@@ -168,6 +168,15 @@ def test_named_devices_and_their_errors():
         device("v100:tf32")
 
 
+def test_a_single_layer_is_refused_with_what_to_pass_instead():
+    """A leaf module calls no module of its own, the units emulation times; the message says to wrap it."""
+    with pytest.raises(EmulationError, match=r"Linear is a single layer.*nn.Sequential\(layer\)"):
+        emulate(nn.Linear(4, 4), "titanx", (torch.randn(2, 4),))
+    model = nn.Sequential(nn.Linear(4, 4))
+    emulate(model, "titanx", (torch.randn(2, 4),))  # wrapped, it emulates
+    assert model._emulation is not None
+
+
 def test_twice_is_refused():
     model = build_model("mlp")
     inputs, _ = model_input("mlp", 2)

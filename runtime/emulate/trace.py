@@ -101,6 +101,10 @@ def trace(model: nn.Module, inputs: tuple) -> Trace:
         for h in handles:
             h.remove()
     spec = _spec(out)
+    if spec is not None and not calls and not any(True for _ in model.children()):
+        # Units are the modules the model calls (each timed as the device would run it): a leaf has none.
+        raise EmulationError(f"{type(model).__name__} is a single layer with no submodules: emulation times the "
+                             f"modules a model calls; pass nn.Sequential(layer) instead")
     if spec is None or not calls:
         raise EmulationError(f"{type(model).__name__}: its forward returned no tensor or called no module")
     owned: set[int] = set()
