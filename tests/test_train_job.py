@@ -25,11 +25,11 @@ def train(tmp_path, *args, n=2, timeout=180):
 
 
 # p3 with its credit online: 32 steps, so that its trials (28) end and the choice is said
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3 --credit online --synthetic-samples 1024", "topk",
-                                      "hier-topk", "allreduce --pto"])
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3 --credit online --synthetic-samples 1024",
+                                      "topk --density 0.1", "hier-topk --density 0.1", "allreduce --pto"])
 def test_trains_and_reports_every_epoch(tmp_path, strategy):
     out = tmp_path / "m.json"
-    proc = train(tmp_path, "--strategy", *strategy.split(), "--epochs", "2", "--json", str(out), "--density", "0.1")
+    proc = train(tmp_path, "--strategy", *strategy.split(), "--epochs", "2", "--json", str(out))
     doc = json.loads(out.read_text())
     rows = doc["epochs"]
     assert "plan" not in doc and "hybcomm plan:" not in proc.stdout  # hybcomm's alone
@@ -126,6 +126,53 @@ def test_bad_arguments(args, message, capsys):
 
     code, out, err = exit_in_process(main, [*QUICK, *args], capsys)
     assert code == 2 and message in err and err.count("\n") == 1 and out == "", err
+
+
+PIPE = ["--parallel", "pipeline"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--spectrain-variant", "once"], "--spectrain-variant: needs --parallel pipeline"),
+    ([*PIPE, "--spectrain-variant", "once"], "--spectrain-variant: needs --pipeline-mode spectrain"),
+    (["--strategy", "wfbp", "--credit", "online"], "--credit: needs --strategy p3"),
+    (["--strategy", "wfbp", "--slice-size", "100"], "--slice-size: needs --strategy p3"),
+    (["--strategy", "hybcomm", "--slice-size", "100"], "--slice-size: needs --strategy p3 (or --strategy hybcomm "
+                                                       "--hybcomm-dense p3)"),
+    (["--density", "0.5"], "--density: needs --strategy topk or hier-topk"),
+    (["--strategy", "allreduce", "--no-error-feedback"], "--no-error-feedback: needs --strategy topk or hier-topk"),
+    (["--topk-granularity", "layer"], "--topk-granularity: needs --strategy topk or hier-topk"),
+    (["--prefetch", "2"], "--prefetch: needs --cache-dir"),
+    (["--cache-memory-mb", "10"], "--cache-memory-mb: needs --cache-dir"),
+    (["--optimizer", "adam", "--momentum", "0.5"], "--momentum: needs --optimizer sgd"),
+    ([*PIPE, "--density", "0.5", "--topk-operator", "exact"], "--density: is not available with --parallel pipeline"),
+    ([*PIPE, "--strategy", "p3", "--slice-size", "1000"], "--strategy: with --parallel pipeline, replicas average "
+                                                          "gradients with allreduce or wfbp"),
+    ([*PIPE, "--strategy", "wfbp"], "--strategy: with --parallel pipeline, it is how --replicas average gradients: "
+                                    "needs --replicas 2 or more"),
+], ids=lambda v: None if isinstance(v, list) else v.split(":")[0])
+def test_options_that_do_not_apply_are_refused(args, message, capsys):
+    """Each of these once ran to completion without effect: one line and exit 2 instead, before MPI starts."""
+    from jobs.train import main
+
+    code, out, err = exit_in_process(main, [*QUICK, *args], capsys)
+    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1 and out == "", err
+
+
+def test_options_take_their_defaults_where_they_apply():
+    """What the help says: p3 by default (its auto slice and credit), topk's density 0.01, SGD's momentum 0.9; the
+    pipeline's replicas average with allreduce, spectrain predicts as the paper does; None where they do not apply."""
+    from jobs.train import parse_args
+
+    args = parse_args(QUICK)
+    assert (args.strategy, args.slice_size, args.credit, args.momentum, args.density, args.prefetch) == \
+        ("p3", "auto", "auto", 0.9, None, None)
+    args = parse_args([*QUICK, "--strategy", "topk"])
+    assert (args.density, args.no_error_feedback, args.dense_warmup_steps, args.density_ramp_steps,
+            args.topk_granularity, args.topk_operator, args.slice_size) == (0.01, False, 0, 0, "model", "mstopk", None)
+    assert parse_args([*QUICK, "--optimizer", "adam"]).momentum is None
+    args = parse_args([*QUICK, *PIPE, "--pipeline-mode", "spectrain"])
+    assert (args.strategy, args.spectrain_variant, args.slice_size) == ("allreduce", "paper", None)
+    assert parse_args([*QUICK, *PIPE]).spectrain_variant is None
 
 
 def test_bad_arguments_from_the_command_line():

@@ -9,8 +9,9 @@ import time
 from jobs.common.choices import PIPELINE_MODES, SEQUENTIAL_MODELS
 
 # The pipeline's options and their defaults: given without --parallel pipeline, they are an error.
-PIPELINE_DEFAULTS = dict(pipeline_mode="flush", stages=None, replicas=1, balance=None, microbatches=4,
-                         placement="within-node")
+# --spectrain-variant defaults to None so that it is seen given: it applies to --pipeline-mode spectrain only.
+PIPELINE_DEFAULTS = dict(pipeline_mode="flush", spectrain_variant=None, stages=None, replicas=1, balance=None,
+                         microbatches=4, placement="within-node")
 
 
 def add_arguments(p) -> None:
@@ -21,7 +22,9 @@ def add_arguments(p) -> None:
                    help="flush (synchronous: one update per step at --lr), or vanilla, stash (PipeDream), "
                         "spectrain (asynchronous: one update per micro-batch at --lr / --microbatches); "
                         "default flush")
-    g.add_argument("--spectrain-variant", choices=("paper", "once"), default="paper")
+    g.add_argument("--spectrain-variant", choices=("paper", "once"),
+                   help="--pipeline-mode spectrain: the paper's weight prediction, or once (the forward's kept "
+                        "for the backward); default paper")
     g.add_argument("--stages", type=int, help="pipeline stages (default: ranks / --replicas)")
     g.add_argument("--replicas", type=int, default=PIPELINE_DEFAULTS["replicas"],
                    help="copies of each stage, averaging gradients (default 1)")
@@ -42,8 +45,21 @@ def check_arguments(args, launched: int) -> None:
         return
     if args.model not in SEQUENTIAL_MODELS:
         raise InputError("--model", f"{args.model} is not sequential; a pipeline takes {', '.join(SEQUENTIAL_MODELS)}")
-    if args.strategy != "p3" and args.strategy not in ("allreduce", "wfbp"):
-        raise InputError("--strategy", "with --parallel pipeline, replicas average gradients with allreduce or wfbp")
+    if args.spectrain_variant is not None and args.pipeline_mode != "spectrain":
+        raise InputError("--spectrain-variant", "needs --pipeline-mode spectrain")
+    if args.pipeline_mode == "spectrain" and args.spectrain_variant is None:
+        args.spectrain_variant = "paper"
+    # The strategy is only how a stage's replicas average their gradients (runtime.pipeline.stage_optimizer):
+    # p3 (once quietly run as allreduce) and the others are refused, and so is a strategy with no replicas.
+    if args.strategy is not None:
+        if args.strategy not in ("allreduce", "wfbp"):
+            raise InputError("--strategy", "with --parallel pipeline, replicas average gradients with allreduce or "
+                                           "wfbp")
+        if args.replicas == 1:
+            raise InputError("--strategy", "with --parallel pipeline, it is how --replicas average gradients: "
+                                           "needs --replicas 2 or more")
+    else:
+        args.strategy = "allreduce"
     if args.pto or args.cache_dir:
         raise InputError("--pto" if args.pto else "--cache-dir", "is not available with --parallel pipeline")
     at_least(args, 1, "replicas", "microbatches", "stages")
@@ -90,10 +106,11 @@ def run(args, data, topo) -> int:
     if args.timeline:
         from runtime.trace import Timeline
         timeline = Timeline(rank)
+    # spectrain_variant: None outside spectrain (check_arguments), where it means nothing; Pipeline takes a name.
     pipe = Pipeline(model, factory, loss_fn=loss_fn(args.model), balance=args.balance,
                     stages=None if args.balance else stages, sample=x[0][:micro], microbatches=args.microbatches,
-                    mode=args.pipeline_mode, spectrain_variant=args.spectrain_variant, replicas=args.replicas,
-                    placement=args.placement, data_parallel=args.strategy if args.strategy != "p3" else "allreduce",
+                    mode=args.pipeline_mode, spectrain_variant=args.spectrain_variant or "paper",
+                    replicas=args.replicas, placement=args.placement, data_parallel=args.strategy,
                     topology=topo, timeline=timeline, say=say, device=args.device)
     start_epoch = resume(args, pipe, comm, say) if args.resume else 0
     replica, R = pipe.replica, pipe.replicas
