@@ -37,7 +37,8 @@ from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_l
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.training import pipeline as train_pipeline
 from jobs.training import resume
-from jobs.training.data import batch_plan, evaluate, example_inputs, load_data, open_cache, train_batches
+from jobs.training.data import (batch_plan, evaluate, example_inputs, load_data, open_cache, too_few_samples,
+                                train_batches)
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
@@ -145,7 +146,10 @@ def check_args(args) -> None:
         raise InputError("--cache-dir", "serves image data: use it with --data fashion-mnist and an image model")
     if args.data_dir and not args.cache_dir:
         raise InputError("--data-dir", "needs --cache-dir")
-    train_pipeline.check_arguments(args, launched_ranks())  # --parallel pipeline's --strategy, and its default
+    launched = launched_ranks()
+    train_pipeline.check_arguments(args, launched)  # --parallel pipeline's --strategy, and its default
+    if args.data == "synthetic" and (why := too_few_samples(args, args.synthetic_samples, launched)):
+        raise InputError("--synthetic-samples", why)
     if args.strategy is None:
         args.strategy = "p3"
     check_hybcomm(args)
@@ -237,6 +241,8 @@ def main(argv=None, args=None) -> int:
         x, y, tx, ty = load_data(args, rank)
         if args.cache_dir:
             cache = open_cache(args, rank, P)
+        elif args.data != "synthetic" and (why := too_few_samples(args, len(x[0]), P)):
+            problem = f"--batch-size: {why}"
     # FileNotFoundError, a broken source, an unusable node-local cache, a corpus apt cannot fetch
     except (OSError, ValueError, CorpusFetchError) as exc:
         problem = str(exc)
@@ -244,7 +250,9 @@ def main(argv=None, args=None) -> int:
         # Data problems can be local (a node's cache directory): stop every rank, not just this one.
         fail_together(comm, problem)
     except RuntimeError as exc:
-        say(f"error: {exc}", file=sys.stderr)
+        # The same problem on every rank (a dataset too small for one batch) is said alone, as parse() does.
+        same = problem is not None and str(exc) == f"rank {', '.join(map(str, range(P)))}: {problem}"
+        say(f"error: {problem if same else exc}", file=sys.stderr)
         return 2
 
     if args.parallel == "pipeline":

@@ -175,6 +175,38 @@ def test_options_take_their_defaults_where_they_apply():
     assert parse_args([*QUICK, *PIPE]).spectrain_variant is None
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--synthetic-samples", "10", "--batch-size", "64"], "64 per rank x 1 ranks = 64"),
+    ([*PIPE, "--synthetic-samples", "10", "--batch-size", "64"], "64 per replica x 1 replicas = 64"),
+    (["--compute", "emulated:v100", "--synthetic-samples", "10", "--batch-size", "64"], "64 per rank x 1 ranks"),
+], ids=["data", "pipeline", "emulated"])
+def test_fewer_synthetic_samples_than_one_global_batch_is_refused_before_mpi(args, message, capsys):
+    """It was a traceback once MPI, the optimizer and p3's progress thread were up (left running at exit)."""
+    from jobs.train import main
+
+    code, out, err = exit_in_process(main, [*QUICK, *args], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --synthetic-samples: 10 training samples are fewer than one global batch (") \
+        and message in err, err
+
+
+@pytest.mark.timeout(150)
+def test_too_small_a_training_set_is_one_line_on_every_rank_under_mpi():
+    """Synthetic: counted against the ranks mpiexec launched, before MPI starts. A dataset (Fashion-MNIST's 60,000):
+    counted once loaded, every rank stopping together before the optimizer starts a thread; nothing left running."""
+    cases = [(["--data", "synthetic", "--synthetic-samples", "100"],
+              "error: --synthetic-samples: 100 training samples are fewer than one global batch (64 per rank x 2 ranks "
+              "= 128)")]
+    if os.path.isdir("/usr/share/datasets/fashion-mnist"):
+        cases.append((["--batch-size", "30001"], "error: --batch-size: 60000 training samples are fewer than one "
+                                                 "global batch (30001 per rank x 2 ranks = 60002)"))
+    for args, line in cases:
+        cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", "--no-progress",
+               "--epochs", "1", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr[-3000:]
+
+
 def test_bad_arguments_from_the_command_line():
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *QUICK, "--batch-size", "0"], capture_output=True,
                           text=True, cwd=ROOT, timeout=60)
