@@ -327,12 +327,12 @@ def main(argv=None, args=None) -> int:
             if loss_value is not None:
                 loss_sum += loss_value
                 if bar is not None:
-                    bar.update(loss_value)
+                    bar.update(None if compute.emulated else loss_value)  # emulation computes no loss: none shown
         loss_value = loss_reader.flush()  # the last step's, on a GPU
         if loss_value is not None:
             loss_sum += loss_value
             if bar is not None:
-                bar.update(loss_value)
+                bar.update(None if compute.emulated else loss_value)
         dopt.synchronize()
         compute.synchronize(device)  # the epoch's kernels (a GPU's, an emulated one's) are over before it is timed
         comm.Barrier()

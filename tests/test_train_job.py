@@ -56,6 +56,19 @@ def test_emulated_compute_reports_throughput_and_says_scores_are_meaningless(tmp
     assert row["loss"] is None and row["test_accuracy"] is None and row["samples_per_s"] > 0
 
 
+def test_emulated_progress_lines_show_no_loss_and_the_json_written_is_said(tmp_path):
+    """In a log file, under emulated compute, the progress lines name no loss (none is computed; they said "loss
+    0.000"); --json's path is said once written, as the other jobs say theirs."""
+    out = tmp_path / "m.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", *[a for a in QUICK if a != "--no-progress"],
+           "--compute", "emulated:v100", "--epochs", "1", "--max-steps", "4", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1 (emulated: loss not computed): ")]
+    assert len(lines) == 3 and all(line.endswith(" samples/s") and ", loss " not in line for line in lines), proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"wrote {out}" and proc.stdout.count("wrote ") == 1, proc.stdout
+
+
 def test_hybcomm_prints_its_plan_and_records_it(tmp_path):
     """4 ranks: rank 0 prints the plan after the first step (the batch never changes: once) and --json holds it."""
     out = tmp_path / "m.json"

@@ -216,6 +216,7 @@ def resume(args, pipe, comm, say) -> int | None:
     import numpy as np
     import torch
 
+    from jobs.training.resume import nothing_left
     from mpicomm.agree import fail_together
 
     path = stage_file(args.checkpoint, pipe.stage, pipe.stages)
@@ -244,4 +245,5 @@ def resume(args, pipe, comm, say) -> int | None:
         say(f"error: --resume: stage checkpoints of different epochs: {epochs}", file=sys.stderr, flush=True)
         return None
     say(f"resumed from {args.checkpoint}.stage* after epoch {epoch}")
+    nothing_left(args, epoch, say)
     return epoch
