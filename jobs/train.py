@@ -89,8 +89,8 @@ def parse_args(argv=None):
                    help="p3 (and hybcomm's dense p3) slice, in elements, or auto: chosen from the link measured at "
                         "start-up (default auto)")
     p.add_argument("--credit",
-                   help="p3 (and hybcomm's dense p3): outgoing slices in flight, auto: from the measured link, or online: auto's first, "
-                        "then the fastest of a few tried over the first ~30 steps (default auto)")
+                   help="p3 (and hybcomm's dense p3): outgoing slices in flight, auto: from the measured link, or "
+                        "online: auto's first, then the fastest of a few tried over the first ~30 steps (default auto)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
@@ -251,8 +251,7 @@ def main(argv=None, args=None) -> int:
         fail_together(comm, problem)
     except RuntimeError as exc:
         # The same problem on every rank (a dataset too small for one batch) is said alone, as parse() does.
-        same = problem is not None and str(exc) == f"rank {', '.join(map(str, range(P)))}: {problem}"
-        say(f"error: {problem if same else exc}", file=sys.stderr)
+        say(f"error: {train_pipeline.said_once(exc, P)}", file=sys.stderr)
         return 2
 
     if args.parallel == "pipeline":
