@@ -29,18 +29,26 @@ import argparse
 import sys
 import time
 
-from jobs.common.choices import (FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, P3_CREDIT_WORDS, STRATEGIES,
-                                 TOKEN_MODELS)
+from jobs.common.choices import (FIXED_CLASSES, HYBCOMM_DENSE, HYBCOMM_FORCE, MODELS, P3_CREDIT_WORDS,
+                                 SPARSE_STRATEGIES, STRATEGIES, TOKEN_MODELS)
 from jobs.common.inputs import (InputError, JobParser, add_device_argument, at_least, auto_or_count, check_device,
                                 existing_dir, fraction, launched_ranks, link_rate, one_of, option, output_dir,
                                 output_file, parse)
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.training import pipeline as train_pipeline
 from jobs.training import resume
-from jobs.training.data import batch_plan, evaluate, example_inputs, load_data, open_cache, train_batches
+from jobs.training.data import (batch_plan, evaluate, example_inputs, load_data, open_cache, too_few_samples,
+                                train_batches)
 
 # hybcomm's options and the value each takes when not given; given with another strategy, they are an error.
 HYBCOMM_DEFAULTS = dict(hybcomm_dense="wfbp", hybcomm_force="auto", link_bandwidth=None)
+# Likewise (check_applicable) the sparse strategies', p3's (hybcomm's dense p3 too), the cache's and SGD's:
+# a run never drops an option it was given. Where one does not apply it stays None (so in --json's args).
+TOPK_DEFAULTS = dict(density=0.01, no_error_feedback=False, dense_warmup_steps=0, density_ramp_steps=0,
+                     topk_granularity="model", topk_operator="mstopk")
+P3_DEFAULTS = dict(slice_size="auto", credit="auto")
+CACHE_DEFAULTS = dict(prefetch=4, cache_memory_mb=256)
+SGD_DEFAULTS = dict(momentum=0.9)
 
 
 def parse_args(argv=None):
@@ -50,17 +58,22 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=MODELS, default="mlp")
     p.add_argument("--data", choices=("fashion-mnist", "synthetic", "austen"), default="fashion-mnist",
                    help="austen: Jane Austen's novels, characters (char-lstm; validation = the last 10 %%)")
-    p.add_argument("--strategy", default="p3",
-                   help="allreduce, wfbp, p3, hybcomm (exact) or topk, hier-topk (sparsified; default p3)")
-    p.add_argument("--density", type=float, default=0.01, help="topk/hier-topk: fraction sent (default 0.01)")
-    p.add_argument("--no-error-feedback", action="store_true", help="topk/hier-topk: drop what is not sent")
-    p.add_argument("--dense-warmup-steps", type=int, default=0, help="topk/hier-topk: dense steps first")
-    p.add_argument("--density-ramp-steps", type=int, default=0,
-                   help="topk/hier-topk: steps over which density falls from 0.25 to --density (DGC-style)")
-    p.add_argument("--topk-granularity", choices=("model", "layer"), default="model",
-                   help="select top-k over the flattened model or per layer (default model)")
-    p.add_argument("--topk-operator", choices=("mstopk", "exact"), default="mstopk",
-                   help="approximate MSTopK or exact torch.topk (default mstopk)")
+    # Options that apply to some runs only default to None here: check_args refuses them where they do not apply
+    # and sets the defaults the help names where they do (*_DEFAULTS).
+    p.add_argument("--strategy",
+                   help="allreduce, wfbp, p3, hybcomm (exact) or topk, hier-topk (sparsified; default p3; "
+                        "--parallel pipeline: allreduce or wfbp, with --replicas 2 or more, default allreduce)")
+    p.add_argument("--density", type=float, help="topk/hier-topk: fraction sent (default 0.01)")
+    p.add_argument("--no-error-feedback", action="store_true", default=None,
+                   help="topk/hier-topk: drop what is not sent")
+    p.add_argument("--dense-warmup-steps", type=int, help="topk/hier-topk: dense steps first (default 0)")
+    p.add_argument("--density-ramp-steps", type=int,
+                   help="topk/hier-topk: steps over which density falls from 0.25 to --density (DGC-style; "
+                        "default 0)")
+    p.add_argument("--topk-granularity", choices=("model", "layer"),
+                   help="topk/hier-topk: select top-k over the flattened model or per layer (default model)")
+    p.add_argument("--topk-operator", choices=("mstopk", "exact"),
+                   help="topk/hier-topk: approximate MSTopK or exact torch.topk (default mstopk)")
     p.add_argument("--hybcomm-dense", choices=HYBCOMM_DENSE,
                    help="hybcomm: the path of the gradients not sent as sufficient factors (default wfbp)")
     p.add_argument("--hybcomm-force", choices=HYBCOMM_FORCE,
@@ -72,17 +85,18 @@ def parse_args(argv=None):
     p.add_argument("--pto", action="store_true",
                    help="each rank updates 1/P of the parameters, then allgather (optimizer state sharded)")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd (with --momentum)")
-    p.add_argument("--slice-size", default="auto",
-                   help="p3 slice, in elements, or auto: chosen from the link measured at start-up (default auto)")
-    p.add_argument("--credit", default="auto",
-                   help="p3: outgoing slices in flight, auto: from the measured link, or online: auto's first, "
-                        "then the fastest of a few tried over the first ~30 steps (default auto)")
+    p.add_argument("--slice-size",
+                   help="p3 (and hybcomm's dense p3) slice, in elements, or auto: chosen from the link measured at "
+                        "start-up (default auto)")
+    p.add_argument("--credit",
+                   help="p3 (and hybcomm's dense p3): outgoing slices in flight, auto: from the measured link, or "
+                        "online: auto's first, then the fastest of a few tried over the first ~30 steps (default auto)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per rank per step (default 64)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=0, help="stop each epoch after this many steps (0: all)")
     p.add_argument("--lr", type=float, default=0.05, help="learning rate of a step (default 0.05; asynchronous "
                                                           "pipeline modes: lr / --microbatches per micro-batch)")
-    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--momentum", type=float, help="--optimizer sgd's (default 0.9)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--synthetic-samples", type=int, default=4096, help="size of the synthetic training set")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
@@ -90,8 +104,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", help="read training samples through datacache (node-local HDF5 + memory)")
     p.add_argument("--data-dir", help="with --cache-dir: the training source (image folder, labels.csv folder "
                                       "or IDX dir; default Fashion-MNIST's IDX train split)")
-    p.add_argument("--cache-memory-mb", type=int, default=256, help="in-memory cache level per rank")
-    p.add_argument("--prefetch", type=int, default=4, help="with --cache-dir: batches read ahead (default 4)")
+    p.add_argument("--cache-memory-mb", type=int,
+                   help="with --cache-dir: in-memory cache level per rank (default 256)")
+    p.add_argument("--prefetch", type=int, help="with --cache-dir: batches read ahead (default 4)")
     p.add_argument("--checkpoint", metavar="PATH", help="save model+optimizer after every epoch (atomically)")
     p.add_argument("--resume", action="store_true",
                    help="continue from --checkpoint; if the file does not exist yet, start from scratch and say so "
@@ -107,7 +122,8 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     """Everything that can be known wrong before MPI starts, from the cheapest check on."""
-    one_of("--strategy", args.strategy, STRATEGIES)
+    if args.strategy is not None:
+        one_of("--strategy", args.strategy, STRATEGIES)
     if args.compute != "real" and args.parallel == "pipeline":
         raise InputError("--compute", "emulated compute trains data parallel only for now: drop --parallel pipeline")
     at_least(args, 1, "batch_size", "epochs", "threads", "synthetic_samples", "prefetch")
@@ -130,12 +146,18 @@ def check_args(args) -> None:
         raise InputError("--cache-dir", "serves image data: use it with --data fashion-mnist and an image model")
     if args.data_dir and not args.cache_dir:
         raise InputError("--data-dir", "needs --cache-dir")
+    launched = launched_ranks()
+    train_pipeline.check_arguments(args, launched)  # --parallel pipeline's --strategy, and its default
+    if args.data == "synthetic" and (why := too_few_samples(args, args.synthetic_samples, launched)):
+        raise InputError("--synthetic-samples", why)
+    if args.strategy is None:
+        args.strategy = "p3"
     check_hybcomm(args)
+    check_applicable(args)
     existing_dir(args, "data_dir")
     output_dir(args, "cache_dir", writable=False)  # an unwritable cache falls back to the source
     output_file(args, "json")
     output_file(args, "checkpoint", "timeline", replaced=True)  # both written to a temp file, then renamed
-    train_pipeline.check_arguments(args, launched_ranks())
     check_device(args)  # imports torch when cuda is asked: last
     check_compute(args)  # imports torch when emulating
 
@@ -155,14 +177,33 @@ def check_hybcomm(args) -> None:
         args.link_bandwidth_bps = link_rate("--link-bandwidth", args.link_bandwidth)
 
 
+def check_applicable(args) -> None:
+    """The options of one strategy, of the cache or of SGD: refused where they do not apply, else defaulted."""
+    pipeline = args.parallel == "pipeline"  # its replicas average with allreduce or wfbp: no strategy's options
+    p3 = args.strategy == "p3" or (args.strategy == "hybcomm" and args.hybcomm_dense == "p3")
+    for defaults, applies, why in (
+            (TOPK_DEFAULTS, args.strategy in SPARSE_STRATEGIES,
+             "is not available with --parallel pipeline" if pipeline else "needs --strategy topk or hier-topk"),
+            (P3_DEFAULTS, p3, "is not available with --parallel pipeline" if pipeline else
+             "needs --strategy p3 (or --strategy hybcomm --hybcomm-dense p3)"),
+            (CACHE_DEFAULTS, bool(args.cache_dir), "needs --cache-dir"),
+            (SGD_DEFAULTS, args.optimizer == "sgd", "needs --optimizer sgd (adam does not take it)")):
+        for name, default in defaults.items():
+            if not applies and getattr(args, name) is not None:
+                raise InputError(option(name), why)
+            if applies and getattr(args, name) is None:
+                setattr(args, name, default)
+
+
 def strategy_options(args):
     """The --strategy and its options as a runtime options object."""
     from runtime import P3Options, TopkOptions
     from runtime.options import HybCommOptions
 
     if args.strategy == "hybcomm":
+        p3 = {name: getattr(args, name) for name in P3_DEFAULTS if getattr(args, name) is not None}  # dense p3's
         return HybCommOptions(dense=args.hybcomm_dense, force=args.hybcomm_force, bandwidth=args.link_bandwidth_bps,
-                              credit=args.credit, slice_size=args.slice_size)
+                              **p3)
     if args.strategy == "p3":
         return P3Options(slice_size=args.slice_size, credit=args.credit)
     if args.strategy in ("topk", "hier-topk"):
@@ -200,6 +241,8 @@ def main(argv=None, args=None) -> int:
         x, y, tx, ty = load_data(args, rank)
         if args.cache_dir:
             cache = open_cache(args, rank, P)
+        elif args.data != "synthetic" and (why := too_few_samples(args, len(x[0]), P)):
+            problem = f"--batch-size: {why}"
     # FileNotFoundError, a broken source, an unusable node-local cache, a corpus apt cannot fetch
     except (OSError, ValueError, CorpusFetchError) as exc:
         problem = str(exc)
@@ -207,7 +250,8 @@ def main(argv=None, args=None) -> int:
         # Data problems can be local (a node's cache directory): stop every rank, not just this one.
         fail_together(comm, problem)
     except RuntimeError as exc:
-        say(f"error: {exc}", file=sys.stderr)
+        # The same problem on every rank (a dataset too small for one batch) is said alone, as parse() does.
+        say(f"error: {train_pipeline.said_once(exc, P)}", file=sys.stderr)
         return 2
 
     if args.parallel == "pipeline":
@@ -282,12 +326,12 @@ def main(argv=None, args=None) -> int:
             if loss_value is not None:
                 loss_sum += loss_value
                 if bar is not None:
-                    bar.update(loss_value)
+                    bar.update(None if compute.emulated else loss_value)  # emulation computes no loss: none shown
         loss_value = loss_reader.flush()  # the last step's, on a GPU
         if loss_value is not None:
             loss_sum += loss_value
             if bar is not None:
-                bar.update(loss_value)
+                bar.update(None if compute.emulated else loss_value)
         dopt.synchronize()
         compute.synchronize(device)  # the epoch's kernels (a GPU's, an emulated one's) are over before it is timed
         comm.Barrier()

@@ -111,11 +111,42 @@ def test_a_rank_killed_mid_pipeline_ends_the_job_non_zero_within_30_s(tmp_path):
     (["--parallel", "pipeline", "--stages", "3"], "--stages: 1 ranks cannot run 3 stages x 1 replicas"),
     (["--parallel", "pipeline", "--balance", "2,x"], "--balance: must be positive layer counts"),
     (["--data", "austen"], "--data: austen is a character corpus: use it with --model char-lstm"),
+    (["--parallel", "pipeline", "--pipeline-mode", "spectrain", "--optimizer", "adam"],
+     "--optimizer: spectrain predicts weights from SGD's momentum"),
+    (["--parallel", "pipeline", "--pipeline-mode", "spectrain", "--momentum", "0"],
+     "--momentum: spectrain predicts weights from SGD's momentum"),
 ])
 def test_bad_pipeline_input_is_one_line_and_exit_2(args, option):
     proc = subprocess.run([sys.executable, "-m", "jobs.train", *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith(f"error: {option}"), proc.stderr
+
+
+@pytest.mark.timeout(240)  # four short 2-rank jobs
+def test_a_balance_or_a_resume_that_cannot_be_used_is_one_line_and_exit_2(tmp_path):
+    """Found once the pipeline is built (the model's layers) or its stages' checkpoints read: raised on every rank
+    together, said once by rank 0, exit 2 everywhere (each rank's traceback and exit 1 before)."""
+    def run(*args):
+        cmd = ["timeout", "-k", "5", "100", mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", *QUICK,
+               "--epochs", "2", "--max-steps", "2", *args]
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+    proc = run("--balance", "99,1")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: --balance: balance [99, 1] covers 100 layers, the model has 4"], proc.stderr[-3000:]
+    ckpt = tmp_path / "pk.pt"
+    proc = run("--epochs", "1", "--checkpoint", str(ckpt))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = f"{ckpt}.stage0-of-2"
+    saved = torch.load(first, weights_only=False)
+    torch.save(dict(saved, epoch=4), first)  # stage 0 after epoch 5, stage 1 after epoch 1
+    proc = run("--checkpoint", str(ckpt), "--resume")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "error: --resume: stage checkpoints of different epochs: [5, 1]"], proc.stderr[-3000:]
+    os.remove(f"{ckpt}.stage1-of-2")
+    proc = run("--checkpoint", str(ckpt), "--resume")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: --resume: rank 1: {ckpt}.stage1-of-2 is missing (other stages have theirs)"], proc.stderr[-3000:]
 
 
 # Appended to the README's program: each rank saves what its stage holds, to compare with the gathered model.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -50,11 +51,17 @@ def test_node_local_checkpoint_on_rank_0_only(tmp_path):
         assert torch.allclose(a["model"][k], b["model"][k], rtol=1e-6, atol=1e-7), k
 
 
-def test_resume_without_a_checkpoint_says_it_starts_from_scratch(tmp_path):
-    """A requeued job's first run: --resume finds no file, trains from epoch 1 saying so once, and writes it."""
-    path = tmp_path / "ckpt.pt"
+def test_resume_says_when_it_starts_from_scratch_or_has_nothing_left(tmp_path):
+    """A requeued job's first run: --resume finds no file, trains from epoch 1 saying so once, and writes it. A run
+    whose checkpoint holds --epochs already (the job had finished) trains nothing and says so once (exit 0)."""
+    path, out = tmp_path / "ckpt.pt", tmp_path / "m.json"
     proc = train("--epochs", "1", "--max-steps", "2", "--checkpoint", str(path), "--resume")
     assert proc.stdout.count(f"no checkpoint at {path}: starting from scratch") == 1, proc.stdout
     assert "epoch 1: loss" in proc.stdout and path.exists()
     proc = train("--epochs", "2", "--max-steps", "2", "--checkpoint", str(path), "--resume")
     assert f"resumed from {path} after epoch 1" in proc.stdout and "starting from scratch" not in proc.stdout
+    assert "nothing to train" not in proc.stdout
+    proc = train("--epochs", "2", "--max-steps", "2", "--checkpoint", str(path), "--resume", "--json", str(out))
+    assert proc.stdout.count("--epochs 2: the checkpoint is after epoch 2 already; nothing to train") == 1, \
+        proc.stdout
+    assert "epoch 3" not in proc.stdout and json.loads(out.read_text())["epochs"] == []

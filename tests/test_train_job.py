@@ -25,11 +25,11 @@ def train(tmp_path, *args, n=2, timeout=180):
 
 
 # p3 with its credit online: 32 steps, so that its trials (28) end and the choice is said
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3 --credit online --synthetic-samples 1024", "topk",
-                                      "hier-topk", "allreduce --pto"])
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3 --credit online --synthetic-samples 1024",
+                                      "topk --density 0.1", "hier-topk --density 0.1", "allreduce --pto"])
 def test_trains_and_reports_every_epoch(tmp_path, strategy):
     out = tmp_path / "m.json"
-    proc = train(tmp_path, "--strategy", *strategy.split(), "--epochs", "2", "--json", str(out), "--density", "0.1")
+    proc = train(tmp_path, "--strategy", *strategy.split(), "--epochs", "2", "--json", str(out))
     doc = json.loads(out.read_text())
     rows = doc["epochs"]
     assert "plan" not in doc and "hybcomm plan:" not in proc.stdout  # hybcomm's alone
@@ -54,6 +54,19 @@ def test_emulated_compute_reports_throughput_and_says_scores_are_meaningless(tmp
     assert doc["compute_device"] == "v100" and "layers" in doc["emulated_parts"]
     (row,) = doc["epochs"]
     assert row["loss"] is None and row["test_accuracy"] is None and row["samples_per_s"] > 0
+
+
+def test_emulated_progress_lines_show_no_loss_and_the_json_written_is_said(tmp_path):
+    """In a log file, under emulated compute, the progress lines name no loss (none is computed; they said "loss
+    0.000"); --json's path is said once written, as the other jobs say theirs."""
+    out = tmp_path / "m.json"
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", *[a for a in QUICK if a != "--no-progress"],
+           "--compute", "emulated:v100", "--epochs", "1", "--max-steps", "4", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch 1/1 (emulated: loss not computed): ")]
+    assert len(lines) == 3 and all(line.endswith(" samples/s") and ", loss " not in line for line in lines), proc.stdout
+    assert proc.stdout.splitlines()[-1] == f"wrote {out}" and proc.stdout.count("wrote ") == 1, proc.stdout
 
 
 def test_hybcomm_prints_its_plan_and_records_it(tmp_path):
@@ -126,6 +139,85 @@ def test_bad_arguments(args, message, capsys):
 
     code, out, err = exit_in_process(main, [*QUICK, *args], capsys)
     assert code == 2 and message in err and err.count("\n") == 1 and out == "", err
+
+
+PIPE = ["--parallel", "pipeline"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--spectrain-variant", "once"], "--spectrain-variant: needs --parallel pipeline"),
+    ([*PIPE, "--spectrain-variant", "once"], "--spectrain-variant: needs --pipeline-mode spectrain"),
+    (["--strategy", "wfbp", "--credit", "online"], "--credit: needs --strategy p3"),
+    (["--strategy", "wfbp", "--slice-size", "100"], "--slice-size: needs --strategy p3"),
+    (["--strategy", "hybcomm", "--slice-size", "100"], "--slice-size: needs --strategy p3 (or --strategy hybcomm "
+                                                       "--hybcomm-dense p3)"),
+    (["--density", "0.5"], "--density: needs --strategy topk or hier-topk"),
+    (["--strategy", "allreduce", "--no-error-feedback"], "--no-error-feedback: needs --strategy topk or hier-topk"),
+    (["--topk-granularity", "layer"], "--topk-granularity: needs --strategy topk or hier-topk"),
+    (["--prefetch", "2"], "--prefetch: needs --cache-dir"),
+    (["--cache-memory-mb", "10"], "--cache-memory-mb: needs --cache-dir"),
+    (["--optimizer", "adam", "--momentum", "0.5"], "--momentum: needs --optimizer sgd"),
+    ([*PIPE, "--density", "0.5", "--topk-operator", "exact"], "--density: is not available with --parallel pipeline"),
+    ([*PIPE, "--strategy", "p3", "--slice-size", "1000"], "--strategy: with --parallel pipeline, replicas average "
+                                                          "gradients with allreduce or wfbp"),
+    ([*PIPE, "--strategy", "wfbp"], "--strategy: with --parallel pipeline, it is how --replicas average gradients: "
+                                    "needs --replicas 2 or more"),
+], ids=lambda v: None if isinstance(v, list) else v.split(":")[0])
+def test_options_that_do_not_apply_are_refused(args, message, capsys):
+    """Each of these once ran to completion without effect: one line and exit 2 instead, before MPI starts."""
+    from jobs.train import main
+
+    code, out, err = exit_in_process(main, [*QUICK, *args], capsys)
+    assert code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1 and out == "", err
+
+
+def test_options_take_their_defaults_where_they_apply():
+    """What the help says: p3 by default (its auto slice and credit), topk's density 0.01, SGD's momentum 0.9; the
+    pipeline's replicas average with allreduce, spectrain predicts as the paper does; None where they do not apply."""
+    from jobs.train import parse_args
+
+    args = parse_args(QUICK)
+    assert (args.strategy, args.slice_size, args.credit, args.momentum, args.density, args.prefetch) == \
+        ("p3", "auto", "auto", 0.9, None, None)
+    args = parse_args([*QUICK, "--strategy", "topk"])
+    assert (args.density, args.no_error_feedback, args.dense_warmup_steps, args.density_ramp_steps,
+            args.topk_granularity, args.topk_operator, args.slice_size) == (0.01, False, 0, 0, "model", "mstopk", None)
+    assert parse_args([*QUICK, "--optimizer", "adam"]).momentum is None
+    args = parse_args([*QUICK, *PIPE, "--pipeline-mode", "spectrain"])
+    assert (args.strategy, args.spectrain_variant, args.slice_size) == ("allreduce", "paper", None)
+    assert parse_args([*QUICK, *PIPE]).spectrain_variant is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--synthetic-samples", "10", "--batch-size", "64"], "64 per rank x 1 ranks = 64"),
+    ([*PIPE, "--synthetic-samples", "10", "--batch-size", "64"], "64 per replica x 1 replicas = 64"),
+    (["--compute", "emulated:v100", "--synthetic-samples", "10", "--batch-size", "64"], "64 per rank x 1 ranks"),
+], ids=["data", "pipeline", "emulated"])
+def test_fewer_synthetic_samples_than_one_global_batch_is_refused_before_mpi(args, message, capsys):
+    """It was a traceback once MPI, the optimizer and p3's progress thread were up (left running at exit)."""
+    from jobs.train import main
+
+    code, out, err = exit_in_process(main, [*QUICK, *args], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("error: --synthetic-samples: 10 training samples are fewer than one global batch (") \
+        and message in err, err
+
+
+@pytest.mark.timeout(150)
+def test_too_small_a_training_set_is_one_line_on_every_rank_under_mpi():
+    """Synthetic: counted against the ranks mpiexec launched, before MPI starts. A dataset (Fashion-MNIST's 60,000):
+    counted once loaded, every rank stopping together before the optimizer starts a thread; nothing left running."""
+    cases = [(["--data", "synthetic", "--synthetic-samples", "100"],
+              "error: --synthetic-samples: 100 training samples are fewer than one global batch (64 per rank x 2 ranks "
+              "= 128)")]
+    if os.path.isdir("/usr/share/datasets/fashion-mnist"):
+        cases.append((["--batch-size", "30001"], "error: --batch-size: 60000 training samples are fewer than one "
+                                                 "global batch (30001 per rank x 2 ranks = 60002)"))
+    for args, line in cases:
+        cmd = ["timeout", "-k", "5", "120", mpiexec(), "-n", "2", sys.executable, "-m", "jobs.train", "--no-progress",
+               "--epochs", "1", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 2 and proc.stderr.splitlines() == [line], proc.stderr[-3000:]
 
 
 def test_bad_arguments_from_the_command_line():

@@ -72,4 +72,5 @@ def write_training_outputs(comm, args, timeline, metrics: dict, say=print) -> No
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(metrics, f, indent=1)
+            say(f"wrote {args.json}")  # as the other jobs say each output they write
         write_together(comm, "--json", args.json, write_metrics, here=comm.Get_rank() == 0)

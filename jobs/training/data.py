@@ -41,6 +41,19 @@ def load_data(args, rank):
     return (D.to_tensor(xs, shape),), torch.as_tensor(ys), *test
 
 
+def too_few_samples(args, samples: int, ranks: int) -> str | None:
+    """Why `samples` training samples give not one step of --batch-size (None when they do): the global batch is
+    --batch-size x the ranks (a pipeline's: x its --replicas). Synthetic sets are counted by check_args before MPI
+    starts, a dataset once loaded, before the optimizer starts a thread (a ValueError from BatchPlan came later,
+    as a traceback, with p3's progress thread left running). Through --cache-dir every rank gets a step anyway."""
+    per = "replica" if args.parallel == "pipeline" else "rank"
+    ranks = args.replicas if args.parallel == "pipeline" else ranks
+    if samples >= args.batch_size * ranks:
+        return None
+    return (f"{samples} training samples are fewer than one global batch ({args.batch_size} per {per} x {ranks} "
+            f"{per}s = {args.batch_size * ranks})")
+
+
 def open_cache(args, rank, ranks):
     """The training set through datacache: Fashion-MNIST's preprocessing, this rank's part."""
     from datacache import Pipeline, SampleCache, open_source

@@ -9,8 +9,9 @@ import time
 from jobs.common.choices import PIPELINE_MODES, SEQUENTIAL_MODELS
 
 # The pipeline's options and their defaults: given without --parallel pipeline, they are an error.
-PIPELINE_DEFAULTS = dict(pipeline_mode="flush", stages=None, replicas=1, balance=None, microbatches=4,
-                         placement="within-node")
+# --spectrain-variant defaults to None so that it is seen given: it applies to --pipeline-mode spectrain only.
+PIPELINE_DEFAULTS = dict(pipeline_mode="flush", spectrain_variant=None, stages=None, replicas=1, balance=None,
+                         microbatches=4, placement="within-node")
 
 
 def add_arguments(p) -> None:
@@ -21,7 +22,9 @@ def add_arguments(p) -> None:
                    help="flush (synchronous: one update per step at --lr), or vanilla, stash (PipeDream), "
                         "spectrain (asynchronous: one update per micro-batch at --lr / --microbatches); "
                         "default flush")
-    g.add_argument("--spectrain-variant", choices=("paper", "once"), default="paper")
+    g.add_argument("--spectrain-variant", choices=("paper", "once"),
+                   help="--pipeline-mode spectrain: the paper's weight prediction, or once (the forward's kept "
+                        "for the backward); default paper")
     g.add_argument("--stages", type=int, help="pipeline stages (default: ranks / --replicas)")
     g.add_argument("--replicas", type=int, default=PIPELINE_DEFAULTS["replicas"],
                    help="copies of each stage, averaging gradients (default 1)")
@@ -42,8 +45,25 @@ def check_arguments(args, launched: int) -> None:
         return
     if args.model not in SEQUENTIAL_MODELS:
         raise InputError("--model", f"{args.model} is not sequential; a pipeline takes {', '.join(SEQUENTIAL_MODELS)}")
-    if args.strategy != "p3" and args.strategy not in ("allreduce", "wfbp"):
-        raise InputError("--strategy", "with --parallel pipeline, replicas average gradients with allreduce or wfbp")
+    if args.spectrain_variant is not None and args.pipeline_mode != "spectrain":
+        raise InputError("--spectrain-variant", "needs --pipeline-mode spectrain")
+    if args.pipeline_mode == "spectrain" and args.spectrain_variant is None:
+        args.spectrain_variant = "paper"
+    if args.pipeline_mode == "spectrain" and (args.optimizer != "sgd" or args.momentum == 0):  # else every stage's
+        # optimizer is refused once the pipeline is being built
+        raise InputError("--optimizer" if args.optimizer != "sgd" else "--momentum",
+                         "spectrain predicts weights from SGD's momentum: needs --optimizer sgd, --momentum > 0")
+    # The strategy is only how a stage's replicas average their gradients (runtime.pipeline.stage_optimizer):
+    # p3 (once quietly run as allreduce) and the others are refused, and so is a strategy with no replicas.
+    if args.strategy is not None:
+        if args.strategy not in ("allreduce", "wfbp"):
+            raise InputError("--strategy", "with --parallel pipeline, replicas average gradients with allreduce or "
+                                           "wfbp")
+        if args.replicas == 1:
+            raise InputError("--strategy", "with --parallel pipeline, it is how --replicas average gradients: "
+                                           "needs --replicas 2 or more")
+    else:
+        args.strategy = "allreduce"
     if args.pto or args.cache_dir:
         raise InputError("--pto" if args.pto else "--cache-dir", "is not available with --parallel pipeline")
     at_least(args, 1, "replicas", "microbatches", "stages")
@@ -71,7 +91,7 @@ def run(args, data, topo) -> int:
 
     from jobs.common.outputs import write_training_outputs
     from jobs.common.progress import epoch_progress
-    from runtime.pipeline import DivergenceError, Pipeline
+    from runtime.pipeline import DivergenceError, Pipeline, PipelineError
     from runtime.workloads.data import BatchPlan
     from runtime.workloads.models import build_model, loss_fn
 
@@ -90,12 +110,22 @@ def run(args, data, topo) -> int:
     if args.timeline:
         from runtime.trace import Timeline
         timeline = Timeline(rank)
-    pipe = Pipeline(model, factory, loss_fn=loss_fn(args.model), balance=args.balance,
-                    stages=None if args.balance else stages, sample=x[0][:micro], microbatches=args.microbatches,
-                    mode=args.pipeline_mode, spectrain_variant=args.spectrain_variant, replicas=args.replicas,
-                    placement=args.placement, data_parallel=args.strategy if args.strategy != "p3" else "allreduce",
-                    topology=topo, timeline=timeline, say=say, device=args.device)
+    try:
+        # spectrain_variant: None outside spectrain (check_arguments), where it means nothing; Pipeline takes a name.
+        pipe = Pipeline(model, factory, loss_fn=loss_fn(args.model), balance=args.balance,
+                        stages=None if args.balance else stages, sample=x[0][:micro], microbatches=args.microbatches,
+                        mode=args.pipeline_mode, spectrain_variant=args.spectrain_variant or "paper",
+                        replicas=args.replicas, placement=args.placement, data_parallel=args.strategy,
+                        topology=topo, timeline=timeline, say=say, device=args.device)
+    except PipelineError as exc:  # raised on every rank together (a --balance that does not cover the model, ...):
+        # one line, not a traceback from each rank; the half-built pipeline has released what it held.
+        option = "--balance" if args.balance else "--stages" if args.stages else "--parallel"
+        say(f"error: {option}: {said_once(exc, P)}", file=sys.stderr, flush=True)
+        return 2
     start_epoch = resume(args, pipe, comm, say) if args.resume else 0
+    if start_epoch is None:  # said; every rank stops here
+        pipe.close()
+        return 2
     replica, R = pipe.replica, pipe.replicas
     plan = BatchPlan(len(x[0]), args.batch_size, R, replica, args.seed)
     steps = min(len(plan), args.max_steps) if args.max_steps else len(plan)
@@ -155,6 +185,12 @@ def run(args, data, topo) -> int:
     return 0
 
 
+def said_once(exc, ranks: int) -> str:
+    """fail_together's message, without its rank list where every rank had the same problem."""
+    every = f"rank {', '.join(map(str, range(ranks)))}: "
+    return str(exc).removeprefix(every)
+
+
 def stage_file(path: str, stage: int, stages: int) -> str:
     return f"{path}.stage{stage}-of-{stages}"
 
@@ -174,11 +210,13 @@ def save(args, pipe, comm, epoch: int) -> None:
     write_together(comm, "--checkpoint", path, write, here=pipe.layout.replica == 0)
 
 
-def resume(args, pipe, comm, say) -> int:
-    """The epoch to start from: every stage's file read if all exist (replicas read their stage's), else 0."""
+def resume(args, pipe, comm, say) -> int | None:
+    """The epoch to start from: every stage's file read if all exist (replicas read their stage's), else 0;
+    None on every rank together after rank 0 said why in one line."""
     import numpy as np
     import torch
 
+    from jobs.training.resume import nothing_left
     from mpicomm.agree import fail_together
 
     path = stage_file(args.checkpoint, pipe.stage, pipe.stages)
@@ -196,10 +234,16 @@ def resume(args, pipe, comm, say) -> int:
         pipe.load_state_dict(saved["stage"])
         epoch = int(saved["epoch"]) + 1
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        problem = f"--resume: {exc}"
-    fail_together(comm, problem, ValueError)
+        problem = str(exc)
+    try:
+        fail_together(comm, problem, ValueError)
+    except ValueError as exc:
+        say(f"error: --resume: {said_once(exc, comm.Get_size())}", file=sys.stderr, flush=True)
+        return None
     epochs = comm.allgather(epoch)
-    if len(set(epochs)) > 1:
-        raise ValueError(f"--resume: stage checkpoints of different epochs: {epochs}")
+    if len(set(epochs)) > 1:  # every rank sees the same list
+        say(f"error: --resume: stage checkpoints of different epochs: {epochs}", file=sys.stderr, flush=True)
+        return None
     say(f"resumed from {args.checkpoint}.stage* after epoch {epoch}")
+    nothing_left(args, epoch, say)
     return epoch

@@ -23,4 +23,12 @@ def start_epoch(args, model, dopt, say) -> int | None:
         say(f"no checkpoint at {args.checkpoint}: starting from scratch", flush=True)
         return 0
     say(f"resumed from {args.checkpoint} after epoch {extra['epoch'] + 1}", flush=True)
+    nothing_left(args, extra["epoch"] + 1, say)
     return extra["epoch"] + 1
+
+
+def nothing_left(args, done: int, say) -> None:
+    """Said (not an error: a requeued job that had finished) when the checkpoint holds --epochs already: the run
+    trains nothing, and its --json holds no epoch."""
+    if done >= args.epochs:
+        say(f"--epochs {args.epochs}: the checkpoint is after epoch {done} already; nothing to train", flush=True)
