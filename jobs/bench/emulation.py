@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import resource
 import statistics
@@ -86,7 +87,7 @@ def check_args(args) -> None:
     from runtime.emulate import EmulationError, device
 
     args.models = comma_list("--models", args.models, ALL)
-    args.devices = comma_list("--devices", args.devices)
+    args.devices = comma_list("--devices", args.devices, unique=True)
     for d in args.devices:
         try:
             device(d)
@@ -95,20 +96,29 @@ def check_args(args) -> None:
             raise InputError("--devices", str(e)) from None
     args.profiles = [(_profile_model(path), path) for path in comma_list("--profiles", args.profiles)] \
         if args.profiles.strip() else []
-    args.waits = [int(w) for w in comma_list("--waits", args.waits)]
-    args.idles = [float(i) for i in comma_list("--idles", args.idles)] if args.idles.strip() else []
-    if any(not i >= 0 for i in args.idles):
-        from jobs.common.inputs import InputError
-        raise InputError("--idles", f"every idle length must be >= 0 ms, got {args.idles}")
-    args.scales = [float(s) for s in comma_list("--scales", args.scales)] if args.scales.strip() else []
-    if any(not s > 0 for s in args.scales):
-        from jobs.common.inputs import InputError
-        raise InputError("--scales", f"every scale must be > 0, got {args.scales}")
+    # Each parsed here, not by a bare int() or float(): "abc" was a ValueError traceback, 0 waits a
+    # ZeroDivisionError, an inf idle an OverflowError in time.sleep, and -10 waits a table of -100 %.
+    args.waits = _numbers("--waits", args.waits, int, lambda w: w >= 1, "every wait count must be a whole number >= 1")
+    args.idles = _numbers("--idles", args.idles, float, lambda i: 0 <= i < math.inf,
+                          "every idle length must be >= 0 ms and finite") if args.idles.strip() else []
+    args.scales = _numbers("--scales", args.scales, float, lambda s: 0 < s < math.inf,
+                           "every scale must be > 0 and finite") if args.scales.strip() else []
     at_least(args, 1, "steps", "repeats")
     at_least(args, 0, "warmup")
     if args.plot is None and args.json:
         args.plot = os.path.splitext(args.json)[0] + ".png"
     output_file(args, "json", "plot")
+
+
+def _numbers(opt: str, text: str, kind, ok, want: str) -> list:
+    """A list of numbers, none twice, each passing ok(): one `--opt: ...` line otherwise."""
+    from jobs.common.inputs import InputError
+
+    values = comma_list(opt, text, parse=kind, unique=True)
+    bad = [v for v in values if not ok(v)]
+    if bad:
+        raise InputError(opt, f"{want}, got {bad[0]:g}")
+    return values
 
 
 def _profile_model(path: str) -> str:

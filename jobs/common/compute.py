@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jobs.common.inputs import InputError
+from jobs.common.inputs import InputError, positive_finite
 
 __all__ = ["add_compute_arguments", "check_compute", "Compute"]
 
@@ -17,14 +17,14 @@ def add_compute_arguments(p: argparse.ArgumentParser) -> None:
                         "emulated:PROFILE.json (times measured by mpitrain simulate --take-profile)")
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="emulated compute: every modelled time times this (10: a GPU ten times slower; with links "
-                        "ten times slower, the compute-to-communication ratio of links ten times faster)")
+                        "ten times slower, the compute-to-communication ratio of links ten times faster; default %(default)s)")
 
 
 def check_compute(args) -> None:
     """A bad --compute is one line and exit 2, on every rank, before MPI or a model."""
     spec = args.compute
-    if not args.compute_scale > 0:
-        raise InputError("--compute-scale", f"must be > 0, got {args.compute_scale}")
+    # Finite too: inf passed `> 0` and every worker then died on OverflowError (a deadline out of range).
+    positive_finite(args, "compute_scale")
     if spec == "real":
         if args.compute_scale != 1.0:
             raise InputError("--compute-scale", "applies to emulated compute only (--compute emulated:...)")
