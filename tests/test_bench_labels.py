@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import subprocess
+import sys
 
 import pytest
+
+from conftest import ROOT
+from mpicomm.launch import mpiexec
 
 from jobs.common.compute import check_compute
 from jobs.common.inputs import InputError, comma_list
@@ -53,3 +59,46 @@ def test_a_list_of_names_refuses_one_named_twice_and_a_list_of_numbers_when_aske
     with pytest.raises(InputError, match="--sizes: '4096' is listed twice"):
         comma_list("--sizes", "4K,4096", parse=lambda t: 4096, unique=True)
     assert comma_list("--balance", "1,1", parse=int) == [1, 1]  # a list of counts may repeat one
+
+
+COLLECTIVES = ["--ops", "allreduce", "--sizes", "4K", "--rounds", "1", "--iters", "1", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--impls", "native", "--latency-bytes", "4K"], "--latency-bytes: is the ring impl's crossover"),
+    (["--impls", "native,gloo", "--chunk-bytes", "1M"], "--chunk-bytes: applies to mpicomm's impls"),
+    (["--impls", "native", "--no-validate"], "--no-validate: applies to mpicomm's impls"),
+    (["--impls", "native,native"], "--impls: 'native' is listed twice"),
+    (["--sizes", "4K,4096"], "--sizes: '4096' is listed twice"),
+    (["--link-gbps", "inf"], "--link-gbps: must be a finite number > 0"),
+], ids=["latency-without-ring", "chunk-without-mpicomm", "no-validate-without-mpicomm", "impl-twice", "size-twice",
+        "link-inf"])
+def test_collectives_refuses_settings_of_impls_it_does_not_run(capsys, argv, message):
+    assert message in refused(capsys, "bench.collectives", [*COLLECTIVES, *argv])
+
+
+def test_collectives_plots_every_impl_of_its_rows(tmp_path, monkeypatch):
+    from jobs.bench import collectives_report
+
+    figures = []
+    monkeypatch.setattr(collectives_report, "save_figure", lambda fig, path: figures.append(fig))
+    impls = ["native", "hierarchical-window", "hierarchical-messages", "made-up"]
+    rows = [dict(op="allreduce", impl=i, bytes=b, busbw_gbps=1.0) for i in impls for b in (4096, 65536)]
+    collectives_report.plot(rows, str(tmp_path / "c.png"), "title")
+    assert [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()] == impls
+    table = collectives_report.format_table([dict(rows[4], ranks=2, time_s=1e-3, algbw_gbps=1.0)]).splitlines()
+    assert table[2].split()[:2] == ["allreduce", "hierarchical-messages"]  # the name in its own column
+
+
+def test_collectives_names_machine_and_compute_and_only_the_settings_that_ran(tmp_path):
+    out = tmp_path / "c.json"
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench.collectives", *COLLECTIVES,
+                           "--impls", "native", "--json", str(out)], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    header = [line for line in proc.stdout.splitlines() if line.startswith("#")]
+    assert header[0].startswith("# machine: ") and "real compute, CPU" in header[0]
+    assert not any("chunk" in line or "validate" in line for line in header)  # no mpicomm impl ran
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["compute"] == "real compute, CPU" and meta["machine"]["cores"] >= 1
+    assert meta["chunk_bytes"] is None and meta["validate"] is None
