@@ -102,3 +102,36 @@ def test_collectives_names_machine_and_compute_and_only_the_settings_that_ran(tm
     meta = json.loads(out.read_text())["meta"]
     assert meta["compute"] == "real compute, CPU" and meta["machine"]["cores"] >= 1
     assert meta["chunk_bytes"] is None and meta["validate"] is None
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--configs", "allreduce,topk::117"], "--configs: topk ramp 117: a ramp falls to a density"),
+    (["--configs", "allreduce:0.01:50"], "--configs: allreduce sends every gradient"),
+    (["--configs", "wfbp:0.1"], "--configs: wfbp sends every gradient"),
+    (["--configs", "allreduce,topk:0.01,topk:0.010"], "--configs: 'topk:0.010' is listed twice"),
+    (["--seeds", "0,0"], "--seeds: '0' is listed twice"),
+], ids=["ramp-without-density", "density-for-allreduce", "density-for-wfbp", "config-twice", "seed-twice"])
+def test_convergence_refuses_what_its_training_runs_would_ignore(capsys, argv, message):
+    assert message in refused(capsys, "bench.convergence", argv)
+
+
+def figure_titles(monkeypatch, module) -> list:
+    """The titles (suptitle, then each axis's) of every figure `module` saves, instead of saving it."""
+    titles = []
+
+    def keep(fig, path):
+        titles.append(" ".join([fig._suptitle.get_text() if fig._suptitle else ""]
+                               + [ax.get_title() for ax in fig.axes]))
+    monkeypatch.setattr(module, "save_figure", keep)
+    return titles
+
+
+def test_convergence_names_the_machine_and_compute_in_its_figure(tmp_path, monkeypatch):
+    from jobs.bench import convergence
+    from jobs.common.compute import where_and_how
+
+    titles = figure_titles(monkeypatch, convergence)
+    configs = [("allreduce", None, 0)]
+    rows = [dict(config="allreduce", test_accuracy=0.8)]
+    convergence.plot(rows, configs, str(tmp_path / "p.png"), where_and_how())
+    assert "machine: " in titles[0] and "real compute, CPU" in titles[0]

@@ -41,9 +41,8 @@ from jobs.bench.collectives_report import (OPS, auto_against_fastest, choice_sum
 from jobs.common.inputs import InputError, JobParser, at_least, comma_list, output_file, parse, positive_finite
 from jobs.common.outputs import write_results, write_together
 from jobs.common.report import parse_size as _parse_size
-from jobs.common.report import machine, machine_line, run_metadata, write_document
-
-COMPUTE = "real compute, CPU"  # no model: the buffers are host memory, each call the MPI library's or mpicomm's
+from jobs.common.compute import REAL_CPU, where_and_how, where_and_how_line
+from jobs.common.report import run_metadata, write_document
 
 IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "rabenseifner", "hierarchical", "hierarchical-messages",
          "hierarchical-window", "auto")
@@ -282,7 +281,8 @@ def main(argv=None, args=None) -> int:
     bench_comm = comm.Dup()
     rows = []
     mpicomm_runs = bool(set(args.impls) & set(MPICOMM_IMPLS))  # the header names only settings that applied
-    say(f"# {machine_line(machine())}; {COMPUTE}")
+    labels = where_and_how(REAL_CPU)  # no model: the buffers are host memory, each call MPI's or mpicomm's
+    say(f"# {where_and_how_line(labels)}")
     say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "
         + (f"mpicomm chunk {chunk} B, validate {'on' if validate else 'off'}, " if mpicomm_runs else "")
         + f"network {network['kind']}"
@@ -347,12 +347,12 @@ def main(argv=None, args=None) -> int:
         if chosen:
             choice_summary(rows, chosen, against, say)
     meta = run_metadata("jobs.bench.collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                        ranks=P, dtype=args.dtype, machine=machine(), compute=COMPUTE,
+                        ranks=P, dtype=args.dtype, **labels,
                         chunk_bytes=chunk if mpicomm_runs else None, validate=validate if mpicomm_runs else None,
                         network=network, link_bps=link_bps, latency_bytes=latency, rounds=args.rounds,
                         layout=layout, auto=auto_how)
     title = (f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}\n"
-             f"{machine_line(meta['machine'])}; {COMPUTE}")
+             f"{where_and_how_line(meta)}")
     write_results(comm, args, meta, rows, lambda path: plot(rows, path, title), say)
     if args.crossover:
         table = {op: (b if b is not None else 2 * max(args.sizes)) for op, b in measured.items()}
