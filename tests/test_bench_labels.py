@@ -135,3 +135,27 @@ def test_convergence_names_the_machine_and_compute_in_its_figure(tmp_path, monke
     rows = [dict(config="allreduce", test_accuracy=0.8)]
     convergence.plot(rows, configs, str(tmp_path / "p.png"), where_and_how())
     assert "machine: " in titles[0] and "real compute, CPU" in titles[0]
+
+
+def test_pipeline_accuracy_help_quotes_the_tasks_own_epochs_and_rates(capsys):
+    from jobs.bench.pipeline_accuracy import parse_args
+    from jobs.bench.pipeline_accuracy_tasks import TASKS
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: each task's, " + ", ".join(f"{t} {TASKS[t].epochs}" for t in TASKS) + ")" in text
+    assert "default: each task's, " + ", ".join(f"{t} {TASKS[t].lr:g}" for t in TASKS) + ")" in text
+    assert "momentum, every method (default 0.9)" in text
+
+
+def test_pipeline_accuracy_refuses_an_infinite_rate_and_names_machine_and_compute(capsys, tmp_path, monkeypatch):
+    from jobs.bench import pipeline_accuracy
+    from jobs.common.compute import where_and_how
+
+    assert "--lr: must be a finite number > 0" in refused(capsys, "bench.pipeline_accuracy", ["--lr", "inf"])
+    titles = figure_titles(monkeypatch, pipeline_accuracy)
+    rows = [dict(task="fc", method="dp", runs=[dict(epochs=[dict(val_acc=0.5), dict(val_acc=0.6)])])]
+    meta = dict(where_and_how(), ranks=4, settings=dict(seeds=1))
+    pipeline_accuracy.plot(rows, ["fc"], ["dp"], str(tmp_path / "a.png"), meta)
+    assert "machine: " in titles[0] and "real compute, CPU" in titles[0] and "4 ranks" in titles[0]
