@@ -159,3 +159,13 @@ def test_pipeline_accuracy_refuses_an_infinite_rate_and_names_machine_and_comput
     meta = dict(where_and_how(), ranks=4, settings=dict(seeds=1))
     pipeline_accuracy.plot(rows, ["fc"], ["dp"], str(tmp_path / "a.png"), meta)
     assert "machine: " in titles[0] and "real compute, CPU" in titles[0] and "4 ranks" in titles[0]
+
+
+def test_pipeline_defaults_figure_names_the_machine_and_compute(tmp_path, monkeypatch, capsys):
+    from jobs.bench import pipeline_defaults
+
+    titles = figure_titles(monkeypatch, pipeline_defaults)
+    rows = [dict(model="mlp", mode="flush", seed=0, test_accuracy=0.8, stopped=None)]
+    pipeline_defaults.plot(rows, ["mlp"], ["flush"], str(tmp_path / "p.png"))
+    assert "machine: " in titles[0] and "real compute, CPU" in titles[0]
+    assert "--seeds: '1' is listed twice" in refused(capsys, "bench.pipeline_defaults", ["--seeds", "1,1"])
