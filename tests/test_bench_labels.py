@@ -169,3 +169,13 @@ def test_pipeline_defaults_figure_names_the_machine_and_compute(tmp_path, monkey
     pipeline_defaults.plot(rows, ["mlp"], ["flush"], str(tmp_path / "p.png"))
     assert "machine: " in titles[0] and "real compute, CPU" in titles[0]
     assert "--seeds: '1' is listed twice" in refused(capsys, "bench.pipeline_defaults", ["--seeds", "1,1"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--parts", "tests-serial", "--bandwidth", "1gbit"], "--bandwidth: shapes the throughput and xcheck parts' links"),
+    (["--parts", "throughput", "--bandwidth", "fast"], "--bandwidth: "),
+    (["--parts", "mstopk,mstopk"], "--parts: 'mstopk' is listed twice"),
+], ids=["bandwidth-without-its-parts", "bandwidth-unparseable", "part-twice"])
+def test_gpu_check_checks_its_bandwidth_before_the_gpu(capsys, argv, message):
+    err = refused(capsys, "gpu_check.main", argv)
+    assert message in err and "CUDA" not in err
