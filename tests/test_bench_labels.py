@@ -179,3 +179,28 @@ def test_pipeline_defaults_figure_names_the_machine_and_compute(tmp_path, monkey
 def test_gpu_check_checks_its_bandwidth_before_the_gpu(capsys, argv, message):
     err = refused(capsys, "gpu_check.main", argv)
     assert message in err and "CUDA" not in err
+
+
+def test_pto_alternates_the_two_steps_round_by_round_and_reports_the_median_ratio(tmp_path):
+    import statistics
+
+    from jobs.common.stats import median_ci
+
+    out = tmp_path / "pto.json"
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "jobs.bench.pto", "--model", "mlp",
+                           "--optimizers", "sgd-momentum", "--rounds", "3", "--repeats", "1", "--warmup", "0",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    row, meta = doc["rows"][0], doc["meta"]
+    assert row["round_orders"] == [["unsharded", "pto"], ["pto", "unsharded"], ["unsharded", "pto"]]
+    assert len(row["round_ratios"]) == 3 and row["speedup"] == statistics.median(row["round_ratios"])
+    assert row["speedup_ci"] == list(median_ci(row["round_ratios"])[:2]) and row["speedup_coverage"] == 0.75
+    assert meta["rounds"] == 3 and meta["compute"] == "real compute, CPU" and meta["machine"]["cores"] >= 1
+    assert "machine: " in proc.stdout and "a 75 % CI (95 % needs >= 6 rounds)" in proc.stdout
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pto_refuses_an_optimizer_twice_and_no_rounds(capsys):
+    assert "--optimizers: 'adam' is listed twice" in refused(capsys, "bench.pto", ["--optimizers", "adam,adam"])
+    assert "--rounds: must be >= 1" in refused(capsys, "bench.pto", ["--rounds", "0"])
