@@ -204,3 +204,31 @@ def test_pto_alternates_the_two_steps_round_by_round_and_reports_the_median_rati
 def test_pto_refuses_an_optimizer_twice_and_no_rounds(capsys):
     assert "--optimizers: 'adam' is listed twice" in refused(capsys, "bench.pto", ["--optimizers", "adam,adam"])
     assert "--rounds: must be >= 1" in refused(capsys, "bench.pto", ["--rounds", "0"])
+
+
+def test_emulation_interleaves_what_it_compares_and_names_the_machine(tmp_path, capsys, monkeypatch):
+    from jobs.bench import emulation
+    from runtime.emulate import accelerator
+
+    titles = figure_titles(monkeypatch, emulation)
+    out = tmp_path / "e.json"
+    argv = ["--models", "mlp", "--devices", "v100", "--steps", "1", "--warmup", "0", "--waits", "10",
+            "--repeats", "3", "--idles", "", "--scales", "2", "--json", str(out)]
+    try:
+        assert emulation.main(argv) == 0
+    finally:
+        accelerator.deactivate()
+    doc = json.loads(out.read_text())
+    waits = [r for r in doc["rows"] if r["table"] == "waits"]
+    assert sorted(r["first_in"] for r in waits) == [1, 2]  # each way first in some repeat: alternating
+    steps = [r for r in doc["rows"] if r["table"] in ("steps", "scales")]
+    assert [r["hooks"] for r in steps] == [*emulation.HOOKS, "none"] and steps[-1]["compute_scale"] == 2
+    for r in steps:  # every variant ran once a round, not all its steps in one block
+        assert r["rounds"] == 3 and len(r["block_errors"]) == 3
+    # a rotated order: each variant at more than one position, and the rounds not all in one order
+    assert all(len(set(r["round_positions"])) > 1 for r in steps)
+    assert len({tuple(r["round_positions"][k] for r in steps) for k in range(3)}) == 3
+    assert doc["meta"]["machine"]["cores"] >= 1
+    assert "emulated compute: v100" in doc["meta"]["compute"]
+    assert "machine: " in titles[0] and "emulated compute: v100" in titles[0]
+    assert capsys.readouterr().out.startswith("# machine: ")
