@@ -40,7 +40,8 @@ def refused(capsys, job: str, argv: list[str]) -> str:
     ("bench.emulation", [*EMULATION, "--scales", "y"], "--scales: 'y'"),
     ("bench.emulation", [*EMULATION, "--scales", "inf"], "--scales: every scale must be > 0 and finite"),
     ("bench.emulation", [*EMULATION, "--waits", "10,10"], "--waits: '10' is listed twice"),
-    ("bench.emulation", [*EMULATION[:2], "--devices", "v100,v100", *EMULATION[4:]], "--devices: 'v100' is listed twice"),
+    ("bench.emulation", [*EMULATION[:2], "--devices", "v100,v100", *EMULATION[4:]],
+     "--devices: 'v100' is listed twice"),
 ], ids=["waits-word", "waits-zero", "waits-negative", "idles-word", "idles-inf", "scales-word", "scales-inf",
         "waits-twice", "devices-twice"])
 def test_bad_values_are_one_line_not_a_traceback(capsys, job, argv, message):

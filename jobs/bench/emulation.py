@@ -102,8 +102,8 @@ def check_args(args) -> None:
         except EmulationError as e:
             from jobs.common.inputs import InputError
             raise InputError("--devices", str(e)) from None
-    args.profiles = [(_profile_model(path), path) for path in comma_list("--profiles", args.profiles)] \
-        if args.profiles.strip() else []
+    args.profiles = [(_profile_model(path), path) for path in
+                     comma_list("--profiles", args.profiles, unique=True)] if args.profiles.strip() else []
     # Each parsed here, not by a bare int() or float(): "abc" was a ValueError traceback, 0 waits a
     # ZeroDivisionError, an inf idle an OverflowError in time.sleep, and -10 waits a table of -100 %.
     args.waits = _numbers("--waits", args.waits, int, lambda w: w >= 1, "every wait count must be a whole number >= 1")

@@ -126,7 +126,8 @@ class StepVariant:
         cpus, landing = pooled("cpus"), pooled("landing")
         rest = statistics.median(c - lc for c, lc in zip(cpus, landing))
         return dict(table="steps", model=self.name, device=self.acc.model.label, batch=self.batch,
-                    hooked=self.hooks != "none", hooks=self.hooks, params=sum(p.numel() for p in self.model.parameters()),
+                    hooked=self.hooks != "none", hooks=self.hooks,
+                    params=sum(p.numel() for p in self.model.parameters()),
                     modelled_s=t_model, t_iter_s=t_iter, host_step_median_s=statistics.median(pooled("times")),
                     modelled_step_median_s=statistics.median(pooled("modelled")),
                     error=statistics.median(b["t_iter"] / b["t_model"] - 1 for b in self.blocks),
