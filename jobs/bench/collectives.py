@@ -38,10 +38,10 @@ import numpy as np
 
 from jobs.bench.collectives_report import (OPS, auto_against_fastest, choice_summary, choose, crossover, format_table,
                                           plot, summary)
+from jobs.common.compute import REAL_CPU, where_and_how, where_and_how_line
 from jobs.common.inputs import InputError, JobParser, at_least, comma_list, output_file, parse, positive_finite
 from jobs.common.outputs import write_results, write_together
 from jobs.common.report import parse_size as _parse_size
-from jobs.common.compute import REAL_CPU, where_and_how, where_and_how_line
 from jobs.common.report import run_metadata, write_document
 
 IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "rabenseifner", "hierarchical", "hierarchical-messages",
