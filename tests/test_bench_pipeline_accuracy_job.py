@@ -23,6 +23,7 @@ def test_tiny_table_rows_markdown_and_plot(tmp_path):
     rows = doc["rows"]
     assert [(r["task"], r["method"]) for r in rows] == [("fc", m) for m in METHODS]
     assert doc["meta"]["ranks"] == 4 and doc["meta"]["tasks"]["fc"]["balance"] == [3, 2, 2, 1]
+    assert doc["meta"]["compute"] == "real compute, CPU" and doc["meta"]["machine"]["cores"] >= 1
     for r in rows:
         assert r["seeds"] == 1 and len(r["runs"]) == 1
         assert 0 <= r["max_val_acc"] <= 1 and math.isfinite(r["min_train_loss"]) and math.isfinite(r["min_val_loss"])
@@ -36,4 +37,5 @@ def test_tiny_table_rows_markdown_and_plot(tmp_path):
     for m in METHODS:
         assert f"| fc | {m} |" in table and f"| fc | {m} |" in proc.stdout
     assert "min train loss" in table and "Δ acc vs dp" in table
+    assert "machine: " in table and "real compute, CPU" in table and "real compute, CPU" in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"

@@ -38,7 +38,8 @@ import numpy as np
 
 from jobs.bench.collectives_report import (OPS, auto_against_fastest, choice_summary, choose, crossover, format_table,
                                           plot, summary)
-from jobs.common.inputs import InputError, JobParser, at_least, comma_list, output_file, parse, positive
+from jobs.common.compute import REAL_CPU, where_and_how, where_and_how_line
+from jobs.common.inputs import InputError, JobParser, at_least, comma_list, output_file, parse, positive_finite
 from jobs.common.outputs import write_results, write_together
 from jobs.common.report import parse_size as _parse_size
 from jobs.common.report import run_metadata, write_document
@@ -48,6 +49,7 @@ IMPLS = ("ring", "ring-only", "native", "gloo", "doubling", "rabenseifner", "hie
 # mpicomm.Collectives, allreduce only; "-messages", "-window": the hierarchy's node steps as messages or through the
 # shared window, whatever MPI's single-copy path (without either: the window where there is none)
 ALGORITHM_IMPLS = ("doubling", "rabenseifner", "hierarchical", "hierarchical-messages", "hierarchical-window", "auto")
+MPICOMM_IMPLS = ("ring", "ring-only", *ALGORITHM_IMPLS)  # those --chunk-bytes and --no-validate apply to
 GLOO_OPS = ("allreduce", "allgather", "broadcast")  # gloo has no CPU reduce_scatter
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 
@@ -79,7 +81,7 @@ def parse_args(argv=None):
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"comma-separated message sizes in bytes, K/M/G suffixes (default {DEFAULT_SIZES})")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)} (default all)")
     p.add_argument("--impls", default="ring,ring-only,native",
                    help="comma-separated subset of ring (mpicomm, with its latency path), ring-only (no latency "
                         "path), native (MPI), gloo (torch.distributed), and for allreduce doubling, rabenseifner, "
@@ -93,10 +95,12 @@ def parse_args(argv=None):
                    help="rounds per size, implementations in a rotated order each round, reversed every other; medians "
                         "(default 3; 95 %% CIs from 6)")
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations per row (default 1)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "int32"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "float64", "int32"),
+                   help="the buffers' element type (default float32)")
     p.add_argument("--chunk-bytes", type=parse_size, default=None,
-                   help="ring pipelining chunk (default: mpicomm's)")
-    p.add_argument("--no-validate", action="store_true", help="skip the ring's cross-rank fingerprint check")
+                   help="pipelining chunk of mpicomm's impls (all but native and gloo; default: mpicomm's)")
+    p.add_argument("--no-validate", action="store_true",
+                   help="skip the cross-rank fingerprint check of mpicomm's impls (all but native and gloo)")
     p.add_argument("--latency-bytes", type=parse_bytes, default=None,
                    help="the ring impl's crossover: below it MPI's collective (default: mpicomm's, or "
                         "$MPITRAIN_RING_LATENCY_BYTES; 0 = the ring everywhere)")
@@ -110,19 +114,27 @@ def parse_args(argv=None):
                    help="write the fastest allreduce algorithm per size here (JSON, for this layout); point "
                         "$MPITRAIN_ALLREDUCE_TABLE at it and auto follows it (needs ring-only and doubling)")
     p.add_argument("--link-gbps", type=float, default=None,
-                   help="per-host link rate (Gbit/s) for the bandwidth bound; default: the emulated cluster's")
+                   help="per-host link rate (Gbit/s) for the bandwidth bound (default: the emulated cluster's, "
+                        "else none)")
     p.add_argument("--json", metavar="PATH", help="write the rows (and run metadata) here")
     p.add_argument("--plot", metavar="PNG", help="busbw-vs-size plot (default: the JSON path with .png)")
     return parse(p, argv, check_args, mpi=True)
 
 
 def check_args(args) -> None:
-    args.sizes = comma_list("--sizes", args.sizes, parse=parse_size)
+    args.sizes = comma_list("--sizes", args.sizes, parse=parse_size, unique=True)
     args.ops = comma_list("--ops", args.ops, OPS)
     args.impls = comma_list("--impls", args.impls, IMPLS)
     at_least(args, 0, "iters", "warmup")
     at_least(args, 1, "rounds")
-    positive(args, "link_gbps")
+    positive_finite(args, "link_gbps")  # inf made every bound 0 s and each row "inf x bound"
+    # Settings of impls not run were accepted, and the header still named them, as if they had applied.
+    if args.latency_bytes is not None and "ring" not in args.impls:
+        raise InputError("--latency-bytes", "is the ring impl's crossover: add ring to --impls")
+    if not set(args.impls) & set(MPICOMM_IMPLS):
+        for given, opt in ((args.chunk_bytes is not None, "--chunk-bytes"), (args.no_validate, "--no-validate")):
+            if given:
+                raise InputError(opt, f"applies to mpicomm's impls ({', '.join(MPICOMM_IMPLS)}), none in --impls")
     if args.crossover and not {"ring-only", "native"} <= set(args.impls):
         raise InputError("--crossover", "needs the ring-only and native impls in --impls")
     if args.choose and not ({"ring-only", "doubling"} <= set(args.impls) and "allreduce" in args.ops):
@@ -268,8 +280,12 @@ def main(argv=None, args=None) -> int:
                                       node_window={"messages": False, "window": True}.get(how, "auto"))
     bench_comm = comm.Dup()
     rows = []
+    mpicomm_runs = bool(set(args.impls) & set(MPICOMM_IMPLS))  # the header names only settings that applied
+    labels = where_and_how(REAL_CPU)  # no model: the buffers are host memory, each call MPI's or mpicomm's
+    say(f"# {where_and_how_line(labels)}")
     say(f"# {MPI.Get_library_version().splitlines()[0].strip()}, {P} ranks, dtype {args.dtype}, "
-        f"ring chunk {chunk} B, validate {'on' if validate else 'off'}, network {network['kind']}"
+        + (f"mpicomm chunk {chunk} B, validate {'on' if validate else 'off'}, " if mpicomm_runs else "")
+        + f"network {network['kind']}"
         + (f", link {link_bps / 1e9:g} Gbit/s" if link_bps else "")
         + (f", ring latency path below {_crossovers(latency, args.ops)}" if latency else "")
         + f", {args.rounds} rounds, {topo.num_nodes} node(s) x {topo.local_size}")
@@ -331,10 +347,12 @@ def main(argv=None, args=None) -> int:
         if chosen:
             choice_summary(rows, chosen, against, say)
     meta = run_metadata("jobs.bench.collectives", argv, mpi=MPI.Get_library_version().splitlines()[0].strip(),
-                        ranks=P, dtype=args.dtype, chunk_bytes=chunk, validate=validate,
+                        ranks=P, dtype=args.dtype, **labels,
+                        chunk_bytes=chunk if mpicomm_runs else None, validate=validate if mpicomm_runs else None,
                         network=network, link_bps=link_bps, latency_bytes=latency, rounds=args.rounds,
                         layout=layout, auto=auto_how)
-    title = f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}"
+    title = (f"busbw vs size, {P} ranks, {' '.join(meta['mpi'].split())}\n"
+             f"{where_and_how_line(meta)}")
     write_results(comm, args, meta, rows, lambda path: plot(rows, path, title), say)
     if args.crossover:
         table = {op: (b if b is not None else 2 * max(args.sizes)) for op, b in measured.items()}

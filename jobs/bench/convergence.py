@@ -22,7 +22,8 @@ import subprocess
 import sys
 import tempfile
 
-from jobs.common.choices import STRATEGIES
+from jobs.common.choices import SPARSE_STRATEGIES, STRATEGIES
+from jobs.common.compute import REAL_CPU, where_and_how, where_and_how_line
 from jobs.common.inputs import (InputError, JobParser, at_least, check_fraction, comma_list, one_of, output_file, parse,
                                 positive)
 from jobs.common.outputs import write_together
@@ -36,27 +37,40 @@ DEFAULT_CONFIGS = ("allreduce,topk:0.01,hier-topk:0.01,topk:0.01:117,hier-topk:0
 def parse_args(argv=None):
     p = JobParser(prog="python -m jobs.bench.convergence", description=__doc__.split("\n\n")[0],
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"default {DEFAULT_CONFIGS}")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--ranks-per-node", type=int, default=2)
-    p.add_argument("--max-steps", type=int, default=0, help="per epoch (0: all)")
-    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per training run")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma-separated strategy, strategy:density (topk, hier-topk) or strategy:density:ramp; the "
+                        f"first is the baseline (default {DEFAULT_CONFIGS})")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run each (default %(default)s)")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per run (default %(default)s)")
+    p.add_argument("--ranks", type=int, default=4, help="ranks per run (default %(default)s)")
+    p.add_argument("--ranks-per-node", type=int, default=2,
+                   help="ranks per emulated node: hier-topk's node level (default %(default)s)")
+    p.add_argument("--max-steps", type=int, default=0, help="steps per epoch (default %(default)s: all)")
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds allowed per training run (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's metadata here (default: none)")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
     return parse(p, argv, check_args)
 
 
 def check_args(args) -> None:
-    args.configs = comma_list("--configs", args.configs, parse=parse_config)
-    for strategy, density, ramp in args.configs:
+    args.configs = comma_list("--configs", args.configs, parse=parse_config, unique=True)
+    for config in args.configs:
+        strategy, density, ramp = config
         one_of("--configs", strategy, STRATEGIES)
+        # jobs.train takes a density (and its ramp) for the sparse strategies only: any other was run without it,
+        # under a label that named it.
+        if density is not None and strategy not in SPARSE_STRATEGIES:
+            raise InputError("--configs", f"{strategy} sends every gradient: a density applies to "
+                                          f"{' and '.join(SPARSE_STRATEGIES)} only")
         if density is not None:
             check_fraction("--configs", density)
         if ramp < 0:
             raise InputError("--configs", f"a ramp is a number of steps >= 0, got {ramp}")
-    args.seeds = comma_list("--seeds", args.seeds, parse=int)
+        if ramp and density is None:
+            raise InputError("--configs", f"{label(config)}: a ramp falls to a density: write "
+                                          f"{strategy}:DENSITY:{ramp}")
+    args.seeds = comma_list("--seeds", args.seeds, parse=int, unique=True)
     if min(args.seeds) < 0:
         raise InputError("--seeds", f"must be >= 0, got {min(args.seeds)}")
     at_least(args, 1, "epochs", "ranks", "ranks_per_node")
@@ -117,21 +131,21 @@ def table(rows, configs, seeds) -> str:
     return "\n".join([head, *body])
 
 
-def plot(rows, configs, path) -> None:
+def plot(rows, configs, path, meta: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = [label(c) for c in configs]
     accs = [[r["test_accuracy"] * 100 for r in rows if r["config"] == n] for n in names]
-    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.8))
+    fig, ax = plt.subplots(figsize=(max(6.5, 1.6 * len(names) + 2), 3.8))  # wide enough for the machine line
     ax.bar(range(len(names)), [statistics.fmean(a) for a in accs], color="#4c72b0")
     for i, a in enumerate(accs):
         ax.scatter([i] * len(a), a, color="black", s=12, zorder=3)
     ax.set_xticks(range(len(names)), names, rotation=20)
     ax.set_ylim(min(min(a) for a in accs) - 3, 100)
     ax.set_ylabel("test accuracy %")
-    ax.set_title("Fashion-MNIST MLP, final epoch (dots: seeds)")
+    ax.set_title(f"Fashion-MNIST MLP, final epoch (dots: seeds)\n{where_and_how_line(meta)}", fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     save_figure(fig, path)
 
@@ -152,13 +166,13 @@ def main(argv=None) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("\n" + table(rows, args.configs, args.seeds))
+    meta = run_metadata("jobs.bench.convergence", argv, **where_and_how(REAL_CPU))  # jobs.train on the CPU
+    print(f"\n{where_and_how_line(meta)}\n" + table(rows, args.configs, args.seeds))
     if args.json:
-        write_together(None, "--json", args.json,
-                       lambda: write_json(args.json, run_metadata("jobs.bench.convergence", argv), rows))
+        write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot:
         write_together(None, "--plot", args.plot,
-                       lambda: (plot(rows, args.configs, args.plot), print(f"wrote {args.plot}")))
+                       lambda: (plot(rows, args.configs, args.plot, meta), print(f"wrote {args.plot}")))
     return 0
 
 

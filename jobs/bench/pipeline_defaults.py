@@ -33,7 +33,8 @@ import tempfile
 from jobs.common.choices import PIPELINE_MODES, SEQUENTIAL_MODELS
 from jobs.common.inputs import (InputError, JobParser, at_least, comma_list, output_file, parse, positive)
 from jobs.common.outputs import write_together
-from jobs.common.report import machine, run_metadata, save_figure, write_json
+from jobs.common.compute import REAL_CPU, where_and_how, where_and_how_line
+from jobs.common.report import run_metadata, save_figure, write_json
 
 TARGET_POINTS = 2.0  # each asynchronous mode's mean within this many points of flush's
 
@@ -43,14 +44,15 @@ def parse_args(argv=None):
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--models", default="mlp,cnn", help="default mlp,cnn")
     p.add_argument("--modes", default=",".join(PIPELINE_MODES), help=f"default {','.join(PIPELINE_MODES)}")
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one run each (default %(default)s)")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per run (default %(default)s)")
     p.add_argument("--ranks", type=int, default=4, help="one per stage (default 4)")
     p.add_argument("--balance", help="not a default: layers per stage instead of the automatic partition (one "
                                      "model), e.g. 3,3,2,2 to spread cnn's parameters over the stages")
-    p.add_argument("--timeout", type=float, default=900, help="seconds allowed per training run")
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds allowed per training run (default %(default)s)")
     p.add_argument("--baseline", metavar="JSON", help="an earlier run of this benchmark, shown beside (before)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's metadata here (default: none)")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
     return parse(p, argv, check_args)
 
@@ -61,7 +63,7 @@ def check_args(args) -> None:
         if m not in ("mlp", "cnn"):
             raise InputError("--models", f"{m} does not train on Fashion-MNIST in minutes here: mlp or cnn")
     args.modes = comma_list("--modes", args.modes, allowed=PIPELINE_MODES)
-    args.seeds = comma_list("--seeds", args.seeds, parse=int)
+    args.seeds = comma_list("--seeds", args.seeds, parse=int, unique=True)
     if min(args.seeds) < 0:
         raise InputError("--seeds", f"must be >= 0, got {min(args.seeds)}")
     at_least(args, 1, "epochs", "ranks")
@@ -146,12 +148,14 @@ def gap(mean, base, mode) -> str:
     return f"{points:+.2f} points" + ("" if abs(points) <= TARGET_POINTS else " ✗")
 
 
-def plot(rows, models, modes, path, baseline=None, note: str = "job defaults") -> None:
+def plot(rows, models, modes, path, baseline=None, note: str = "job defaults", meta: dict | None = None) -> None:
+    """meta: the run's (its machine and compute name the figure); by default this machine's, real compute."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(models), figsize=(4.6 * len(models), 3.8), squeeze=False)
+    # At least 6.5 inches: the machine line must fit above a single model's plot.
+    fig, axes = plt.subplots(1, len(models), figsize=(max(6.5, 4.6 * len(models)), 3.8), squeeze=False)
     for ax, model in zip(axes[0], models):
         for i, mode in enumerate(modes):
             accs = [r["test_accuracy"] * 100 for r in rows if (r["model"], r["mode"]) == (model, mode)
@@ -173,6 +177,7 @@ def plot(rows, models, modes, path, baseline=None, note: str = "job defaults") -
         ax.set_title(f"{model}, Fashion-MNIST, {note} (dots: seeds)", fontsize=9)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, loc="lower left")
+    fig.suptitle(where_and_how_line(meta or where_and_how(REAL_CPU)), fontsize=8)
     save_figure(fig, path)
 
 
@@ -193,15 +198,15 @@ def main(argv=None) -> int:
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print("\n" + table(rows, args.models, args.modes, args.seeds, baseline))
-    meta = run_metadata("jobs.bench.pipeline_defaults", argv, machine=machine(),
+    meta = run_metadata("jobs.bench.pipeline_defaults", argv, **where_and_how(REAL_CPU),  # jobs.train on the CPU
                         example=" ".join(command(args, "MODEL", "MODE", 0, "PATH")[1:]))
+    print(f"\n{where_and_how_line(meta)}\n" + table(rows, args.models, args.modes, args.seeds, baseline))
     if args.json:
         write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot:
         write_together(None, "--plot", args.plot,
                        lambda: (plot(rows, args.models, args.modes, args.plot, baseline,
-                                     f"balance {args.balance}" if args.balance else "job defaults"),
+                                     f"balance {args.balance}" if args.balance else "job defaults", meta),
                                 print(f"wrote {args.plot}")))
     return 0
 

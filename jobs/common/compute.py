@@ -5,9 +5,26 @@ from __future__ import annotations
 import argparse
 import time
 
-from jobs.common.inputs import InputError
+from jobs.common.inputs import InputError, positive_finite
 
-__all__ = ["add_compute_arguments", "check_compute", "Compute"]
+__all__ = ["add_compute_arguments", "check_compute", "Compute", "REAL_CPU", "where_and_how", "where_and_how_line"]
+
+# What a benchmark without --compute names: its model (or its buffers) computed on this host's CPU.
+REAL_CPU = "real compute, CPU"
+
+
+def where_and_how(compute: str = REAL_CPU) -> dict:
+    """{machine, compute} for a benchmark's JSON meta: every table, figure and JSON names both."""
+    from jobs.common.report import machine
+
+    return dict(machine=machine(), compute=compute)
+
+
+def where_and_how_line(meta: dict) -> str:
+    """`machine: ..., N cores (...), M GiB; real compute, CPU`: a table's header, a figure's title line."""
+    from jobs.common.report import machine_line
+
+    return f"{machine_line(meta['machine'])}; {meta['compute']}"
 
 
 def add_compute_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,14 +34,15 @@ def add_compute_arguments(p: argparse.ArgumentParser) -> None:
                         "emulated:PROFILE.json (times measured by mpitrain simulate --take-profile)")
     p.add_argument("--compute-scale", type=float, default=1.0,
                    help="emulated compute: every modelled time times this (10: a GPU ten times slower; with links "
-                        "ten times slower, the compute-to-communication ratio of links ten times faster)")
+                        "ten times slower, the compute-to-communication ratio of links ten times faster; "
+                        "default %(default)s)")
 
 
 def check_compute(args) -> None:
     """A bad --compute is one line and exit 2, on every rank, before MPI or a model."""
     spec = args.compute
-    if not args.compute_scale > 0:
-        raise InputError("--compute-scale", f"must be > 0, got {args.compute_scale}")
+    # Finite too: inf passed `> 0` and every worker then died on OverflowError (a deadline out of range).
+    positive_finite(args, "compute_scale")
     if spec == "real":
         if args.compute_scale != 1.0:
             raise InputError("--compute-scale", "applies to emulated compute only (--compute emulated:...)")

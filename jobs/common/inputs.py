@@ -114,10 +114,12 @@ def one_of(opt: str, value, allowed: Iterable) -> None:
 
 
 def comma_list(opt: str, text: str, allowed: Iterable | None = None,
-               parse: Callable[[str], object] | None = None) -> list:
+               parse: Callable[[str], object] | None = None, unique: bool | None = None) -> list:
     """'a,b,c' -> [a, b, c]: at least one item, each in `allowed` and/or converted by `parse`.
 
     `parse` may raise ValueError or argparse.ArgumentTypeError; the message names the option.
+    unique (default: where `allowed` names the choices): a repeated item is refused. A benchmark measured a
+    contender listed twice twice per round and merged both under one name; no list of names means one twice.
     """
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -125,14 +127,20 @@ def comma_list(opt: str, text: str, allowed: Iterable | None = None,
     if allowed is not None:
         for item in items:
             one_of(opt, item, allowed)
-    if parse is None:
-        return items
-    out = []
-    for item in items:
-        try:
-            out.append(parse(item))
-        except (ValueError, argparse.ArgumentTypeError) as exc:
-            raise InputError(opt, f"{item!r}: {exc}") from None
+    out = items
+    if parse is not None:
+        out = []
+        for item in items:
+            try:
+                out.append(parse(item))
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise InputError(opt, f"{item!r}: {exc}") from None
+    if unique or (unique is None and allowed is not None):
+        seen = []
+        for item, value in zip(items, out):
+            if value in seen:
+                raise InputError(opt, f"{item!r} is listed twice")
+            seen.append(value)
     return out
 
 
@@ -322,8 +330,8 @@ def add_cluster_bench_arguments(p: argparse.ArgumentParser, default_bandwidths: 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """A cluster benchmark's --local, --timeout, --json, --plot (checked by bench_outputs)."""
     p.add_argument("--local", action="store_true", help="no namespaces: run on this host, unshaped")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed per worker run (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="write the rows and the run's metadata here (default: none)")
     p.add_argument("--plot", metavar="PNG", help="default: the JSON path with .png")
 
 

@@ -26,11 +26,12 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from jobs.common.inputs import InputError, JobParser, comma_list, parse, positive
+from jobs.common.inputs import InputError, JobParser, comma_list, link_rate, parse, positive
 from jobs.gpu_check.parts import NAMES, ROOT, box_parts
 from jobs.gpu_check.report import write_report
 from jobs.gpu_check.runner import run_part
 
+BANDWIDTH = "10gbit"  # the throughput part's links where --bandwidth is not given
 BUDGET_S = 540  # of the 10 minutes: the set-up before (run.sh, a venv) and the report after
 
 
@@ -42,13 +43,19 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help=f"seconds for all parts together (default {BUDGET_S}): a part gets at most what is left, "
                         "and one left with under 10 s is reported as not run")
-    p.add_argument("--bandwidth", default="10gbit", help="throughput: the 2 x 2 cluster's links (default 10gbit)")
+    p.add_argument("--bandwidth", help=f"throughput and xcheck: the 2 x 2 cluster's links (default {BANDWIDTH})")
     return parse(p, argv, check_args)
 
 
 def check_args(args) -> None:
     args.parts = comma_list("--parts", args.parts, NAMES)
     positive(args, "budget")
+    # Checked, and refused where no part uses it: it reached the cluster unparsed, or was dropped without a word.
+    if args.bandwidth is not None:
+        if not {"throughput", "xcheck"} & set(args.parts):
+            raise InputError("--bandwidth", "shapes the throughput and xcheck parts' links: neither is in --parts")
+        link_rate("--bandwidth", args.bandwidth)
+    args.bandwidth = args.bandwidth or BANDWIDTH
     args.out = os.path.abspath(args.out or default_folder())
     check_cuda()
 
