@@ -77,7 +77,7 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
                 adjust(new, label)
             rows += new
             print(show(new).split("\n", 2)[2], flush=True)
-            _keep(args, rows)
+            keep_partial(args, rows)
             done += 1
     except (EmulationError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -85,7 +85,7 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
         failed = [dict(run=name, bandwidth=label, ranks=n, error=str(exc).strip()[-500:] if i == done else "not run")
                   for i, (_, label, name, n) in enumerate(grid) if i >= done]
     finally:
-        _keep(args, None)
+        keep_partial(args, None)
     return rows, failed
 
 
@@ -115,7 +115,7 @@ def partial_path(args) -> str | None:
     return None if not path else os.path.splitext(path)[0] + ".partial.json"
 
 
-def _keep(args, rows: list[dict] | None) -> None:
+def keep_partial(args, rows: list[dict] | None) -> None:
     """Write the rows so far (report.write_document: a kill mid-write leaves the last whole file), or remove them."""
     path = partial_path(args)
     if path is None:
