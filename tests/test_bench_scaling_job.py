@@ -50,8 +50,8 @@ def test_speedups_are_the_median_of_each_passs_ratio_not_a_ratio_of_medians():
     from jobs.bench.scaling import combine
 
     def row(ranks, p, rate):
-        return dict(model="m", bandwidth="b", strategy="s", ranks=ranks, rounds=1, ci=0.0, samples_per_s_ci=[rate, rate],
-                    samples_per_s=rate, **{"pass": p})
+        return dict(model="m", bandwidth="b", strategy="s", ranks=ranks, rounds=1, ci=0.0,
+                    samples_per_s_ci=[rate, rate], samples_per_s=rate, **{"pass": p})
     rates = {1: [100.0, 50.0, 100.0], 2: [180.0, 90.0, 180.0]}  # pass 1 ran at half speed throughout
     out = {r["ranks"]: r for r in combine([row(n, p, v) for n, vs in rates.items() for p, v in enumerate(vs)])}
     assert out[2]["pass_speedups"] == pytest.approx([1.8, 1.8, 1.8])
@@ -65,7 +65,7 @@ def test_a_sweep_whose_run_failed_exits_1_not_the_bad_input_2(tmp_path):
     """Nothing measured because the run failed (here, timed out): a failed run, not bad input."""
     out = tmp_path / "scaling.json"
     proc = subprocess.run([sys.executable, "-m", "jobs.bench.scaling", "--local", "--models", "mlp", "--strategies",
-                           "allreduce", "--ranks", "1,2", "--rounds", "1", "--passes", "1", "--timeout", "1",
+                           "allreduce", "--ranks", "1,2", "--rounds", "1", "--timeout", "1",
                            "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "error: job timed out" in proc.stderr and not out.exists()
