@@ -19,8 +19,10 @@ Prints a markdown table per P as it finishes, then the whole table, "the cost mo
 faster path in X of Y cases" and every miss with both measured times, the predicted seconds
 (the rebuild's share at the GEMM rate priced at wrap) and the rebuild measured alone: where
 the model's rate or its link time is off reads from there. Writes JSON rows (see the worker
-for the columns; the summary in the meta) and a PNG: a panel per layer, seconds per step
-against K (log-log), measured sfb and ps per P, the predicted crossover K marked.
+for the columns; the summary and the machine in the meta) and a PNG: a panel per layer, seconds per
+step against K (log-log), measured sfb and ps per P, the predicted crossover K marked, the compute
+and the machine in its title. A run that fails ends the sweep with one error line: the rows measured
+are still written (meta: incomplete, failed_runs) and the exit status is 1.
 
 Memory: the 4096×21841 layer holds over 1 GB per rank (weights, gradients, momentum), and every
 rank of the emulated cluster runs on this one machine: P=8 wants about 10 GB free (--layers

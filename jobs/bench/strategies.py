@@ -35,7 +35,9 @@ samples_per_s_ci), t_iter_s, t_compute_s, t_comm_s, overlap_efficiency, each
 with its _ci, compute_cpu_s, comm_cpu_s, comm_cpu_vs_ddp, the per-round values
 (*_rounds_s, overlap_rounds, t_iter_batches_s), wire_bytes_per_step,
 wire_bytes_per_host_per_step; hybcomm's rows: plan; meta: the machine) and a
-PNG of samples/s vs bandwidth. "step CPU s" is the CPU-seconds per training
+PNG of samples/s vs bandwidth (its title: the compute and the machine). A run that
+fails ends the sweep with one error line: the rows measured are still written, the
+meta says incomplete and names failed_runs, and the exit status is 1. "step CPU s" is the CPU-seconds per training
 step of all ranks' processes (every thread, user and system: progress
 threads, polling and the system calls that move the bytes included), "comm
 CPU s" the same for the synchronisation alone, "× DDP's" that over DDP's (per
