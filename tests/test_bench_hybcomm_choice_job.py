@@ -45,6 +45,9 @@ def test_local_run_measures_both_paths_and_the_models_pick(tmp_path):
         assert f" s: net.1 784×256 K={K} P=2: sfb " in proc.stdout.split("|")[0]
     summary = doc["meta"]["summary"]
     assert (summary["cases"], summary["agree"], len(summary["misses"])) == (2, agree, 2 - agree)
+    # The machine, in the meta and under the compute in the tables' title.
+    assert doc["meta"]["machine"]["cores"] >= 1 and "incomplete" not in doc["meta"]
+    assert f"\nreal compute\nmachine: {doc['meta']['machine']['cpu_model']}, " in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -101,3 +104,14 @@ def test_bad_input_exits_2_from_the_command_line():
     proc = subprocess.run([*JOB, "--local", "--ranks", "0"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr == "error: --ranks: each must be >= 2, got 0\n" and proc.stdout == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_failed_exits_1_not_the_bad_input_2(tmp_path):
+    """Nothing measured because the run failed (here, timed out): exit 1 and one error line; 2 is bad input."""
+    out = tmp_path / "choice.json"
+    proc = subprocess.run([*JOB, "--local", "--model", "mlp", "--ranks", "2", "--batch-sizes", "2", "--layers", "0",
+                           "--rounds", "1", "--iters", "1", "--warmup", "0", "--timeout", "1", "--json", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: job timed out" in proc.stderr and not out.exists()

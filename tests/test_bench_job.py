@@ -307,3 +307,25 @@ def test_carry_at_runs_on_slower_links_and_reports_at_the_bandwidth_asked(tmp_pa
     assert row["samples_per_s"] == pytest.approx(2 * 16 / row["t_iter_s"])
     assert row["wire_bytes_per_step"] >= 4 * sum(p.numel() for p in params)  # bytes as measured
     assert "\ncarried at 1 Gbit/s links: " in proc.stdout and "| 1 Gbit/s links, compute x2 |" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_whose_run_failed_exits_1_not_the_bad_input_2(tmp_path):
+    """Nothing measured because the run failed (here, timed out): exit 1, said in one error line; 2 is bad input."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench", "--local", "--hosts", "2", "--models", "mlp",
+                           "--strategies", "allreduce", "--rounds", "1", "--batches", "1", "--iters", "1", "--warmup",
+                           "0", "--timeout", "1", "--json", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: job timed out" in proc.stderr and not out.exists()
+
+
+def test_the_figures_title_names_the_compute_the_machine_and_a_failed_run():
+    from jobs.bench.strategies import figure_title, parse_args
+    from jobs.common.report import machine, machine_line
+
+    args = parse_args(["--local", "--hosts", "2", "--models", "mlp", "--strategies", "allreduce"])
+    assert figure_title(args, []).split("\n") == ["real compute", machine_line(machine())]
+    failed = [dict(run="resnet50", bandwidth="local-unshaped", ranks=2, error="job timed out")]
+    assert figure_title(args, failed).split("\n")[0] == "INCOMPLETE: resnet50 at local-unshaped, 2 ranks failed"

@@ -58,7 +58,33 @@ def test_local_bench_pipeline_rows_summary_and_plot(tmp_path):
     summary = doc["meta"]["summary"]
     assert len(summary) == 1 and summary[0]["async_over_dp"] > 0 and summary[0]["dp_over_pipeline_bytes"] > 1
     assert "| mlp | torch-1f1b | local-unshaped |" in stdout and "flush / torch-1f1b" in stdout
+    # One round: no interval, so neither rate target is decided.
+    assert summary[0]["met"]["async_over_dp"] == "undecided" and summary[0]["met"]["flush_over_torch"] == "undecided"
+    assert doc["meta"]["machine"]["cores"] >= 1 and "incomplete" not in doc["meta"]
+    assert f"\nreal compute\nmachine: {doc['meta']['machine']['cpu_model']}, " in stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _rows(times: dict) -> list[dict]:
+    """Summarize's input: each contender's T_iter round by round (the same batch: rate ratios invert them)."""
+    return [dict(model="fc-heavy", bandwidth="1gbit", contender=c, t_iter_rounds_s=t, samples_per_s=1 / sorted(t)[1],
+                 bytes_per_step=None, weight_copy_bytes=None) for c, t in times.items()]
+
+
+def test_the_targets_are_judged_on_the_rounds_paired_ratios_and_undecided_when_the_interval_straddles():
+    from jobs.bench.pipeline import summarize
+
+    # flush over torch-1f1b round by round: 1.2, 0.9, 1.1 (the interval 0.9-1.2 straddles 1.0): undecided, though
+    # the ratio of the medians (1.1) would say met. The async pipeline 2x-2.2x the data-parallel rate: met.
+    s, = summarize(_rows({"flush": [1.0, 1.0, 1.0], "torch-1f1b": [1.2, 0.9, 1.1], "stash": [1.0, 2.0, 1.0],
+                          "allreduce": [2.0, 4.4, 2.1]}))
+    assert s["flush_over_torch_paired"]["ci"] == pytest.approx([0.9, 1.2])
+    assert s["met"]["flush_over_torch"] == "undecided"
+    assert s["flush_over_torch"] == pytest.approx(1.1) and s["flush_over_torch_paired"]["coverage"] == 0.75
+    assert s["async_over_dp_paired"]["ci"] == pytest.approx([2.0, 2.2]) and s["met"]["async_over_dp"] == "met"
+    # A slow spell in round 2 slowed both: paired, the ratio is unmoved and clearly below the target.
+    s, = summarize(_rows({"flush": [1.0, 3.0, 1.0], "torch-1f1b": [0.5, 1.5, 0.5]}))
+    assert s["flush_over_torch_paired"]["ci"] == pytest.approx([0.5, 0.5]) and s["met"]["flush_over_torch"] == "not met"
 
 
 def test_worker_rejects_unknown_contender():
@@ -137,3 +163,14 @@ def test_send_quantiles_run_from_the_least_to_the_most():
     assert quantiles([]) is None and quantiles([0.5]) == [0.5] * 21
     q = quantiles([3.0, 1.0, 2.0], points=5)
     assert q == [1.0, 1.5, 2.0, 2.5, 3.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_run_that_failed_exits_1_not_the_bad_input_2(tmp_path):
+    """Nothing measured because the run failed (here, timed out): exit 1 and one error line; 2 is bad input."""
+    out = tmp_path / "bp.json"
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.pipeline", "--local", "--hosts", "2", "--models", "mlp",
+                           "--contenders", "flush", "--rounds", "1", "--iters", "1", "--warmup", "0", "--timeout", "1",
+                           "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: job timed out" in proc.stderr and not out.exists()

@@ -11,26 +11,64 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.timeout(300)  # two MPI jobs, 1 and 2 ranks
+@pytest.mark.timeout(300)  # four MPI jobs: 1 and 2 ranks, two passes
 def test_local_scaling_rows_efficiency_json_and_plot(tmp_path):
     out = tmp_path / "scaling.json"
     cmd = [sys.executable, "-m", "jobs.bench.scaling", "--local", "--models", "mlp", "--strategies", "allreduce,wfbp",
            "--ranks", "1,2", "--batch-size", "8", "--batches", "2", "--iters", "1", "--warmup", "1",
-           "--rounds", "1", "--json", str(out)]
+           "--rounds", "1", "--passes", "2", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Two passes over the rank counts, the second reversed (ABBA).
+    assert [int(line.split(", ")[1].split()[0]) for line in proc.stdout.splitlines()
+            if line.startswith("# mlp at ")] == [1, 2, 2, 1]
     doc = json.loads(out.read_text())
     assert doc["meta"]["command"].startswith("python -m jobs.bench.scaling --local")
+    assert doc["meta"]["passes"] == 2 and doc["meta"]["machine"]["cores"] >= 1 and "incomplete" not in doc["meta"]
     rows = {(r["strategy"], r["ranks"]): r for r in doc["rows"]}
     assert sorted(rows) == [("allreduce", 1), ("allreduce", 2), ("wfbp", 1), ("wfbp", 2)]
     for (strategy, ranks), r in rows.items():
         one = rows[(strategy, 1)]
         assert r["baseline_ranks"] == 1 and r["samples_per_s"] > 0 and r["rounds"] == 1  # --rounds reaches the worker
-        assert abs(r["speedup"] - r["samples_per_s"] / one["samples_per_s"]) < 1e-9
-        assert abs(r["efficiency"] - r["samples_per_s"] / (ranks * one["samples_per_s"])) < 1e-9
+        assert r["passes"] == 2 and len(r["pass_samples_per_s"]) == 2
+        # The speed-up: each pass's ratio to the fewest ranks in that pass, then their median and interval.
+        ratios = [a / b for a, b in zip(r["pass_samples_per_s"], one["pass_samples_per_s"])]
+        assert r["pass_speedups"] == pytest.approx(ratios)
+        assert r["speedup"] == pytest.approx(sum(ratios) / 2)
+        assert r["speedup_ci"] == pytest.approx(sorted(ratios)) and r["speedup_coverage"] == 0.5
+        assert r["efficiency"] == pytest.approx(r["speedup"] / ranks)
         assert f"| mlp | local-unshaped | {strategy} | {ranks} | {r['samples_per_s']:.1f} |" in proc.stdout
-    assert "| speed-up | efficiency |" in proc.stdout
+    assert "| speed-up (CI) | efficiency (CI) |" in proc.stdout
+    # The title: the compute, the machine and the intervals' coverage for 2 passes (not "95 %").
+    assert "\nreal compute\nmachine: " in proc.stdout and "a 50 % CI (95 % needs >= 6 passes)" in proc.stdout
+    assert "±95" not in proc.stdout
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_speedups_are_the_median_of_each_passs_ratio_not_a_ratio_of_medians():
+    """A slow spell in one pass slows every count it runs: within a pass the ratio is unmoved."""
+    from jobs.bench.scaling import combine
+
+    def row(ranks, p, rate):
+        return dict(model="m", bandwidth="b", strategy="s", ranks=ranks, rounds=1, ci=0.0,
+                    samples_per_s_ci=[rate, rate], samples_per_s=rate, **{"pass": p})
+    rates = {1: [100.0, 50.0, 100.0], 2: [180.0, 90.0, 180.0]}  # pass 1 ran at half speed throughout
+    out = {r["ranks"]: r for r in combine([row(n, p, v) for n, vs in rates.items() for p, v in enumerate(vs)])}
+    assert out[2]["pass_speedups"] == pytest.approx([1.8, 1.8, 1.8])
+    assert out[2]["speedup"] == pytest.approx(1.8) and out[2]["efficiency"] == pytest.approx(0.9)
+    assert out[2]["speedup_ci"] == pytest.approx([1.8, 1.8]) and out[2]["speedup_coverage"] == 0.75
+    assert out[2]["samples_per_s"] == 180.0 and out[2]["samples_per_s_ci"] == [90.0, 180.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_sweep_whose_run_failed_exits_1_not_the_bad_input_2(tmp_path):
+    """Nothing measured because the run failed (here, timed out): a failed run, not bad input."""
+    out = tmp_path / "scaling.json"
+    proc = subprocess.run([sys.executable, "-m", "jobs.bench.scaling", "--local", "--models", "mlp", "--strategies",
+                           "allreduce", "--ranks", "1,2", "--rounds", "1", "--timeout", "1",
+                           "--json", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "error: job timed out" in proc.stderr and not out.exists()
 
 
 def _worker_takes_compute() -> bool:

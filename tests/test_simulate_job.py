@@ -370,3 +370,57 @@ def test_a_pipeline_benchmark_row_is_simulated_on_its_own_split_and_micro_batch(
     dp = pipeline_row(dict(row, contender="wfbp", kind="data-parallel", microbatches=None, balance=None))
     assert dp["strategy"] == "wfbp" and dp["batch_per_rank"] == 16 and "sim_options" not in dp
     assert pipeline_row(dict(row, contender="torch-1f1b", kind="peer")) is None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--models", "foo"], "--models: unknown 'foo'"),
+    (["--pipeline-models", "resnet50"], "--pipeline-models: unknown 'resnet50'"),
+    (["--bandwidths", "1gbt"], "--bandwidths: cannot parse bandwidth '1gbt'"),
+    (["--strategies", "bogus"], "--strategies: unknown 'bogus'"),
+    (["--strategies", "allreduce,pipeline-gpipe"], "--strategies: unknown 'pipeline-gpipe'"),
+    (["--ranks", "4,999"], "--ranks: each is a host of one rank: at most "),
+    (["--baseline", "zzz"], "--baseline: 'zzz' is not among --strategies"),
+    (["--strategies", "wfbp,p3", "--baseline", "allreduce"], "--baseline: 'allreduce' is not among --strategies"),
+], ids=["model", "pipeline-model", "bandwidth", "strategy", "pipeline-mode", "ranks", "baseline", "baseline-absent"])
+def test_validate_refuses_a_bad_grid_before_any_stage(args, message, capsys):
+    """Calibration takes minutes on the emulated cluster: a name jobs.bench would refuse is refused first."""
+    from jobs.sim.validate import parse_args
+
+    with pytest.raises(SystemExit) as exit:
+        parse_args(["--ranks", "2", *args])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def test_validate_takes_the_first_strategy_as_baseline_without_allreduce():
+    from jobs.sim.validate import parse_args
+
+    assert parse_args(["--strategies", "pipeline-flush,pipeline-vanilla"]).baseline == "pipeline-flush"
+    assert parse_args(["--strategies", "wfbp,allreduce"]).baseline == "allreduce"
+
+
+def test_a_failed_measurement_stops_the_validation_with_one_line(tmp_path):
+    """jobs.bench's status is checked: a failed sweep (exit 1, its rows kept) stops here, not in a traceback."""
+    from jobs.sim.validate import MeasureFailed, check_status
+
+    check_status("jobs.bench", 2, 0, str(tmp_path / "none.json"))  # it ran: on to its rows
+    with pytest.raises(MeasureFailed, match=r"^jobs.bench on 2 ranks failed \(exit 1\)$"):
+        check_status("jobs.bench", 2, 1, str(tmp_path / "none.json"))
+    (tmp_path / "kept.json").write_text("{}")
+    with pytest.raises(MeasureFailed, match="failed \\(exit 1\\); the rows it measured: .*kept.json"):
+        check_status("jobs.bench", 2, 1, str(tmp_path / "kept.json"))
+
+
+def test_validation_rows_and_figure_name_their_compute_and_the_machine():
+    from jobs.common.report import machine, machine_line
+    from jobs.sim.validate import _row, figure_title
+
+    measured = dict(model="mlp", strategy="wfbp", bandwidth="1gbit", ranks=2, t_iter_rounds_s=[1.0])
+    real = _row(measured, "wfbp", 1.0, 1.1, 1.1, 0.0)
+    emulated = _row(dict(measured, compute="emulated (V100)", compute_device="v100", compute_scale=10.0), "wfbp",
+                    1.0, 1.1, 1.1, 0.0)
+    assert (real["compute"], real["compute_device"], real["compute_scale"]) == ("real", None, 1.0)
+    assert (emulated["compute"], emulated["compute_device"], emulated["compute_scale"]) == ("emulated (V100)", "v100",
+                                                                                          10.0)
+    assert figure_title([real, emulated]).split("\n")[1:] == ["compute: real, emulated (V100) x10",
+                                                              machine_line(machine())]

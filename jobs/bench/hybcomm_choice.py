@@ -19,8 +19,10 @@ Prints a markdown table per P as it finishes, then the whole table, "the cost mo
 faster path in X of Y cases" and every miss with both measured times, the predicted seconds
 (the rebuild's share at the GEMM rate priced at wrap) and the rebuild measured alone: where
 the model's rate or its link time is off reads from there. Writes JSON rows (see the worker
-for the columns; the summary in the meta) and a PNG: a panel per layer, seconds per step
-against K (log-log), measured sfb and ps per P, the predicted crossover K marked.
+for the columns; the summary and the machine in the meta) and a PNG: a panel per layer, seconds per
+step against K (log-log), measured sfb and ps per P, the predicted crossover K marked, the compute
+and the machine in its title. A run that fails ends the sweep with one error line: the rows measured
+are still written (meta: incomplete, failed_runs) and the exit status is 1.
 
 Memory: the 4096×21841 layer holds over 1 GB per rank (weights, gradients, momentum), and every
 rank of the emulated cluster runs on this one machine: P=8 wants about 10 GB free (--layers
@@ -39,11 +41,11 @@ import sys
 import textwrap
 
 from jobs.bench import hybcomm_choice_worker as worker
-from jobs.common.cluster_sweep import sweep
+from jobs.common.cluster_sweep import exit_status, incomplete_meta, incomplete_note, sweep
 from jobs.common.compute import Compute
 from jobs.common.inputs import InputError, JobParser, add_run_arguments, at_least, bench_outputs, int_list, parse
 from jobs.common.outputs import write_results
-from jobs.common.report import run_metadata, save_figure
+from jobs.common.report import machine, machine_line, run_metadata, save_figure
 
 MARKERS = "osD^vPX*"
 
@@ -181,8 +183,9 @@ def plot(rows, path, title: str = ""):
         ax.set_ylabel("seconds per step (median, min–max)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6, ncol=2)
-    if title:  # wrapped to the figure's width: the compute's label is long
-        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 14)), fontsize=8)
+    if title:  # wrapped to the figure's width, line by line: the compute's label is long
+        width = int(fig.get_figwidth() * 14)
+        fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=8)
     save_figure(fig, path)
 
 
@@ -191,17 +194,20 @@ def main(argv=None) -> int:
     compute = Compute.from_args(args).label
     print(f"# {compute}", flush=True)
     runs = [(args.model, P) for P in args.ranks]
-    rows = sweep(args, lambda _model, label, _ranks: worker_cmd(args, label), markdown, args.ranks_per_host,
-                 runs)
-    if rows is None:
-        return 2
+    rows, failed = sweep(args, lambda _model, label, _ranks: worker_cmd(args, label), markdown,
+                         args.ranks_per_host, runs)
+    if not rows:  # a run failed before any row came (bad input was refused before the sweep: not 2)
+        return 1
     summary = summarize(rows)
-    print(f"\n{compute}\n" + markdown(rows) + "\n\n" + report(rows, summary))
-    meta = run_metadata("jobs.bench.hybcomm_choice", argv, model=args.model, bandwidth_bps=args.bps,
+    # What the figures were measured on, and under which compute: the table's and the figure's title.
+    heading = "\n".join(filter(None, [incomplete_note(failed), compute, machine_line(machine())]))
+    print(f"\n{heading}\n" + markdown(rows) + "\n\n" + report(rows, summary))
+    meta = run_metadata("jobs.bench.hybcomm_choice", argv, machine=machine(), model=args.model, bandwidth_bps=args.bps,
                         ranks_per_host=args.ranks_per_host, local=args.local, summary=summary, compute_label=compute,
-                        **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")})
-    write_results(None, args, meta, rows, lambda path: plot(rows, path, compute))
-    return 0
+                        **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")},
+                        **incomplete_meta(failed))
+    write_results(None, args, meta, rows, lambda path: plot(rows, path, heading))
+    return exit_status(failed)
 
 
 if __name__ == "__main__":

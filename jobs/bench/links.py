@@ -12,7 +12,10 @@ then queue behind the data coming in from both neighbours, as in a pipeline's 1F
 one-way latency. The configurations are interleaved, in reverse order every other round, so
 that a change in the machine's load moves all alike. Prints a table of medians with each round's figure;
 writes the rows to --json and a PNG of the ring's and the chain's shares (and the latency) per
-configuration. No model compute: links and MPI alone.
+configuration, the machine in the table's and the figure's title and the JSON's meta. No model compute: links
+and MPI alone. The rounds so far are kept beside --json (PATH.partial.json) while it runs; a probe that fails
+(a timeout, a worker's error) ends it with one error line, the rounds measured written (meta: incomplete,
+failed_runs) and exit 1.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import statistics
 import sys
 
 from jobs.common.inputs import InputError, JobParser, add_run_arguments, between, bench_outputs, comma_list, parse
+from jobs.common.cluster_sweep import exit_status, incomplete_meta, keep_partial
 from jobs.common.outputs import write_results
-from jobs.common.report import run_metadata, save_figure
+from jobs.common.report import machine, machine_line, run_metadata, save_figure
 
 __all__ = ["main", "markdown", "summarise"]
 
@@ -134,20 +138,35 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
+    from mpicomm.emulation import EmulationError
+
     args = parse_args(argv)
     configs = [(bw, b) for bw in args.bandwidths for b in args.bursts]
-    runs = []
-    for rnd in range(args.rounds):
-        for bw, b in configs if rnd % 2 == 0 else configs[::-1]:
-            print(f"# round {rnd + 1}/{args.rounds}: {args.hosts} hosts at {bw}, bucket {b or 'default'} ...",
-                  flush=True)
-            runs.append(measure(args.hosts, bw, b, args.timeout))
+    runs, failed = [], []
+    try:
+        for rnd in range(args.rounds):
+            for bw, b in configs if rnd % 2 == 0 else configs[::-1]:
+                run = f"round {rnd + 1}/{args.rounds}: {args.hosts} hosts at {bw}, bucket {b or 'default'}"
+                print(f"# {run} ...", flush=True)
+                runs.append(measure(args.hosts, bw, b, args.timeout))
+                keep_partial(args, runs)  # a kill from outside loses only the probe it was in
+    except (EmulationError, RuntimeError) as exc:  # a timeout, a worker's error: the rounds so far are kept
+        print(f"error: {exc}", file=sys.stderr)
+        failed = [dict(run=run, error=str(exc).strip()[-500:])]
+    finally:
+        keep_partial(args, None)
+    if not runs:
+        return 1
     rows = summarise(runs)
-    title = f"emulated links, {args.hosts} hosts, no model compute, medians of {args.rounds} rounds"
+    title = "\n".join(filter(None, [
+        f"INCOMPLETE: {failed[0]['run']} failed" if failed else "",
+        f"emulated links, {args.hosts} hosts, no model compute, medians of {args.rounds} rounds",
+        machine_line(machine())]))
     print(f"\n{title}\n" + markdown(rows))
-    meta = run_metadata("jobs.bench.links", argv, hosts=args.hosts, compute="none (links and MPI alone)")
+    meta = run_metadata("jobs.bench.links", argv, hosts=args.hosts, compute="none (links and MPI alone)",
+                        machine=machine(), **incomplete_meta(failed))
     write_results(None, args, meta, rows, lambda path: plot(rows, path, title))
-    return 0
+    return exit_status(failed)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,14 @@ same global batch per step, interleaved over --rounds rounds. Prints a markdown 
 per model as it finishes, then a summary per model and bandwidth against issue 11's
 targets (set for fc-heavy at 1 Gbit/s): best asynchronous pipeline >= 1.5 x best data
 parallel samples/s; flush >= 1.0 x torch-1f1b; data-parallel bytes per step >= 10 x the
-pipeline's (the SpecTrain paper reports 13.4 x on average). Writes JSON rows (see
-jobs.bench.pipeline_worker for the columns; the summary is in the JSON's meta) and a PNG
-of samples/s per contender and bandwidth, one panel per model.
+pipeline's (the SpecTrain paper reports 13.4 x on average). The two rate targets are judged
+on the ratio round by round (the rounds interleave the contenders): its median and
+distribution-free interval (jobs.common.stats.median_ci), met when the interval clears the
+target, not met when it lies below, undecided when it straddles it or there is one round.
+Writes JSON rows (see jobs.bench.pipeline_worker for the columns; the summary, the machine
+and, after a failed run, incomplete and failed_runs are in the JSON's meta; a failed run
+exits 1 with the rows measured written) and a PNG of samples/s per contender and bandwidth,
+one panel per model, its title naming the compute and the machine.
 
 Bytes per step per rank are the interface's tx_bytes on the emulated cluster (wire bytes,
 TCP/IP headers and the ACKs of received data included); with --local, where every rank
@@ -39,17 +44,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import textwrap
 
 from jobs.bench import pipeline_worker as worker
-from jobs.common.cluster_sweep import sweep
+from jobs.common.cluster_sweep import exit_status, incomplete_meta, incomplete_note, sweep
 from jobs.common.compute import Compute, add_compute_arguments
 from jobs.common.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least,
                                 cluster_bench_outputs, comma_list, parse)
 from jobs.common.outputs import write_together
-from jobs.common.report import run_metadata, save_figure, write_json
-from jobs.common.stats import coverage_text
+from jobs.common.report import machine, machine_line, run_metadata, save_figure, write_json
+from jobs.common.stats import coverage_text, median_ci
 
 DEFAULT_BANDWIDTHS = "1gbit,10gbit,none"
 ASYNC, DP = worker.ASYNC_MODES, worker.DATA_PARALLEL
@@ -118,44 +124,77 @@ def reading(rows) -> str:
             f"slowest rank's); ± CI: {how} of that median, across rounds")
 
 
+def paired(row: dict, other: dict) -> dict:
+    """row's samples/s over other's, round by round (the same batch: the inverse ratio of T_iter; the rounds
+    interleave the contenders, so a slow spell falls on both): the median ratio and its median_ci."""
+    ratios = [b / a for a, b in zip(row["t_iter_rounds_s"], other["t_iter_rounds_s"]) if a > 0]
+    low, high, coverage = median_ci(ratios)
+    return dict(median=statistics.median(ratios), ci=[low, high], coverage=coverage, rounds=len(ratios))
+
+
+def judged(p: dict, target: float) -> str:
+    """met when the ratio's interval clears the target, not met below it, undecided when it straddles it (or one
+    round gave no interval)."""
+    if p["coverage"] == 0 or p["ci"][0] < target <= p["ci"][1]:
+        return "undecided"
+    return "met" if p["ci"][0] >= target else "not met"
+
+
 def summarize(rows) -> list[dict]:
-    """Per (model, bandwidth): the three ratios of issue 11's targets, and whether each is met."""
+    """Per (model, bandwidth): the three ratios of issue 11's targets, and whether each is met (judged)."""
     out = []
     for model, bw in dict.fromkeys((r["model"], r["bandwidth"]) for r in rows):
         by = {r["contender"]: r for r in rows if (r["model"], r["bandwidth"]) == (model, bw)}
 
         def best(names, key="samples_per_s", pick=max):
-            values = [by[n][key] for n in names if n in by and by[n][key] is not None]
-            return pick(values) if values else None
+            mine = [by[n] for n in names if n in by and by[n][key] is not None]
+            return pick(mine, key=lambda r: r[key]) if mine else None
 
-        def ratio(a, b):
-            return a / b if a is not None and b else None
+        def rate_ratio(a, b):  # paired round by round (None without both)
+            return paired(a, b) if a is not None and b is not None else None
 
         pipeline_bytes = best(worker.PIPELINE_MODES, "bytes_per_step")  # the most any pipeline mode sent
+        dp_bytes = best(DP, "bytes_per_step", min)
         s = dict(model=model, bandwidth=bw, target_case=(model, bw) == TARGET_CASE,
-                 async_over_dp=ratio(best(ASYNC), best(DP)),
-                 flush_over_torch=ratio(by.get("flush", {}).get("samples_per_s"),
-                                        by.get("torch-1f1b", {}).get("samples_per_s")),
-                 dp_over_pipeline_bytes=ratio(best(DP, "bytes_per_step", min), pipeline_bytes),
+                 async_over_dp_paired=rate_ratio(best(ASYNC), best(DP)),
+                 flush_over_torch_paired=rate_ratio(by.get("flush"), by.get("torch-1f1b")),
+                 dp_over_pipeline_bytes=(dp_bytes["bytes_per_step"] / pipeline_bytes["bytes_per_step"]
+                                         if dp_bytes and pipeline_bytes and pipeline_bytes["bytes_per_step"] else None),
                  stash_weight_copy_bytes=by.get("stash", {}).get("weight_copy_bytes"),
                  spectrain_weight_copy_bytes=by.get("spectrain", {}).get("weight_copy_bytes"))
-        s["met"] = {k: s[k] >= t for k, t in TARGETS.items() if s[k] is not None}
+        for key in ("async_over_dp", "flush_over_torch"):
+            s[key] = None if s[f"{key}_paired"] is None else s[f"{key}_paired"]["median"]
+        s["met"] = {k: judged(s[f"{k}_paired"], TARGETS[k]) for k in ("async_over_dp", "flush_over_torch")
+                    if s[f"{k}_paired"] is not None}
+        if s["dp_over_pipeline_bytes"] is not None:  # counted bytes: no rounds to pair
+            s["met"]["dp_over_pipeline_bytes"] = "met" if s["dp_over_pipeline_bytes"] >= TARGETS[
+                "dp_over_pipeline_bytes"] else "not met"
         out.append(s)
     return out
+
+
+MARK = {"met": "✓", "not met": "✗", "undecided": "undecided"}
 
 
 def summary_markdown(summary) -> str:
     def cell(s, key):
         if s[key] is None:
             return "-"
-        return f"{s[key]:.2f}× {'✓' if s['met'][key] else '✗'}"
+        p = s.get(f"{key}_paired")
+        ci = "" if p is None else f" ({p['ci'][0]:.2f}-{p['ci'][1]:.2f})"
+        return f"{s[key]:.2f}×{ci} {MARK[s['met'][key]]}"
+    rounds = sorted({p["rounds"] for s in summary for k in ("async_over_dp", "flush_over_torch")
+                     if (p := s.get(f"{k}_paired")) is not None})
+    how = ("samples/s ratios: the median of the ratios round by round, (low-high) "
+           + ", ".join(coverage_text(n) for n in rounds) + "; ✓ the interval clears the target, ✗ it lies below, "
+           "undecided: it straddles the target (or one round)\n") if rounds else ""
     head = ("| model | bandwidth | best async / best DP samples/s (≥ 1.5) | flush / torch-1f1b (≥ 1.0) "
             "| DP / pipeline bytes per step (≥ 10) | weight copies MB stash / spectrain |\n"
             "|---|---|---:|---:|---:|---:|")
     body = [f"| {s['model']}{' (target)' if s['target_case'] else ''} | {s['bandwidth']} | "
             f"{cell(s, 'async_over_dp')} | {cell(s, 'flush_over_torch')} | {cell(s, 'dp_over_pipeline_bytes')} | "
             f"{mb(s['stash_weight_copy_bytes'], 1)} / {mb(s['spectrain_weight_copy_bytes'], 1)} |" for s in summary]
-    return "\n".join([head, *body])
+    return how + "\n".join([head, *body])
 
 
 def plot(rows, path, title: str = ""):
@@ -172,17 +211,20 @@ def plot(rows, path, title: str = ""):
         for j, c in enumerate(contenders):
             pts = {r["bandwidth"]: r for r in rows if r["model"] == model and r["contender"] == c}
             xs = [i for i, b in enumerate(labels) if b in pts]
-            ax.bar([x - 0.4 + (j + 0.5) * width for x in xs], [pts[labels[i]]["samples_per_s"] for i in xs], width,
-                   yerr=[pts[labels[i]]["ci"] for i in xs], capsize=2, label=c,
+            rates = [pts[labels[i]]["samples_per_s"] for i in xs]
+            cis = [pts[labels[i]]["samples_per_s_ci"] for i in xs]
+            ax.bar([x - 0.4 + (j + 0.5) * width for x in xs], rates, width, capsize=2, label=c,
+                   yerr=[[v - lo for v, (lo, _) in zip(rates, cis)], [hi - v for v, (_, hi) in zip(rates, cis)]],
                    hatch="//" if worker.kind(c) == "data-parallel" else ".." if worker.kind(c) == "peer" else None)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_title(model)
         ax.set_xlabel("link bandwidth per host")
-        ax.set_ylabel("samples/s (mean ± 95 % CI)")
+        ax.set_ylabel("samples/s (median of rounds, CI)")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-    if title:  # wrapped to the figure's width: the compute's label is long
-        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 14)), fontsize=8)
+    if title:  # wrapped to the figure's width, line by line: the compute's label is long
+        width = int(fig.get_figwidth() * 14)
+        fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=8)
     save_figure(fig, path)
 
 
@@ -192,20 +234,23 @@ def main(argv=None) -> int:
     print(f"# load average before: {load[0]:.2f} (other work on this machine skews the figures)", flush=True)
     compute = Compute.from_args(args).label
     print(f"# {compute}", flush=True)
-    rows = sweep(args, lambda model, label, _ranks: worker_cmd(args, model, label), markdown)
-    if rows is None:
-        return 2
+    rows, failed = sweep(args, lambda model, label, _ranks: worker_cmd(args, model, label), markdown)
+    if not rows:  # a run failed before any row came (bad input was refused before the sweep: not 2)
+        return 1
     summary = summarize(rows)
-    print(f"\n{compute}\n{reading(rows)}\n" + markdown(rows) + "\n\n" + summary_markdown(summary))
+    # What the figures were measured on, and under which compute: the table's and the figure's title.
+    heading = "\n".join(filter(None, [incomplete_note(failed), compute, machine_line(machine())]))
+    print(f"\n{heading}\n{reading(rows)}\n" + markdown(rows) + "\n\n" + summary_markdown(summary))
     if args.json:
-        meta = run_metadata("jobs.bench.pipeline", argv, load_average_before=load, summary=summary,
+        meta = run_metadata("jobs.bench.pipeline", argv, machine=machine(), load_average_before=load, summary=summary,
                             targets=dict(TARGETS, case=TARGET_CASE), compute_label=compute,
-                            **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")})
+                            **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")},
+                            **incomplete_meta(failed))
         write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot and rows:
         write_together(None, "--plot", args.plot,
-                       lambda: (plot(rows, args.plot, compute), print(f"wrote {args.plot}")))
-    return 0
+                       lambda: (plot(rows, args.plot, heading), print(f"wrote {args.plot}")))
+    return exit_status(failed)
 
 
 if __name__ == "__main__":

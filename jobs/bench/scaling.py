@@ -7,11 +7,18 @@ r"""Benchmark: the scaling curve, each strategy's samples/s on 1, 2, 4, 8 ... ra
 
 For every bandwidth and rank count n, an emulated cluster of ceil(n / --ranks-per-host)
 hosts runs jobs.bench.strategies_worker with every strategy (one rank alone runs on this host,
-with no cluster; --local runs every count here, unshaped). Prints a table: samples/s
-± 95 % CI, the speed-up over the same strategy on the fewest ranks n0 (normally 1)
-and the scaling efficiency samples/s(n) / (n / n0 x samples/s(n0)); writes the
-worker's JSON rows with speedup and efficiency added, and a PNG of samples/s
-against ranks, one line per strategy, linear scaling dashed.
+with no cluster; --local runs every count here, unshaped), its --rounds rounds interleaving the
+strategies. --passes P (default 3) repeats that over every rank count, each pass in the reverse
+order of the one before (1,2,4,8, then 8,4,2,1, ...: ABBA), so that a slow spell of the machine
+falls on every count alike. The speed-up over the same strategy on the fewest ranks n0 (normally 1)
+is taken within each pass, then its median over the passes with a distribution-free interval
+(jobs.common.stats.median_ci; the title says its coverage: 95 % needs >= 6 passes); the scaling
+efficiency is speed-up x n0 / n. samples/s is the median over the passes (with one pass, the
+worker's median over its rounds) with its interval. Prints a table, the machine and the compute in
+its title; writes the worker's JSON rows with pass_samples_per_s, pass_speedups, speedup(_ci) and
+efficiency(_ci) added (meta: the machine, the passes; incomplete and failed_runs when a run failed:
+the rows measured are kept, the exit status is then 1), and a PNG of samples/s against ranks, one
+line per strategy, linear scaling dashed.
 
 --compute emulated:DEVICE (or emulated:PROFILE.json, --compute-scale): every rank's model, loss and
 optimizer wait a modelled GPU's time instead of computing (runtime.emulate, in the strategies worker), so
@@ -22,16 +29,19 @@ compute, compute_device, compute_scale, emulated_parts, real_parts; the meta) an
 from __future__ import annotations
 
 import argparse
+import itertools
+import statistics
 import sys
 import textwrap
 
 from jobs.bench import strategies as bench
-from jobs.common.cluster_sweep import sweep
+from jobs.common.cluster_sweep import exit_status, incomplete_meta, incomplete_note, sweep
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
-from jobs.common.inputs import (InputError, JobParser, add_cluster_bench_arguments, cluster_bench_outputs, int_list,
-                                parse)
+from jobs.common.inputs import (InputError, JobParser, add_cluster_bench_arguments, between, cluster_bench_outputs,
+                                int_list, parse)
 from jobs.common.outputs import write_results
-from jobs.common.report import run_metadata, save_figure
+from jobs.common.report import machine, machine_line, run_metadata, save_figure
+from jobs.common.stats import coverage_text, median_ci
 
 DEFAULT_BANDWIDTHS = "10gbit"
 
@@ -42,6 +52,9 @@ def parse_args(argv=None):
                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     bench.add_worker_arguments(p, "vgg19-22k", "wfbp,p3,hybcomm,ddp", batch_size=8, emulated=True)
     p.add_argument("--ranks", default="1,2,4,8", help="world sizes, increasing (default 1,2,4,8)")
+    p.add_argument("--passes", type=int, default=3,
+                   help="passes over every rank count, alternating direction (ABBA); speed-ups are taken within "
+                        "a pass, their median and interval over the passes (default 3; 95 %% CIs from 6)")
     add_cluster_bench_arguments(p, DEFAULT_BANDWIDTHS)
     add_compute_arguments(p)
     return parse(p, argv, check_args)
@@ -49,6 +62,7 @@ def parse_args(argv=None):
 
 def check_args(args) -> None:
     bench.check_worker_arguments(args)
+    between(args, 1, 100, "passes")
     args.ranks = check_ranks(args.ranks, args.ranks_per_host)
     args.hosts = None  # the clusters' sizes come from --ranks
     cluster_bench_outputs(args, DEFAULT_BANDWIDTHS)
@@ -80,23 +94,79 @@ def worker_cmd(args, model: str, label: str, ranks: int) -> list[str]:
     return cmd
 
 
-def add_scaling(rows: list[dict]) -> None:
-    """Each row's speedup and efficiency against the same model, bandwidth and strategy on the fewest ranks."""
-    base: dict[tuple, dict] = {}
-    for r in sorted(rows, key=lambda r: r["ranks"]):
-        b = base.setdefault((r["model"], r["bandwidth"], r["strategy"]), r)
-        r["baseline_ranks"] = b["ranks"]
-        r["speedup"] = r["samples_per_s"] / b["samples_per_s"]
-        r["efficiency"] = r["speedup"] * b["ranks"] / r["ranks"]
+def pass_runs(models: list[str], ranks: list[int], passes: int) -> list[tuple[str, int]]:
+    """(model, ranks) for every pass, each pass over the rank counts in the reverse order of the one before (ABBA)."""
+    return [(model, n) for p in range(passes) for n in (ranks if p % 2 == 0 else ranks[::-1]) for model in models]
+
+
+def combine(rows: list[dict]) -> list[dict]:
+    """One row per model, bandwidth, strategy and ranks from its passes' rows (each tagged "pass"): samples/s the
+    median over the passes (one pass: the worker's own, over its rounds), and the speed-up over the fewest ranks
+    taken within each pass, its median and median_ci over the passes; efficiency = speed-up x n0 / n."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["bandwidth"], r["strategy"], r["ranks"]), []).append(r)
+    out, base = [], {}
+    for key in sorted(groups, key=lambda k: (k[0], k[1], k[2], k[3])):
+        mine = sorted(groups[key], key=lambda r: r["pass"])
+        row = {k: v for k, v in mine[-1].items() if k != "pass"}
+        row["pass_samples_per_s"] = {r["pass"]: r["samples_per_s"] for r in mine}
+        row["passes"] = len(mine)
+        if len(mine) > 1:  # the passes' spread, not one pass's rounds: what a slow spell between passes moves
+            rates = [r["samples_per_s"] for r in mine]
+            low, high, coverage = median_ci(rates)
+            rate = statistics.median(rates)
+            row.update(samples_per_s=rate, samples_per_s_ci=[low, high], ci=max(high - rate, rate - low),
+                       ci_coverage=coverage, samples_per_s_over="passes")
+        else:
+            row["samples_per_s_over"] = "rounds"
+        b = base.setdefault(key[:3], row)  # the fewest ranks come first
+        pairs = [(p, v / b["pass_samples_per_s"][p]) for p, v in row["pass_samples_per_s"].items()
+                 if b["pass_samples_per_s"].get(p)]
+        row["baseline_ranks"] = b["ranks"]
+        row["pass_speedups"] = [v for _, v in pairs]
+        if pairs:
+            low, high, coverage = median_ci(row["pass_speedups"])
+            speedup, f = statistics.median(row["pass_speedups"]), b["ranks"] / row["ranks"]
+            row.update(speedup=speedup, speedup_ci=[low, high], speedup_coverage=coverage,
+                       efficiency=speedup * f, efficiency_ci=[low * f, high * f])
+        else:  # no pass measured both counts (a run failed)
+            row.update(speedup=None, speedup_ci=None, speedup_coverage=None, efficiency=None, efficiency_ci=None)
+        out.append(row)
+    for r in out:  # JSON keys are strings: the passes as a list in pass order
+        r["pass_samples_per_s"] = [r["pass_samples_per_s"][p] for p in sorted(r["pass_samples_per_s"])]
+    return out
+
+
+def reading(rows) -> str:
+    """How to read the table's intervals: what samples/s and the speed-up are medians of, and their coverage."""
+    passes = sorted({r["passes"] for r in rows})
+    rounds = sorted({r["rounds"] for r in rows})
+    over_passes = ", ".join(coverage_text(n).replace("rounds", "passes").replace("round", "pass") for n in passes)
+    if passes == [1]:
+        rate = "the median over the worker's rounds, ± " + ", ".join(coverage_text(n) for n in rounds)
+    else:
+        rate = "the median over the passes, ± " + over_passes
+    return (f"samples/s: {rate}; speed-up (low-high): the median over the passes of each pass's ratio to the fewest "
+            f"ranks, {over_passes}; efficiency = speed-up x n0 / n")
+
+
+def title(rows, compute_label: str, failed: list[dict]) -> str:
+    """The table's and the figure's title: a failed run, the compute, the machine, how to read the intervals."""
+    return "\n".join(filter(None, [incomplete_note(failed), compute_label, machine_line(machine()), reading(rows)]))
 
 
 def markdown(rows) -> str:
-    head = ("| model | bandwidth | strategy | ranks | samples/s | ±95 % | speed-up | efficiency | wire MB/step |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|")
+    def spread(value, ci, digits=2) -> str:
+        if value is None:
+            return "-"
+        return f"{value:.{digits}f} ({ci[0]:.{digits}f}-{ci[1]:.{digits}f})"
+    head = ("| model | bandwidth | strategy | ranks | samples/s | ± CI | speed-up (CI) | efficiency (CI) | passes "
+            "| wire MB/step |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     order = sorted(rows, key=lambda r: (r["model"], r["bandwidth"], r["strategy"], r["ranks"]))
     body = [f"| {r['model']} | {r['bandwidth']} | {r['strategy']} | {r['ranks']} | {r['samples_per_s']:.1f} | "
-            f"{r['ci']:.1f} | {r['speedup']:.2f} | {r['efficiency']:.2f} | {bench.mb(r, 'wire_bytes_per_step')} |"
-            for r in order]
+            f"{r['ci']:.1f} | {spread(r['speedup'], r['speedup_ci'])} | {spread(r['efficiency'], r['efficiency_ci'])} "
+            f"| {r['passes']} | {bench.mb(r, 'wire_bytes_per_step')} |" for r in order]
     return "\n".join([head, *body])
 
 
@@ -113,8 +183,10 @@ def plot(rows, path, title: str = ""):
         ranks = sorted({r["ranks"] for r in mine})
         for strategy in dict.fromkeys(r["strategy"] for r in mine):
             pts = sorted((r for r in mine if r["strategy"] == strategy), key=lambda r: r["ranks"])
-            ax.errorbar([r["ranks"] for r in pts], [r["samples_per_s"] for r in pts], yerr=[r["ci"] for r in pts],
-                        marker="o", capsize=3, label=strategy)
+            rates = [r["samples_per_s"] for r in pts]
+            ax.errorbar([r["ranks"] for r in pts], rates, marker="o", capsize=3, label=strategy,
+                        yerr=[[v - r["samples_per_s_ci"][0] for v, r in zip(rates, pts)],
+                              [r["samples_per_s_ci"][1] - v for v, r in zip(rates, pts)]])
         best = max(r["samples_per_s"] for r in mine if r["ranks"] == ranks[0])
         ax.plot(ranks, [n / ranks[0] * best for n in ranks], "k--", linewidth=1, label="linear scaling")
         ax.set_xscale("log", base=2)
@@ -122,11 +194,12 @@ def plot(rows, path, title: str = ""):
         ax.minorticks_off()
         ax.set_title(f"{model} at {bw}")
         ax.set_xlabel("ranks")
-        ax.set_ylabel("samples/s")
+        ax.set_ylabel("samples/s (median, CI)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    if title:  # wrapped to the figure's width: the compute's label is long
-        fig.suptitle(textwrap.fill(title, int(fig.get_figwidth() * 14)), fontsize=8)
+    if title:  # wrapped to the figure's width, line by line: the compute's label is long
+        width = int(fig.get_figwidth() * 14)
+        fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")), fontsize=8)
     save_figure(fig, path)
 
 
@@ -134,20 +207,30 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     compute = Compute.from_args(args)
     print(f"# {compute.label}", flush=True)
-    runs = [(model, n) for n in args.ranks for model in args.models]
-    rows = sweep(args, lambda model, label, n: worker_cmd(args, model, label, n), bench.markdown,
-                 args.ranks_per_host, runs)
-    if rows is None:
-        return 2
-    add_scaling(rows)
+    runs = pass_runs(args.models, args.ranks, args.passes)
+    count = itertools.count()  # sweep's runs come in order, bandwidth by bandwidth: each one's pass
+
+    def tag(new: list[dict], _label: str) -> None:
+        at = next(count) % len(runs)
+        for r in new:
+            r["pass"] = at // (len(args.ranks) * len(args.models))
+    rows, failed = sweep(args, lambda model, label, n: worker_cmd(args, model, label, n), bench.markdown,
+                         args.ranks_per_host, runs, adjust=tag)
+    if not rows:  # a run failed before any row came (bad input was refused before the sweep: not 2)
+        return 1
+    rows = combine(rows)
     for r in rows:  # the worker's own fields first (its accelerator knows what it emulated)
         for k, v in compute.describe().items():
             r.setdefault(k, v)
-    print(f"\n{compute.label}\n" + markdown(rows))
-    meta = run_metadata("jobs.bench.scaling", argv, compute_label=compute.label,
-                        **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")})
-    write_results(None, args, meta, rows, lambda path: plot(rows, path, compute.label))
-    return 0
+    heading = title(rows, compute.label, failed)
+    print(f"\n{heading}\n" + markdown(rows))
+    meta = run_metadata("jobs.bench.scaling", argv, machine=machine(), compute_label=compute.label,
+                        passes=args.passes, order="ABBA: each pass over the rank counts reverses the one before",
+                        ci="order statistics (jobs.common.stats.median_ci) over the passes; one pass: its rounds",
+                        **{k: rows[0][k] for k in ("compute", "compute_device", "compute_scale")},
+                        **incomplete_meta(failed))
+    write_results(None, args, meta, rows, lambda path: plot(rows, path, heading))
+    return exit_status(failed)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ samples_per_s_ci), t_iter_s, t_compute_s, t_comm_s, overlap_efficiency, each
 with its _ci, compute_cpu_s, comm_cpu_s, comm_cpu_vs_ddp, the per-round values
 (*_rounds_s, overlap_rounds, t_iter_batches_s), wire_bytes_per_step,
 wire_bytes_per_host_per_step; hybcomm's rows: plan; meta: the machine) and a
-PNG of samples/s vs bandwidth. "step CPU s" is the CPU-seconds per training
+PNG of samples/s vs bandwidth (its title: the compute and the machine). A run that
+fails ends the sweep with one error line: the rows measured are still written, the
+meta says incomplete and names failed_runs, and the exit status is 1. "step CPU s" is the CPU-seconds per training
 step of all ranks' processes (every thread, user and system: progress
 threads, polling and the system calls that move the bytes included), "comm
 CPU s" the same for the synchronisation alone, "× DDP's" that over DDP's (per
@@ -76,7 +78,7 @@ import sys
 from jobs.bench.contenders import check_settings
 from jobs.common import carry
 from jobs.common.choices import MODELS
-from jobs.common.cluster_sweep import sweep
+from jobs.common.cluster_sweep import exit_status, incomplete_meta, incomplete_note, sweep
 from jobs.common.compute import Compute, add_compute_arguments, check_compute
 from jobs.common.inputs import (JobParser, add_cluster_bench_arguments, add_device_argument, at_least, check_device,
                                 cluster_bench_outputs, comma_list, parse)
@@ -350,20 +352,27 @@ def plot(rows, path, title: str = ""):
     if title:  # wrapped: one panel is narrower than the compute model's name
         import textwrap
 
-        fig.suptitle(textwrap.fill(title, 64 * len(models)), fontsize=8)
+        fig.suptitle("\n".join(textwrap.fill(line, 64 * len(models)) for line in title.split("\n")), fontsize=8)
     save_figure(fig, path)
+
+
+def figure_title(args, failed: list[dict]) -> str:
+    """The PNG's title: a failed run (jobs.common.cluster_sweep), the compute and carry, the machine."""
+    label = compute_label(args) + (f"; carried at {args.carry_at} links" if args.carry_at else "")
+    return "\n".join(filter(None, [incomplete_note(failed), label, machine_line(machine())]))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows = sweep(args, lambda model, label, ranks: worker_cmd(args, model, label, ranks), markdown,
-                 args.ranks_per_host, links=lambda bw: carry.links(args, bw),
-                 adjust=lambda new, label: report_at(args, new, label))
-    if rows is None:
-        return 2
+    rows, failed = sweep(args, lambda model, label, ranks: worker_cmd(args, model, label, ranks), markdown,
+                         args.ranks_per_host, links=lambda bw: carry.links(args, bw),
+                         adjust=lambda new, label: report_at(args, new, label))
+    if not rows:  # a run failed before any row came (bad input was refused before the sweep: not 2)
+        return 1
+    note = incomplete_note(failed)
     for r in rows:
         r["comm_cpu_vs_ddp"] = comm_cpu_vs_ddp(r, rows)
-    print("\n" + title(rows, args) + "\n" + markdown(rows))
+    print("\n" + (note + "\n" if note else "") + title(rows, args) + "\n" + markdown(rows))
     if plans(rows):
         print("\n" + plans(rows))
     if p3_lines(rows):
@@ -375,15 +384,14 @@ def main(argv=None) -> int:
                             **Compute(args.compute, args.compute_scale).describe(), compute_label=compute_label(args),
                             carry_at=args.carry_at, carried=carry.title_line(args) or None,
                             overlap_efficiency=OVERLAP,
-                            ci="order statistics of the rounds (jobs.common.stats.median_ci)")
+                            ci="order statistics of the rounds (jobs.common.stats.median_ci)", **incomplete_meta(failed))
         for parts in ("emulated_parts", "real_parts"):  # what the workers' accelerators ran (the driver has none)
             meta[parts] = sorted({p for r in rows for p in r.get(parts) or ()})
         write_together(None, "--json", args.json, lambda: write_json(args.json, meta, rows))
     if args.plot and rows:
-        label = compute_label(args) + (f"; carried at {args.carry_at} links" if args.carry_at else "")
         write_together(None, "--plot", args.plot,
-                       lambda: (plot(rows, args.plot, label), print(f"wrote {args.plot}")))
-    return 0
+                       lambda: (plot(rows, args.plot, figure_title(args, failed)), print(f"wrote {args.plot}")))
+    return exit_status(failed)
 
 
 if __name__ == "__main__":

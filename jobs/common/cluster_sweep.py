@@ -36,7 +36,7 @@ def rows_from(proc) -> list[dict]:
 def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[list[dict]], str],
           ranks_per_host: int = 1, runs: list[tuple[str, int]] | None = None,
           links: Callable[[str], str] | None = None,
-          adjust: Callable[[list[dict], str], None] | None = None) -> list[dict] | None:
+          adjust: Callable[[list[dict], str], None] | None = None) -> tuple[list[dict], list[dict]]:
     """Rows of command(name, bandwidth label, ranks) for every --bandwidths x run (--local: this host, unshaped).
 
     runs: (name, ranks) pairs; by default (model, --hosts x ranks_per_host) for every --models. A run
@@ -46,40 +46,67 @@ def sweep(args, command: Callable[[str, str, int], list[str]], show: Callable[[l
     in place before they are shown. The new rows are shown (show(rows) is a markdown table) as they
     come, and with --json the rows so far are kept in PATH.partial.json (removed when the sweep ends), so a
     sweep killed from outside (a `timeout`) loses only the run it was in. A failure ends the sweep with one
-    `error:` line: the rows so far are returned, or None when there are none.
+    `error:` line. Returns (rows, failed): the rows measured, and the runs that failed or never ran (each
+    {run, bandwidth, ranks, error}; empty when the sweep completed): the caller keeps the rows, marks its
+    outputs incomplete (incomplete_meta) and exits 1 (exit_status).
     """
     from mpicomm.emulation import EmulatedCluster, EmulationError, format_bandwidth, parse_bandwidth, run_local
 
     rows: list[dict] = []
+    failed: list[dict] = []
+    grid = [(bw, bw if args.local else format_bandwidth(parse_bandwidth(bw)), name, n)
+            for bw in (["local-unshaped"] if args.local else args.bandwidths)
+            for name, n in runs or [(model, args.hosts * ranks_per_host) for model in args.models]]
+    done = 0
     try:
-        for bw in ["local-unshaped"] if args.local else args.bandwidths:
-            label = bw if args.local else format_bandwidth(parse_bandwidth(bw))
-            for name, n in runs or [(model, args.hosts * ranks_per_host) for model in args.models]:
-                print(f"# {name} at {label}, {n} rank{'s' * (n > 1)} ...", flush=True)
-                cmd = command(name, label, n)
-                hosts = {}  # what the emulated hosts were, for each row (none on this host alone)
-                if args.local or n == 1:
-                    proc = run_local(cmd, n, args.timeout, capture=True, echo=PROGRESS)
-                else:
-                    shaped = bw if links is None else links(bw)
-                    with EmulatedCluster(-(-n // ranks_per_host), shaped, ranks_per_host=ranks_per_host,
-                                         congestion_control=getattr(args, "congestion_control", None)) as cluster:
-                        proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True, echo=PROGRESS)
-                    # The hosts' TCP shapes what mixes traffic both ways (README, the emulated cluster).
-                    hosts = {"congestion_control": cluster.congestion_control_in_effect}
-                new = [{**hosts, **r} for r in rows_from(proc)]
-                if adjust is not None:
-                    adjust(new, label)
-                rows += new
-                print(show(new).split("\n", 2)[2], flush=True)
-                _keep(args, rows)
+        for bw, label, name, n in grid:
+            print(f"# {name} at {label}, {n} rank{'s' * (n > 1)} ...", flush=True)
+            cmd = command(name, label, n)
+            hosts = {}  # what the emulated hosts were, for each row (none on this host alone)
+            if args.local or n == 1:
+                proc = run_local(cmd, n, args.timeout, capture=True, echo=PROGRESS)
+            else:
+                shaped = bw if links is None else links(bw)
+                with EmulatedCluster(-(-n // ranks_per_host), shaped, ranks_per_host=ranks_per_host,
+                                     congestion_control=getattr(args, "congestion_control", None)) as cluster:
+                    proc = cluster.run(cmd, np=n, timeout=args.timeout, capture=True, echo=PROGRESS)
+                # The hosts' TCP shapes what mixes traffic both ways (README, the emulated cluster).
+                hosts = {"congestion_control": cluster.congestion_control_in_effect}
+            new = [{**hosts, **r} for r in rows_from(proc)]
+            if adjust is not None:
+                adjust(new, label)
+            rows += new
+            print(show(new).split("\n", 2)[2], flush=True)
+            keep_partial(args, rows)
+            done += 1
     except (EmulationError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if not rows:
-            return None
+        # The run that failed, then those the failure left unrun: what the outputs lack.
+        failed = [dict(run=name, bandwidth=label, ranks=n, error=str(exc).strip()[-500:] if i == done else "not run")
+                  for i, (_, label, name, n) in enumerate(grid) if i >= done]
     finally:
-        _keep(args, None)
-    return rows
+        keep_partial(args, None)
+    return rows, failed
+
+
+def incomplete_meta(failed: list[dict]) -> dict:
+    """For a JSON's meta: {} after a whole sweep; else incomplete=True and the runs that failed or never ran."""
+    return dict(incomplete=True, failed_runs=failed) if failed else {}
+
+
+def incomplete_note(failed: list[dict]) -> str:
+    """For a table's and a figure's title: '' after a whole sweep; else which run failed and how many did not run."""
+    if not failed:
+        return ""
+    first, rest = failed[0], len(failed) - 1
+    more = f"; {rest} more run{'s' * (rest > 1)} not run" if rest else ""
+    return (f"INCOMPLETE: {first['run']} at {first['bandwidth']}, {first['ranks']} rank"
+            f"{'s' * (first['ranks'] > 1)} failed{more}")
+
+
+def exit_status(failed: list[dict]) -> int:
+    """A sweep's exit status: 0 when every run finished, 1 when one failed (2 is for bad input, refused before)."""
+    return 1 if failed else 0
 
 
 def partial_path(args) -> str | None:
@@ -88,7 +115,7 @@ def partial_path(args) -> str | None:
     return None if not path else os.path.splitext(path)[0] + ".partial.json"
 
 
-def _keep(args, rows: list[dict] | None) -> None:
+def keep_partial(args, rows: list[dict] | None) -> None:
     """Write the rows so far (report.write_document: a kill mid-write leaves the last whole file), or remove them."""
     path = partial_path(args)
     if path is None:

@@ -84,8 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--profiles", metavar="DIR", default="benchmarks/issue15/profiles")
     p.add_argument("--calibration", metavar="JSON", help="default: measured, and written beside --json")
     p.add_argument("--measured", help="jobs.bench JSON files, comma-separated (default: measured now)")
-    p.add_argument("--baseline", default="allreduce",
-                   help="the strategy each speed-up is taken over (default allreduce)")
+    p.add_argument("--baseline",
+                   help="the strategy each speed-up is taken over, one of --strategies (default allreduce, or the "
+                        "first of --strategies without it)")
     p.add_argument("--timeout", type=float, default=7200)
     add_compute_arguments(p)
     add_carry_argument(p)
@@ -95,12 +96,23 @@ def parse_args(argv=None):
 
 
 def check_args(args) -> None:
+    """Every stage's grid, here: calibration takes minutes before jobs.bench would refuse a name."""
+    from jobs.common.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
+
     args.ranks = int_list("--ranks", args.ranks, 2)
-    args.bandwidths = comma_list("--bandwidths", args.bandwidths)
-    args.models = comma_list("--models", args.models)
+    args.models = comma_list("--models", args.models, MODELS)
     args.strategies = comma_list("--strategies", args.strategies)
-    args.pipeline_models = comma_list("--pipeline-models", args.pipeline_models)
+    args.pipeline_models = comma_list("--pipeline-models", args.pipeline_models, SEQUENTIAL_MODELS)
     args.modes = [s.removeprefix("pipeline-") for s in args.strategies if s.startswith("pipeline-")]
+    for mode in args.modes:
+        if mode not in PIPELINE_MODES:
+            raise InputError("--strategies", f"unknown 'pipeline-{mode}' (the pipeline modes: "
+                                             f"{', '.join('pipeline-' + m for m in PIPELINE_MODES)})")
+    check_dense(args, [s for s in args.strategies if not s.startswith("pipeline-")])
+    if args.baseline is None:
+        args.baseline = "allreduce" if "allreduce" in args.strategies else args.strategies[0]
+    if args.baseline not in args.strategies:
+        raise InputError("--baseline", f"{args.baseline!r} is not among --strategies ({', '.join(args.strategies)})")
     args.measured = comma_list("--measured", args.measured) if args.measured else []
     for path in args.measured + ([args.calibration] if args.calibration else []):
         if not os.path.isfile(path):
@@ -114,6 +126,32 @@ def check_args(args) -> None:
         raise InputError("--carry-at", "the pipeline benchmark runs at the rates asked: for the pipeline-MODE "
                          "strategies give --compute-scale and slower --bandwidths instead")
     bench_outputs(args)
+    check_links(args)  # last: mpicomm.emulation imports torch
+
+
+def check_dense(args, dense: list[str]) -> None:
+    """The data-parallel strategies as jobs.bench checks them (its contenders' names and variants)."""
+    from jobs.bench.contenders import check_settings
+
+    if dense:
+        check_settings(argparse.Namespace(strategies=",".join(dense), batch_size=args.batch_size, batches=args.batches,
+                                          iters=args.iters, rounds=args.rounds, threads=1, slice_size="auto",
+                                          credit="auto", warmup=args.warmup, density=0.001))
+
+
+def check_links(args) -> None:
+    """--bandwidths: link rates the emulated cluster can shape; --ranks: hosts of one rank, at most MAX_HOSTS."""
+    from mpicomm.emulation import EmulationError, parse_bandwidth
+    from mpicomm.emulation.netns import MAX_HOSTS
+
+    args.bandwidths = comma_list("--bandwidths", args.bandwidths)
+    for bw in args.bandwidths:
+        try:
+            parse_bandwidth(bw)
+        except EmulationError as exc:
+            raise InputError("--bandwidths", str(exc)) from None
+    if max(args.ranks) > MAX_HOSTS:
+        raise InputError("--ranks", f"each is a host of one rank: at most {MAX_HOSTS}, got {max(args.ranks)}")
 
 
 def profiles(args, needed) -> dict:
@@ -147,14 +185,26 @@ def measure(args) -> list[dict]:
         if not dense:
             continue
         path = f"{stem}-measured-{ranks}r.json"
-        bench.main(["--models", ",".join(args.models), "--bandwidths", ",".join(args.bandwidths), "--hosts",
-                    str(ranks), "--strategies", ",".join(dense), "--rounds", str(args.rounds),
-                    "--batches", str(args.batches), "--iters", str(args.iters), "--warmup", str(args.warmup),
-                    "--batch-size", str(args.batch_size), "--timeout", str(args.timeout), "--json", path,
-                    "--compute", args.compute, "--compute-scale", repr(args.compute_scale),
-                    *(["--carry-at", args.carry_at] if args.carry_at else [])])
+        status = bench.main(["--models", ",".join(args.models), "--bandwidths", ",".join(args.bandwidths), "--hosts",
+                             str(ranks), "--strategies", ",".join(dense), "--rounds", str(args.rounds),
+                             "--batches", str(args.batches), "--iters", str(args.iters), "--warmup",
+                             str(args.warmup), "--batch-size", str(args.batch_size), "--timeout", str(args.timeout),
+                             "--json", path, "--compute", args.compute, "--compute-scale", repr(args.compute_scale),
+                             *(["--carry-at", args.carry_at] if args.carry_at else [])])
+        check_status("jobs.bench", ranks, status, path)
         rows += _rows(path)
     return rows
+
+
+class MeasureFailed(Exception):
+    """A measuring benchmark failed: validating the rest would compare a grid with holes."""
+
+
+def check_status(job: str, ranks: int, status: int, path: str) -> None:
+    """Stop when a benchmark run failed (it said why): where the rows it measured are kept, if anywhere."""
+    if status:
+        kept = f"; the rows it measured: {path}" if os.path.exists(path) else ""
+        raise MeasureFailed(f"{job} on {ranks} ranks failed (exit {status}){kept}")
 
 
 def measure_pipelines(args, ranks: int, path: str) -> list[dict]:
@@ -173,10 +223,12 @@ def measure_pipelines(args, ranks: int, path: str) -> list[dict]:
             models.append(m)
     if not models:
         return []
-    bench.main(["--models", ",".join(models), "--bandwidths", ",".join(args.bandwidths), "--hosts", str(ranks),
-                "--contenders", ",".join(args.modes), "--rounds", str(args.rounds), "--iters", str(args.iters * args.batches),
-                "--warmup", str(args.warmup), "--timeout", str(args.timeout), "--json", path,
-                "--compute", args.compute, "--compute-scale", repr(args.compute_scale)])
+    status = bench.main(["--models", ",".join(models), "--bandwidths", ",".join(args.bandwidths), "--hosts",
+                         str(ranks), "--contenders", ",".join(args.modes), "--rounds", str(args.rounds),
+                         "--iters", str(args.iters * args.batches), "--warmup", str(args.warmup), "--timeout",
+                         str(args.timeout), "--json", path, "--compute", args.compute, "--compute-scale",
+                         repr(args.compute_scale)])
+    check_status("jobs.bench.pipeline", ranks, status, path)
     return _rows(path)
 
 
@@ -255,7 +307,21 @@ def _row(m: dict, strategy: str, measured: float, simulated: float, bare: float,
     return dict(model=m["model"], strategy=strategy, bandwidth=m["bandwidth"], ranks=m["ranks"],
                 measured_s=measured, simulated_s=simulated, error=(simulated - measured) / measured,
                 comm_cores=share, simulated_without_comm_cpu_s=bare, error_without_comm_cpu=(bare - measured) / measured,
-                measured_rounds_s=list(m.get("t_iter_rounds_s") or []) if strategy != "compute" else [])
+                measured_rounds_s=list(m.get("t_iter_rounds_s") or []) if strategy != "compute" else [],
+                **{k: m.get(k, v) for k, v in COMPUTE_FIELDS.items()})
+
+
+# The compute each measured row ran under (jobs.bench's and jobs.bench.pipeline's rows; real when absent).
+COMPUTE_FIELDS = dict(compute="real", compute_device=None, compute_scale=1.0)
+
+
+def figure_title(rows) -> str:
+    """The PNG's title: what it compares, under which compute (the rows' own), on which machine."""
+    from jobs.common.report import machine, machine_line
+
+    computes = ", ".join(dict.fromkeys((r["compute"] or "real") + (
+        f" x{r['compute_scale']:g}" if r["compute_scale"] not in (None, 1) else "") for r in rows))
+    return f"runtime.sim against the emulated cluster\ncompute: {computes}\n{machine_line(machine())}"
 
 
 def markdown(rows) -> str:
@@ -268,7 +334,7 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path: str) -> None:
+def plot(rows, path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -284,15 +350,15 @@ def plot(rows, path: str) -> None:
     hi = max(max(r["measured_s"], r["simulated_s"]) for r in rows) * 1.2
     ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
     ax.fill_between([lo, hi], [0.9 * lo, 0.9 * hi], [1.1 * lo, 1.1 * hi], color="grey", alpha=0.2, label="±10 %")
-    ax.set(xscale="log", yscale="log", xlabel="measured T_iter (s)", ylabel="simulated T_iter (s)",
-           title="runtime.sim against the emulated cluster")
+    ax.set(xscale="log", yscale="log", xlabel="measured T_iter (s)", ylabel="simulated T_iter (s)")
+    fig.suptitle(title, fontsize=8)
     ax.legend(fontsize=7)
     save_figure(fig, path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jobs.common.report import machine, machine_line, run_metadata, write_document, write_json
+    from jobs.common.report import machine, run_metadata, write_document, write_json
 
     if args.calibration:
         with open(args.calibration) as f:
@@ -303,7 +369,11 @@ def main(argv=None) -> int:
         write_document(path, cal)
     from jobs.sim.modelled import emulated
 
-    measured = [r for p in args.measured for r in _rows(p)] if args.measured else measure(args)
+    try:
+        measured = [r for p in args.measured for r in _rows(p)] if args.measured else measure(args)
+    except MeasureFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     measured = [r for r in measured if r["model"] in args.models + args.pipeline_models and r["ranks"] in args.ranks
                 and r["bandwidth"] in args.bandwidths and r["strategy"] in args.strategies]
     # Profiles for the rows that computed for real; an emulated row is simulated from its compute model (compare).
@@ -313,7 +383,7 @@ def main(argv=None) -> int:
         print("error: no measured row matches the grid (--models, --ranks, --bandwidths, --strategies)",
               file=sys.stderr)
         return 1
-    print(machine_line(machine()))
+    print(figure_title(rows).split("\n", 1)[1])  # the compute and the machine, above the table
     print(f"transport: {json.dumps(cal['transport'])}")
     print(markdown(rows))
     ranked, sped = rankings(rows), speedups(rows, args.baseline)
@@ -328,7 +398,7 @@ def main(argv=None) -> int:
                                            machine=machine(), calibration=cal, rankings=ranked,
                                            speedups=sped, verdict=judged), rows)
     if args.plot:
-        plot(rows, args.plot)
+        plot(rows, args.plot, figure_title(rows))
     return 0
 
 
