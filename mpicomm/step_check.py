@@ -41,9 +41,9 @@ from .requests import RequestLog, abandon, cancel_receives, drain_at_exit, join_
 from .stall import SPIN_SECONDS, WATCH, StallError, StallPolicy, wait_until
 from .validate import CollectiveMismatchError
 
-EXCHANGE, CLOSE, METRIC, BARRIER, GATHER, EVALUATE = 1, 2, 3, 4, 5, 6
+EXCHANGE, CLOSE, METRIC, BARRIER, GATHER, EVALUATE, CHECKPOINT = 1, 2, 3, 4, 5, 6, 7
 _ACTION = {EXCHANGE: "step", CLOSE: "close()", METRIC: "sum_over_ranks()", BARRIER: "barrier()", GATHER: "a gather",
-           EVALUATE: "evaluate()"}
+           EVALUATE: "evaluate()", CHECKPOINT: "a checkpoint"}
 TEXT = 240  # bytes of a failure beacon: the rounds its sender posted (int64), then the error text
 _TAG_ARRIVED, _TAG_BEACON = 1, 3
 # action, -action, step, -step, settings, -settings, problem, stopped (1 + the rank, in a joined round), figure

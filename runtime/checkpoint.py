@@ -128,6 +128,7 @@ def read_checkpoint(path: str, comm) -> dict | None:
 def load_checkpoint(path: str, model: torch.nn.Module, dopt) -> dict | None:
     """Collective: resume model, optimizer and strategy from rank 0's `path`; returns the extra entries
     (e.g. the epoch) on every rank, or None when there is no checkpoint."""
+    dopt.agree_on("load_checkpoint()")  # before rank 0's read and its broadcast: every rank is here
     ckpt = read_checkpoint(path, dopt.comm)
     if ckpt is None:
         return None

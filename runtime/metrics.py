@@ -25,9 +25,12 @@ def sum_over_ranks(dopt, values):
     dopt._usable()
     stepping.settle(dopt)  # a deferred step's agreement first: rounds complete in order
     tensor = values if torch.is_tensor(values) else None
-    mine = np.ascontiguousarray(tensor.detach().cpu().numpy() if tensor is not None else np.asarray(values))
+    mine = np.asarray(tensor.detach().cpu().numpy() if tensor is not None else values, order="C")  # 0-d stays 0-d
     if mine.dtype.kind not in "biuf":
         raise TypeError(f"sum_over_ranks takes numbers, got an array of {mine.dtype}")
+    if mine.dtype.kind == "b" or (mine.dtype.kind in "iu" and mine.dtype.itemsize < 8):
+        # MPI has no SUM for bools (a count of correct predictions, pred == y), and narrow integers wrap: 64 bits.
+        mine = mine.astype(np.int64 if mine.dtype.kind != "u" else np.uint64)
     shape = f"{mine.dtype} {tuple(mine.shape)}"
     total = np.empty_like(mine)
     with dopt._failing():

@@ -10,7 +10,7 @@ import torch
 
 from mpicomm import Topology, failstop
 from mpicomm.stall import StallError, StallPolicy
-from mpicomm.step_check import StepCheck
+from mpicomm.step_check import CHECKPOINT, StepCheck, digest
 
 from . import checkpoint, metrics, stepping, teardown
 from .comm_hooks import install_hook
@@ -115,6 +115,9 @@ class DistributedOptimizer:
         self._forward_hook = model.register_forward_pre_hook(self._before_forward) \
             if self.model_buffers.active else None
         self._state_hook = model.register_state_dict_pre_hook(lambda *a: self._before_reading())
+        # Loading weights mid-run (a best model kept aside, a checkpoint): owed updates land first, or p3's next
+        # forward would apply them on top of what was just loaded.
+        self._load_hook = model.register_load_state_dict_pre_hook(lambda *a: self._before_reading())
         self._capture_hooks = capture_hooks(self.strategy)
         # Users' loops often call zero_grad() on the optimizer they made rather than on this wrapper: routed
         # here while wrapped, it neither drops an average that a deferred (p3) update still owes nor replaces
@@ -358,15 +361,22 @@ class DistributedOptimizer:
     # -- checkpoints ---------------------------------------------------------
     def state_dict(self) -> dict:
         """Collective. The optimizer state (unsharded) and the strategy's, rank-local parts on rank 0 only."""
-        self._usable()
-        self._flush()
+        self.agree_on("state_dict()")
         return checkpoint.optimizer_state(self)
 
     def load_state_dict(self, state: dict | None) -> None:
         """Collective. `state` as state_dict() returned it; only rank 0's is read (others may pass None)."""
+        self.agree_on("load_state_dict()")
+        checkpoint.load_optimizer_state(self, state)
+
+    def agree_on(self, call: str) -> None:
+        """Collective: an agreement round, as a step's, before a collective call (a checkpoint's): a rank elsewhere
+        (still stepping, or in another call) makes every rank raise CollectiveMismatchError naming it, where
+        `if rank == 0: save_checkpoint(...)` left rank 0 waiting in the gather for ever. Owed updates land first."""
         self._usable()
         self._flush()
-        checkpoint.load_optimizer_state(self, state)
+        with self._failing():
+            self.check.run(CHECKPOINT, self.steps, digest(call), describe=lambda: [f"call={call}"])
 
 
 def route_zero_grad(optimizer: torch.optim.Optimizer, zero_grad) -> Callable[[], None]:

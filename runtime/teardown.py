@@ -75,7 +75,7 @@ def release(dopt) -> None:
     dopt._hooks = dopt._capture_hooks = []
     if dopt.gate is not None:
         dopt.gate.remove()
-    for h in (dopt._forward_hook, dopt._state_hook):
+    for h in (dopt._forward_hook, dopt._state_hook, dopt._load_hook):
         if h is not None:
             h.remove()
     if dopt.staging is not None:

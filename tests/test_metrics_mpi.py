@@ -61,3 +61,20 @@ def test_values_of_another_shape_are_named(world):
         opt.sum_over_ranks(np.zeros(2 + (world.Get_rank() == 1)))
     assert_everywhere(world, "sum_over_ranks of float64 (3,)" in str(err.value), str(err.value))
     opt.abort(err.value)
+
+
+def test_booleans_are_counted_and_narrow_integers_do_not_wrap(world):
+    """pred == y summed: MPI has no SUM for bools (a raw MPI error on one rank before), int8 wrapped (-56 for
+    100 + 100 on 2 ranks); a 0-d value comes back 0-d."""
+    model, opt = optimizer(world)
+    P = world.Get_size()
+    try:
+        step(model, opt)
+        hits = opt.sum_over_ranks(torch.tensor([True, False, True]))
+        assert_everywhere(world, hits.tolist() == [P, 0, P], hits)
+        small = opt.sum_over_ranks(np.array([100], dtype=np.int8))
+        assert_everywhere(world, small.tolist() == [100 * P], small)
+        one = opt.sum_over_ranks(np.float64(1.5))
+        assert_everywhere(world, one.shape == () and float(one) == 1.5 * P, one)
+    finally:
+        opt.close()
