@@ -7,6 +7,7 @@ from mpicomm.validate import CollectiveMismatchError
 
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .comm_hooks import CompressionState, GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook
+from .frozen_watch import ParametersChangedError
 from .optimizer import DistributedOptimizer
 from .options import (AUTO, DEFAULT_FUSE_BYTES, AllreduceOptions, HybCommOptions, P3Options,
                       StrategyOptions, TopkOptions, WfbpOptions)
@@ -19,7 +20,7 @@ failstop.install()
 __all__ = [
     "ALL_STRATEGIES", "AllreduceOptions", "CheckpointError", "CollectiveMismatchError", "CompressionState",
     "AUTO", "DEFAULT_FUSE_BYTES", "DistributedOptimizer", "GradBucket", "HybCommOptions", "NonFiniteGradientError",
-    "P3Options", "PeerFailedError", "PeerInterruptedError", "SPARSE_STRATEGIES", "STRATEGIES", "StallError",
+    "P3Options", "ParametersChangedError", "PeerFailedError", "PeerInterruptedError", "SPARSE_STRATEGIES", "STRATEGIES", "StallError",
     "StallPolicy", "StrategyOptions", "TopkOptions", "WfbpOptions", "allreduce_hook", "bf16_compress_hook",
     "fp16_compress_hook", "load_checkpoint", "save_checkpoint",
 ]

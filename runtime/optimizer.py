@@ -16,6 +16,7 @@ from . import checkpoint, metrics, stepping, teardown
 from .comm_hooks import install_hook
 from .deferred import DeferredUpdates
 from .emulate.accelerator import device_work
+from .frozen_watch import FrozenWatch
 from .device import describe_transport, gradient_hook, gradient_staging, model_device, staging_wanted
 from .grad_buffers import GradientBuffers
 from .model_buffers import BufferSync
@@ -77,6 +78,7 @@ class DistributedOptimizer:
         self.comm = self.topology.world
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.frozen = FrozenWatch(model)
         self.params = [p for _, p in named]
         self.names = [n for n, _ in named]
         self.bpps, self.pto_enabled, self.buffer_mode = backward_passes_per_step, bool(pto), buffers

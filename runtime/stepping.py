@@ -36,6 +36,8 @@ __all__ = ["exchange", "finish_round", "settle", "update"]
 
 def exchange(dopt, full: bool) -> None:
     """Agree with every rank, hand over the gradients backward did not produce, start the averaging."""
+    with dopt._failing():  # raised here, the other ranks hear of it
+        dopt.frozen.check()
     if dopt._owed_early:
         settle(dopt)  # the previous step's agreement: its updates were owed before it was in
     if dopt.staging is not None:
