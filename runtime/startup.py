@@ -23,14 +23,19 @@ def check_arguments(backward_passes_per_step, comm, topology, buffers: str) -> N
 def check_settings(comm, settings: list[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Collective, first: a rank with other settings would go on to create other communicators and hang.
 
-    Compares the settings, the optimizer's groups, and every trainable
-    parameter (name, shape, dtype, strides) and buffer; the error names the
-    first difference and which ranks hold which value.
+    Compares the settings, the optimizer's groups, every parameter (name,
+    shape, dtype, trainable or frozen; strides too where trainable) and every
+    buffer; the error names the first difference and which ranks hold which
+    value.
     """
     entries = list(settings)
     entries.append(f"optimizer {type(optimizer).__name__} groups={[len(g['params']) for g in optimizer.param_groups]}")
-    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} strides={p.stride()}"
-                for n, p in model.named_parameters() if p.requires_grad]
+    # Frozen parameters too: broadcast_from_root sends every parameter, and one that differs in shape
+    # or dtype would give a raw MPI error there, or a hang. Strides only where trainable: the gradient
+    # buffers are laid out after them, while the broadcast copies any layout.
+    entries += [f"parameter {n} {tuple(p.shape)} {p.dtype} " + (f"trainable strides={p.stride()}" if p.requires_grad
+                                                                else "frozen")
+                for n, p in model.named_parameters()]
     entries += [f"buffer {n} {tuple(b.shape)} {b.dtype}" for n, b in model.named_buffers()]
     check_same_structure(comm, entries, "setting")
     in_model = {id(p) for p in model.parameters()}

@@ -185,6 +185,22 @@ def test_twice_is_refused():
         emulate(model, "v100", inputs)
 
 
+def test_an_input_of_another_shape_or_dtype_is_refused_naming_both():
+    """The units answer with the traced shapes and times: another batch would run on silently at the traced one."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(32, 8)
+    emulate(model, "v100", (x,))
+    for other, said in [(torch.randn(64, 8), r"\(64, 8\) float32"), (x.double(), r"\(32, 8\) float64")]:
+        for grad in (True, False):  # training, and evaluation's forward without a graph
+            with torch.set_grad_enabled(grad), pytest.raises(
+                    EmulationError, match=rf"Sequential called with input 0 {said}, traced with \(32, 8\) float32"
+                                          r".*emulate it again with this input.*drop_last"):
+                model(other)
+    with pytest.raises(EmulationError, match="called with 2 inputs, traced with 1"):
+        model(x, x)
+    assert model(x).shape == (32, 4)  # the traced input still runs
+
+
 def profile_of(model, inputs, **changes) -> Profile:
     layers = [Layer(c.name, 0.001, 0.002, tuple(p.numel() for p in c.params)) for c in trace(model, inputs).calls
               if c.params]

@@ -163,6 +163,38 @@ def test_models_that_differ_are_named(world):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "p3")
 
 
+@pytest.mark.timeout(60)  # the old code hung on a frozen layer of another dtype
+@pytest.mark.parametrize("differs", ["shape", "dtype"])
+def test_frozen_parameters_that_differ_are_named_on_every_rank(world, differs):
+    """A frozen layer is broadcast from rank 0 like the rest: one that differs is named, not a raw MPI error or a hang."""
+    from mpicomm import CollectiveMismatchError
+
+    if world.Get_size() < 2:
+        pytest.skip("needs 2 ranks")
+    r = world.Get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    if differs == "shape":
+        model.emb = nn.Embedding(10 + (r == 1), 8)
+    else:
+        model.emb = nn.Linear(4, 4)
+        if r == 1:
+            model.emb.double()
+    model.emb.requires_grad_(False)
+    try:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, "allreduce").close()
+        message = None
+    except Exception as exc:  # noqa: BLE001 - judged by its type and message below
+        message = f"{type(exc).__name__}: {exc}"
+    want = {"shape": ("(10, 8) torch.float32 frozen", "(11, 8) torch.float32 frozen"),
+            "dtype": ("(4, 4) torch.float32 frozen", "(4, 4) torch.float64 frozen")}[differs]
+    others = ", ".join(str(q) for q in range(world.Get_size()) if q != 1)
+    ok = message is not None and message.startswith("CollectiveMismatchError") \
+        and f"rank {others}: parameter emb.weight {want[0]}" in message \
+        and f"rank 1: parameter emb.weight {want[1]}" in message
+    assert_everywhere(world, ok, f"got {message!r}")
+
+
 def test_initial_parameters_come_from_rank_0(world):
     torch.manual_seed(world.Get_rank())  # every rank starts different
     model = nn.Linear(5, 3)

@@ -59,8 +59,9 @@ class Emulation:
     next to nothing. A forward without module hooks makes its nodes once and runs them again (forward).
     """
 
-    def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator):
+    def __init__(self, model: nn.Module, steps: list[_Step], output: TensorSpec, acc: Accelerator, specs: tuple = ()):
         self.model, self.steps, self.output, self.acc = model, steps, output, acc
+        self.specs = specs  # each input's (shape, dtype) as traced, None where not a tensor (forward checks)
         self.ref = weakref.ref(self)  # what its nodes hold (nodes.Unit)
         # Their gradients land as a forward starts (landing.land_ahead); in the order backward reaches them.
         self.params = tuple(p for step in reversed(steps) for p in step.params)
@@ -117,6 +118,10 @@ class Emulation:
             self._owed = 0.0
 
     def forward(self, *inputs):
+        # The units answer with the traced shapes and times whatever they are given: another input would run
+        # on silently at the traced batch. A tuple compare, nothing measurable next to a pass.
+        if tuple(map(_spec, inputs)) != self.specs:
+            self._refuse(inputs)
         self.clock = self.acc.clock  # this thread's stream (a pipeline's stage may run on another thread)
         self.clock.begin(time.perf_counter())  # the pass starts now, though its time runs later (owe)
         self._owed, self._pass = 0.0, [None, None, 0.0]
@@ -151,6 +156,17 @@ class Emulation:
         if tuple(link.shape) != self.output.shape or link.dtype != self.output.dtype:
             link = Reshape.apply(link, self.output.shape, self.output.dtype)
         return link
+
+    def _refuse(self, inputs) -> None:
+        def said(spec):
+            return "not a tensor" if spec is None else f"{spec[0]} {str(spec[1]).removeprefix('torch.')}"
+        got = [_spec(x) for x in inputs]
+        at = next((i for i, (a, b) in enumerate(zip(got, self.specs)) if a != b), None)
+        what = (f"input {at} {said(got[at])}, traced with {said(self.specs[at])}" if at is not None else
+                f"{len(got)} inputs, traced with {len(self.specs)}")
+        raise EmulationError(f"emulated {type(self.model).__name__} called with {what}: its outputs and times are "
+                             "the traced input's; emulate it again with this input, or keep the batch shape fixed "
+                             "(e.g. DataLoader(drop_last=True))")
 
     def _whole(self, inputs, watched: int):
         """A forward whose backward nothing watches between its units but parameters' post-accumulate hooks,
@@ -269,6 +285,10 @@ def _group(steps: list[_Step], grad_order: dict[int, int]) -> None:
         span += step.bwd_run
 
 
+def _spec(x):
+    return (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None
+
+
 def _needs_grad(inputs) -> bool:
     return any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
 
@@ -302,7 +322,7 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
     bad = [f"{c.name}: {f!r}/{b!r} s" for c, (f, b) in zip(tr.calls, times) if not (f >= 0 and b >= 0)]
     if bad:
         raise EmulationError(f"negative or missing times in {cm.label}: {', '.join(bad[:3])}")
-    specs = [(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else None for x in inputs]
+    specs = tuple(map(_spec, inputs))
     g = torch.Generator().manual_seed(seed)
     steps = []
     for i, (call, (f, b)) in enumerate(zip(tr.calls, times)):
@@ -323,7 +343,7 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
             for p, at in zip(step.params, accumulation_order(len(step.params), kind)):
                 placed[at] = p
             step.inputs[kind] = tuple(placed)
-    emu = Emulation(model, steps, tr.output, acc)
+    emu = Emulation(model, steps, tr.output, acc, specs)
     for module in emu.modules:
         module.forward = emu.unit_forward
     model.forward = emu.forward
