@@ -195,6 +195,16 @@ def test_validate_takes_the_first_strategy_as_baseline_without_allreduce():
     assert parse_args(["--strategies", "wfbp,allreduce"]).baseline == "allreduce"
 
 
+def test_validate_takes_carried_links_under_emulated_compute():
+    """--carry-at reads --bandwidths as a list: the early grid check once handed it the string (its characters,
+    "2", refused as a rate) and refused every carried grid."""
+    from jobs.sim.validate import parse_args
+
+    args = parse_args(["--compute", "emulated:v100", "--bandwidths", "2gbit,4gbit", "--carry-at", "1gbit",
+                       "--models", "mlp", "--strategies", "allreduce,wfbp"])
+    assert args.bandwidths == ["2gbit", "4gbit"] and args.carry_at_bps == 1e9
+
+
 def test_a_failed_measurement_stops_the_validation_with_one_line(tmp_path):
     """jobs.bench's status is checked: a failed sweep (exit 1, its rows kept) stops here, not in a traceback."""
     from jobs.sim.validate import MeasureFailed, check_status

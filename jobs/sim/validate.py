@@ -101,6 +101,7 @@ def check_args(args) -> None:
     from jobs.common.choices import MODELS, PIPELINE_MODES, SEQUENTIAL_MODELS
 
     args.ranks = int_list("--ranks", args.ranks, 2)
+    args.bandwidths = comma_list("--bandwidths", args.bandwidths)  # a list before check_carry reads it
     args.models = comma_list("--models", args.models, MODELS)
     args.strategies = comma_list("--strategies", args.strategies)
     args.pipeline_models = comma_list("--pipeline-models", args.pipeline_models, SEQUENTIAL_MODELS)
@@ -141,11 +142,11 @@ def check_dense(args, dense: list[str]) -> None:
 
 
 def check_links(args) -> None:
-    """--bandwidths: link rates the emulated cluster can shape; --ranks: hosts of one rank, at most MAX_HOSTS."""
+    """--bandwidths (a list by now): rates the emulated cluster can shape; --ranks: hosts of one rank, at most
+    MAX_HOSTS."""
     from mpicomm.emulation import EmulationError, parse_bandwidth
     from mpicomm.emulation.netns import MAX_HOSTS
 
-    args.bandwidths = comma_list("--bandwidths", args.bandwidths)
     for bw in args.bandwidths:
         try:
             parse_bandwidth(bw)
