@@ -83,7 +83,8 @@ def test_local_scaling_under_emulated_compute(tmp_path):
     out = tmp_path / "scaling.json"
     cmd = [sys.executable, "-m", "jobs.bench.scaling", "--local", "--models", "mlp", "--strategies", "allreduce",
            "--ranks", "1,2", "--batch-size", "8", "--batches", "2", "--iters", "1", "--warmup", "1",
-           "--rounds", "1", "--compute", "emulated:v100", "--json", str(out)]
+           "--rounds", "1", "--passes", "1", "--compute", "emulated:v100", "--json", str(out)]  # one pass: the
+    # passes' order and ratios are the test above's; this one is about the compute
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
