@@ -4,6 +4,7 @@ floor under it (the thinnest step's host CPU after the host idled)."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -77,3 +78,28 @@ def test_the_thinnest_emulated_step_is_an_emulated_training_step():
 def test_an_idle_must_not_be_negative(capsys):
     code, _, err = exit_in_process(main, QUICK[:-2] + ["--idles", "0,-1"], capsys)
     assert code == 2 and "--idles: every idle length must be >= 0 ms" in err
+
+
+def test_a_block_is_never_shorter_than_its_model_on_a_loaded_host(monkeypatch):
+    # A loaded host: the sync before the block wakes late, and the host work the device's timeline does not wait
+    # for (zeroing, landing the gradients: absorbed) is slow. The first step's work must still not start on the
+    # device's timeline before the block's clock did, or T_iter comes out shorter than the work it ran.
+    from jobs.bench.emulation_steps import StepVariant
+    from runtime.emulate.clock import Clock
+
+    synced, absorbed = Clock.sync, Clock.absorb
+
+    def late(self):  # the block's first sync only: the steps' own syncs would hide the first step's head start
+        synced(self)
+        if late.first:
+            late.first = False
+            time.sleep(0.003)
+
+    variant = StepVariant("mlp", "v100", scale=8)  # ~1.3 ms a step: the device, not the host, sets the pace
+    variant.run(0, warmup=1)
+    monkeypatch.setattr(Clock, "sync", late)
+    monkeypatch.setattr(Clock, "absorb", lambda self, seconds: absorbed(self, seconds + 0.003))
+    for _ in range(3):
+        late.first = True
+        variant.run(3)
+    assert all(b["t_iter"] >= b["t_model"] for b in variant.blocks), [(b["t_iter"], b["t_model"]) for b in variant.blocks]

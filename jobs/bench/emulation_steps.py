@@ -91,6 +91,9 @@ class StepVariant:
                 return
             acc.clock.sync()
             run_t0, run_m0 = time.perf_counter(), sum(acc.seconds.values())
+            # The sync's sleep wakes tens of microseconds late: without this the first step's work, credited its
+            # zero_grad (absorbed), could start on the device's timeline before the block's clock did.
+            acc.clock.after(run_t0)
             block = dict(times=[], cpus=[], modelled=[], landing=[])
             for _ in range(steps):
                 m0, c0, t0, l0 = sum(acc.seconds.values()), cpu_s(), time.perf_counter(), acc.landing_cpu_s
