@@ -81,13 +81,13 @@ def test_an_idle_must_not_be_negative(capsys):
 
 
 def test_a_block_is_never_shorter_than_its_model_on_a_loaded_host(monkeypatch):
-    # A loaded host: the sync before the block wakes late, and the host work the device's timeline does not wait
-    # for (zeroing, landing the gradients: absorbed) is slow. The first step's work must still not start on the
-    # device's timeline before the block's clock did, or T_iter comes out shorter than the work it ran.
+    # A loaded host: the sync before the block wakes late. The first step's work (its zero_grad's memset, queued
+    # after the last deadline) must still not start on the device's timeline before the block's clock did, or
+    # T_iter comes out shorter than the work it ran (CI, 73a0d22: 1.2833 ms against 1.2978 modelled).
     from jobs.bench.emulation_steps import StepVariant
     from runtime.emulate.clock import Clock
 
-    synced, absorbed = Clock.sync, Clock.absorb
+    synced = Clock.sync
 
     def late(self):  # the block's first sync only: the steps' own syncs would hide the first step's head start
         synced(self)
@@ -95,10 +95,9 @@ def test_a_block_is_never_shorter_than_its_model_on_a_loaded_host(monkeypatch):
             late.first = False
             time.sleep(0.003)
 
-    variant = StepVariant("mlp", "v100", scale=8)  # ~1.3 ms a step: the device, not the host, sets the pace
+    variant = StepVariant("mlp", "v100", scale=8)  # ~2.6 ms a step: the device, not the host, sets the pace
     variant.run(0, warmup=1)
     monkeypatch.setattr(Clock, "sync", late)
-    monkeypatch.setattr(Clock, "absorb", lambda self, seconds: absorbed(self, seconds + 0.003))
     for _ in range(3):
         late.first = True
         variant.run(3)

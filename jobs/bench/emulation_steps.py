@@ -91,8 +91,9 @@ class StepVariant:
                 return
             acc.clock.sync()
             run_t0, run_m0 = time.perf_counter(), sum(acc.seconds.values())
-            # The sync's sleep wakes tens of microseconds late: without this the first step's work, credited its
-            # zero_grad (absorbed), could start on the device's timeline before the block's clock did.
+            # The sync's sleep wakes late (tens of microseconds, more on a loaded host): without this the first
+            # step's work (its zero_grad's memset, queued after the last deadline) would run on the device's
+            # timeline before the block's clock started, and T_iter come out below the work it ran.
             acc.clock.after(run_t0)
             block = dict(times=[], cpus=[], modelled=[], landing=[])
             for _ in range(steps):
