@@ -19,6 +19,13 @@ NUDGE_FROM = 200e-6
 # new one (CPython's Condition; gh-92530 mended only the case where the lock is still released). Untimed, the
 # thread, and the training thread joining it in abort(), would wait for ever after a ^C that a loop caught.
 LOST_WAKEUP = 0.5
+# How long abort() (the error path) waits for the thread to end. A KeyboardInterrupt can also land in a Python-level
+# __enter__ (Condition's, Event's) after it took the lock and before the with-block began (gh-74174): that lock
+# stays held by the training thread for ever, and a thread that needs it never ends. The locks of this package's
+# conditions are entered directly (C-level, which leaves no such gap), but a task's or torch's may not be; past
+# this the error path goes on without the thread (a daemon) rather than hang until the fail-stop watcher ends the
+# rank (PICKUP, 3 s) with "blocked ... where no wait looks".
+ABORT_JOIN = 1.0
 DRIVE_ENV = "MPITRAIN_PROGRESS_DRIVE"  # "off": never drive (ProgressThread's drive), for before/after comparisons
 _RUNNING: "weakref.WeakSet[ProgressThread]" = weakref.WeakSet()  # started, neither stopped nor aborted
 
@@ -118,7 +125,8 @@ class ProgressThread:
         self.setup = setup
         self._setup_error: BaseException | None = None
         self._pending: collections.deque = collections.deque()
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()  # entered itself, never through the Condition: see ABORT_JOIN
+        self._cv = threading.Condition(self._lock)
         self._stop = False
         self.min_sleep, self.max_sleep = min_sleep, max_sleep
         self.drive = drive and _drive_allowed()
@@ -135,7 +143,7 @@ class ProgressThread:
         HandleTask made them) is then cancelled here, since no future holds it for its owner's abort to find (an
         abort on another thread may come between a task's making and its submission)."""
         fut = Future(task)
-        with self._cv:
+        with self._lock:
             refused = self._stop
             if not refused:
                 self._pending.append(fut)
@@ -155,7 +163,7 @@ class ProgressThread:
                 self._setup_error = exc
         sleep = self.min_sleep
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._pending and not self._stop:
                     self._cv.wait(LOST_WAKEUP)
                 if self._stop and not self._pending:
@@ -178,7 +186,7 @@ class ProgressThread:
                     if tell is not None:
                         tell(exc)  # a task with waiters of its own wakes them with the error
             if finished:
-                with self._cv:
+                with self._lock:
                     for fut in finished:
                         if fut in self._pending:  # abort() may have dropped it meanwhile
                             self._pending.remove(fut)
@@ -223,20 +231,24 @@ class ProgressThread:
 
     def stop(self) -> None:
         """Finish what was submitted, then end the thread."""
-        with self._cv:
+        with self._lock:
             self._stop = True
             self._cv.notify_all()
         self._thread.join()
         _RUNNING.discard(self)
 
-    def abort(self) -> None:
-        """Error path: drop what is pending (its owner cancels the requests) and end the thread."""
-        with self._cv:
+    def abort(self, timeout: float = ABORT_JOIN) -> bool:
+        """Error path: drop what is pending (its owner cancels the requests) and end the thread; False when it had
+        not ended after `timeout` seconds (blocked on a lock a ^C left held: ABORT_JOIN), and is left behind."""
+        with self._lock:
             self._pending.clear()
             self._stop = True
             self._cv.notify_all()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            return False  # still in _RUNNING: the exit's safety net (mpicomm.shutdown) names it
         _RUNNING.discard(self)
+        return True
 
 
 class HandleTask(Task):

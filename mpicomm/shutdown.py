@@ -52,8 +52,8 @@ def release_all(grace: float = GRACE) -> list[str]:
     said = []
     for thread in progress.running():
         # First: a thread polling requests while they are cancelled, or during MPI_Finalize, crashes.
-        thread.abort()
-        said.append(f"progress thread {thread.name} still running (stopped)")
+        ended = thread.abort()
+        said.append(f"progress thread {thread.name} still running ({'stopped' if ended else 'blocked: left behind'})")
     for owner, (sends, recvs) in sorted(requests.left_posted().items()):
         said.append(f"{owner}: {sends} send(s), {recvs} receive(s) still posted (cancelled)")
     requests.join_late()  # before cancelling: a failed agreement still reads the notices that came late

@@ -13,7 +13,7 @@ class SliceWaits:
 
     def fail(self, error: BaseException) -> None:
         """The progress thread's poll raised: wake every waiter with the error."""
-        with self._cond:
+        with self._lock:
             self.error = error
             self._cond.notify_all()
 
@@ -36,7 +36,7 @@ class SliceWaits:
         return sum(left[t] for t in tensors) <= self.credit
 
     def _wait(self, tensors, policy, interrupt) -> None:
-        done, cond = self.tensor_done, self._cond
+        done, lock, cond = self.tensor_done, self._lock, self._cond
 
         def finished() -> bool:
             if self.error is not None:
@@ -46,7 +46,7 @@ class SliceWaits:
             if not self._urgent and self._nearly_done(tensors):
                 self._urgent = True
                 self.nudge()
-            with cond:  # woken at each completion; the timeout lets wait_until keep the deadline
+            with lock:  # woken at each completion; the timeout lets wait_until keep the deadline
                 if not all(done[t] for t in tensors) and self.error is None:
                     cond.wait(0.05)
             return False

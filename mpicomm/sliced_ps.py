@@ -117,7 +117,10 @@ class SlicedExchange(SliceWaits, Task):
         self.tensor_done = self._nothing_to_send.copy()  # per tensor: holds the average of this step
         self.slice_priority = list(range(plan.count))
         self.set_priorities(list(range(len(segments))))
-        self._cond = threading.Condition()
+        # Entered as the lock itself, never through the Condition: a ^C in Condition.__enter__ can leave it held
+        # by the training thread for ever (mpicomm.progress.ABORT_JOIN), and the progress thread blocked on it.
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._inbox: collections.deque = collections.deque()  # tensors handed over, not yet seen by the poller
         self.active = False
         self.holding = False  # set and cleared by the owner's thread: _send_from_queue then sends nothing new
@@ -197,7 +200,7 @@ class SlicedExchange(SliceWaits, Task):
             self._send_from_queue()
         if self._left == 0 and not self._active:
             self.log.release()
-            with self._cond:
+            with self._lock:
                 self.active = False
                 self._cond.notify_all()
             return True
@@ -346,7 +349,7 @@ class SlicedExchange(SliceWaits, Task):
         if self.on_done is not None:
             self.on_done(s, finished)
         if finished:
-            with self._cond:
+            with self._lock:
                 for t in finished:
                     self.tensor_done[t] = True
                 self._cond.notify_all()
@@ -356,7 +359,7 @@ class SlicedExchange(SliceWaits, Task):
         self.log.cancel()
         self._aborted = True
         self._reqs, self._what, self._outgoing, self._active = [], [], 0, 0
-        with self._cond:
+        with self._lock:
             self.active = False
             self._cond.notify_all()
 

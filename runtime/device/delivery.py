@@ -27,12 +27,13 @@ class Delivery:
         self._stopped = False  # stop(): what is queued is skipped
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0
-        self._idle = threading.Condition()
+        self._lock = threading.RLock()  # entered itself, never through the Condition (mpicomm.progress.ABORT_JOIN)
+        self._idle = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="mpitrain-staging", daemon=True)
         self._thread.start()
 
     def put(self, i: int, copy) -> None:
-        with self._idle:
+        with self._lock:
             self._pending += 1
         self._queue.put((i, copy))
 
@@ -56,12 +57,12 @@ class Delivery:
             except BaseException as exc:  # raised on the main thread by drain()
                 self.error = self.error or exc
             finally:
-                with self._idle:
+                with self._lock:
                     self._pending -= 1
                     self._idle.notify_all()
 
     def drain(self) -> None:
-        with self._idle:
+        with self._lock:
             while self._pending:
                 self._idle.wait(0.05)
                 if self._pending:

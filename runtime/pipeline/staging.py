@@ -31,7 +31,7 @@ from collections import deque
 import torch
 from mpi4py import MPI
 
-from mpicomm.progress import LOST_WAKEUP
+from mpicomm.progress import ABORT_JOIN, LOST_WAKEUP
 from mpicomm.stall import wait_until
 
 from .transport import TAG_ACTIVATION, TAG_GRADIENT, PipelineShapeError, StageLink, _bytes, describe
@@ -149,13 +149,14 @@ class Poster:
         self.queue: deque[_Slot] = deque()  # copies queued, Isend not posted yet (in the order sent)
         self._posted: list[_Slot] = []  # posted since the link last took them
         self.error: BaseException | None = None
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()  # entered itself, never through the Condition (mpicomm.progress.ABORT_JOIN)
+        self._cv = threading.Condition(self._lock)
         self._stop = self._abort = False
         self._thread = threading.Thread(target=self._run, name=f"pipeline stage {link.stage} sends", daemon=True)
         self._thread.start()
 
     def put(self, slot: _Slot) -> None:
-        with self._cv:
+        with self._lock:
             self.queue.append(slot)
             self._cv.notify()
 
@@ -165,14 +166,14 @@ class Poster:
             if link.device.type == "cuda":
                 torch.cuda.set_device(link.device)  # this thread's CUDA calls on the stage's GPU, not GPU 0
             while True:
-                with self._cv:
+                with self._lock:
                     while not self.queue and not self._stop:
                         self._cv.wait(LOST_WAKEUP)  # timed: see mpicomm.progress.LOST_WAKEUP
                     if self._abort or not self.queue:
                         return
                     slot = self.queue[0]
                 slot.done.synchronize()  # one stream: copies complete in order
-                with self._cv:
+                with self._lock:
                     if self._abort:
                         return
                     slot.request = link.log.isend(link.comm, _bytes(slot.host), slot.dest, slot.tag)
@@ -183,7 +184,7 @@ class Poster:
 
     def take(self) -> list[_Slot]:
         """The slots posted since the last call; raises what stopped the thread, if anything did."""
-        with self._cv:
+        with self._lock:
             out, self._posted = self._posted, []
         if self.error is not None:
             raise self.error
@@ -191,10 +192,10 @@ class Poster:
 
     def stop(self, abort: bool = False) -> None:
         """End the thread: after posting what is queued, or at once (abort: the link cancels its requests)."""
-        with self._cv:
+        with self._lock:
             self._stop, self._abort = True, abort
             self._cv.notify_all()
-        self._thread.join()
+        self._thread.join(ABORT_JOIN if abort else None)  # the error path does not wait for a stuck thread
 
 
 class StagedLink(StageLink):
