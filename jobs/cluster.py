@@ -141,4 +141,6 @@ def _verify(cluster, verify, format_rows) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mpicomm.quick_exit import exit_with
+
+    exit_with(main)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from dataclasses import asdict
 
 from jobs.common.choices import HYBCOMM_FORCE as FORCE
@@ -129,4 +128,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mpicomm.quick_exit import exit_with
+
+    exit_with(main)

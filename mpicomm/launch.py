@@ -8,6 +8,8 @@ import sys
 import traceback
 from typing import Callable, NoReturn
 
+from . import quick_exit
+
 FAKE_SSH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launcher", "fake-ssh")
 
 
@@ -38,11 +40,15 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     before the job ends; otherwise MPI_COMM_WORLD is aborted, as `python -m mpi4py` does for
     scripts. SystemExit passes through: a job that
     exits with a status chose it on every rank. Without MPI started, or on one rank, the exception
-    propagates as usual.
+    propagates as usual. Called by the process's main program, the exit skips the interpreter's teardown
+    (mpicomm.quick_exit).
     """
+    quick = quick_exit.wanted(sys._getframe(1))
     try:
         status = main()
-    except SystemExit:
+    except SystemExit as exc:
+        if quick:
+            quick_exit.leave(exc.code)
         raise
     except BaseException:  # KeyboardInterrupt too: one rank interrupted leaves the others waiting as well
         MPI = sys.modules.get("mpi4py.MPI")
@@ -58,4 +64,6 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(failstop.INTERRUPTED if interrupt else 1)
+    if quick:
+        quick_exit.leave(status)
     sys.exit(status)

@@ -1,8 +1,8 @@
 """`python -m jobs.bench`: the strategy benchmark (jobs.bench.strategies), as before the benchmarks had a room."""
 
-import sys
-
 from jobs.bench.strategies import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mpicomm.quick_exit import exit_with
+
+    exit_with(main)

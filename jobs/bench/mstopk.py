@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import time
 
 from jobs.common.inputs import InputError, JobParser, at_least, check_fraction, comma_list, output_file, parse
@@ -237,4 +236,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mpicomm.quick_exit import exit_with
+
+    exit_with(main)

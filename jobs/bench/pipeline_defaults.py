@@ -212,4 +212,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mpicomm.quick_exit import exit_with
+
+    exit_with(main)

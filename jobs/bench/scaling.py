@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import textwrap
 
 from jobs.bench import strategies as bench
@@ -234,4 +233,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mpicomm.quick_exit import exit_with
+
+    exit_with(main)

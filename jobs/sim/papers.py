@@ -191,4 +191,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from mpicomm.quick_exit import exit_with
+
+    exit_with(main)
