@@ -56,8 +56,8 @@ def leave(status=None) -> NoReturn:
     agreement at exit, mpicomm.shutdown's safety net, logging's flush; then MPI_Finalize, which mpi4py leaves to
     the interpreter's teardown), and then end the process without that teardown: tearing down torch's thousands
     of modules and objects took ~1 CPU-s a process here, 1.7 s of every 4-rank job on 2 cores. An HDF5 file
-    still open is closed only by that teardown (the C library's own exit handler flushes it): then, and when
-    `status` is an exception to propagate, the normal exit runs instead."""
+    still open is closed only by that teardown (the C library's own exit handler flushes it): then the normal
+    exit runs instead."""
     code = _code(status)
     me = threading.current_thread()
     for thread in threading.enumerate():
