@@ -104,7 +104,7 @@ class DistributedOptimizer:
         self._sent = [False] * n
         self.deferred = DeferredUpdates(self._wait, self.updater, self.buffers, timeline,
                                         getattr(self.strategy, "averaged", None), self.strategy.landing)
-        self._open = False  # a backward pass of the current step has run
+        self._open = self._zeroed_open = False  # a backward pass of the current step has run; zero_grad() since
         self._synchronized = False  # synchronize() averaged this step's gradients already
         self._no_sync, self._update_mask = False, None
         self._owed_early = False  # the step's updates owed before its agreement was in (runtime.stepping)
@@ -190,9 +190,7 @@ class DistributedOptimizer:
         if self._no_sync or self._passes[i] < self.bpps:
             return
         if self._sent[i]:
-            raise RuntimeError(f"the gradient of {self.names[i]} became ready {self._passes[i]} times in one step: "
-                               f"call step() after every {self.bpps} backward pass(es), or accumulate with "
-                               "no_sync() / backward_passes_per_step")
+            raise stepping.ready_twice(self, i)
         if self.model_buffers.carrier is not None and not self.model_buffers.handed:
             with self._failing():  # the forward passes of the step are over: first on the link, ahead of gradients
                 self.model_buffers.hand_over()
@@ -257,6 +255,7 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (they are views of the strategy's buffers; set_to_none is not honoured)."""
         self._usable()
+        self._zeroed_open |= self._open  # what a backward sent is dropped: a GAN's other loss (stepping.ready_twice)
         if self.check.ready():  # a deferred step's agreement, in already: the buffers' average can start now
             stepping.settle(self)
         with device_work("zero_grad", lambda model: model.memset_s(4 * self.buffers.numel)):  # a GPU's memset

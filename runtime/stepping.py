@@ -31,7 +31,7 @@ from mpicomm.step_check import EXCHANGE, ReportedProblem, digest
 from .trace import span_of
 from .updates import describe_hyper, hyperparameters
 
-__all__ = ["exchange", "finish_round", "settle", "update"]
+__all__ = ["exchange", "finish_round", "ready_twice", "settle", "update"]
 
 
 def exchange(dopt, full: bool) -> None:
@@ -95,11 +95,24 @@ def exchange(dopt, full: bool) -> None:
     dopt._owed_early = early
     if early:
         dopt.deferred.owe(np.ones(len(dopt.params), dtype=bool), hyper)
-    dopt._open = False
+    dopt._open = dopt._zeroed_open = False
     dopt._used[:] = False
     dopt._passes = [0] * len(dopt.params)
     dopt._sent = [False] * len(dopt.params)
     dopt._hyper = hyper
+
+
+def ready_twice(dopt, i: int) -> RuntimeError:
+    """The error for a parameter whose gradient was handed to the strategy already this step. After a zero_grad()
+    it is most likely a backward for another optimizer's loss through this model (a GAN's generator step through
+    its discriminator, DCGAN's loop): this optimizer started averaging that gradient, which the loop then dropped."""
+    said = (f"the gradient of {dopt.names[i]} became ready {dopt._passes[i]} times in one step: call step() after "
+            f"every {dopt.bpps} backward pass(es), or accumulate with no_sync() / backward_passes_per_step")
+    if dopt._zeroed_open:
+        said += ("; zero_grad() dropped a gradient of this step that was being averaged already: a backward for "
+                 "another optimizer's loss through this model (a GAN's generator step through its discriminator) "
+                 "belongs under this optimizer's no_sync(), which keeps it local")
+    return RuntimeError(said)
 
 
 def finish_round(dopt):
