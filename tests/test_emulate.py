@@ -177,6 +177,14 @@ def test_a_single_layer_is_refused_with_what_to_pass_instead():
     assert model._emulation is not None
 
 
+def test_one_tensor_is_the_models_one_input_not_its_rows():
+    """emulate(model, dev, x): x is the one argument, as torch.jit.trace takes it (its 32 rows, as a tuple, were 32
+    arguments: "forward() takes 2 positional arguments but 33 were given")."""
+    model, x = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)), torch.randn(32, 20)
+    emulate(model, "v100", x)
+    assert model(x).shape == (32, 4)
+
+
 def test_twice_is_refused():
     model = build_model("mlp")
     inputs, _ = model_input("mlp", 2)

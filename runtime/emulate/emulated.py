@@ -302,7 +302,8 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
             times: list[tuple[float, float]] | None = None) -> nn.Module:
     """The same model (same modules, parameters, buffers, dtypes), emulated in place: returns it.
 
-    inputs: an example of what the model is called with (its shapes are traced on the meta device).
+    inputs: an example of what the model is called with, a tuple of its arguments or one tensor (its shapes are
+    traced on the meta device).
     Each unit's forward waits its modelled time on this process's accelerator (runtime.emulate.accelerator)
     and returns a tensor of the true shape that holds no memory; backward waits its time, fires the
     gradient hooks in the true order and hands each parameter a fixed gradient of the true size.
@@ -313,7 +314,7 @@ def emulate(model: nn.Module, compute: ComputeModel | str, inputs: tuple, scale:
     acc = activate(active() or Accelerator(cm, scale))
     if acc.model is not cm and acc.model.label != cm.label:
         raise EmulationError(f"this process emulates {acc.model.label} already, not {cm.label}")
-    inputs = tuple(inputs)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)  # a tensor's rows are not arguments
     tr = trace(model, inputs)
     times = cm.unit_times(tr) if times is None else list(times)
     if len(times) != len(tr.calls):
