@@ -46,7 +46,7 @@ def flat(*modules):
     return torch.cat([p.detach().reshape(-1) for m in modules for p in m.parameters()])
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "hybcomm"])
+@pytest.mark.parametrize("strategy", ["allreduce", "wfbp", "p3", "hybcomm", "p3+pto"])
 def test_the_generators_backward_under_the_discriminators_no_sync_trains_as_one_process(world, strategy):
     P, r = world.Get_size(), world.Get_rank()
     batches = data(P)
@@ -57,8 +57,9 @@ def test_the_generators_backward_under_the_discriminators_no_sync_trains_as_one_
     want = flat(G, D)
 
     G, D = models()
-    og = DistributedOptimizer(torch.optim.SGD(G.parameters(), lr=0.1, momentum=0.9), G, strategy)
-    od = DistributedOptimizer(torch.optim.SGD(D.parameters(), lr=0.1, momentum=0.9), D, strategy)
+    base, _, pto = strategy.partition("+")
+    og = DistributedOptimizer(torch.optim.SGD(G.parameters(), lr=0.1, momentum=0.9), G, base, pto=bool(pto))
+    od = DistributedOptimizer(torch.optim.SGD(D.parameters(), lr=0.1, momentum=0.9), D, base, pto=bool(pto))
     mine = [(real[r * BATCH:(r + 1) * BATCH], z[r * BATCH:(r + 1) * BATCH]) for real, z in batches]
     train(G, D, og, od, mine, keep_local=od.no_sync)
     og.close()
