@@ -100,11 +100,31 @@ def test_an_hdf5_file_left_open_is_written_whole_by_the_normal_exit(tmp_path):
         assert f["x"].shape == (100_000,) and int(f["x"][-1]) == 99_999
 
 
-def test_ranks_of_an_mpi_job_finalize_and_agree_at_exit(tmp_path):
-    """Two ranks of a run_main job (`mpitrain topology`): MPI_Finalize, which mpi4py leaves to the teardown, runs,
-    and fail-stop's agreement at exit too (a rank that skipped them would leave mpiexec reporting an error)."""
+def test_an_mpi_jobs_ranks_end_cleanly_every_time(tmp_path):
+    """MPI_Finalize, which mpi4py leaves to the teardown, runs, and the process ends through the C library's exit():
+    ended by os._exit after MPI_Finalize, 13 of 30 4-rank jobs of this program ended with hydra's "BAD TERMINATION"
+    (a rank killed, exit code 9). Ten jobs: a clean end every time."""
+    (tmp_path / "job.py").write_text(textwrap.dedent("""
+        from mpi4py import MPI
+        from mpicomm.quick_exit import exit_with
+
+        def main():
+            MPI.COMM_WORLD.Barrier()
+            return 0
+
+        if __name__ == "__main__":
+            exit_with(main)
+    """))
+    for run in range(10):
+        proc = subprocess.run([mpiexec(), "-n", "4", sys.executable, "job.py"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert proc.returncode == 0, f"job {run + 1}: status {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+
+
+def test_ranks_of_a_job_agree_at_exit(tmp_path):
+    """Two ranks of a run_main job (`mpitrain topology`): fail-stop's agreement at exit runs too."""
     out = tmp_path / "t.json"
     proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, "-m", "jobs.topology", "--json", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and out.exists(), proc.stdout + proc.stderr
-    assert "error" not in proc.stderr.lower() and "finalize" not in proc.stderr.lower(), proc.stderr
+    assert "error" not in proc.stderr.lower(), proc.stderr
