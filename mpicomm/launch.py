@@ -43,12 +43,14 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
     propagates as usual. Called by the process's main program, the exit skips the interpreter's teardown
     (mpicomm.quick_exit).
     """
-    quick = quick_exit.wanted(sys._getframe(1))
+    quick_exit.exit_with(lambda: _stopping_the_job(main), sys._getframe(1))
+
+
+def _stopping_the_job(main: Callable[[], int | None]) -> int | None:
+    """main()'s status; its exception stops every rank (run_main)."""
     try:
-        status = main()
-    except SystemExit as exc:
-        if quick:
-            quick_exit.leave(exc.code)
+        return main()
+    except SystemExit:
         raise
     except BaseException:  # KeyboardInterrupt too: one rank interrupted leaves the others waiting as well
         MPI = sys.modules.get("mpi4py.MPI")
@@ -64,6 +66,3 @@ def run_main(main: Callable[[], int | None]) -> NoReturn:
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in lines))
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(failstop.INTERRUPTED if interrupt else 1)
-    if quick:
-        quick_exit.leave(status)
-    sys.exit(status)

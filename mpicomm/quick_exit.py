@@ -81,9 +81,10 @@ def leave(status=None) -> NoReturn:
     ctypes.PyDLL(None).exit(code)
 
 
-def exit_with(main: Callable[[], int | None]) -> NoReturn:
-    """`sys.exit(main())` for a job's `if __name__ == "__main__":` block, leaving quickly where `wanted`."""
-    quick = wanted(sys._getframe(1))
+def exit_with(main: Callable[[], int | None], frame=None) -> NoReturn:
+    """`sys.exit(main())` for a job's `if __name__ == "__main__":` block, leaving quickly where `wanted` (of
+    `frame`, the module code's: the caller's by default)."""
+    quick = wanted(frame or sys._getframe(1))
     try:
         status = main()
     except SystemExit as exc:
